@@ -1,0 +1,5 @@
+"""`python -m sbpbench` is the `sbp` command."""
+
+from .cli import main
+
+main()

@@ -1,0 +1,18 @@
+"""Exact StreamBP (Luo et al., arXiv 2506.03077) for HuggingFace causal LMs.
+
+A training loop calls `stream_backward(model, input_ids, labels, ...)` instead of
+`model(..., labels=labels).loss.backward()`: same loss, same gradients, without full-sequence
+logits or a whole layer's intermediates in memory. Imports torch and transformers only.
+"""
+
+from .adapters import SUPPORTED_MODEL_TYPES, UnsupportedModelError, supported_families
+from .stream import DEFAULT_CHUNK_SIZE, DEFAULT_LOGITS_CHUNK_SIZE, stream_backward
+
+__all__ = [
+    "DEFAULT_CHUNK_SIZE",
+    "DEFAULT_LOGITS_CHUNK_SIZE",
+    "SUPPORTED_MODEL_TYPES",
+    "UnsupportedModelError",
+    "stream_backward",
+    "supported_families",
+]

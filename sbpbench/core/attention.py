@@ -1,0 +1,197 @@
+"""The attention function StreamBP registers with transformers, and offset-causal attention.
+
+Every supported decoder layer calls a pluggable attention function with post-norm, post-RoPE,
+pre-GQA-repeat q/k/v (transformers' `AttentionInterface`). StreamBP registers one under
+`ATTENTION_NAME` and tells it, through an extra keyword argument that the decoder layer forwards
+unchanged (`STATE_KWARG`), which of three jobs it does for this call:
+
+- `ForwardState`: the checkpoint pass over the whole sequence (no autograd graph);
+- `KVCapture`: store the chunk's keys/values into whole-sequence buffers, then stop the layer;
+- `ChunkState`: attention of a chunk's queries over the buffered prefix keys/values (leaves that
+  collect gradient) concatenated with the chunk's own keys/values (which stay in the graph).
+
+transformers' own `sdpa_attention_forward` cannot be reused: with no mask, `is_causal` and more
+keys than queries it silently cuts the keys to the query length (DESIGN.md, pitfalls).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+from transformers import AttentionInterface
+
+ATTENTION_NAME = "sbp_stream"  # must not contain "flash": transformers treats such names as hub kernels
+STATE_KWARG = "sbp_stream_state"
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+class KVCaptured(Exception):
+    """Raised by the attention function once a chunk's keys/values are stored: the rest of the
+    layer (o_proj, MLP) is not needed to build the K/V buffers, so it is skipped."""
+
+
+@dataclass
+class ForwardState:
+    """Whole-sequence forward; sliding-window layers are computed `chunk_size` queries at a time."""
+
+    chunk_size: int
+
+
+@dataclass
+class KVCapture:
+    """Collects one layer's keys/values for all positions, chunk by chunk."""
+
+    seq_len: int
+    start: int = 0
+    keys: torch.Tensor | None = None  # (B, kv_heads, T, head_dim), allocated on the first chunk
+    values: torch.Tensor | None = None
+    sliding_window: int | None = None
+
+    def store(self, key: torch.Tensor, value: torch.Tensor, sliding_window: int | None) -> None:
+        if self.keys is None:
+            batch, kv_heads, _, head_dim = key.shape
+            self.keys = key.new_empty(batch, kv_heads, self.seq_len, head_dim)
+            self.values = value.new_empty(batch, kv_heads, self.seq_len, value.shape[-1])
+        end = self.start + key.shape[2]
+        self.keys[:, :, self.start : end] = key
+        self.values[:, :, self.start : end] = value
+        self.sliding_window = sliding_window
+
+
+@dataclass
+class ChunkState:
+    """Queries of positions [start, start + c) attend to keys [prefix_start, start + c)."""
+
+    start: int
+    prefix_start: int
+    key_prefix: torch.Tensor | None  # leaf (B, kv_heads, start - prefix_start, head_dim)
+    value_prefix: torch.Tensor | None
+    key_chunk: torch.Tensor | None = None  # set by the call: the chunk's own keys, in the graph
+    value_chunk: torch.Tensor | None = None
+
+
+def _cuda_kernels(tensor: torch.Tensor) -> bool:
+    """Whether SDPA will run CUDA kernels (a function so tests can take the CUDA branch on a CPU)."""
+    return tensor.device.type == "cuda"
+
+
+def offset_causal_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    query_start: int,
+    key_start: int,
+    scale: float | None,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Causal attention of queries at absolute positions [query_start, query_start + c) over keys at
+    [key_start, query_start + c). query (B, H, c, hd); key/value (B, kv_heads, n, hd) -> (B, H, c, hd).
+
+    Never builds a (T, T) matrix, nor a float (c, n) one without a window: on CUDA the lower-right
+    causal bias dispatches to the flash / memory-efficient kernels, on CPU a (c, n) boolean mask
+    goes to the CPU flash kernel. A sliding window (HF semantics: attend iff q - k < window) needs
+    a (c, n) band mask (an additive float bias inside CUDA's efficient kernel), and there
+    n <= c + window."""
+    num_queries, num_keys = query.shape[2], key.shape[2]
+    query_end = query_start + num_queries
+    assert key_start + num_keys == query_end, "keys must end where the queries end"
+    needs_window = sliding_window is not None and query_end - 1 - key_start >= sliding_window
+    on_cuda = _cuda_kernels(query)
+    square = num_queries == num_keys
+
+    is_causal, mask = False, None
+    if not needs_window and (square or on_cuda):
+        # Square: plain causal. On CUDA the lower-right causal bias reaches the flash / efficient kernels.
+        is_causal, mask = square, None if square else causal_lower_right(num_queries, num_keys)
+        native_gqa = not on_cuda or query.dtype in _LOW_PRECISION  # CUDA: flash takes GQA, efficient does not
+    else:
+        query_pos = torch.arange(query_start, query_end, device=query.device)[:, None]
+        key_pos = torch.arange(key_start, query_end, device=query.device)[None, :]
+        mask = key_pos <= query_pos  # (c, n) bool
+        if needs_window:
+            mask = mask & (key_pos > query_pos - sliding_window)
+        native_gqa = not on_cuda  # CUDA kernels that take a mask need repeated heads
+    gqa = query.shape[1] != key.shape[1]
+    if gqa and not native_gqa:  # as transformers' sdpa path does (repeat_kv) where the kernel lacks GQA
+        repeats = query.shape[1] // key.shape[1]
+        key = key.repeat_interleave(repeats, dim=1)  # same head order as transformers' repeat_kv
+        value = value.repeat_interleave(repeats, dim=1)
+        gqa = False
+    return F.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa
+    )
+
+
+def _forward_attention(query, key, value, *, scale, sliding_window, chunk_size):
+    seq_len = query.shape[2]
+    if sliding_window is None or seq_len <= sliding_window:
+        return offset_causal_attention(query, key, value, query_start=0, key_start=0, scale=scale, sliding_window=None)
+    outputs = []
+    for start in range(0, seq_len, chunk_size):
+        end = min(start + chunk_size, seq_len)
+        key_start = max(0, start - sliding_window + 1)
+        outputs.append(
+            offset_causal_attention(
+                query[:, :, start:end],
+                key[:, :, key_start:end],
+                value[:, :, key_start:end],
+                query_start=start,
+                key_start=key_start,
+                scale=scale,
+                sliding_window=sliding_window,
+            )
+        )
+    return torch.cat(outputs, dim=2)
+
+
+def stream_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention-interface signature; returns (B, c, H, hd) as the interface expects."""
+    if attention_mask is not None:
+        raise RuntimeError("StreamBP attention got a mask; masks are handled inside StreamBP")
+    if dropout:
+        raise RuntimeError("StreamBP needs attention dropout 0 (dropout would make the re-forward differ)")
+    if softcap is not None:
+        raise RuntimeError("StreamBP does not support attention logit softcapping")
+    state = kwargs.get(STATE_KWARG)
+
+    if isinstance(state, KVCapture):
+        state.store(key, value, sliding_window)
+        raise KVCaptured
+
+    if isinstance(state, ChunkState):
+        state.key_chunk, state.value_chunk = key, value
+        if state.key_prefix is not None:
+            key = torch.cat([state.key_prefix, key], dim=2)  # (B, kv_heads, n, hd)
+            value = torch.cat([state.value_prefix, value], dim=2)
+        out = offset_causal_attention(
+            query,
+            key,
+            value,
+            query_start=state.start,
+            key_start=state.prefix_start,
+            scale=scaling,
+            sliding_window=sliding_window,
+        )
+    else:
+        chunk_size = state.chunk_size if isinstance(state, ForwardState) else query.shape[2]
+        out = _forward_attention(query, key, value, scale=scaling, sliding_window=sliding_window, chunk_size=chunk_size)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTENTION_NAME, stream_attention)

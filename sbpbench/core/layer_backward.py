@@ -1,0 +1,86 @@
+"""Backward through one decoder layer, chunk by chunk along the sequence (DESIGN.md, "The algorithm").
+
+1. Keys/values of all T positions are recomputed from X_l once, without grad, into buffers
+   (B, kv_heads, T, head_dim) - small under GQA.
+2. Chunks run last to first through the layer's own forward: the chunk's queries attend to the
+   buffered prefix (a leaf collecting dK/dV for earlier positions) and to the chunk's own keys and
+   values (in the graph). The backward roots are (output, dZ[chunk]) plus (chunk keys/values,
+   dK/dV accumulated from later chunks). Going last to first makes a chunk's dK/dV complete
+   before it runs, so each position's K/V projections are recomputed once per layer backward,
+   not once per later chunk as in the official code.
+3. dX[chunk] is final once its chunk is done and overwrites dZ[chunk] in place.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .attention import STATE_KWARG, ChunkState, KVCapture, KVCaptured
+from .checkpoints import chunk_kwargs
+from .grad_accum import ChunkGradAccumulator
+
+
+def chunk_bounds(seq_len: int, chunk_size: int) -> list[tuple[int, int]]:
+    return [(start, min(start + chunk_size, seq_len)) for start in range(0, seq_len, chunk_size)]
+
+
+def _capture_keys_values(layer: nn.Module, layer_input: torch.Tensor, kwargs: dict, chunks) -> KVCapture:
+    capture = KVCapture(seq_len=layer_input.shape[1])
+    with torch.no_grad():
+        for start, end in chunks:
+            capture.start = start
+            try:
+                layer(layer_input[:, start:end], **chunk_kwargs(kwargs, start, end), **{STATE_KWARG: capture})
+            except KVCaptured:
+                continue
+            raise RuntimeError(f"{type(layer).__name__} never called its attention function")
+    return capture
+
+
+def layer_backward(
+    layer: nn.Module,
+    layer_input: torch.Tensor,
+    grad: torch.Tensor,
+    kwargs: dict,
+    *,
+    chunk_size: int,
+    need_input_grad: bool,
+    fp32_grad_accumulation: bool,
+) -> None:
+    """layer_input X (B, T, d); grad dZ (B, T, d) is overwritten with dX when need_input_grad.
+    Leaves the layer's parameter gradients in .grad."""
+    seq_len = layer_input.shape[1]
+    chunks = chunk_bounds(seq_len, chunk_size)
+    capture = _capture_keys_values(layer, layer_input, kwargs, chunks)
+    keys, values, window = capture.keys, capture.values, capture.sliding_window
+    acc_dtype = torch.promote_types(keys.dtype, torch.float32)  # dK/dV sum over later chunks
+    grad_keys = torch.zeros_like(keys, dtype=acc_dtype)
+    grad_values = torch.zeros_like(values, dtype=acc_dtype)
+    accumulator = ChunkGradAccumulator(list(layer.parameters()), fp32_grad_accumulation)
+
+    for start, end in reversed(chunks):
+        prefix_start = 0 if window is None else max(0, start - window + 1)
+        key_prefix = value_prefix = None
+        if start > prefix_start:
+            key_prefix = keys[:, :, prefix_start:start].detach().requires_grad_()
+            value_prefix = values[:, :, prefix_start:start].detach().requires_grad_()
+        state = ChunkState(start, prefix_start, key_prefix, value_prefix)
+        chunk_input = layer_input[:, start:end].detach().requires_grad_(need_input_grad)
+        with torch.enable_grad():
+            output = layer(chunk_input, **chunk_kwargs(kwargs, start, end), **{STATE_KWARG: state})
+
+        roots, root_grads = [output], [grad[:, start:end]]
+        if end < seq_len:  # later chunks attended to this chunk's keys/values
+            roots += [state.key_chunk, state.value_chunk]
+            root_grads += [grad_keys[:, :, start:end].to(keys.dtype), grad_values[:, :, start:end].to(values.dtype)]
+        pairs = [(r, g) for r, g in zip(roots, root_grads) if r.requires_grad]
+        if pairs:
+            torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs])
+        if key_prefix is not None and key_prefix.grad is not None:
+            grad_keys[:, :, prefix_start:start] += key_prefix.grad
+            grad_values[:, :, prefix_start:start] += value_prefix.grad
+        if need_input_grad:
+            grad[:, start:end] = chunk_input.grad
+        accumulator.collect()
+    accumulator.finish()

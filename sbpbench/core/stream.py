@@ -1,0 +1,130 @@
+"""`stream_backward`: exact StreamBP for the SFT objective on an unmodified HuggingFace causal LM.
+
+Order of work (B batch, T sequence, d hidden, L layers, V vocabulary):
+  checkpoint pass   the model's forward without a graph; keeps X_0..X_{L-1} and Z_L   (L+1) x B x T x d
+  head              final norm + lm_head + loss in chunks of logits_chunk_size -> dZ_L  B x c x V at a time
+  layers L-1..0     layer_backward in chunks of chunk_size; dZ becomes dX in place      one B x T x d buffer
+  embedding         embed(input_ids).backward(dX_0)
+Each checkpoint is dropped as soon as its layer's backward is done.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from .adapters import DecoderParts, check_no_attention_dropout, resolve_parts, trainable
+from .attention import ATTENTION_NAME
+from .checkpoints import forward_checkpoints
+from .grad_accum import ChunkGradAccumulator
+from .head import sft_head_backward
+from .layer_backward import layer_backward
+from .sft import IGNORE_INDEX, count_targets, shift_labels
+
+DEFAULT_CHUNK_SIZE = 500  # the paper's layer partition for its max-length runs (appendix D)
+DEFAULT_LOGITS_CHUNK_SIZE = 100  # the paper's logits partition
+
+
+def stream_backward(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    logits_chunk_size: int = DEFAULT_LOGITS_CHUNK_SIZE,
+    fp32_grad_accumulation: bool = True,
+) -> torch.Tensor:
+    """Forward + backward of the SFT loss with StreamBP.
+
+    Returns the loss (0-dim, detached) and accumulates into every trainable parameter's .grad what
+    `model(input_ids=..., attention_mask=..., labels=labels).loss.backward()` would, to rounding.
+
+    input_ids, labels: (B, T) int64; labels are -100 where not counted (HF convention, shifted
+    inside). attention_mask: (B, T) of 0/1 with right padding only; padded positions must not be
+    the source of a counted prediction. chunk_size: positions per chunk in the layer backward;
+    logits_chunk_size: positions per chunk in the head. fp32_grad_accumulation: sum per-chunk
+    gradients of bf16/fp16 parameters in fp32 and round once (see grad_accum.py).
+    """
+    _check_sizes(chunk_size, logits_chunk_size)
+    _check_batch(input_ids, labels, attention_mask)
+    parts = resolve_parts(model)
+    check_no_attention_dropout(parts)
+    targets = shift_labels(labels)
+    num_targets = count_targets(targets)
+
+    with _streaming_mode(parts):
+        saved = forward_checkpoints(parts, input_ids, chunk_size)
+        head_grads = ChunkGradAccumulator(trainable(parts.norm) + trainable(parts.lm_head), fp32_grad_accumulation)
+        loss, grad = sft_head_backward(
+            parts, saved.last_hidden, targets, num_targets, chunk_size=logits_chunk_size, accumulator=head_grads
+        )
+        saved.last_hidden = None
+        embed_trainable = bool(trainable(parts.embed))
+        tied = embed_trainable and parts.lm_head.weight is parts.embed.weight
+        if tied:
+            head_grads.round_sums()  # the embedding's gradient joins this sum before it meets .grad
+        else:
+            head_grads.finish()
+        for index in reversed(range(len(parts.layers))):
+            layer_backward(
+                parts.layers[index],
+                saved.layer_inputs[index],
+                grad,
+                saved.layer_kwargs[index],
+                chunk_size=chunk_size,
+                need_input_grad=embed_trainable or index > 0,
+                fp32_grad_accumulation=fp32_grad_accumulation,
+            )
+            saved.layer_inputs[index] = None  # free X_l
+        if embed_trainable:
+            with torch.enable_grad():
+                parts.embed(input_ids).backward(grad)
+        head_grads.finish()  # no-op unless tied
+    return loss
+
+
+def _check_sizes(chunk_size: int, logits_chunk_size: int) -> None:
+    for name, value in (("chunk_size", chunk_size), ("logits_chunk_size", logits_chunk_size)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _check_batch(input_ids, labels, attention_mask) -> None:
+    if input_ids.dim() != 2 or labels.shape != input_ids.shape:
+        raise ValueError(
+            f"input_ids and labels must both be (batch, seq_len); got {tuple(input_ids.shape)} and {tuple(labels.shape)}"
+        )
+    if attention_mask is None:
+        return
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask must be {tuple(input_ids.shape)}, got {tuple(attention_mask.shape)}")
+    mask = attention_mask.bool()
+    if bool((mask[:, 1:] & ~mask[:, :-1]).any()):
+        raise ValueError(
+            "StreamBP supports right padding only (each attention_mask row 1...1 0...0); "
+            "left padding and packed sequences would need a document mask"
+        )
+    # Padded positions attend differently with and without the mask: none may predict a counted label.
+    predicted_from_pad = ~mask[:, :-1] & (labels[:, 1:] != IGNORE_INDEX)
+    if bool(predicted_from_pad.any()):
+        raise ValueError("labels must be -100 after padding starts (a padded position would predict a counted token)")
+
+
+@contextmanager
+def _streaming_mode(parts: DecoderParts):
+    """Switch the model to the StreamBP attention function and plain (non-checkpointed) layers
+    for the duration of the step; restore both exactly, whatever happens."""
+    config = parts.config
+    previous_attention = config._attn_implementation
+    checkpointed = [layer for layer in parts.layers if getattr(layer, "gradient_checkpointing", False)]
+    config._attn_implementation = ATTENTION_NAME
+    for layer in checkpointed:
+        layer.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous_attention
+        for layer in checkpointed:
+            layer.gradient_checkpointing = True

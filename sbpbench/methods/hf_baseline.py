@@ -1,0 +1,73 @@
+"""The paper's baselines: transformers' own forward with full logits and its own loss, with and
+without its gradient checkpointing (non-reentrant, every decoder layer)."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from ..core.sft import token_mean_cross_entropy
+from ..data import SFTBatch
+
+
+def hf_forward_backward(model, batch: SFTBatch) -> torch.Tensor:
+    """`model(..., labels=labels).loss.backward()`, with no KV cache (a training step, as the HF
+    Trainer runs it). transformers computes that loss in float32 even for a float64 model, so a
+    float64 model gets the same formula on its float64 logits."""
+    if model.dtype == torch.float64:
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
+        loss = token_mean_cross_entropy(logits, batch.labels)
+    else:
+        loss = model(
+            input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=batch.labels, use_cache=False
+        ).loss
+    loss.backward()
+    return loss.detach()
+
+
+def _enable_checkpointing(model) -> None:
+    """Non-reentrant checkpointing of every decoder layer. transformers >= 5.20 renamed
+    gradient_checkpointing_* to activation_checkpointing_* (the old names warn); 5.17 has only the old."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def _disable_checkpointing(model) -> None:
+    if hasattr(model, "activation_checkpointing_disable"):
+        model.activation_checkpointing_disable()
+    else:
+        model.gradient_checkpointing_disable()
+
+
+@contextmanager
+def hf_gradient_checkpointing(model):
+    """Enable transformers' gradient checkpointing (training mode, which it requires) and restore
+    the model's previous checkpointing state, input-grad hooks and per-module training flags."""
+    modes = {module: module.training for module in model.modules()}
+    enabled_before = any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+    input_grad_hooks_before = bool(getattr(model, "_require_grads_hooks", None))
+    if not enabled_before:
+        _enable_checkpointing(model)
+    model.train()
+    try:
+        yield
+    finally:
+        if not enabled_before:
+            _disable_checkpointing(model)
+            if not input_grad_hooks_before:  # enabling added a forward hook on the embeddings; disabling keeps it
+                model.disable_input_require_grads()
+        for module, training in modes.items():
+            module.training = training
+
+
+def bp(model, batch: SFTBatch, settings) -> torch.Tensor:
+    return hf_forward_backward(model, batch)
+
+
+def ckpt(model, batch: SFTBatch, settings) -> torch.Tensor:
+    with hf_gradient_checkpointing(model):
+        return hf_forward_backward(model, batch)

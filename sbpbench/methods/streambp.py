@@ -1,0 +1,20 @@
+"""StreamBP from sbpbench.core, behind the common method signature."""
+
+from __future__ import annotations
+
+import torch
+
+from ..core import stream_backward
+from ..data import SFTBatch
+
+
+def streambp(model, batch: SFTBatch, settings) -> torch.Tensor:
+    return stream_backward(
+        model,
+        batch.input_ids,
+        batch.labels,
+        attention_mask=batch.attention_mask,
+        chunk_size=settings.chunk_size,
+        logits_chunk_size=settings.logits_chunk_size,
+        fp32_grad_accumulation=settings.fp32_grad_accumulation,
+    )

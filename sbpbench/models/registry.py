@@ -1,0 +1,106 @@
+"""Named model shapes: real configs (verbatim config.json files from the Hugging Face Hub, shipped
+in configs/) and tiny test shapes of each family derived from them. Building a model from a
+shape gives random weights: memory and time do not depend on weight values."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from functools import cache
+from importlib import resources
+
+# Hub id -> file in configs/ (one per model, copied verbatim from the model repository).
+REAL_MODELS = (
+    "Qwen/Qwen3-0.6B",
+    "Qwen/Qwen3-1.7B",
+    "Qwen/Qwen3-4B",
+    "Qwen/Qwen3-8B",
+    "Qwen/Qwen3-14B",
+    "Qwen/Qwen3-32B",
+    "Qwen/Qwen2.5-7B",
+    "meta-llama/Llama-3.2-1B",
+    "meta-llama/Llama-3.2-3B",
+    "meta-llama/Llama-3.1-8B",
+    "google/gemma-3-1b-pt",
+    "mistralai/Mistral-7B-v0.3",
+)
+
+# Small enough for CPU tests in float64, big enough to have GQA, several heads and two layers.
+# Special-token ids are dropped: the real ones lie outside the tiny vocabulary.
+_TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "vocab_size": 512,
+    "bos_token_id": None,
+    "eos_token_id": None,
+    "pad_token_id": None,
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    base: str  # the real model whose config.json this shape starts from
+    overrides: dict = field(default_factory=dict)
+
+    @property
+    def is_tiny(self) -> bool:
+        return bool(self.overrides)
+
+
+TINY_MODELS = {
+    "tiny/qwen3": ModelSpec("tiny/qwen3", "Qwen/Qwen3-0.6B", {**_TINY, "num_key_value_heads": 2, "head_dim": 16}),
+    "tiny/qwen2": ModelSpec("tiny/qwen2", "Qwen/Qwen2.5-7B", {**_TINY, "num_key_value_heads": 2}),
+    "tiny/llama": ModelSpec(
+        "tiny/llama", "meta-llama/Llama-3.2-1B", {**_TINY, "num_key_value_heads": 1, "head_dim": 16}
+    ),
+    "tiny/mistral": ModelSpec(
+        "tiny/mistral", "mistralai/Mistral-7B-v0.3", {**_TINY, "num_key_value_heads": 4, "head_dim": 16}
+    ),
+    "tiny/gemma3": ModelSpec(
+        "tiny/gemma3",
+        "google/gemma-3-1b-pt",
+        {
+            **_TINY,
+            "num_key_value_heads": 1,
+            "head_dim": 16,
+            "query_pre_attn_scalar": 16,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"],
+        },
+    ),
+}
+
+MODELS: dict[str, ModelSpec] = {name: ModelSpec(name, name) for name in REAL_MODELS} | TINY_MODELS
+
+
+def config_file_name(hub_id: str) -> str:
+    return hub_id.replace("/", "__") + ".json"
+
+
+@cache
+def _real_config_dict(hub_id: str) -> dict:
+    text = resources.files(__package__).joinpath("configs", config_file_name(hub_id)).read_text()
+    return json.loads(text)
+
+
+def get_spec(name: str) -> ModelSpec:
+    try:
+        return MODELS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown model {name!r}; known models: {', '.join(MODELS)} (or a local checkpoint directory)"
+        ) from None
+
+
+def config_dict(name: str, **overrides) -> dict:
+    """The config.json values of a named shape, with overrides applied."""
+    spec = get_spec(name)
+    values = dict(_real_config_dict(spec.base))
+    merged = {**spec.overrides, **overrides}
+    if "num_hidden_layers" in merged and "layer_types" not in merged:
+        values.pop("layer_types", None)  # recomputed by the config class for the new depth
+    values.update(merged)
+    return values

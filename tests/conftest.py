@@ -1,0 +1,37 @@
+"""Shared helpers: tiny models of every supported family and the paper-style batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sbpbench.data import SFTBatch, make_sft_batch
+from sbpbench.models import build_model
+
+FAMILIES = ("tiny/qwen3", "tiny/qwen2", "tiny/llama", "tiny/mistral", "tiny/gemma3")
+
+
+def tiny_model(name: str, dtype=torch.float64, seed: int = 0, **overrides):
+    return build_model(name, dtype=dtype, seed=seed, **overrides)
+
+
+def padded_batch(model, *, batch_size: int, seq_len: int, lengths=None, seed: int = 0) -> SFTBatch:
+    """Random ids; lengths: real tokens per row (right padding after), None for no padding, or
+    "paper" for the paper's random padding."""
+    paper = isinstance(lengths, str) and lengths == "paper"
+    batch = make_sft_batch(
+        batch_size=batch_size, seq_len=seq_len, vocab_size=model.config.vocab_size, seed=seed, padding=paper
+    )
+    if paper or lengths is None:
+        return batch
+    mask = (torch.arange(seq_len)[None, :] < torch.tensor(lengths)[:, None]).long()
+    return SFTBatch(batch.input_ids, mask, batch.input_ids.masked_fill(mask == 0, -100))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

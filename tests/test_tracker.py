@@ -1,0 +1,50 @@
+"""The live-tensor tracker counts what is allocated and alive, once per storage."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sbpbench.measure.tensor_tracker import LiveTensorTracker
+
+
+def test_counts_new_storages_and_their_release():
+    """New storages count, views do not, freed storages are uncounted, the peak stays."""
+    with LiveTensorTracker() as tracker:
+        a = torch.empty(1000)  # 4000 B
+        view = a.view(10, 100)
+        b = a * 2  # 4000 B
+        assert tracker.live_bytes == 8000
+        del b
+        assert tracker.live_bytes == 4000
+        del a, view
+        assert tracker.live_bytes == 0
+    assert tracker.peak_bytes == 8000
+    assert tracker.largest.numel == 1000
+
+
+def test_preexisting_tensors_and_inplace_ops_are_not_counted():
+    """Weights made before tracking, and in-place updates of them, add nothing."""
+    weight = torch.ones(256)
+    with LiveTensorTracker() as tracker:
+        weight.add_(1.0)
+        weight.mul_(2.0)
+    assert tracker.peak_bytes == 0
+
+
+def test_backward_allocations_are_seen():
+    """Autograd's backward runs through the tracker: a fresh .grad is counted."""
+    x = torch.randn(1000, requires_grad=True)
+    with LiveTensorTracker() as tracker:
+        (x * x).sum().backward()
+        assert tracker.live_bytes >= 4000  # x.grad stays alive
+
+
+def test_granularity_rounds_each_storage_up():
+    """With 512-byte granularity a 4-byte tensor counts as 512 bytes, like the CUDA allocator."""
+    with LiveTensorTracker(granularity_bytes=512) as tracker:
+        keep = torch.zeros(1)
+        assert tracker.live_bytes == 512
+    del keep
+    with pytest.raises(ValueError):
+        LiveTensorTracker(granularity_bytes=0)
