@@ -36,3 +36,16 @@ def test_streambp_activation_peak_is_a_fraction_of_ckpt():
     assert stream.largest.numel < SEQ_LEN * SEQ_LEN, stream.largest
     assert stream.largest.numel < SEQ_LEN * VOCAB, stream.largest
     assert ckpt.largest.numel >= SEQ_LEN * VOCAB // 2  # the tracker does see full logits when they exist
+
+
+def test_no_whole_sequence_layer_intermediate():
+    """Forward and backward run each layer in chunks: no tensor of T x intermediate_size elements
+    (the MLP's hidden activations over the whole sequence) is ever allocated, unlike in ckpt."""
+    seq_len, intermediate, chunk = 2048, 1024, 256
+    model = tiny_model("tiny/qwen3", torch.float32, intermediate_size=intermediate)
+    batch = padded_batch(model, batch_size=1, seq_len=seq_len, lengths="paper")
+    settings = MethodSettings(chunk_size=chunk, logits_chunk_size=chunk)
+    stream = _tracked_step(model, batch, "streambp", settings)
+    ckpt = _tracked_step(model, batch, "ckpt", settings)
+    assert stream.largest.numel < seq_len * intermediate, stream.largest
+    assert ckpt.largest.numel >= seq_len * intermediate, ckpt.largest

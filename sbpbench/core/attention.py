@@ -5,8 +5,10 @@ pre-GQA-repeat q/k/v (transformers' `AttentionInterface`). StreamBP registers on
 `ATTENTION_NAME` and tells it, through an extra keyword argument that the decoder layer forwards
 unchanged (`STATE_KWARG`), which of three jobs it does for this call:
 
-- `ForwardState`: the checkpoint pass over the whole sequence (no autograd graph);
-- `KVCapture`: store the chunk's keys/values into whole-sequence buffers, then stop the layer;
+- `KVBuffer(attend=True)`: the checkpoint pass, chunk by chunk (no autograd graph): store the
+  chunk's keys/values and attend over the buffered prefix;
+- `KVBuffer(attend=False)`: store the chunk's keys/values into whole-sequence buffers, then stop
+  the layer;
 - `ChunkState`: attention of a chunk's queries over the buffered prefix keys/values (leaves that
   collect gradient) concatenated with the chunk's own keys/values (which stay in the graph).
 
@@ -35,23 +37,22 @@ class KVCaptured(Exception):
 
 
 @dataclass
-class ForwardState:
-    """Whole-sequence forward; sliding-window layers are computed `chunk_size` queries at a time."""
+class KVBuffer:
+    """One layer's keys/values for all T positions, filled chunk by chunk, first to last.
 
-    chunk_size: int
-
-
-@dataclass
-class KVCapture:
-    """Collects one layer's keys/values for all positions, chunk by chunk."""
+    attend=False (backward, step 1): store the chunk's keys/values, then stop the layer.
+    attend=True (checkpoint pass): store them, then attend the chunk's queries over the buffered
+    prefix and the chunk itself, so the forward never holds more than one chunk's intermediates."""
 
     seq_len: int
-    start: int = 0
+    attend: bool
+    start: int = 0  # first position of the chunk being processed
     keys: torch.Tensor | None = None  # (B, kv_heads, T, head_dim), allocated on the first chunk
     values: torch.Tensor | None = None
     sliding_window: int | None = None
 
-    def store(self, key: torch.Tensor, value: torch.Tensor, sliding_window: int | None) -> None:
+    def store(self, key: torch.Tensor, value: torch.Tensor, sliding_window: int | None) -> int:
+        """Write the chunk's (B, kv_heads, c, head_dim) keys/values; return the chunk's end."""
         if self.keys is None:
             batch, kv_heads, _, head_dim = key.shape
             self.keys = key.new_empty(batch, kv_heads, self.seq_len, head_dim)
@@ -60,6 +61,12 @@ class KVCapture:
         self.keys[:, :, self.start : end] = key
         self.values[:, :, self.start : end] = value
         self.sliding_window = sliding_window
+        return end
+
+
+def window_start(start: int, sliding_window: int | None) -> int:
+    """First key position that a query at `start` sees (HF: attend iff q - k < window)."""
+    return 0 if sliding_window is None else max(0, start - sliding_window + 1)
 
 
 @dataclass
@@ -127,28 +134,6 @@ def offset_causal_attention(
     )
 
 
-def _forward_attention(query, key, value, *, scale, sliding_window, chunk_size):
-    seq_len = query.shape[2]
-    if sliding_window is None or seq_len <= sliding_window:
-        return offset_causal_attention(query, key, value, query_start=0, key_start=0, scale=scale, sliding_window=None)
-    outputs = []
-    for start in range(0, seq_len, chunk_size):
-        end = min(start + chunk_size, seq_len)
-        key_start = max(0, start - sliding_window + 1)
-        outputs.append(
-            offset_causal_attention(
-                query[:, :, start:end],
-                key[:, :, key_start:end],
-                value[:, :, key_start:end],
-                query_start=start,
-                key_start=key_start,
-                scale=scale,
-                sliding_window=sliding_window,
-            )
-        )
-    return torch.cat(outputs, dim=2)
-
-
 def stream_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -170,11 +155,21 @@ def stream_attention(
         raise RuntimeError("StreamBP does not support attention logit softcapping")
     state = kwargs.get(STATE_KWARG)
 
-    if isinstance(state, KVCapture):
-        state.store(key, value, sliding_window)
-        raise KVCaptured
-
-    if isinstance(state, ChunkState):
+    if isinstance(state, KVBuffer):
+        end = state.store(key, value, sliding_window)
+        if not state.attend:
+            raise KVCaptured
+        key_start = window_start(state.start, sliding_window)
+        out = offset_causal_attention(
+            query,
+            state.keys[:, :, key_start:end],
+            state.values[:, :, key_start:end],
+            query_start=state.start,
+            key_start=key_start,
+            scale=scaling,
+            sliding_window=sliding_window,
+        )
+    elif isinstance(state, ChunkState):
         state.key_chunk, state.value_chunk = key, value
         if state.key_prefix is not None:
             key = torch.cat([state.key_prefix, key], dim=2)  # (B, kv_heads, n, hd)
@@ -189,8 +184,7 @@ def stream_attention(
             sliding_window=sliding_window,
         )
     else:
-        chunk_size = state.chunk_size if isinstance(state, ForwardState) else query.shape[2]
-        out = _forward_attention(query, key, value, scale=scaling, sliding_window=sliding_window, chunk_size=chunk_size)
+        raise TypeError(f"the {ATTENTION_NAME!r} attention function needs a StreamBP state ({STATE_KWARG}=...)")
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -1,20 +1,25 @@
 """The checkpoint pass: the model's own forward without an autograd graph, keeping each decoder
 layer's input X_l (B, T, d) and the keyword arguments the model passed to it.
 
-Forward pre-hooks record what every layer received (its hidden states, position embeddings,
-position ids, ...) and add the StreamBP attention state, so the re-forward of a chunk later calls
-the same layer with the same arguments, sliced to the chunk's positions. Nothing family-specific:
-Gemma-3's per-layer-type RoPE or embedding scale are whatever the model itself computed.
+The decoder runs as usual (its embedding, Gemma-3's per-layer-type RoPE, everything model
+specific stays the model's), but while it runs each layer's `forward` is wrapped, on the
+instance and only for the duration of the pass, so that the layer runs `chunk_size` positions
+at a time through its own code, attending over a key/value buffer of the positions before
+(`KVBuffer(attend=True)`). The forward therefore never holds a whole-sequence MLP intermediate
+(B x T x intermediate_size: several GiB at 100k tokens), only one chunk's. The recorded arguments
+let the backward call the same layer the same way, sliced to a chunk's positions.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from .adapters import DecoderParts
-from .attention import STATE_KWARG, ForwardState
+from .attention import STATE_KWARG, KVBuffer
 
 
 @dataclass
@@ -24,35 +29,61 @@ class Checkpoints:
     last_hidden: torch.Tensor | None = None  # last layer output, input of the final norm
 
 
+def chunk_bounds(seq_len: int, chunk_size: int) -> list[tuple[int, int]]:
+    return [(start, min(start + chunk_size, seq_len)) for start in range(0, seq_len, chunk_size)]
+
+
 def forward_checkpoints(parts: DecoderParts, input_ids: torch.Tensor, chunk_size: int) -> Checkpoints:
     num_layers = len(parts.layers)
     saved = Checkpoints(layer_inputs=[None] * num_layers, layer_kwargs=[{}] * num_layers)
-    forward_state = ForwardState(chunk_size=chunk_size)
-
-    def layer_hook(index):
-        def hook(module, args, kwargs):
-            kwargs = dict(kwargs)
-            hidden = args[0] if args else kwargs.pop("hidden_states")
-            saved.layer_inputs[index] = hidden
-            saved.layer_kwargs[index] = kwargs
-            return (hidden, *args[1:]), {**kwargs, STATE_KWARG: forward_state}
-
-        return hook
 
     def norm_hook(module, args):
         saved.last_hidden = args[0]
 
-    handles = [layer.register_forward_pre_hook(layer_hook(i), with_kwargs=True) for i, layer in enumerate(parts.layers)]
-    handles.append(parts.norm.register_forward_pre_hook(norm_hook))
+    handle = parts.norm.register_forward_pre_hook(norm_hook)
     try:
-        with torch.no_grad():
+        with _chunked_layers(parts.layers, saved, chunk_size), torch.no_grad():
             parts.decoder(input_ids=input_ids, use_cache=False)  # its normed output is not needed
     finally:
-        for handle in handles:
-            handle.remove()
+        handle.remove()
     if saved.last_hidden is None or any(x is None for x in saved.layer_inputs):
         raise RuntimeError("the model's forward did not call every decoder layer and the final norm")
     return saved
+
+
+@contextmanager
+def _chunked_layers(layers: nn.ModuleList, saved: Checkpoints, chunk_size: int):
+    """Wrap each layer's forward on the instance (hooks and __call__ still run as usual); restore
+    whatever was there before (a plain method, or another library's wrapper), whatever happens."""
+    previous = [layer.__dict__.get("forward") for layer in layers]
+    for index, layer in enumerate(layers):
+        layer.forward = _chunked_forward(layer.forward, index, saved, chunk_size)
+    try:
+        yield
+    finally:
+        for layer, forward in zip(layers, previous):
+            if forward is None:
+                del layer.forward
+            else:
+                layer.forward = forward
+
+
+def _chunked_forward(forward, index: int, saved: Checkpoints, chunk_size: int):
+    def chunked(hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if args:
+            raise NotImplementedError("StreamBP expects decoder layers called as layer(hidden_states, **kwargs)")
+        saved.layer_inputs[index] = hidden_states
+        saved.layer_kwargs[index] = kwargs
+        seq_len = hidden_states.shape[1]
+        buffer = KVBuffer(seq_len=seq_len, attend=True)
+        output = torch.empty_like(hidden_states)  # becomes X_{l+1}
+        for start, end in chunk_bounds(seq_len, chunk_size):
+            buffer.start = start
+            chunk = forward(hidden_states[:, start:end], **chunk_kwargs(kwargs, start, end), **{STATE_KWARG: buffer})
+            output[:, start:end] = chunk
+        return output
+
+    return chunked
 
 
 def chunk_kwargs(kwargs: dict, start: int, end: int) -> dict:

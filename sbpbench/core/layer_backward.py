@@ -16,17 +16,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .attention import STATE_KWARG, ChunkState, KVCapture, KVCaptured
-from .checkpoints import chunk_kwargs
+from .attention import STATE_KWARG, ChunkState, KVBuffer, KVCaptured, window_start
+from .checkpoints import chunk_bounds, chunk_kwargs
 from .grad_accum import ChunkGradAccumulator
 
 
-def chunk_bounds(seq_len: int, chunk_size: int) -> list[tuple[int, int]]:
-    return [(start, min(start + chunk_size, seq_len)) for start in range(0, seq_len, chunk_size)]
-
-
-def _capture_keys_values(layer: nn.Module, layer_input: torch.Tensor, kwargs: dict, chunks) -> KVCapture:
-    capture = KVCapture(seq_len=layer_input.shape[1])
+def _capture_keys_values(layer: nn.Module, layer_input: torch.Tensor, kwargs: dict, chunks) -> KVBuffer:
+    capture = KVBuffer(seq_len=layer_input.shape[1], attend=False)
     with torch.no_grad():
         for start, end in chunks:
             capture.start = start
@@ -60,7 +56,7 @@ def layer_backward(
     accumulator = ChunkGradAccumulator(list(layer.parameters()), fp32_grad_accumulation)
 
     for start, end in reversed(chunks):
-        prefix_start = 0 if window is None else max(0, start - window + 1)
+        prefix_start = window_start(start, window)
         key_prefix = value_prefix = None
         if start > prefix_start:
             key_prefix = keys[:, :, prefix_start:start].detach().requires_grad_()

@@ -1,7 +1,8 @@
 """`stream_backward`: exact StreamBP for the SFT objective on an unmodified HuggingFace causal LM.
 
 Order of work (B batch, T sequence, d hidden, L layers, V vocabulary):
-  checkpoint pass   the model's forward without a graph; keeps X_0..X_{L-1} and Z_L   (L+1) x B x T x d
+  checkpoint pass   the model's forward without a graph, each layer in chunks of chunk_size;
+                    keeps X_0..X_{L-1} and Z_L                                         (L+1) x B x T x d
   head              final norm + lm_head + loss in chunks of logits_chunk_size -> dZ_L  B x c x V at a time
   layers L-1..0     layer_backward in chunks of chunk_size; dZ becomes dX in place      one B x T x d buffer
   embedding         embed(input_ids).backward(dX_0)
