@@ -23,6 +23,7 @@ def _snapshot(model, batch):
         "checkpointing": _is_checkpointing(model),
         "training": [m.training for m in model.modules()],
         "hooks": [len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()],
+        "instance_attrs": [sorted(vars(m)) for m in model.modules()],  # e.g. no wrapped forward left behind
         "logits": logits,
     }
 
@@ -31,8 +32,8 @@ def _snapshot(model, batch):
 @pytest.mark.parametrize("method", ["ckpt", "streambp"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_step_leaves_model_as_found(family, method, checkpointing):
-    """state_dict keys, attention implementation, checkpointing flags, training flags, hooks and a
-    plain forward's output are identical before and after a step."""
+    """state_dict keys, attention implementation, checkpointing flags, training flags, hooks,
+    instance attributes and a plain forward's output are identical before and after a step."""
     model = tiny_model(family)
     model.eval()
     if checkpointing:
@@ -41,7 +42,7 @@ def test_step_leaves_model_as_found(family, method, checkpointing):
     before = _snapshot(model, batch)
     run_method(method, model, batch, MethodSettings(chunk_size=5, logits_chunk_size=5))
     after = _snapshot(model, batch)
-    for key in ("keys", "attn", "checkpointing", "training", "hooks"):
+    for key in ("keys", "attn", "checkpointing", "training", "hooks", "instance_attrs"):
         assert after[key] == before[key], key
     assert torch.equal(after["logits"], before["logits"])
 

@@ -43,11 +43,24 @@ def _disable_checkpointing(model) -> None:
         model.gradient_checkpointing_disable()
 
 
+# Instance attributes transformers sets when checkpointing is enabled and leaves behind when it is
+# disabled (flags, the checkpoint function, the input-grad hook handles).
+_CHECKPOINTING_ATTRS = (
+    "gradient_checkpointing",
+    "_gradient_checkpointing_func",
+    "_require_grads_hooks",
+    "_require_grads_hook",
+)
+
+
 @contextmanager
 def hf_gradient_checkpointing(model):
-    """Enable transformers' gradient checkpointing (training mode, which it requires) and restore
-    the model's previous checkpointing state, input-grad hooks and per-module training flags."""
+    """Enable transformers' gradient checkpointing (training mode, which it requires) and leave the
+    model as found: checkpointing state and attributes, input-grad hooks, per-module training flags."""
     modes = {module: module.training for module in model.modules()}
+    attrs = {
+        module: {a: vars(module)[a] for a in _CHECKPOINTING_ATTRS if a in vars(module)} for module in model.modules()
+    }
     enabled_before = any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
     input_grad_hooks_before = bool(getattr(model, "_require_grads_hooks", None))
     if not enabled_before:
@@ -60,6 +73,12 @@ def hf_gradient_checkpointing(model):
             _disable_checkpointing(model)
             if not input_grad_hooks_before:  # enabling added a forward hook on the embeddings; disabling keeps it
                 model.disable_input_require_grads()
+        for module, saved in attrs.items():
+            for name in _CHECKPOINTING_ATTRS:
+                if name in saved:
+                    setattr(module, name, saved[name])
+                elif name in vars(module):
+                    delattr(module, name)
         for module, training in modes.items():
             module.training = training
 
