@@ -25,7 +25,6 @@ class ChunkGradAccumulator:
         unique = {id(p): p for p in params if p.requires_grad}
         self._low = [p for p in unique.values() if fp32 and p.dtype in _LOW_PRECISION]
         self._saved = {id(p): p.grad for p in self._low}
-        self._low_dtypes = {id(p): p.dtype for p in self._low}
         self._sums: dict[int, torch.Tensor] = {}
         for p in self._low:
             p.grad = None
@@ -47,8 +46,9 @@ class ChunkGradAccumulator:
         chunks are summed in fp32, then the embedding's gradient is added to that sum before it
         meets the pre-existing .grad, the order in which autograd accumulates a shared weight."""
         self.collect()
-        for key, total in self._sums.items():
-            self._sums[key] = total.to(self._low_dtypes[key])
+        for p in self._low:
+            if id(p) in self._sums:
+                self._sums[id(p)] = self._sums[id(p)].to(p.dtype)
 
     def finish(self) -> None:
         self.collect()
