@@ -5,7 +5,9 @@ from __future__ import annotations
 import typer
 
 from .check_cmd import check
+from .env_cmd import env
 from .models_cmd import models
+from .run_cmd import run
 
 app = typer.Typer(
     name="sbp",
@@ -14,7 +16,9 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_show_locals=False,
 )
+app.command()(run)
 app.command()(check)
+app.command()(env)
 app.command()(models)
 
 

@@ -9,7 +9,7 @@ from ..models import MODELS, count_parameters, load_config
 
 
 def models() -> None:
-    """List known model shapes (real Hub configs and tiny test shapes)."""
+    """List known model shapes (real Hub configs, small CPU shapes and tiny test shapes)."""
     table = Table(title="sbpbench model registry (random weights; configs ship with the package)")
     for column in ("name", "type", "params", "layers", "hidden", "heads / kv", "head_dim", "vocab", "tied"):
         table.add_column(column, justify="left" if column in ("name", "type") else "right", no_wrap=column == "name")
@@ -19,7 +19,9 @@ def models() -> None:
         table.add_row(
             name,
             config.model_type,
-            f"{count_parameters(name) / 1e9:.3f}B" if not name.startswith("tiny/") else f"{count_parameters(name):,}",
+            f"{count_parameters(name) / 1e9:.3f}B"
+            if not name.startswith(("tiny/", "small/"))
+            else f"{count_parameters(name):,}",
             str(config.num_hidden_layers),
             str(config.hidden_size),
             f"{config.num_attention_heads} / {config.num_key_value_heads}",

@@ -1,11 +1,12 @@
 """Model shapes and how to build them (no download: configs ship with the package)."""
 
 from .build import build_model, count_parameters, is_local_checkpoint, load_config
-from .registry import MODELS, REAL_MODELS, TINY_MODELS, ModelSpec, config_dict, get_spec
+from .registry import MODELS, REAL_MODELS, SMALL_MODELS, TINY_MODELS, ModelSpec, config_dict, get_spec
 
 __all__ = [
     "MODELS",
     "REAL_MODELS",
+    "SMALL_MODELS",
     "TINY_MODELS",
     "ModelSpec",
     "build_model",

@@ -73,7 +73,29 @@ TINY_MODELS = {
     ),
 }
 
-MODELS: dict[str, ModelSpec] = {name: ModelSpec(name, name) for name in REAL_MODELS} | TINY_MODELS
+# Shapes for measurements on a CPU: a real vocabulary (full logits are what standard BP pays for)
+# on a few narrow layers, so a step at T = 2048 takes about a second on 2 cores. `sbp run`'s default
+# on a machine without a GPU.
+SMALL_MODELS = {
+    "small/qwen3": ModelSpec(
+        "small/qwen3",
+        "Qwen/Qwen3-0.6B",
+        {
+            "hidden_size": 256,
+            "intermediate_size": 768,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 4,
+            "head_dim": 32,
+            "vocab_size": 32000,
+            "bos_token_id": None,
+            "eos_token_id": None,
+            "pad_token_id": None,
+        },
+    ),
+}
+
+MODELS: dict[str, ModelSpec] = {name: ModelSpec(name, name) for name in REAL_MODELS} | SMALL_MODELS | TINY_MODELS
 
 
 def config_file_name(hub_id: str) -> str:

@@ -1,5 +1,7 @@
-"""Orchestration: builds models and batches and runs methods on them."""
+"""Orchestration: builds models and batches, runs methods on them, one process per measured point."""
 
 from .exactness import ExactnessSpec, check_exactness
+from .isolated import run_isolated, run_points
+from .spec import DTYPES, PROTOCOLS, RunSpec
 
-__all__ = ["ExactnessSpec", "check_exactness"]
+__all__ = ["DTYPES", "PROTOCOLS", "ExactnessSpec", "RunSpec", "check_exactness", "run_isolated", "run_points"]

@@ -14,8 +14,7 @@ from ..data import make_sft_batch
 from ..methods import METHODS, MethodSettings
 from ..methods.exactness import MethodComparison, compare_methods
 from ..models import build_model
-
-DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
+from .spec import DTYPES
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,0 +1,42 @@
+"""`sbp env`: the machine, driver and versions, for bug reports and result provenance."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from ..measure.environment import capture_environment
+from ..measure.units import GIB
+from .errors import user_errors
+
+
+def env(
+    json_output: Annotated[
+        bool, typer.Option("--json", help="Print one JSON object with the raw values instead of a table.")
+    ] = False,
+    device: Annotated[
+        str, typer.Option("--device", help="cpu, cuda, cuda:N, or auto (cuda when NVML sees a GPU and torch has CUDA).")
+    ] = "auto",
+) -> None:
+    """Print the device, driver, CUDA, library versions, CPU, RAM and git commit (for bug reports and result provenance)."""
+    with user_errors():
+        values = capture_environment(device).as_dict()
+    if json_output:
+        typer.echo(json.dumps(values, indent=2))
+        return
+    table = Table(title="sbpbench environment (GiB = 2^30 bytes)")
+    table.add_column("field", no_wrap=True)
+    table.add_column("value", overflow="fold")
+    for name, value in values.items():
+        shown = _bytes(value) if name.endswith("_bytes") else str(value)
+        table.add_row(name, Text(shown))  # Text: a name with [brackets] is not read as rich markup
+    Console().print(table)
+
+
+def _bytes(num_bytes: int) -> str:
+    return f"{num_bytes / GIB:.1f} GiB ({num_bytes} B)" if num_bytes else "unknown"

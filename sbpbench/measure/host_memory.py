@@ -1,0 +1,42 @@
+"""Process peak resident set size over a region.
+
+Linux keeps the high-water mark in /proc/self/status (VmHWM) and resets it when "5" is written to
+/proc/self/clear_refs (since Linux 4.0), so the peak can be taken per step, not per process. Where
+that is not possible the lifetime peak from getrusage is reported instead (an upper bound).
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+from pathlib import Path
+
+_STATUS = Path("/proc/self/status")
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+def _vm_hwm_bytes() -> int | None:
+    try:
+        for line in _STATUS.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # reported in kB
+    except OSError:
+        return None
+    return None
+
+
+def reset_peak_rss() -> bool:
+    """Start a new peak; False where the kernel does not allow it."""
+    try:
+        _CLEAR_REFS.write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+def peak_rss_bytes() -> int:
+    hwm = _vm_hwm_bytes()
+    if hwm is not None:
+        return hwm
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, kB on Linux

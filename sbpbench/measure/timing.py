@@ -1,0 +1,49 @@
+"""Wall time of a step: warm-up discarded, the device synchronised around each timed step, the
+median and spread of `repeats` steps (never a lone mean)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TimingStats:
+    times_s: tuple[float, ...]
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.times_s)
+
+    @property
+    def min_s(self) -> float:
+        return min(self.times_s)
+
+    @property
+    def max_s(self) -> float:
+        return max(self.times_s)
+
+
+def time_steps(
+    step: Callable[[], object],
+    *,
+    repeats: int,
+    synchronize: Callable[[], None] = lambda: None,
+    before_each: Callable[[], None] = lambda: None,
+) -> TimingStats:
+    """Time `repeats` calls of step(). before_each (e.g. zeroing gradients) runs outside the timed
+    region; synchronize (torch.cuda.synchronize on a GPU) runs before the clock starts and before
+    it stops, so queued kernels are neither charged to the step nor missed by it."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    times = []
+    for _ in range(repeats):
+        before_each()
+        synchronize()
+        start = time.perf_counter()
+        step()
+        synchronize()
+        times.append(time.perf_counter() - start)
+    return TimingStats(tuple(times))

@@ -1,0 +1,37 @@
+"""Byte sizes: parse what users type ("80GiB", "80GB", "512MiB", "1e9") and show GiB (2^30)."""
+
+from __future__ import annotations
+
+import re
+
+GIB = 2**30
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+def parse_bytes(text: str) -> int:
+    """'80GiB' -> 85899345920; 'GB' is 10^9, 'GiB' 2^30, a bare number is bytes."""
+    match = _SIZE.match(str(text))
+    unit = match.group(2).lower() if match else None
+    if not match or unit not in _UNITS:
+        raise ValueError(f"cannot read the size {text!r}; write e.g. 80GiB, 24GB, 512MiB or a number of bytes")
+    value = int(float(match.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise ValueError(f"a memory size must be positive, got {text!r}; write e.g. 80GiB")
+    return value
+
+
+def gib(nbytes: float | None, digits: int = 2) -> str:
+    return "-" if nbytes is None else f"{nbytes / GIB:.{digits}f}"

@@ -1,0 +1,127 @@
+"""The results schema: one dataclass whose fields, in order, are the CSV columns.
+
+Raw units live in the column names (`*_bytes`, `*_s`); GiB exist only on screen. Every row
+carries its provenance (when, where, which versions and commit, every setting that changes the
+number), so a CSV row read alone says how it was measured. A row is keyed by the settings that
+define the measured point (KEY_COLUMNS): a rerun of the same point on the same device replaces
+its row, and a sweep can skip it.
+
+Schema history (bump SCHEMA_VERSION when columns change; older rows keep their own value and
+read back with the new columns empty):
+  1  first version: SFT forward+backward points.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+SCHEMA_VERSION = 1
+
+STATUSES = ("ok", "oom", "error", "timeout")
+
+
+@dataclass(kw_only=True)
+class ResultRow:
+    schema_version: int = SCHEMA_VERSION
+    timestamp_utc: str = ""  # ISO 8601, when the point finished
+    status: str = ""  # ok | oom | error | timeout
+    error: str = ""  # one line, for oom / error / timeout
+    # the measured point
+    model: str = ""
+    num_layers: int | None = None  # decoder layers actually built (a truncated model says so)
+    num_params: int | None = None
+    method: str = ""
+    seq_len: int | None = None
+    batch_size: int | None = None
+    dtype: str = ""
+    device: str = ""  # cpu | cuda | cuda:N
+    protocol: str = ""  # steady (gradient buffers resident before the step) | first (allocated in it)
+    chunk_size: int | None = None  # streambp positions per layer chunk (recorded for every method)
+    logits_chunk_size: int | None = None
+    fp32_grad_accumulation: bool | None = None
+    attn_implementation: str = ""
+    memory_limit_bytes: int | None = None  # cap applied to the process (None: the device's own)
+    seed: int | None = None
+    warmup_steps: int | None = None
+    repeats: int | None = None
+    # what the step computed
+    loss: float | None = None
+    num_tokens: int | None = None  # non-padding tokens in the batch
+    model_flops: float | None = None  # one forward+backward, see measure/flops.py
+    # memory: allocated = torch.cuda.max_memory_allocated on CUDA; on CPU resident tensors plus
+    # the live-tensor tracker's peak (its analogue)
+    memory_source: str = ""  # torch.cuda | tensor-tracker
+    weights_bytes: int | None = None
+    grads_bytes: int | None = None  # trainable parameters' gradients (resident or not, per protocol)
+    baseline_bytes: int | None = None  # allocated just before the measured step
+    peak_allocated_bytes: int | None = None
+    activation_peak_bytes: int | None = None  # peak_allocated - baseline
+    peak_reserved_bytes: int | None = None  # CUDA caching allocator
+    nvml_peak_used_bytes: int | None = None  # device-level used memory, peak over the step (all processes)
+    nvml_idle_used_bytes: int | None = None  # the same before this process initialised CUDA
+    cuda_context_bytes: int | None = None  # device memory of the CUDA context outside the allocator
+    cpu_peak_rss_bytes: int | None = None  # process peak resident set over the measured step
+    # time: warm-up discarded, synchronised, `repeats` timed steps
+    time_median_s: float | None = None
+    time_min_s: float | None = None
+    time_max_s: float | None = None
+    tokens_per_s: float | None = None  # batch_size * seq_len / time_median_s (padding included)
+    tflops_per_s: float | None = None  # model_flops / time_median_s / 1e12
+    # provenance
+    host: str = ""
+    device_name: str = ""
+    device_total_memory_bytes: int | None = None
+    driver_version: str = ""
+    cuda_version: str = ""
+    torch_version: str = ""
+    transformers_version: str = ""
+    sbpbench_version: str = ""
+    python_version: str = ""
+    git_commit: str = ""
+    git_dirty: str = ""
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+COLUMNS: tuple[str, ...] = tuple(f.name for f in fields(ResultRow))
+
+# The settings that define a point: same key, same measurement (a rerun replaces it).
+KEY_COLUMNS: tuple[str, ...] = (
+    "model",
+    "num_layers",
+    "method",
+    "seq_len",
+    "batch_size",
+    "dtype",
+    "device_name",
+    "protocol",
+    "chunk_size",
+    "logits_chunk_size",
+    "fp32_grad_accumulation",
+    "attn_implementation",
+    "memory_limit_bytes",
+    "seed",
+)
+
+PROVENANCE_COLUMNS: tuple[str, ...] = (
+    "schema_version",
+    "timestamp_utc",
+    "host",
+    "device_name",
+    "device_total_memory_bytes",
+    "driver_version",
+    "cuda_version",
+    "torch_version",
+    "transformers_version",
+    "sbpbench_version",
+    "python_version",
+    "git_commit",
+    "git_dirty",
+    "protocol",
+    "dtype",
+    "chunk_size",
+    "logits_chunk_size",
+    "attn_implementation",
+    "seed",
+)

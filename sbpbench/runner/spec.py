@@ -1,0 +1,77 @@
+"""What one measured point is: a typed, validated spec that travels to the worker process as JSON."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+
+import torch
+
+from ..methods import METHODS, MethodSettings
+
+DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
+
+# steady: gradient buffers are resident before the step, as in every training step after the
+#         first (the paper's Figure 3 curves); the peak above them is activations.
+# first:  gradients are None before the step and allocated during it (a run's first step).
+PROTOCOLS = ("steady", "first")
+
+DEFAULT_TIMEOUT_S = 3600.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSpec:
+    model: str
+    method: str
+    seq_len: int
+    batch_size: int = 1
+    dtype: str = "fp32"
+    device: str = "cpu"
+    settings: MethodSettings = field(default_factory=MethodSettings)
+    num_layers: int | None = None  # keep the first N decoder layers (None: the model's depth)
+    protocol: str = "steady"
+    warmup: int = 1  # steps run and discarded before the measured ones
+    repeats: int = 3  # timed steps
+    memory_limit_bytes: int | None = None  # CUDA: per-process cap; CPU: cap on tracked bytes
+    seed: int = 0
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"unknown method {self.method!r}; choose from {', '.join(METHODS)}")
+        if self.seq_len < 2:
+            raise ValueError(f"--seq must be at least 2 (one token to predict), got {self.seq_len}")
+        if self.batch_size < 1:
+            raise ValueError(f"--batch must be at least 1, got {self.batch_size}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose from {', '.join(DTYPES)}")
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(f"unknown protocol {self.protocol!r}; choose from {', '.join(PROTOCOLS)}")
+        if self.num_layers is not None and self.num_layers < 1:
+            raise ValueError(f"--num-layers must be at least 1, got {self.num_layers}")
+        if self.warmup < 0 or self.repeats < 1:
+            raise ValueError(f"need --warmup >= 0 and --repeats >= 1, got {self.warmup} and {self.repeats}")
+        if self.memory_limit_bytes is not None and self.memory_limit_bytes <= 0:
+            raise ValueError(f"--memory-limit must be positive, got {self.memory_limit_bytes}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"--timeout must be positive, got {self.timeout_s}")
+        if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
+            raise ValueError(f"unknown device {self.device!r}; use cpu, cuda or cuda:N")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("--device cuda was asked for but no CUDA GPU is visible; use --device cpu")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def with_method(self, method: str) -> RunSpec:
+        return replace(self, method=method)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> RunSpec:
+        values = json.loads(text)
+        values["settings"] = MethodSettings(**values["settings"])
+        return cls(**values)

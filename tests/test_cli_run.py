@@ -1,0 +1,102 @@
+"""`sbp run` and `sbp env` from the command line: exit codes, table, CSV rows, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from sbpbench.cli import app
+from sbpbench.cli.run_cmd import parse_methods
+from sbpbench.records import COLUMNS, PROVENANCE_COLUMNS, read_rows
+
+runner = CliRunner()
+TINY = ["--model", "tiny/qwen3", "--seq", "48", "--repeats", "1", "--warmup", "0"]
+
+
+def _sbp() -> str:
+    beside_python = Path(sys.executable).parent / "sbp"
+    return str(beside_python) if beside_python.exists() else shutil.which("sbp")
+
+
+def test_sbp_run_in_a_real_process_writes_rows_with_full_provenance(tmp_path):
+    """The installed `sbp run` with `--method bp ckpt streambp`: exit 0, a table, three rows whose
+    provenance columns are all filled."""
+    out = tmp_path / "results" / "runs.csv"
+    done = subprocess.run(
+        [_sbp(), "run", *TINY, "--method", "bp", "ckpt", "streambp", "--out", str(out)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={"COLUMNS": "160", "PATH": str(Path(sys.executable).parent)},
+    )
+    assert done.returncode == 0, done.stderr
+    for text in ("bp", "ckpt", "streambp", "peak GiB", "tiny/qwen3", "3 row(s) written"):
+        assert text in done.stdout
+    rows = read_rows(out)
+    assert [r["method"] for r in rows] == ["bp", "ckpt", "streambp"]
+    assert all(r["status"] == "ok" for r in rows)
+    for column in PROVENANCE_COLUMNS:
+        assert all(r[column] for r in rows), f"provenance column {column} empty"
+    assert set(rows[0]) == set(COLUMNS)
+
+
+def test_rerun_replaces_the_point_and_memory_limit_gives_an_oom_row(tmp_path):
+    """Same point twice: still one row. Under --memory-limit the row is oom and the run exits 0."""
+    out = tmp_path / "r.csv"
+    for _ in range(2):
+        result = runner.invoke(app, ["run", *TINY, "--method", "streambp", "--out", str(out)])
+        assert result.exit_code == 0, result.output
+    assert len(read_rows(out)) == 1
+    result = runner.invoke(app, ["run", *TINY, "--method", "bp", "--memory-limit", "1MB", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "oom" in result.output
+    assert [(r["method"], r["status"]) for r in read_rows(out)] == [("streambp", "ok"), ("bp", "oom")]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model", "nope/nope"], "unknown model 'nope/nope'"),
+        (["--method", "bogus"], "unknown method 'bogus'"),
+        (["--method", "bp", "bogus"], "unknown method 'bogus'"),
+        (["--seq", "0"], "--seq must be at least 2"),
+        (["--seq", "1"], "--seq must be at least 2"),
+        (["--chunk-size", "0"], "chunk-size"),
+        (["--logits-chunk-size", "-3"], "logits-chunk-size"),
+        (["--device", "cuda"], "no CUDA GPU"),
+        (["--memory-limit", "lots"], "80GiB"),
+        (["--protocol", "warm"], "unknown protocol"),
+        (["--out", "/proc/nope/r.csv"], "--out"),
+        (["--out", "r.txt"], ".csv"),
+    ],
+)
+def test_bad_input_is_a_one_line_error_and_nothing_is_written(tmp_path, args, message):
+    """Each bad input: non-zero exit, a message that says what to do, no traceback, the CSV untouched."""
+    out = tmp_path / "r.csv"
+    out.write_text("keep me\n")
+    base = ["run", "--model", "tiny/qwen3", "--seq", "16", "--out", str(out)]
+    result = runner.invoke(app, [*base, *args])
+    assert result.exit_code != 0
+    assert message in " ".join(result.output.split()), result.output
+    assert "Traceback" not in result.output
+    assert out.read_text() == "keep me\n"
+
+
+def test_method_lists_in_every_spelling():
+    assert parse_methods(["bp", "ckpt,streambp"]) == ("bp", "ckpt", "streambp")
+    assert parse_methods(["bp", "bp"]) == ("bp",)
+    assert parse_methods([]) == ("bp", "ckpt", "streambp")
+
+
+def test_sbp_env_json_parses():
+    result = runner.invoke(app, ["env", "--json"])
+    assert result.exit_code == 0
+    values = json.loads(result.output)
+    assert values["torch_version"] and values["git_commit"]

@@ -1,0 +1,120 @@
+"""Results CSV: schema, upsert by key, atomic writes, reading old schemas back."""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from sbpbench.records import (
+    COLUMNS,
+    KEY_COLUMNS,
+    SCHEMA_VERSION,
+    ResultRow,
+    check_writable,
+    completed_keys,
+    load_results,
+    read_rows,
+    row_key,
+    upsert_rows,
+)
+
+
+def _row(seq_len: int, method: str = "bp", **values) -> ResultRow:
+    return ResultRow(model="tiny/qwen3", method=method, seq_len=seq_len, status="ok", device_name="cpu", **values)
+
+
+def test_columns_follow_the_dataclass_and_units_are_in_names(tmp_path):
+    """The header is the dataclass field order; byte and second columns say their unit."""
+    path = tmp_path / "r.csv"
+    upsert_rows(path, [_row(8)])
+    with path.open() as f:
+        assert tuple(next(csv.reader(f))) == COLUMNS
+    assert set(KEY_COLUMNS) <= set(COLUMNS)
+    assert not [c for c in COLUMNS if "memory" in c and not c.endswith(("_bytes", "_source"))]
+    assert read_rows(path)[0]["schema_version"] == str(SCHEMA_VERSION)
+
+
+def test_upsert_replaces_a_rerun_point_and_keeps_the_others(tmp_path):
+    """Same key: the new row replaces the old in place; replace=False keeps the old one."""
+    path = tmp_path / "r.csv"
+    upsert_rows(path, [_row(8, loss=1.0), _row(16, loss=2.0)])
+    upsert_rows(path, [_row(8, loss=3.0), _row(32, loss=4.0)])
+    assert [(r["seq_len"], r["loss"]) for r in read_rows(path)] == [("8", "3.0"), ("16", "2.0"), ("32", "4.0")]
+    upsert_rows(path, [_row(16, loss=9.0)], replace=False)
+    assert read_rows(path)[1]["loss"] == "2.0"
+    assert row_key(_row(32)) in completed_keys(path)
+
+
+def test_values_round_trip_exactly(tmp_path):
+    """Floats keep full precision, None is empty, bools are true/false."""
+    path = tmp_path / "r.csv"
+    upsert_rows(path, [_row(8, loss=0.1 + 0.2, fp32_grad_accumulation=True)])
+    row = read_rows(path)[0]
+    assert float(row["loss"]) == 0.1 + 0.2
+    assert row["fp32_grad_accumulation"] == "true" and row["time_median_s"] == ""
+
+
+def test_rows_of_an_older_schema_read_back_and_unknown_columns_are_kept(tmp_path):
+    """A file written with fewer columns (an older schema) plus a column we do not know: upserting keeps both."""
+    path = tmp_path / "r.csv"
+    path.write_text("schema_version,model,method,seq_len,status,device_name,note\n0,tiny/qwen3,bp,4,ok,cpu,hello\n")
+    upsert_rows(path, [_row(8)])
+    rows = read_rows(path)
+    assert rows[0]["schema_version"] == "0" and rows[0]["note"] == "hello" and rows[0]["loss"] == ""
+    assert rows[1]["seq_len"] == "8"
+    table = load_results(path)
+    assert list(table.columns[: len(COLUMNS)]) == list(COLUMNS) and len(table) == 2
+
+
+KILL_MID_WRITE = textwrap.dedent(
+    """
+    import csv, os, signal, sys
+    from sbpbench.records import ResultRow, upsert_rows
+
+    def dying_writerows(self, rows):
+        rows = list(rows)
+        for row in rows[: len(rows) // 2]:
+            self.writerow(row)
+        os.kill(os.getpid(), signal.SIGKILL)  # killed with half the table written
+
+    csv.DictWriter.writerows = dying_writerows
+    upsert_rows(sys.argv[1], [ResultRow(model="m", method="bp", seq_len=n, status="ok") for n in range(100, 110)])
+    """
+)
+
+
+def test_a_writer_killed_mid_write_leaves_every_earlier_row(tmp_path):
+    """SIGKILL in the middle of writing the table: the CSV still parses and holds exactly the earlier rows."""
+    path = tmp_path / "r.csv"
+    upsert_rows(path, [_row(n) for n in (8, 16, 32)])
+    before = path.read_bytes()
+    done = subprocess.run([sys.executable, "-c", KILL_MID_WRITE, str(path)], check=False, timeout=120)
+    assert done.returncode == -9
+    assert path.read_bytes() == before
+    assert [r["seq_len"] for r in read_rows(path)] == ["8", "16", "32"]
+    upsert_rows(path, [_row(64)])  # a later write is not disturbed by the dead writer's temp file
+    assert len(read_rows(path)) == 4
+
+
+def test_unwritable_outputs_are_refused_before_any_work(tmp_path):
+    """A directory, a non-CSV name, a parent that cannot be created: each a message that says what to pass."""
+    with pytest.raises(ValueError, match="is a directory"):
+        check_writable(tmp_path)
+    with pytest.raises(ValueError, match=r"\.csv"):
+        check_writable(tmp_path / "r.txt")
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(PermissionError, match="writable --out"):
+        check_writable(blocker / "sub" / "r.csv")
+
+
+def test_load_results_reads_a_directory_and_names_a_missing_one(tmp_path):
+    upsert_rows(tmp_path / "a.csv", [_row(8)])
+    upsert_rows(tmp_path / "sub" / "b.csv", [_row(8, method="ckpt")])
+    assert sorted(load_results(tmp_path)["method"]) == ["bp", "ckpt"]
+    with pytest.raises(FileNotFoundError, match="sbp run"):
+        load_results(tmp_path / "none")

@@ -1,0 +1,111 @@
+"""Measured points: in-process measurement, one process per point, outcome classes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sbpbench.measure.environment import capture_environment
+from sbpbench.methods import MethodSettings
+from sbpbench.records import PROVENANCE_COLUMNS, read_rows
+from sbpbench.runner import RunSpec, run_isolated, run_points
+from sbpbench.runner.point import measure_point
+
+
+def _spec(method: str, **values) -> RunSpec:
+    base = {"model": "tiny/qwen3", "seq_len": 64, "warmup": 0, "repeats": 1}
+    return RunSpec(method=method, **(base | values))
+
+
+def test_measure_point_fills_memory_time_and_flops():
+    """An ok point has the tracker's peak above a baseline of weights + resident grads, times and FLOPs."""
+    row = measure_point(_spec("streambp", repeats=2))
+    assert row.status == "ok", row.error
+    assert row.memory_source == "tensor-tracker" and row.num_layers == 2 and row.num_tokens < 64
+    assert row.baseline_bytes >= row.weights_bytes + row.grads_bytes  # steady: gradients resident
+    assert row.peak_allocated_bytes == row.baseline_bytes + row.activation_peak_bytes
+    assert row.activation_peak_bytes > 0 and row.cpu_peak_rss_bytes > row.weights_bytes
+    assert row.time_min_s <= row.time_median_s <= row.time_max_s
+    assert row.tokens_per_s == pytest.approx(64 / row.time_median_s)
+    assert row.model_flops > 0 and row.loss > 0
+
+
+def test_first_step_protocol_counts_gradients_in_the_peak():
+    """first: gradients are not in the baseline but allocated inside the measured step (all live at its end)."""
+    steady = measure_point(_spec("bp"))
+    first = measure_point(_spec("bp", protocol="first"))
+    assert first.baseline_bytes == steady.baseline_bytes - steady.grads_bytes
+    assert first.activation_peak_bytes >= first.grads_bytes
+    assert first.peak_allocated_bytes <= steady.peak_allocated_bytes
+
+
+def test_activation_peak_orders_bp_over_ckpt_over_streambp():
+    """At a long-enough T the tracked activation peak is bp > ckpt > streambp (measured, deterministic)."""
+    peaks = {
+        method: measure_point(
+            _spec(method, seq_len=1024, settings=MethodSettings(chunk_size=128, logits_chunk_size=128))
+        ).activation_peak_bytes
+        for method in ("bp", "ckpt", "streambp")
+    }
+    print(peaks)
+    assert peaks["bp"] > peaks["ckpt"] > peaks["streambp"]
+
+
+def test_memory_limit_below_the_need_is_an_oom_row():
+    """A CPU --memory-limit under the tracked need gives status oom, with how far it got."""
+    row = measure_point(_spec("bp", memory_limit_bytes=1_500_000))
+    assert row.status == "oom" and "limit" in row.error
+    assert row.peak_allocated_bytes > 1_500_000
+    weights_only = measure_point(_spec("bp", memory_limit_bytes=1000))
+    assert weights_only.status == "oom" and "weights" in weights_only.error
+
+
+def test_run_isolated_returns_a_row_with_provenance_and_oom_is_a_value(tmp_path):
+    """In a worker process: an oom point comes back as a row (no exception) with provenance, and the
+    caller that writes rows (as a sweep does) sees it in the CSV."""
+    out = tmp_path / "r.csv"
+    rows = list(run_points([_spec("bp", memory_limit_bytes=1_000_000), _spec("streambp")], out))
+    assert [r.status for r in rows] == ["oom", "ok"]
+    saved = read_rows(out)
+    assert [r["status"] for r in saved] == ["oom", "ok"]
+    for column in PROVENANCE_COLUMNS:
+        assert all(r[column] for r in saved), column
+
+
+def test_a_point_past_its_timeout_is_a_timeout_row():
+    row = run_isolated(_spec("bp", timeout_s=0.5))
+    assert row.status == "timeout" and "--timeout" in row.error and row.host
+
+
+def test_a_failing_method_is_an_error_row(tmp_path):
+    """streambp on a family it does not support fails in the worker: status error with its reason."""
+    checkpoint = tmp_path / "gpt2"
+    checkpoint.mkdir()
+    config = {"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 64, "n_positions": 64}
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    env = capture_environment("cpu")
+    row = run_isolated(_spec("streambp", model=str(checkpoint), seq_len=16), env)
+    assert row.status == "error" and "UnsupportedModelError" in row.error and "gpt2" in row.error
+    assert run_isolated(_spec("bp", model=str(checkpoint), seq_len=16), env).status == "ok"
+
+
+def test_spec_round_trips_through_json():
+    spec = _spec("streambp", settings=MethodSettings(chunk_size=7), memory_limit_bytes=123)
+    assert RunSpec.from_json(spec.to_json()) == spec
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"seq_len": 1}, "at least 2"),
+        ({"seq_len": 0}, "at least 2"),
+        ({"method": "nope"}, "unknown method"),
+        ({"protocol": "warm"}, "unknown protocol"),
+        ({"device": "tpu"}, "unknown device"),
+        ({"repeats": 0}, "--repeats"),
+    ],
+)
+def test_bad_specs_say_what_is_allowed(values, message):
+    with pytest.raises(ValueError, match=message):
+        _spec(values.pop("method", "bp"), **values)
