@@ -73,6 +73,9 @@ def test_rerun_replaces_the_point_and_memory_limit_gives_an_oom_row(tmp_path):
         (["--device", "cuda"], "no CUDA GPU"),
         (["--memory-limit", "lots"], "80GiB"),
         (["--protocol", "warm"], "unknown protocol"),
+        (["--objective", "ppo"], "unknown objective 'ppo'"),
+        (["--objective", "dpo", "--batch", "3"], "even number"),
+        (["--step", "adam"], "unknown step 'adam'"),
         (["--out", "/proc/nope/r.csv"], "--out"),
         (["--out", "r.txt"], ".csv"),
     ],
@@ -87,6 +90,17 @@ def test_bad_input_is_a_one_line_error_and_nothing_is_written(tmp_path, args, me
     assert message in " ".join(result.output.split()), result.output
     assert "Traceback" not in result.output
     assert out.read_text() == "keep me\n"
+
+
+def test_dpo_lora_train_point_from_the_command_line(tmp_path):
+    """`--objective dpo --lora-rank 4 --step train`: one pair by default, rows say objective, LoRA and step."""
+    out = tmp_path / "r.csv"
+    args = ["run", *TINY, "--method", "streambp", "--objective", "dpo", "--lora-rank", "4", "--step", "train"]
+    result = runner.invoke(app, [*args, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    (row,) = read_rows(out)
+    assert (row["objective"], row["lora_rank"], row["step"], row["batch_size"]) == ("dpo", "4", "train", "2")
+    assert int(row["optimizer_state_bytes"]) > 0 and row["status"] == "ok"
 
 
 def test_method_lists_in_every_spelling():

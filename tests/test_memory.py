@@ -49,3 +49,22 @@ def test_no_whole_sequence_layer_intermediate():
     ckpt = _tracked_step(model, batch, "ckpt", settings)
     assert stream.largest.numel < seq_len * intermediate, stream.largest
     assert ckpt.largest.numel >= seq_len * intermediate, ckpt.largest
+
+
+def _objective_peaks(objective: str, batch_size: int, seq_len: int) -> dict[str, int]:
+    from sbpbench.data import make_batch
+
+    model = tiny_model("tiny/qwen3", torch.float32, vocab_size=VOCAB)
+    batch = make_batch(objective, batch_size=batch_size, seq_len=seq_len, vocab_size=VOCAB, prompt_len=seq_len // 8)
+    settings = MethodSettings()
+    return {m: _tracked_step(model, batch, m, settings).peak_bytes for m in ("ckpt", "streambp")}
+
+
+def test_grpo_and_dpo_streambp_peak_is_a_fraction_of_ckpt():
+    """GRPO (a group of 2) and DPO (one pair) at T=1024, V=32000: streambp's tracked activation peak
+    is <= 0.1x ckpt's (ckpt holds the full logits, their fp32 log-softmax and its gradient)."""
+    for objective, batch_size in (("grpo", 2), ("dpo", 2)):
+        peaks = _objective_peaks(objective, batch_size, 1024)
+        ratio = peaks["streambp"] / peaks["ckpt"]
+        print(f"{objective}: streambp {peaks['streambp']:,} B, ckpt {peaks['ckpt']:,} B, ratio {ratio:.4f}")
+        assert ratio <= 0.1

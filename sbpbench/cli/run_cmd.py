@@ -11,13 +11,14 @@ from rich.console import Console
 from rich.table import Table
 
 from ..core import DEFAULT_CHUNK_SIZE, DEFAULT_LOGITS_CHUNK_SIZE
+from ..data import DEFAULT_PROMPT_LEN, OBJECTIVES
 from ..measure.units import gib, parse_bytes
 from ..methods import METHODS, MethodSettings
 from ..records import ResultRow, check_writable
 from ..runner import PROTOCOLS, RunSpec, run_points
 from ..runner.spec import DEFAULT_TIMEOUT_S
 from .errors import user_errors
-from .options import BatchOpt, ChunkOpt, DType, LogitsChunkOpt, SeedOpt
+from .options import ChunkOpt, DType, LogitsChunkOpt, SeedOpt
 
 # With no options: a real comparison on a GPU (the paper's Table 2 point), a one-minute one on a CPU.
 DEFAULTS = {
@@ -25,6 +26,7 @@ DEFAULTS = {
     "cpu": {"model": "small/qwen3", "seq": 2048, "dtype": "fp32"},
 }
 DEFAULT_OUT = Path("results/runs.csv")
+DEFAULT_BATCH = {"sft": 1, "grpo": 8, "dpo": 2}  # the paper's: one sequence, a group of 8, one pair
 
 
 def parse_methods(values: list[str]) -> tuple[str, ...]:
@@ -111,7 +113,21 @@ def run(
         str | None, typer.Option("--model", "-m", help="Registry name (`sbp models`) or a local checkpoint directory.")
     ] = None,
     seq: Annotated[int | None, typer.Option("--seq", "-T", help="Sequence length T (>= 2).")] = None,
-    batch: BatchOpt = 1,
+    batch: Annotated[
+        int | None,
+        typer.Option("--batch", "-B", min=1, help="Rows per batch [default: sft 1, grpo 8 (a group), dpo 2 (a pair)]."),
+    ] = None,
+    objective: Annotated[str, typer.Option(help=f"Training objective: {', '.join(OBJECTIVES)}.")] = "sft",
+    prompt_len: Annotated[
+        int, typer.Option(min=1, help="grpo/dpo: prompt tokens within --seq (at most half of it).")
+    ] = DEFAULT_PROMPT_LEN,
+    lora_rank: Annotated[
+        int, typer.Option(min=0, help="LoRA rank on all linear layers (peft); 0: full fine-tuning.")
+    ] = 0,
+    lora_alpha: Annotated[int, typer.Option(min=1, help="LoRA alpha.")] = 128,
+    step: Annotated[
+        str, typer.Option(help="bp: forward + backward (the paper's Figure 3); train: + AdamW (its Table 3).")
+    ] = "bp",
     dtype: Annotated[DType | None, typer.Option(help="Model dtype [default: bf16 on cuda, fp32 on cpu].")] = None,
     chunk_size: ChunkOpt = DEFAULT_CHUNK_SIZE,
     logits_chunk_size: LogitsChunkOpt = DEFAULT_LOGITS_CHUNK_SIZE,
@@ -142,6 +158,8 @@ def run(
         methods = parse_methods([*(method or []), *(more_methods or [])])
         device = resolve_device(device)
         defaults = DEFAULTS["cuda" if device.startswith("cuda") else "cpu"]
+        if objective not in OBJECTIVES:
+            raise ValueError(f"unknown objective {objective!r}; choose from {', '.join(OBJECTIVES)}")
         if protocol not in PROTOCOLS:
             raise ValueError(f"unknown protocol {protocol!r}; choose from {', '.join(PROTOCOLS)}")
         specs = [
@@ -149,7 +167,12 @@ def run(
                 model=model or defaults["model"],
                 method=name,
                 seq_len=seq if seq is not None else defaults["seq"],
-                batch_size=batch,
+                batch_size=batch or DEFAULT_BATCH[objective],
+                objective=objective,
+                prompt_len=prompt_len,
+                lora_rank=lora_rank,
+                lora_alpha=lora_alpha,
+                step=step,
                 dtype=dtype.value if dtype else defaults["dtype"],
                 device=device,
                 settings=MethodSettings(chunk_size=chunk_size, logits_chunk_size=logits_chunk_size),
@@ -172,8 +195,10 @@ def run(
                 rows.extend(run_points([spec], out))
     first = rows[0]
     limit = f", limit {gib(first.memory_limit_bytes)} GiB" if first.memory_limit_bytes else ""
+    lora = f", LoRA r{first.lora_rank}" if first.lora_rank else ""
     title = (
-        f"{first.model} ({first.num_layers or '?'} layers), {first.dtype}, B={first.batch_size}, T={first.seq_len}, "
+        f"{first.model} ({first.num_layers or '?'} layers{lora}), {first.objective}, step {first.step}, "
+        f"{first.dtype}, B={first.batch_size}, T={first.seq_len}, "
         f"chunks {first.chunk_size}/{first.logits_chunk_size}, {first.protocol} protocol{limit}\n"
         f"{first.device_name} ({first.memory_source})"
     )

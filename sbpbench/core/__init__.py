@@ -6,12 +6,17 @@ logits or a whole layer's intermediates in memory. Imports torch and transformer
 """
 
 from .adapters import SUPPORTED_MODEL_TYPES, UnsupportedModelError, supported_families
+from .objectives import DPO, GRPO, SFT, Objective
 from .stream import DEFAULT_CHUNK_SIZE, DEFAULT_LOGITS_CHUNK_SIZE, stream_backward
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
     "DEFAULT_LOGITS_CHUNK_SIZE",
+    "DPO",
+    "GRPO",
+    "SFT",
     "SUPPORTED_MODEL_TYPES",
+    "Objective",
     "UnsupportedModelError",
     "stream_backward",
     "supported_families",

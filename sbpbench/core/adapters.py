@@ -3,6 +3,11 @@
 The decoder layers themselves run unmodified; the family-specific part is only how to reach the
 embedding, the layer list, the final norm and the lm_head, and which config features would make
 the streamed computation differ from the model's own (those are refused, never approximated).
+
+A wrapper with `get_base_model()` (peft's PeftModel) is unwrapped to the causal LM it wraps. LoRA
+and the other adapters that replace Linear modules live inside the decoder layers and need nothing
+more. Prompt learning changes the decoder's inputs and is refused; any other trainable parameter
+outside the parts (of the model as given, wrapper included) is refused by the coverage check.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ class UnsupportedModelError(ValueError):
 class DecoderParts:
     """References into one causal LM; nothing here owns or changes the model."""
 
-    model: nn.Module
+    model: nn.Module  # the causal LM; unwrapped when given inside a PeftModel
     decoder: nn.Module  # the base model: embed -> layers -> norm
     embed: nn.Module
     layers: nn.ModuleList
@@ -47,8 +52,28 @@ def supported_families() -> str:
     return ", ".join(SUPPORTED_MODEL_TYPES.values())
 
 
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The causal LM under adapter wrappers: follows `get_base_model()` (peft's PeftModel, whose
+    LoRA layers sit inside the base model's modules) without importing the wrapper's library."""
+    seen = {id(model)}
+    while callable(getattr(type(model), "get_base_model", None)):
+        base = model.get_base_model()
+        if not isinstance(base, nn.Module) or id(base) in seen:
+            break
+        seen.add(id(base))
+        model = base
+    return model
+
+
 def resolve_parts(model: nn.Module) -> DecoderParts:
-    """Find the parts of a supported causal LM, or raise UnsupportedModelError."""
+    """Find the parts of a supported causal LM (bare or under a PeftModel), or raise
+    UnsupportedModelError."""
+    wrapper, model = model, unwrap_model(model)
+    if getattr(getattr(wrapper, "active_peft_config", None), "is_prompt_learning", False):
+        raise UnsupportedModelError(
+            "StreamBP does not support prompt learning (prompt/prefix tuning adds tokens or a cache the "
+            "decoder never sees here); use LoRA or another adapter inside the layers"
+        )
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -58,9 +83,14 @@ def resolve_parts(model: nn.Module) -> DecoderParts:
         )
     decoder = model.get_decoder()
     lm_head = model.get_output_embeddings()
-    if decoder is None or lm_head is None or not isinstance(lm_head, nn.Linear):
+    if decoder is None or lm_head is None:
         raise UnsupportedModelError(
             f"{type(model).__name__} is not a causal LM with an lm_head; load it with AutoModelForCausalLM"
+        )
+    if not isinstance(lm_head, nn.Linear):
+        raise UnsupportedModelError(
+            f"StreamBP needs the lm_head to be a torch.nn.Linear, got {type(lm_head).__name__} "
+            "(adapters on the lm_head, e.g. LoRA target_modules or modules_to_save including it, are not supported)"
         )
     if getattr(config, "attn_logit_softcapping", None) is not None:
         raise UnsupportedModelError("StreamBP does not support attention logit softcapping")
@@ -75,14 +105,15 @@ def resolve_parts(model: nn.Module) -> DecoderParts:
         lm_head=lm_head,
         final_logit_softcap=getattr(config, "final_logit_softcapping", None),
     )
-    _check_all_trainable_parameters_covered(parts)
+    _check_all_trainable_parameters_covered(parts, wrapper)
     return parts
 
 
-def _check_all_trainable_parameters_covered(parts: DecoderParts) -> None:
-    """A trainable parameter outside embed/layers/norm/lm_head would silently get no gradient."""
+def _check_all_trainable_parameters_covered(parts: DecoderParts, wrapper: nn.Module) -> None:
+    """A trainable parameter outside embed/layers/norm/lm_head would silently get no gradient.
+    Checked on the model as given, so a wrapper's own parameters (a prompt encoder) count too."""
     covered = {id(p) for module in (parts.embed, parts.layers, parts.norm, parts.lm_head) for p in module.parameters()}
-    missed = [name for name, p in parts.model.named_parameters() if p.requires_grad and id(p) not in covered]
+    missed = [name for name, p in wrapper.named_parameters() if p.requires_grad and id(p) not in covered]
     if missed:
         raise UnsupportedModelError(
             f"StreamBP would not compute gradients for {missed[:3]}; these parameters are outside the "
@@ -91,12 +122,20 @@ def _check_all_trainable_parameters_covered(parts: DecoderParts) -> None:
 
 
 def check_no_attention_dropout(parts: DecoderParts) -> None:
+    """Dropout active in a layer draws new masks in every re-forward: refuse it, in the attention
+    (config.attention_dropout) or in a module (e.g. LoRA's lora_dropout, an nn.Dropout)."""
     dropout = getattr(parts.config, "attention_dropout", 0.0) or 0.0
     if parts.model.training and dropout > 0:
         raise UnsupportedModelError(
             f"attention_dropout={dropout} in training mode makes every re-forward differ; "
             "set config.attention_dropout = 0 or call model.eval()"
         )
+    for name, module in parts.layers.named_modules():
+        if isinstance(module, nn.Dropout) and module.training and module.p > 0:
+            raise UnsupportedModelError(
+                f"dropout p={module.p} in training mode at layers.{name} makes every re-forward differ; "
+                "use dropout 0 (for LoRA: lora_dropout=0) or call model.eval()"
+            )
 
 
 def trainable(module: nn.Module) -> list[torch.nn.Parameter]:

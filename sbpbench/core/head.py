@@ -1,8 +1,10 @@
-"""Final norm + lm_head + SFT loss, streamed along the sequence (StreamBP paper, Sec. 3.1).
+"""Final norm + lm_head + objective, streamed along the sequence (StreamBP paper, Sec. 3.1 and 3.3).
 
 Logits exist for one chunk of positions at a time, (B, c, V), never for the whole sequence. Each
 chunk's backward leaves its final-norm and lm_head weight gradients (accumulated across chunks)
-and writes dL/dZ for its positions, where Z is the last decoder layer's output.
+and writes dL/dZ for its positions, where Z is the last decoder layer's output. An objective that
+is a nonlinear function of whole-sequence sums (DPO) first takes a no-grad pass over the chunks
+for those sums (objectives.py), so its head costs two lm_head forwards instead of one.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ import torch
 
 from .adapters import DecoderParts
 from .grad_accum import ChunkGradAccumulator
-from .sft import IGNORE_INDEX, loss_dtype, sum_cross_entropy
+from .objectives import Objective
+from .sft import loss_dtype
 
 
 def _chunk_logits(parts: DecoderParts, hidden: torch.Tensor) -> torch.Tensor:
@@ -22,31 +25,44 @@ def _chunk_logits(parts: DecoderParts, hidden: torch.Tensor) -> torch.Tensor:
     return logits
 
 
-def sft_head_backward(
+def _chunks(seq_len: int, chunk_size: int, objective: Objective):
+    """(start, end) of each chunk holding at least one counted target (others have zero gradient)."""
+    for start in range(0, seq_len, chunk_size):
+        end = min(start + chunk_size, seq_len)
+        if bool(objective.mask[:, start:end].any()):
+            yield start, end
+
+
+@torch.no_grad()
+def _sequence_logps(parts: DecoderParts, last_hidden: torch.Tensor, objective: Objective, chunk_size: int):
+    """Pass 1 for objectives of whole-sequence sums: (B,) summed target log-probs, no graph."""
+    sums = torch.zeros(last_hidden.shape[0], dtype=loss_dtype(last_hidden.dtype), device=last_hidden.device)
+    for start, end in _chunks(last_hidden.shape[1], chunk_size, objective):
+        sums += objective.sequence_logps(_chunk_logits(parts, last_hidden[:, start:end]), start, end)
+    return sums
+
+
+def head_backward(
     parts: DecoderParts,
     last_hidden: torch.Tensor,
-    targets: torch.Tensor,
-    num_targets: int,
+    objective: Objective,
     *,
     chunk_size: int,
     accumulator: ChunkGradAccumulator,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """last_hidden (B, T, d): last layer output; targets (B, T): shifted labels.
-    Returns (loss, dZ) with dZ (B, T, d) in the hidden dtype. The chunks' norm and lm_head weight
-    gradients are collected into `accumulator`; the caller finishes it."""
-    seq_len = last_hidden.shape[1]
+    """last_hidden (B, T, d): last layer output. Returns (loss, dZ) with dZ (B, T, d) in the hidden
+    dtype. The chunks' norm and lm_head weight gradients are collected into `accumulator`; the
+    caller finishes it."""
+    if objective.needs_sequence_logps:
+        objective.prepare(_sequence_logps(parts, last_hidden, objective, chunk_size))
     grad_hidden = torch.zeros_like(last_hidden)
-    loss = torch.zeros((), dtype=loss_dtype(last_hidden.dtype), device=last_hidden.device)
-    for start in range(0, seq_len, chunk_size):
-        end = min(start + chunk_size, seq_len)
-        chunk_targets = targets[:, start:end]
-        if bool((chunk_targets == IGNORE_INDEX).all()):
-            continue  # no counted token: zero gradient, zero loss
+    total = torch.zeros((), dtype=loss_dtype(last_hidden.dtype), device=last_hidden.device)
+    for start, end in _chunks(last_hidden.shape[1], chunk_size, objective):
         hidden = last_hidden[:, start:end].detach().requires_grad_()
         with torch.enable_grad():
-            part = sum_cross_entropy(_chunk_logits(parts, hidden), chunk_targets) / num_targets
+            part = objective.chunk_loss(_chunk_logits(parts, hidden), start, end)
         part.backward()
         grad_hidden[:, start:end] = hidden.grad
-        loss += part.detach()
+        total += part.detach()
         accumulator.collect()
-    return loss, grad_hidden
+    return objective.streamed_loss(total), grad_hidden

@@ -1,9 +1,11 @@
-"""`stream_backward`: exact StreamBP for the SFT objective on an unmodified HuggingFace causal LM.
+"""`stream_backward`: exact StreamBP for a training objective (SFT, GRPO, DPO: objectives.py) on an
+unmodified HuggingFace causal LM (or a PEFT LoRA wrapper of one).
 
 Order of work (B batch, T sequence, d hidden, L layers, V vocabulary):
   checkpoint pass   the model's forward without a graph, each layer in chunks of chunk_size;
                     keeps X_0..X_{L-1} and Z_L                                         (L+1) x B x T x d
   head              final norm + lm_head + loss in chunks of logits_chunk_size -> dZ_L  B x c x V at a time
+                    (DPO: a no-grad pass for the sequence sums first)
   layers L-1..0     layer_backward in chunks of chunk_size; dZ becomes dX in place      one B x T x d buffer
   embedding         embed(input_ids).backward(dX_0)
 Each checkpoint is dropped as soon as its layer's backward is done.
@@ -19,9 +21,10 @@ from .adapters import DecoderParts, check_no_attention_dropout, resolve_parts, t
 from .attention import ATTENTION_NAME
 from .checkpoints import forward_checkpoints
 from .grad_accum import ChunkGradAccumulator
-from .head import sft_head_backward
+from .head import head_backward
 from .layer_backward import layer_backward
-from .sft import IGNORE_INDEX, count_targets, shift_labels
+from .objectives import SFT, Objective
+from .sft import IGNORE_INDEX
 
 DEFAULT_CHUNK_SIZE = 500  # the paper's layer partition for its max-length runs (appendix D)
 DEFAULT_LOGITS_CHUNK_SIZE = 100  # the paper's logits partition
@@ -30,36 +33,41 @@ DEFAULT_LOGITS_CHUNK_SIZE = 100  # the paper's logits partition
 def stream_backward(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
-    labels: torch.Tensor,
+    labels: torch.Tensor | None = None,
     *,
+    objective: Objective | None = None,
     attention_mask: torch.Tensor | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     logits_chunk_size: int = DEFAULT_LOGITS_CHUNK_SIZE,
     fp32_grad_accumulation: bool = True,
 ) -> torch.Tensor:
-    """Forward + backward of the SFT loss with StreamBP.
+    """Forward + backward of a training objective with StreamBP.
 
     Returns the loss (0-dim, detached) and accumulates into every trainable parameter's .grad what
-    `model(input_ids=..., attention_mask=..., labels=labels).loss.backward()` would, to rounding.
+    `objective.full_loss(model(input_ids=..., attention_mask=...).logits).backward()` would, to
+    rounding; for SFT that is `model(..., labels=labels).loss.backward()`.
 
-    input_ids, labels: (B, T) int64; labels are -100 where not counted (HF convention, shifted
-    inside). attention_mask: (B, T) of 0/1 with right padding only; padded positions must not be
+    input_ids: (B, T) int64. Give either labels ((B, T), -100 where not counted, HF convention,
+    shifted inside: the SFT objective) or an `objective` (objectives.SFT / GRPO / DPO, which hold
+    their own labels and inputs). attention_mask: (B, T) of 0/1 with right padding only; padded positions must not be
     the source of a counted prediction. chunk_size: positions per chunk in the layer backward;
     logits_chunk_size: positions per chunk in the head. fp32_grad_accumulation: sum per-chunk
     gradients of bf16/fp16 parameters in fp32 and round once (see grad_accum.py).
     """
     _check_sizes(chunk_size, logits_chunk_size)
-    _check_batch(input_ids, labels, attention_mask)
+    if (labels is None) == (objective is None):
+        raise ValueError("give either labels (the SFT objective) or objective=..., not both or neither")
+    objective = objective if objective is not None else SFT(labels)
+    objective.check_batch(input_ids)
+    _check_batch(input_ids, objective.labels, attention_mask)
     parts = resolve_parts(model)
     check_no_attention_dropout(parts)
-    targets = shift_labels(labels)
-    num_targets = count_targets(targets)
 
     with _streaming_mode(parts):
         saved = forward_checkpoints(parts, input_ids, chunk_size)
         head_grads = ChunkGradAccumulator(trainable(parts.norm) + trainable(parts.lm_head), fp32_grad_accumulation)
-        loss, grad = sft_head_backward(
-            parts, saved.last_hidden, targets, num_targets, chunk_size=logits_chunk_size, accumulator=head_grads
+        loss, grad = head_backward(
+            parts, saved.last_hidden, objective, chunk_size=logits_chunk_size, accumulator=head_grads
         )
         saved.last_hidden = None
         embed_trainable = bool(trainable(parts.embed))

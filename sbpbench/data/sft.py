@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core.objectives import SFT
 from ..core.sft import IGNORE_INDEX
 
 
@@ -27,6 +28,9 @@ class SFTBatch:
 
     def to(self, device) -> SFTBatch:
         return SFTBatch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.labels)))
+
+    def objective(self) -> SFT:
+        return SFT(self.labels)
 
 
 def pad_lengths(batch_size: int, seq_len: int, generator: torch.Generator) -> torch.Tensor:

@@ -1,8 +1,11 @@
 """Wall time of a step: warm-up discarded, the device synchronised around each timed step, the
-median and spread of `repeats` steps (never a lone mean)."""
+median and spread of `repeats` steps (never a lone mean). Python's cyclic garbage collector is
+paused inside the timed region, as `timeit` does: a full collection over transformers' objects
+takes a few hundred milliseconds and would land on whichever step triggered it."""
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from collections.abc import Callable
@@ -41,9 +44,14 @@ def time_steps(
     times = []
     for _ in range(repeats):
         before_each()
+        gc.collect()
         synchronize()
-        start = time.perf_counter()
-        step()
-        synchronize()
-        times.append(time.perf_counter() - start)
+        gc.disable()
+        try:
+            start = time.perf_counter()
+            step()
+            synchronize()
+            times.append(time.perf_counter() - start)
+        finally:
+            gc.enable()
     return TimingStats(tuple(times))

@@ -9,12 +9,13 @@ from collections.abc import Callable
 import torch
 
 from ..core.sft import count_targets, shift_labels
-from ..data import SFTBatch
+from ..data import Batch
 from .hf_baseline import bp, ckpt
 from .settings import MethodSettings
 from .streambp import streambp
+from .training import STEPS, make_optimizer, run_step
 
-MethodFn = Callable[[torch.nn.Module, SFTBatch, MethodSettings], torch.Tensor]
+MethodFn = Callable[[torch.nn.Module, Batch, MethodSettings], torch.Tensor]
 
 METHODS: dict[str, MethodFn] = {
     "bp": bp,  # standard backpropagation: HF forward with full logits, no checkpointing
@@ -30,11 +31,11 @@ def get_method(name: str) -> MethodFn:
         raise ValueError(f"unknown method {name!r}; choose from {', '.join(METHODS)}") from None
 
 
-def run_method(name: str, model, batch: SFTBatch, settings: MethodSettings | None = None) -> torch.Tensor:
+def run_method(name: str, model, batch: Batch, settings: MethodSettings | None = None) -> torch.Tensor:
     """Validate the batch the same way for every method, then run one step."""
     method = get_method(name)
     count_targets(shift_labels(batch.labels))  # every method refuses a batch with nothing to predict
     return method(model, batch, settings or MethodSettings())
 
 
-__all__ = ["METHODS", "MethodSettings", "get_method", "run_method"]
+__all__ = ["METHODS", "STEPS", "MethodSettings", "get_method", "make_optimizer", "run_method", "run_step"]

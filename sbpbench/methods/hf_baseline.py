@@ -7,21 +7,24 @@ from contextlib import contextmanager
 
 import torch
 
-from ..core.sft import token_mean_cross_entropy
-from ..data import SFTBatch
+from ..core.objectives import SFT
+from ..data import Batch
 
 
-def hf_forward_backward(model, batch: SFTBatch) -> torch.Tensor:
-    """`model(..., labels=labels).loss.backward()`, with no KV cache (a training step, as the HF
-    Trainer runs it). transformers computes that loss in float32 even for a float64 model, so a
-    float64 model gets the same formula on its float64 logits."""
-    if model.dtype == torch.float64:
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
-        loss = token_mean_cross_entropy(logits, batch.labels)
-    else:
+def hf_forward_backward(model, batch: Batch) -> torch.Tensor:
+    """The objective from transformers' full (B, T, V) logits, then `.backward()`, with no KV cache
+    (a training step, as the HF Trainer runs it). SFT is `model(..., labels=labels).loss`, the
+    paper's baseline; transformers computes that loss in float32 even for a float64 model, so a
+    float64 model gets the same formula on its float64 logits. GRPO and DPO compute their
+    per-token log-probs from the full logits, as TRL's trainers do."""
+    objective = batch.objective()
+    if isinstance(objective, SFT) and next(model.parameters()).dtype != torch.float64:
         loss = model(
             input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=batch.labels, use_cache=False
         ).loss
+    else:
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
+        loss = objective.full_loss(logits)
     loss.backward()
     return loss.detach()
 
@@ -83,10 +86,10 @@ def hf_gradient_checkpointing(model):
             module.training = training
 
 
-def bp(model, batch: SFTBatch, settings) -> torch.Tensor:
+def bp(model, batch: Batch, settings) -> torch.Tensor:
     return hf_forward_backward(model, batch)
 
 
-def ckpt(model, batch: SFTBatch, settings) -> torch.Tensor:
+def ckpt(model, batch: Batch, settings) -> torch.Tensor:
     with hf_gradient_checkpointing(model):
         return hf_forward_backward(model, batch)

@@ -5,14 +5,14 @@ from __future__ import annotations
 import torch
 
 from ..core import stream_backward
-from ..data import SFTBatch
+from ..data import Batch
 
 
-def streambp(model, batch: SFTBatch, settings) -> torch.Tensor:
+def streambp(model, batch: Batch, settings) -> torch.Tensor:
     return stream_backward(
         model,
         batch.input_ids,
-        batch.labels,
+        objective=batch.objective(),
         attention_mask=batch.attention_mask,
         chunk_size=settings.chunk_size,
         logits_chunk_size=settings.logits_chunk_size,

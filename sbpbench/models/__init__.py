@@ -1,6 +1,7 @@
 """Model shapes and how to build them (no download: configs ship with the package)."""
 
 from .build import build_model, count_parameters, is_local_checkpoint, load_config
+from .lora import apply_lora
 from .registry import MODELS, REAL_MODELS, SMALL_MODELS, TINY_MODELS, ModelSpec, config_dict, get_spec
 
 __all__ = [
@@ -9,6 +10,7 @@ __all__ = [
     "SMALL_MODELS",
     "TINY_MODELS",
     "ModelSpec",
+    "apply_lora",
     "build_model",
     "config_dict",
     "count_parameters",

@@ -9,13 +9,15 @@ its row, and a sweep can skip it.
 Schema history (bump SCHEMA_VERSION when columns change; older rows keep their own value and
 read back with the new columns empty):
   1  first version: SFT forward+backward points.
+  2  objective, step, lora_rank, lora_alpha, prompt_len, trainable_params, optimizer_state_bytes
+     (GRPO/DPO, LoRA, the training step); version-1 rows read back as sft, full, step bp.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 STATUSES = ("ok", "oom", "error", "timeout")
 
@@ -30,8 +32,14 @@ class ResultRow:
     model: str = ""
     num_layers: int | None = None  # decoder layers actually built (a truncated model says so)
     num_params: int | None = None
+    trainable_params: int | None = None
     method: str = ""
-    seq_len: int | None = None
+    objective: str = ""  # sft | grpo | dpo
+    step: str = ""  # bp (forward + backward) | train (+ AdamW step)
+    lora_rank: int | None = None  # 0: full fine-tuning
+    lora_alpha: int | None = None
+    prompt_len: int | None = None  # grpo / dpo: prompt tokens within seq_len (labels -100)
+    seq_len: int | None = None  # tokens per row, prompt included
     batch_size: int | None = None
     dtype: str = ""
     device: str = ""  # cpu | cuda | cuda:N
@@ -53,6 +61,7 @@ class ResultRow:
     memory_source: str = ""  # torch.cuda | tensor-tracker
     weights_bytes: int | None = None
     grads_bytes: int | None = None  # trainable parameters' gradients (resident or not, per protocol)
+    optimizer_state_bytes: int | None = None  # AdamW moments (step train), resident per protocol
     baseline_bytes: int | None = None  # allocated just before the measured step
     peak_allocated_bytes: int | None = None
     activation_peak_bytes: int | None = None  # peak_allocated - baseline
@@ -91,6 +100,11 @@ KEY_COLUMNS: tuple[str, ...] = (
     "model",
     "num_layers",
     "method",
+    "objective",
+    "step",
+    "lora_rank",
+    "lora_alpha",
+    "prompt_len",
     "seq_len",
     "batch_size",
     "dtype",
@@ -107,6 +121,8 @@ KEY_COLUMNS: tuple[str, ...] = (
 PROVENANCE_COLUMNS: tuple[str, ...] = (
     "schema_version",
     "timestamp_utc",
+    "objective",
+    "step",
     "host",
     "device_name",
     "device_total_memory_bytes",
@@ -125,3 +141,8 @@ PROVENANCE_COLUMNS: tuple[str, ...] = (
     "attn_implementation",
     "seed",
 )
+
+# What a row of an older schema meant for the columns it lacks.
+UPGRADES: dict[str, dict[str, str]] = {
+    "1": {"objective": "sft", "step": "bp", "lora_rank": "0"},
+}

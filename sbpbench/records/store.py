@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from .schema import COLUMNS, KEY_COLUMNS, ResultRow
+from .schema import COLUMNS, KEY_COLUMNS, UPGRADES, ResultRow
 
 
 def encode(value) -> str:
@@ -59,12 +59,18 @@ def check_writable(path: str | Path) -> Path:
 
 
 def read_rows(path: str | Path) -> list[dict]:
-    """Rows as dicts of strings; columns a row's schema lacked read as empty."""
+    """Rows as dicts of strings. Columns a row's schema lacked read as what that schema meant
+    (schema.UPGRADES) or empty."""
     path = Path(path)
     if not path.exists():
         return []
     with path.open(newline="") as f:
-        return [{k: (v or "") for k, v in row.items() if k is not None} for row in csv.DictReader(f)]
+        rows = [{k: (v or "") for k, v in row.items() if k is not None} for row in csv.DictReader(f)]
+    for row in rows:
+        for column, value in UPGRADES.get(row.get("schema_version", ""), {}).items():
+            if not row.get(column):
+                row[column] = value
+    return rows
 
 
 def _columns_of(path: Path) -> list[str]:
@@ -129,6 +135,18 @@ def completed_keys(path: str | Path) -> set[tuple[str, ...]]:
     return {row_key(row) for row in read_rows(path)}
 
 
+def _numeric(table):
+    """Columns whose every non-empty value is a number become numeric (empty -> NaN)."""
+    import pandas as pd
+
+    for column in table.columns:
+        values = table[column].replace("", None)
+        converted = pd.to_numeric(values, errors="coerce")
+        if converted.notna().sum() == values.notna().sum():
+            table[column] = converted
+    return table
+
+
 def load_results(source: str | Path):
     """A results CSV, or every CSV under a directory, as one pandas DataFrame in schema column order."""
     import pandas as pd
@@ -137,7 +155,14 @@ def load_results(source: str | Path):
     files = sorted(source.rglob("*.csv")) if source.is_dir() else [source]
     if not files or not all(f.exists() for f in files):
         raise FileNotFoundError(f"no results CSV at {source}; run `sbp run --out {source}` first")
-    frames = [pd.read_csv(f).assign(source_file=str(f)) for f in files]
-    table = pd.concat(frames, ignore_index=True)
+    frames = [pd.read_csv(f, dtype=str, keep_default_na=False).assign(source_file=str(f)) for f in files]
+    table = pd.concat(frames, ignore_index=True).fillna("")
+    for version, defaults in UPGRADES.items():
+        old = table["schema_version"] == version
+        for column, value in defaults.items():
+            if column not in table:
+                table[column] = ""
+            table.loc[old & (table[column] == ""), column] = value
+    table = _numeric(table)
     ordered = [c for c in COLUMNS if c in table.columns]
     return table[ordered + [c for c in table.columns if c not in ordered]]

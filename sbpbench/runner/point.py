@@ -22,13 +22,14 @@ from collections.abc import Callable
 import torch
 
 from ..core.attention import ATTENTION_NAME
-from ..data import make_sft_batch
+from ..data import make_batch, prompt_length
 from ..measure.cuda_memory import NvmlPeakSampler, nvml_handle, start_cuda
 from ..measure.flops import training_flops
 from ..measure.host_memory import peak_rss_bytes, reset_peak_rss
 from ..measure.tensor_tracker import LiveTensorTracker, TrackedOutOfMemoryError
 from ..measure.timing import time_steps
-from ..methods import run_method
+from ..methods import make_optimizer, run_step
+from ..methods.training import init_optimizer_state, optimizer_state_bytes
 from ..models import build_model
 from ..records import ResultRow
 from .spec import RunSpec
@@ -42,6 +43,11 @@ def spec_fields(spec: RunSpec) -> dict:
         "model": spec.model,
         "num_layers": spec.num_layers,
         "method": spec.method,
+        "objective": spec.objective,
+        "step": spec.step,
+        "lora_rank": spec.lora_rank,
+        "lora_alpha": spec.lora_alpha if spec.lora_rank else None,
+        "prompt_len": prompt_length(spec.seq_len, spec.prompt_len) if spec.objective != "sft" else None,
         "seq_len": spec.seq_len,
         "batch_size": spec.batch_size,
         "dtype": spec.dtype,
@@ -82,26 +88,33 @@ def _storage_bytes(tensors) -> int:
 
 
 class _Step:
-    """The model, batch and gradient protocol of one point."""
+    """The model, batch, optimizer and gradient protocol of one point."""
 
     def __init__(self, spec: RunSpec, row: ResultRow):
         self.spec = spec
         overrides = {"num_hidden_layers": spec.num_layers} if spec.num_layers else {}
-        self.model = build_model(
-            spec.model, dtype=spec.torch_dtype, device=spec.device, seed=spec.seed, **overrides
-        ).train()
+        model = build_model(spec.model, dtype=spec.torch_dtype, device=spec.device, seed=spec.seed, **overrides)
+        if spec.lora_rank:
+            from ..models.lora import apply_lora
+
+            model = apply_lora(model, rank=spec.lora_rank, alpha=spec.lora_alpha)
+        self.model = model.train()
         config = self.model.config
-        self.batch = make_sft_batch(
+        self.batch = make_batch(
+            spec.objective,
             batch_size=spec.batch_size,
             seq_len=spec.seq_len,
             vocab_size=config.vocab_size,
+            prompt_len=spec.prompt_len,
             seed=spec.seed,
             pad_token_id=config.pad_token_id or 0,
             device=spec.device,
         )
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = make_optimizer(self.model) if spec.step == "train" else None
         row.num_layers = config.num_hidden_layers
         row.num_params = sum(p.numel() for p in self.model.parameters())
+        row.trainable_params = sum(p.numel() for p in self.trainable)
         row.num_tokens = self.batch.num_tokens
         row.model_flops = training_flops(self.model, batch_size=spec.batch_size, seq_len=spec.seq_len)
         row.weights_bytes = _storage_bytes(self.model.parameters())
@@ -109,6 +122,8 @@ class _Step:
         if spec.protocol == "steady":
             for p in self.trainable:
                 p.grad = torch.zeros_like(p)
+            if self.optimizer is not None:
+                init_optimizer_state(self.optimizer)
 
     def prepare(self) -> None:
         """Before each step, outside any measured region."""
@@ -117,15 +132,23 @@ class _Step:
                 p.grad.zero_()
             else:
                 p.grad = None
+        if self.optimizer is not None and self.spec.protocol == "first":
+            self.optimizer.state.clear()  # the moments are allocated inside the step
         gc.collect()  # reference cycles must not carry one step's tensors into the next
 
     def resident_bytes(self) -> int:
         tensors = [*self.model.parameters(), *(p.grad for p in self.trainable)]
-        tensors += [self.batch.input_ids, self.batch.attention_mask, self.batch.labels]
+        tensors += [t for t in vars(self.batch).values() if isinstance(t, torch.Tensor)]
+        if self.optimizer is not None:
+            tensors += [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
         return _storage_bytes(tensors)
 
     def run(self) -> torch.Tensor:
-        return run_method(self.spec.method, self.model, self.batch, self.spec.settings)
+        return run_step(self.spec.method, self.model, self.batch, self.spec.settings, self.optimizer)
+
+    def record_optimizer(self, row: ResultRow) -> None:
+        if self.optimizer is not None:
+            row.optimizer_state_bytes = optimizer_state_bytes(self.optimizer)
 
 
 def _measure_cpu(step: _Step, row: ResultRow) -> Callable[[], None]:
@@ -193,11 +216,13 @@ def measure_point(spec: RunSpec) -> ResultRow:
                     raise ValueError(f"--memory-limit {spec.memory_limit_bytes:,} B exceeds the GPU's {total:,} B")
                 torch.cuda.set_per_process_memory_fraction(spec.memory_limit_bytes / total, device)
         step = _Step(spec, row)
+        step.record_optimizer(row)
         if device.type == "cuda":
             synchronize = _measure_cuda(step, row, device)
         else:
             synchronize = _measure_cpu(step, row)
         timing = time_steps(step.run, repeats=spec.repeats, synchronize=synchronize, before_each=step.prepare)
+        step.record_optimizer(row)
     except Exception as error:  # noqa: BLE001 (any failure is the point's outcome, classified; the traceback goes to the worker's stderr)
         traceback.print_exc()
         row.status = "oom" if is_out_of_memory(error) else "error"

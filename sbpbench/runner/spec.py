@@ -7,7 +7,8 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from ..methods import METHODS, MethodSettings
+from ..data import DEFAULT_PROMPT_LEN, OBJECTIVES
+from ..methods import METHODS, STEPS, MethodSettings
 
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -24,7 +25,12 @@ class RunSpec:
     model: str
     method: str
     seq_len: int
-    batch_size: int = 1
+    batch_size: int = 1  # rows: a GRPO group; DPO chosen + rejected rows
+    objective: str = "sft"
+    prompt_len: int = DEFAULT_PROMPT_LEN  # grpo / dpo (capped at seq_len // 2)
+    lora_rank: int = 0  # 0: full fine-tuning; else LoRA on all linear layers (peft)
+    lora_alpha: int = 128
+    step: str = "bp"  # bp: forward + backward; train: + AdamW
     dtype: str = "fp32"
     device: str = "cpu"
     settings: MethodSettings = field(default_factory=MethodSettings)
@@ -43,6 +49,14 @@ class RunSpec:
             raise ValueError(f"--seq must be at least 2 (one token to predict), got {self.seq_len}")
         if self.batch_size < 1:
             raise ValueError(f"--batch must be at least 1, got {self.batch_size}")
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"unknown objective {self.objective!r}; choose from {', '.join(OBJECTIVES)}")
+        if self.objective == "dpo" and self.batch_size % 2:
+            raise ValueError(f"dpo: --batch counts chosen + rejected rows: give an even number, got {self.batch_size}")
+        if self.step not in STEPS:
+            raise ValueError(f"unknown step {self.step!r}; choose from {', '.join(STEPS)}")
+        if self.lora_rank < 0 or self.lora_alpha <= 0 or self.prompt_len < 1:
+            raise ValueError("need --lora-rank >= 0 (0: full fine-tuning), --lora-alpha > 0 and --prompt-len >= 1")
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose from {', '.join(DTYPES)}")
         if self.protocol not in PROTOCOLS:
