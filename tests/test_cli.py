@@ -47,3 +47,12 @@ def test_console_script_is_installed():
     assert script, "the sbp console script is not installed"
     done = subprocess.run([script, "--help"], check=False, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "check" in done.stdout
+
+
+def test_check_grpo_and_dpo_with_lora():
+    """`sbp check --objective grpo|dpo --lora-rank 4`: every method exact on a tiny model."""
+    for objective in ("grpo", "dpo"):
+        args = ["check", "--model", "tiny/llama", "--seq", "30", "--chunk-size", "7", "--objective", objective]
+        result = runner.invoke(app, [*args, "--lora-rank", "4", "--batch", "4"])
+        assert result.exit_code == 0, result.output
+        assert result.output.count("exact") == 2 and "DIFFERS" not in result.output

@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..core import DEFAULT_LOGITS_CHUNK_SIZE
+from ..data import DEFAULT_PROMPT_LEN, OBJECTIVES
 from ..methods import METHODS, MethodSettings
 from ..runner import ExactnessSpec, check_exactness
 from .errors import user_errors
@@ -19,6 +20,11 @@ def check(
     model: ModelOpt = "Qwen/Qwen3-0.6B",
     seq: Annotated[int, typer.Option("--seq", "-T", min=2, help="Sequence length T.")] = 300,
     batch: BatchOpt = 2,
+    objective: Annotated[str, typer.Option(help=f"Training objective: {', '.join(OBJECTIVES)}.")] = "sft",
+    prompt_len: Annotated[int, typer.Option(min=1, help="grpo/dpo: prompt tokens (at most half of --seq).")] = (
+        DEFAULT_PROMPT_LEN
+    ),
+    lora_rank: Annotated[int, typer.Option(min=0, help="Check with LoRA adapters of this rank (0: none).")] = 0,
     dtype: Annotated[
         DType, typer.Option(help="fp64 (tolerance 1e-10), fp32 (1e-5) or bf16 (reported only).")
     ] = DType.fp64,
@@ -40,6 +46,9 @@ def check(
             model=model,
             seq_len=seq,
             batch_size=batch,
+            objective=objective,
+            prompt_len=prompt_len,
+            lora_rank=lora_rank,
             dtype=dtype.value,
             methods=methods,
             settings=MethodSettings(chunk_size=chunk_size, logits_chunk_size=logits_chunk_size),
@@ -49,8 +58,9 @@ def check(
         )
         results = check_exactness(spec)
     layers = f"{num_layers} layers" if num_layers else "all layers"
+    layers += f", LoRA r{lora_rank}" if lora_rank else ""
     table = Table(
-        title=f"{model} ({layers}), {dtype.value}, B={batch}, T={seq}, chunk {chunk_size}/{logits_chunk_size}: vs bp"
+        title=f"{model} ({layers}), {objective}, {dtype.value}, B={batch}, T={seq}, chunk {chunk_size}/{logits_chunk_size}: vs bp"
     )
     for column in ("method", "result", "loss err", "grad err", "tolerance", "worst gradient"):
         table.add_column(column, no_wrap=column != "worst gradient", overflow="fold")

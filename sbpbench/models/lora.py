@@ -3,6 +3,7 @@ every linear layer of the decoder, no dropout; only the adapters are trained."""
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING
 
 import torch
@@ -49,7 +50,9 @@ def apply_lora(
     config = peft.LoraConfig(
         r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules="all-linear", task_type="CAUSAL_LM"
     )
-    peft_model = peft.get_peft_model(model, config)
+    with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing (5.20+)
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        peft_model = peft.get_peft_model(model, config)
     if init_nonzero_seed is not None:
         _reinit_lora_b(peft_model, init_nonzero_seed)
     return peft_model

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..data import make_sft_batch
+from ..data import DEFAULT_PROMPT_LEN, OBJECTIVES, make_batch
 from ..methods import METHODS, MethodSettings
 from ..methods.exactness import MethodComparison, compare_methods
 from ..models import build_model
@@ -22,6 +22,9 @@ class ExactnessSpec:
     model: str
     seq_len: int
     batch_size: int = 2
+    objective: str = "sft"
+    prompt_len: int = DEFAULT_PROMPT_LEN
+    lora_rank: int = 0  # 0: full fine-tuning; else LoRA adapters with seeded non-zero B (gradients everywhere)
     dtype: str = "fp64"
     methods: tuple[str, ...] = ("ckpt", "streambp")
     settings: MethodSettings = field(default_factory=MethodSettings)
@@ -34,6 +37,12 @@ class ExactnessSpec:
             raise ValueError(f"--seq must be at least 2 (one token to predict), got {self.seq_len}")
         if self.batch_size < 1:
             raise ValueError(f"--batch must be at least 1, got {self.batch_size}")
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"unknown objective {self.objective!r}; choose from {', '.join(OBJECTIVES)}")
+        if self.objective == "dpo" and self.batch_size % 2:
+            raise ValueError(f"dpo: --batch counts chosen + rejected rows: give an even number, got {self.batch_size}")
+        if self.lora_rank < 0:
+            raise ValueError(f"--lora-rank must be >= 0 (0: full fine-tuning), got {self.lora_rank}")
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose from {', '.join(DTYPES)}")
         if self.num_layers is not None and self.num_layers < 1:
@@ -48,10 +57,16 @@ class ExactnessSpec:
 def check_exactness(spec: ExactnessSpec) -> list[MethodComparison]:
     overrides = {"num_hidden_layers": spec.num_layers} if spec.num_layers else {}
     model = build_model(spec.model, dtype=DTYPES[spec.dtype], device=spec.device, seed=spec.seed, **overrides)
-    batch = make_sft_batch(
+    if spec.lora_rank:
+        from ..models.lora import apply_lora
+
+        model = apply_lora(model, rank=spec.lora_rank, alpha=2 * spec.lora_rank, init_nonzero_seed=spec.seed)
+    batch = make_batch(
+        spec.objective,
         batch_size=spec.batch_size,
         seq_len=spec.seq_len,
         vocab_size=model.config.vocab_size,
+        prompt_len=spec.prompt_len,
         seed=spec.seed,
         pad_token_id=model.config.pad_token_id or 0,
         device=spec.device,
