@@ -98,3 +98,12 @@ def test_tracker_reset_peak_starts_from_live_bytes():
         torch.ones(4096)
         tracker.reset_peak()
         assert tracker.peak_bytes == tracker.live_bytes == kept.nbytes
+
+
+def test_lora_training_flops_skip_frozen_weight_gradients():
+    """With every base weight frozen the dense term is 4N + 2 N_trainable instead of 6N."""
+    model = build_model("tiny/qwen3", device="meta")
+    full = training_flops(model, batch_size=1, seq_len=8)
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    model.requires_grad_(False)
+    assert full - training_flops(model, batch_size=1, seq_len=8) == 2 * linear * 8
