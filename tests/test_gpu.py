@@ -60,3 +60,19 @@ def test_cuda_bf16_streambp_error_is_bp_error(name):
     bp_error, stream_error = (_relative_error(errors[m], reference) for m in ("bp", "streambp"))
     print(f"{name}: bf16 gradient error vs fp32 bp: bp {bp_error:.3e}, streambp {stream_error:.3e}")
     assert stream_error <= 1.5 * bp_error
+
+
+@pytest.mark.parametrize("objective", ["grpo", "dpo"])
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_cuda_fp32_objectives_match_bp(objective, lora):
+    """fp32 on CUDA: GRPO (a group of 2) and DPO (one pair) at T=4096, full and LoRA, equal bp to 1e-5."""
+    from sbpbench.data import make_batch
+    from sbpbench.models.lora import apply_lora
+
+    model = _cuda_model("Qwen/Qwen3-0.6B", torch.float32, {"num_hidden_layers": 4})
+    if lora:
+        model = apply_lora(model, rank=8, alpha=16, init_nonzero_seed=0)
+    batch = make_batch(objective, batch_size=2, seq_len=4096, vocab_size=model.config.vocab_size, device="cuda")
+    settings = MethodSettings(chunk_size=1000, logits_chunk_size=100)
+    for result in compare_methods(model, batch, ["ckpt", "streambp"], settings):
+        assert result.ok, f"{result.method} differs from bp:\n" + "\n".join(d.describe() for d in result.failures())

@@ -162,3 +162,18 @@ def test_stream_backward_needs_labels_or_objective():
 def test_f_logsigmoid_reference_is_stable():
     """Guard for the DPO reference: logsigmoid of a large negative margin is finite."""
     assert math.isfinite(float(F.logsigmoid(torch.tensor(-1000.0))))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("family", ["tiny/qwen3", "tiny/mistral"])  # tied and untied embeddings
+@pytest.mark.parametrize("objective", ["grpo", "dpo"])
+def test_lora_objectives_exact(objective, family, dtype):
+    """GRPO (off-policy, a group of 3) and DPO (two pairs) on a LoRA model: adapter gradients exact."""
+    from sbpbench.data import make_batch
+    from sbpbench.models.lora import apply_lora
+
+    model = apply_lora(tiny_model(family, dtype), rank=4, alpha=8, init_nonzero_seed=0)
+    batch = make_batch(objective, batch_size=3 if objective == "grpo" else 4, seq_len=27, vocab_size=512, prompt_len=5)
+    if objective == "grpo":
+        batch = _off_policy(model, batch)
+    _assert_exact(model, batch)
