@@ -29,7 +29,7 @@ def check(
         DType, typer.Option(help="fp64 (tolerance 1e-10), fp32 (1e-5) or bf16 (reported only).")
     ] = DType.fp64,
     method: Annotated[
-        list[Method] | None, typer.Option("--method", help="Methods to compare with bp; repeatable [default: all].")
+        list[Method] | None, typer.Option("--method", help="Methods to compare with bp; repeatable (default: all).")
     ] = None,
     chunk_size: ChunkOpt = 128,
     logits_chunk_size: LogitsChunkOpt = DEFAULT_LOGITS_CHUNK_SIZE,

@@ -103,19 +103,28 @@ def results_table(rows: list[ResultRow], title: str) -> Table:
 def run(
     method: Annotated[
         list[str] | None,
-        typer.Option("--method", help=f"Methods: {', '.join(METHODS)}; several allowed [default: all]."),
+        typer.Option("--method", help=f"Methods: {', '.join(METHODS)}; several allowed (default: all)."),
     ] = None,
     more_methods: Annotated[
         list[str] | None,
         typer.Argument(metavar="[METHOD]...", help="More methods after --method: `--method bp ckpt streambp`."),
     ] = None,
     model: Annotated[
-        str | None, typer.Option("--model", "-m", help="Registry name (`sbp models`) or a local checkpoint directory.")
+        str | None,
+        typer.Option(
+            "--model",
+            "-m",
+            help="Registry name (`sbp models`) or a local checkpoint directory "
+            "(default: Qwen/Qwen3-4B on cuda, small/qwen3 on cpu).",
+        ),
     ] = None,
-    seq: Annotated[int | None, typer.Option("--seq", "-T", help="Sequence length T (>= 2).")] = None,
+    seq: Annotated[
+        int | None,
+        typer.Option("--seq", "-T", help="Tokens per row, prompt included (default: 9000 on cuda, 2048 on cpu)."),
+    ] = None,
     batch: Annotated[
         int | None,
-        typer.Option("--batch", "-B", min=1, help="Rows per batch [default: sft 1, grpo 8 (a group), dpo 2 (a pair)]."),
+        typer.Option("--batch", "-B", min=1, help="Rows per batch (default: sft 1, grpo 8 = a group, dpo 2 = a pair)."),
     ] = None,
     objective: Annotated[str, typer.Option(help=f"Training objective: {', '.join(OBJECTIVES)}.")] = "sft",
     prompt_len: Annotated[
@@ -128,7 +137,7 @@ def run(
     step: Annotated[
         str, typer.Option(help="bp: forward + backward (the paper's Figure 3); train: + AdamW (its Table 3).")
     ] = "bp",
-    dtype: Annotated[DType | None, typer.Option(help="Model dtype [default: bf16 on cuda, fp32 on cpu].")] = None,
+    dtype: Annotated[DType | None, typer.Option(help="Model dtype (default: bf16 on cuda, fp32 on cpu).")] = None,
     chunk_size: ChunkOpt = DEFAULT_CHUNK_SIZE,
     logits_chunk_size: LogitsChunkOpt = DEFAULT_LOGITS_CHUNK_SIZE,
     device: Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N.")] = "auto",
