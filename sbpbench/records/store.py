@@ -155,14 +155,8 @@ def load_results(source: str | Path):
     files = sorted(source.rglob("*.csv")) if source.is_dir() else [source]
     if not files or not all(f.exists() for f in files):
         raise FileNotFoundError(f"no results CSV at {source}; run `sbp run --out {source}` first")
-    frames = [pd.read_csv(f, dtype=str, keep_default_na=False).assign(source_file=str(f)) for f in files]
-    table = pd.concat(frames, ignore_index=True).fillna("")
-    for version, defaults in UPGRADES.items():
-        old = table["schema_version"] == version
-        for column, value in defaults.items():
-            if column not in table:
-                table[column] = ""
-            table.loc[old & (table[column] == ""), column] = value
+    rows = [{**row, "source_file": str(f)} for f in files for row in read_rows(f)]  # read_rows upgrades old rows
+    table = pd.DataFrame(rows).fillna("")
     table = _numeric(table)
     ordered = [c for c in COLUMNS if c in table.columns]
     return table[ordered + [c for c in table.columns if c not in ordered]]
