@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -109,3 +113,33 @@ def test_spec_round_trips_through_json():
 def test_bad_specs_say_what_is_allowed(values, message):
     with pytest.raises(ValueError, match=message):
         _spec(values.pop("method", "bp"), **values)
+
+
+INTERRUPTED_PARENT = """
+import sys
+from sbpbench.runner import RunSpec, run_isolated
+spec = RunSpec(model="tiny/qwen3", method="streambp", seq_len=2048, repeats=1000, warmup=0,
+               settings=__import__("sbpbench.methods", fromlist=["MethodSettings"]).MethodSettings(chunk_size=1))
+print("started", flush=True)
+run_isolated(spec)
+"""
+
+
+def _workers() -> set[int]:
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True, check=True).stdout
+    return {int(line.split()[0]) for line in out.splitlines()[1:] if "sbpbench.runner.worker" in line}
+
+
+def test_ctrl_c_in_the_parent_kills_the_worker():
+    """SIGINT to the process running a point: it exits and leaves no worker process behind."""
+    before = _workers()
+    parent = subprocess.Popen([sys.executable, "-c", INTERRUPTED_PARENT], stdout=subprocess.PIPE, text=True)
+    assert parent.stdout.readline().strip() == "started"
+    deadline = time.monotonic() + 60
+    while not (_workers() - before) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _workers() - before, "the worker never started"
+    parent.send_signal(signal.SIGINT)
+    parent.wait(timeout=60)
+    time.sleep(0.5)
+    assert not (_workers() - before)

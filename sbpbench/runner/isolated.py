@@ -58,6 +58,10 @@ def run_isolated(spec: RunSpec, env: Environment | None = None) -> ResultRow:
             os.killpg(worker.pid, signal.SIGKILL)
             _, stderr = worker.communicate()
             timed_out = True
+        except BaseException:  # Ctrl-C or a kill of this process: the worker must not outlive it
+            os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait()
+            raise
         if result_path.exists():
             row = ResultRow(**json.loads(result_path.read_text()))
         else:
