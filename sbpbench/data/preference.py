@@ -15,13 +15,13 @@ Labels are -100 on the prompt and on padding: only response tokens count.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
 from ..core.objectives import DPO, GRPO
 from ..core.sft import IGNORE_INDEX
-from .sft import pad_lengths
+from .sft import TokenBatch, pad_lengths
 
 DEFAULT_PROMPT_LEN = 1000  # the paper's GRPO and DPO prompt length
 REF_LOGP_NOISE = 0.1  # std of the reference log-probs around -log(V)
@@ -51,7 +51,7 @@ def _ref_token_logps(shape, vocab_size: int, generator) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class GRPOBatch:
+class GRPOBatch(TokenBatch):
     input_ids: torch.Tensor  # (G, T): prompt then completion, right-padded
     attention_mask: torch.Tensor  # (G, T)
     labels: torch.Tensor  # (G, T): completion tokens, -100 on prompt and padding
@@ -61,14 +61,6 @@ class GRPOBatch:
     beta: float = 0.04
     epsilon: float = 0.2
     normalization: str = "sequence"
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.attention_mask.sum())
-
-    def to(self, device) -> GRPOBatch:
-        moved = {f.name: getattr(self, f.name) for f in fields(self)}
-        return GRPOBatch(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in moved.items()})
 
     def objective(self) -> GRPO:
         return GRPO(
@@ -108,21 +100,12 @@ def make_grpo_batch(
 
 
 @dataclass(frozen=True)
-class DPOBatch:
+class DPOBatch(TokenBatch):
     input_ids: torch.Tensor  # (2P, T): P chosen rows, then the P rejected rows of the same prompts
     attention_mask: torch.Tensor
     labels: torch.Tensor  # response tokens only
     ref_logps: torch.Tensor  # (2P,) float64 reference sequence log-probs
     beta: float = 0.1
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.attention_mask.sum())
-
-    def to(self, device) -> DPOBatch:
-        return DPOBatch(
-            *(t.to(device) for t in (self.input_ids, self.attention_mask, self.labels, self.ref_logps)), self.beta
-        )
 
     def objective(self) -> DPO:
         return DPO(self.labels, ref_logps=self.ref_logps, beta=self.beta)

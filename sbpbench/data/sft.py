@@ -8,7 +8,7 @@ generated on the CPU so the same seed gives the same batch on every device.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -16,18 +16,27 @@ from ..core.objectives import SFT
 from ..core.sft import IGNORE_INDEX
 
 
-@dataclass(frozen=True)
-class SFTBatch:
-    input_ids: torch.Tensor  # (B, T) int64
-    attention_mask: torch.Tensor  # (B, T) int64, 1 real, 0 padding
-    labels: torch.Tensor  # (B, T) int64, -100 on padding
+class TokenBatch:
+    """What every batch dataclass shares: input_ids, attention_mask and labels (B, T), plus
+    whatever tensors its objective needs; .objective() builds that objective from them."""
 
     @property
     def num_tokens(self) -> int:
         return int(self.attention_mask.sum())
 
-    def to(self, device) -> SFTBatch:
-        return SFTBatch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.labels)))
+    def to(self, device):
+        """The same batch with every tensor field on `device`."""
+        moved = {
+            f.name: getattr(self, f.name).to(device) for f in fields(self) if torch.is_tensor(getattr(self, f.name))
+        }
+        return replace(self, **moved)
+
+
+@dataclass(frozen=True)
+class SFTBatch(TokenBatch):
+    input_ids: torch.Tensor  # (B, T) int64
+    attention_mask: torch.Tensor  # (B, T) int64, 1 real, 0 padding
+    labels: torch.Tensor  # (B, T) int64, -100 on padding
 
     def objective(self) -> SFT:
         return SFT(self.labels)
