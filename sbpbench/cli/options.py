@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from ..methods import METHODS
-from ..runner.exactness import DTYPES
+from ..runner.spec import DTYPES
 
 # Choices come from the registries, so a new method or dtype needs no CLI edit.
 Method = Enum("Method", {name: name for name in METHODS}, type=str)

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 
 from ..core.attention import ATTENTION_NAME
-from ..data import make_batch, prompt_length
+from ..data import prompt_length
 from ..measure.cuda_memory import NvmlPeakSampler, nvml_handle, start_cuda
 from ..measure.flops import training_flops
 from ..measure.host_memory import peak_rss_bytes, reset_peak_rss
@@ -30,9 +30,8 @@ from ..measure.tensor_tracker import LiveTensorTracker, TrackedOutOfMemoryError
 from ..measure.timing import time_steps
 from ..methods import make_optimizer, run_step
 from ..methods.training import init_optimizer_state, optimizer_state_bytes
-from ..models import build_model
 from ..records import ResultRow
-from .spec import RunSpec
+from .spec import RunSpec, build_model_and_batch
 
 _HOST_OOM_MESSAGES = ("can't allocate memory", "out of memory")
 
@@ -92,24 +91,9 @@ class _Step:
 
     def __init__(self, spec: RunSpec, row: ResultRow):
         self.spec = spec
-        overrides = {"num_hidden_layers": spec.num_layers} if spec.num_layers else {}
-        model = build_model(spec.model, dtype=spec.torch_dtype, device=spec.device, seed=spec.seed, **overrides)
-        if spec.lora_rank:
-            from ..models.lora import apply_lora
-
-            model = apply_lora(model, rank=spec.lora_rank, alpha=spec.lora_alpha)
+        model, self.batch = build_model_and_batch(spec, lora_alpha=spec.lora_alpha)
         self.model = model.train()
         config = self.model.config
-        self.batch = make_batch(
-            spec.objective,
-            batch_size=spec.batch_size,
-            seq_len=spec.seq_len,
-            vocab_size=config.vocab_size,
-            prompt_len=spec.prompt_len,
-            seed=spec.seed,
-            pad_token_id=config.pad_token_id or 0,
-            device=spec.device,
-        )
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(self.model) if spec.step == "train" else None
         row.num_layers = config.num_hidden_layers

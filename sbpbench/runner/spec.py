@@ -20,6 +20,55 @@ PROTOCOLS = ("steady", "first")
 DEFAULT_TIMEOUT_S = 3600.0
 
 
+def check_model_settings(spec) -> None:
+    """What `sbp run` points and `sbp check` share: sequence, batch, objective, LoRA rank, dtype,
+    depth and device (spec: any object with those attributes)."""
+    if spec.seq_len < 2:
+        raise ValueError(f"--seq must be at least 2 (one token to predict), got {spec.seq_len}")
+    if spec.batch_size < 1:
+        raise ValueError(f"--batch must be at least 1, got {spec.batch_size}")
+    if spec.objective not in OBJECTIVES:
+        raise ValueError(f"unknown objective {spec.objective!r}; choose from {', '.join(OBJECTIVES)}")
+    if spec.objective == "dpo" and spec.batch_size % 2:
+        raise ValueError(f"dpo: --batch counts chosen + rejected rows: give an even number, got {spec.batch_size}")
+    if spec.lora_rank < 0:
+        raise ValueError(f"--lora-rank must be >= 0 (0: full fine-tuning), got {spec.lora_rank}")
+    if spec.dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {spec.dtype!r}; choose from {', '.join(DTYPES)}")
+    if spec.num_layers is not None and spec.num_layers < 1:
+        raise ValueError(f"--num-layers must be at least 1, got {spec.num_layers}")
+    if not (spec.device == "cpu" or spec.device == "cuda" or spec.device.startswith("cuda:")):
+        raise ValueError(f"unknown device {spec.device!r}; use cpu, cuda or cuda:N")
+    if spec.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for but no CUDA GPU is visible; use --device cpu")
+
+
+def build_model_and_batch(spec, *, lora_alpha: int, lora_init_seed: int | None = None):
+    """The model (random weights, seeded; truncated depth; LoRA adapters if lora_rank) and the
+    objective's synthetic batch for it, on spec.device. spec as in check_model_settings, plus
+    model, seed and prompt_len."""
+    from ..data import make_batch
+    from ..models import build_model
+
+    overrides = {"num_hidden_layers": spec.num_layers} if spec.num_layers else {}
+    model = build_model(spec.model, dtype=DTYPES[spec.dtype], device=spec.device, seed=spec.seed, **overrides)
+    if spec.lora_rank:
+        from ..models.lora import apply_lora
+
+        model = apply_lora(model, rank=spec.lora_rank, alpha=lora_alpha, init_nonzero_seed=lora_init_seed)
+    batch = make_batch(
+        spec.objective,
+        batch_size=spec.batch_size,
+        seq_len=spec.seq_len,
+        vocab_size=model.config.vocab_size,
+        prompt_len=spec.prompt_len,
+        seed=spec.seed,
+        pad_token_id=model.config.pad_token_id or 0,
+        device=spec.device,
+    )
+    return model, batch
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunSpec:
     model: str
@@ -45,34 +94,19 @@ class RunSpec:
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"unknown method {self.method!r}; choose from {', '.join(METHODS)}")
-        if self.seq_len < 2:
-            raise ValueError(f"--seq must be at least 2 (one token to predict), got {self.seq_len}")
-        if self.batch_size < 1:
-            raise ValueError(f"--batch must be at least 1, got {self.batch_size}")
-        if self.objective not in OBJECTIVES:
-            raise ValueError(f"unknown objective {self.objective!r}; choose from {', '.join(OBJECTIVES)}")
-        if self.objective == "dpo" and self.batch_size % 2:
-            raise ValueError(f"dpo: --batch counts chosen + rejected rows: give an even number, got {self.batch_size}")
+        check_model_settings(self)
         if self.step not in STEPS:
             raise ValueError(f"unknown step {self.step!r}; choose from {', '.join(STEPS)}")
-        if self.lora_rank < 0 or self.lora_alpha <= 0 or self.prompt_len < 1:
-            raise ValueError("need --lora-rank >= 0 (0: full fine-tuning), --lora-alpha > 0 and --prompt-len >= 1")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"unknown dtype {self.dtype!r}; choose from {', '.join(DTYPES)}")
+        if self.lora_alpha <= 0 or self.prompt_len < 1:
+            raise ValueError("need --lora-alpha > 0 and --prompt-len >= 1")
         if self.protocol not in PROTOCOLS:
             raise ValueError(f"unknown protocol {self.protocol!r}; choose from {', '.join(PROTOCOLS)}")
-        if self.num_layers is not None and self.num_layers < 1:
-            raise ValueError(f"--num-layers must be at least 1, got {self.num_layers}")
         if self.warmup < 0 or self.repeats < 1:
             raise ValueError(f"need --warmup >= 0 and --repeats >= 1, got {self.warmup} and {self.repeats}")
         if self.memory_limit_bytes is not None and self.memory_limit_bytes <= 0:
             raise ValueError(f"--memory-limit must be positive, got {self.memory_limit_bytes}")
         if self.timeout_s <= 0:
             raise ValueError(f"--timeout must be positive, got {self.timeout_s}")
-        if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
-            raise ValueError(f"unknown device {self.device!r}; use cpu, cuda or cuda:N")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError("--device cuda was asked for but no CUDA GPU is visible; use --device cpu")
 
     @property
     def torch_dtype(self) -> torch.dtype:
