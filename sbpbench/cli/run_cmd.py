@@ -199,9 +199,11 @@ def run(
         check_writable(out)
         console = Console()
         rows = []
-        for spec in specs:
-            with console.status(f"measuring {spec.method} ({spec.model}, T={spec.seq_len}, {spec.device})"):
-                rows.extend(run_points([spec], out))
+        with console.status(_measuring(specs[0])) as status:
+            for row in run_points(specs, out):  # one environment capture for all points
+                rows.append(row)
+                if len(rows) < len(specs):
+                    status.update(_measuring(specs[len(rows)]))
     first = rows[0]
     limit = f", limit {gib(first.memory_limit_bytes)} GiB" if first.memory_limit_bytes else ""
     lora = f", LoRA r{first.lora_rank}" if first.lora_rank else ""
@@ -218,6 +220,10 @@ def run(
     console.print(f"{len(rows)} row(s) written to {out}", highlight=False)
     if any(row.status in ("error", "timeout") for row in rows):
         raise typer.Exit(1)
+
+
+def _measuring(spec: RunSpec) -> str:
+    return f"measuring {spec.method} ({spec.model}, T={spec.seq_len}, {spec.device})"
 
 
 def _check_model(name: str) -> None:

@@ -35,8 +35,12 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     optimizer.step()
 
 
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
+
+
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    return sum(t.untyped_storage().nbytes() for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t))
+    return sum(t.untyped_storage().nbytes() for t in optimizer_state_tensors(optimizer))
 
 
 def run_step(

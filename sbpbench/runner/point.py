@@ -29,7 +29,7 @@ from ..measure.host_memory import peak_rss_bytes, reset_peak_rss
 from ..measure.tensor_tracker import LiveTensorTracker, TrackedOutOfMemoryError
 from ..measure.timing import time_steps
 from ..methods import make_optimizer, run_step
-from ..methods.training import init_optimizer_state, optimizer_state_bytes
+from ..methods.training import init_optimizer_state, optimizer_state_bytes, optimizer_state_tensors
 from ..records import ResultRow
 from .spec import RunSpec, build_model_and_batch
 
@@ -124,7 +124,7 @@ class _Step:
         tensors = [*self.model.parameters(), *(p.grad for p in self.trainable)]
         tensors += [t for t in vars(self.batch).values() if isinstance(t, torch.Tensor)]
         if self.optimizer is not None:
-            tensors += [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+            tensors += optimizer_state_tensors(self.optimizer)
         return _storage_bytes(tensors)
 
     def run(self) -> torch.Tensor:
