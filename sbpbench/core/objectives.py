@@ -56,12 +56,6 @@ class Objective:
         self.mask = self.targets != IGNORE_INDEX  # (B, T) bool
         self.num_targets = count_targets(self.targets)
 
-    def check_batch(self, input_ids: torch.Tensor) -> None:
-        if self.labels.shape != input_ids.shape:
-            raise ValueError(
-                f"{self.name}: labels must be (batch, seq_len) = {tuple(input_ids.shape)}, got {tuple(self.labels.shape)}"
-            )
-
     def masked(self, logps: torch.Tensor, start: int = 0) -> torch.Tensor:
         """Zero the log-probs of positions that do not count (start: the chunk's first position)."""
         mask = self.mask[:, start : start + logps.shape[1]]

@@ -38,9 +38,3 @@ def sum_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tens
     return F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
     )
-
-
-def token_mean_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Reference SFT loss from full (B, T, V) logits and unshifted labels."""
-    targets = shift_labels(labels)
-    return sum_cross_entropy(logits, targets) / count_targets(targets)

@@ -49,8 +49,8 @@ def stream_backward(
 
     input_ids: (B, T) int64. Give either labels ((B, T), -100 where not counted, HF convention,
     shifted inside: the SFT objective) or an `objective` (objectives.SFT / GRPO / DPO, which hold
-    their own labels and inputs). attention_mask: (B, T) of 0/1 with right padding only; padded positions must not be
-    the source of a counted prediction. chunk_size: positions per chunk in the layer backward;
+    their own labels and inputs). attention_mask: (B, T) of 0/1 with right padding only; padded
+    positions must not be the source of a counted prediction. chunk_size: positions per chunk in the layer backward;
     logits_chunk_size: positions per chunk in the head. fp32_grad_accumulation: sum per-chunk
     gradients of bf16/fp16 parameters in fp32 and round once (see grad_accum.py).
     """
@@ -58,7 +58,6 @@ def stream_backward(
     if (labels is None) == (objective is None):
         raise ValueError("give either labels (the SFT objective) or objective=..., not both or neither")
     objective = objective if objective is not None else SFT(labels)
-    objective.check_batch(input_ids)
     _check_batch(input_ids, objective.labels, attention_mask)
     parts = resolve_parts(model)
     check_no_attention_dropout(parts)

@@ -91,7 +91,9 @@ def run_points(
     so an interrupted run keeps every finished point."""
     envs: dict[str, Environment] = {}
     for spec in specs:
-        env = envs.get(spec.device) or envs.setdefault(spec.device, capture_environment(spec.device))
+        if spec.device not in envs:
+            envs[spec.device] = capture_environment(spec.device)
+        env = envs[spec.device]
         row = measure(spec, env)
         if out is not None:
             upsert_rows(out, [row])
