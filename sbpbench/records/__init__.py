@@ -1,13 +1,15 @@
 """The results schema and the CSV files that hold it."""
 
-from .schema import COLUMNS, KEY_COLUMNS, PROVENANCE_COLUMNS, SCHEMA_VERSION, STATUSES, ResultRow
+from .schema import COLUMNS, KEY_COLUMNS, KINDS, PROVENANCE_COLUMNS, SCHEMA_VERSION, SOURCES, STATUSES, ResultRow
 from .store import check_writable, completed_keys, load_results, read_rows, row_key, upsert_rows
 
 __all__ = [
     "COLUMNS",
     "KEY_COLUMNS",
     "PROVENANCE_COLUMNS",
+    "KINDS",
     "SCHEMA_VERSION",
+    "SOURCES",
     "STATUSES",
     "ResultRow",
     "check_writable",

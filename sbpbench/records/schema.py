@@ -11,23 +11,34 @@ read back with the new columns empty):
   1  first version: SFT forward+backward points.
   2  objective, step, lora_rank, lora_alpha, prompt_len, trainable_params, optimizer_state_bytes
      (GRPO/DPO, LoRA, the training step); version-1 rows read back as sft, full, step bp.
+  3  kind (point | maxlen) and source (measured | simulated), the max-length search columns
+     (max_seq_len, oom_seq_len, search_resolution, num_probes), an estimate's peak_phase,
+     margin_bytes and attention_kernel, and status skipped; older rows read back as measured points.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
-STATUSES = ("ok", "oom", "error", "timeout")
+# skipped: not run because a shorter sequence of the same point already ran out of memory
+# (certain OOM); plots and reports draw it as an OOM, and a resumed sweep does not retry it.
+STATUSES = ("ok", "oom", "error", "timeout", "skipped")
+KINDS = ("point", "maxlen")  # one step at one seq_len | the answer of a max-length search
+# measured: a real step on a real device; simulated: the same code under fake tensors (an estimate
+# of a GPU that may not be here). No plot or report may mix the two without saying so.
+SOURCES = ("measured", "simulated")
 
 
 @dataclass(kw_only=True)
 class ResultRow:
     schema_version: int = SCHEMA_VERSION
     timestamp_utc: str = ""  # ISO 8601, when the point finished
-    status: str = ""  # ok | oom | error | timeout
-    error: str = ""  # one line, for oom / error / timeout
+    status: str = ""  # ok | oom | error | timeout | skipped
+    error: str = ""  # one line, for oom / error / timeout / skipped
+    kind: str = "point"  # point | maxlen
+    source: str = "measured"  # measured | simulated
     # the measured point
     model: str = ""
     num_layers: int | None = None  # decoder layers actually built (a truncated model says so)
@@ -39,7 +50,7 @@ class ResultRow:
     lora_rank: int | None = None  # 0: full fine-tuning
     lora_alpha: int | None = None
     prompt_len: int | None = None  # grpo / dpo: prompt tokens within seq_len (labels -100)
-    seq_len: int | None = None  # tokens per row, prompt included
+    seq_len: int | None = None  # tokens per row, prompt included (empty in a maxlen row)
     batch_size: int | None = None
     dtype: str = ""
     device: str = ""  # cpu | cuda | cuda:N
@@ -48,6 +59,7 @@ class ResultRow:
     logits_chunk_size: int | None = None
     fp32_grad_accumulation: bool | None = None
     attn_implementation: str = ""
+    attention_kernel: str = ""  # simulated: the CUDA SDPA kernel modelled (flash | efficient | math)
     memory_limit_bytes: int | None = None  # cap applied to the process (None: the device's own)
     seed: int | None = None
     warmup_steps: int | None = None
@@ -70,12 +82,19 @@ class ResultRow:
     nvml_idle_used_bytes: int | None = None  # the same before this process initialised CUDA
     cuda_context_bytes: int | None = None  # device memory of the CUDA context outside the allocator
     cpu_peak_rss_bytes: int | None = None  # process peak resident set over the measured step
+    peak_phase: str = ""  # simulated: where in the step the peak happens (e.g. "backward, layer 3")
+    margin_bytes: int | None = None  # simulated: CUDA context + allocator fragmentation, not in the peak
     # time: warm-up discarded, synchronised, `repeats` timed steps
     time_median_s: float | None = None
     time_min_s: float | None = None
     time_max_s: float | None = None
     tokens_per_s: float | None = None  # batch_size * seq_len / time_median_s (padding included)
     tflops_per_s: float | None = None  # model_flops / time_median_s / 1e12
+    # max-length search (kind maxlen): the longest seq_len that ran and the shortest that did not
+    max_seq_len: int | None = None  # the answer: the longest ok probe (None if even the first OOMed)
+    oom_seq_len: int | None = None  # the shortest OOM probe (None if the search hit its ceiling)
+    search_resolution: str = ""  # the bracket's stopping width: "1%" (of max_seq_len) or tokens, "256"
+    num_probes: int | None = None  # probes the search used, cached ones included
     # provenance
     host: str = ""
     device_name: str = ""
@@ -97,6 +116,8 @@ COLUMNS: tuple[str, ...] = tuple(f.name for f in fields(ResultRow))
 
 # The settings that define a point: same key, same measurement (a rerun replaces it).
 KEY_COLUMNS: tuple[str, ...] = (
+    "kind",
+    "source",
     "model",
     "num_layers",
     "method",
@@ -121,6 +142,8 @@ KEY_COLUMNS: tuple[str, ...] = (
 PROVENANCE_COLUMNS: tuple[str, ...] = (
     "schema_version",
     "timestamp_utc",
+    "kind",
+    "source",
     "objective",
     "step",
     "host",
@@ -144,5 +167,6 @@ PROVENANCE_COLUMNS: tuple[str, ...] = (
 
 # What a row of an older schema meant for the columns it lacks.
 UPGRADES: dict[str, dict[str, str]] = {
-    "1": {"objective": "sft", "step": "bp", "lora_rank": "0"},
+    "1": {"objective": "sft", "step": "bp", "lora_rank": "0", "kind": "point", "source": "measured"},
+    "2": {"kind": "point", "source": "measured"},
 }
