@@ -107,7 +107,7 @@ def test_spec_round_trips_through_json():
         ({"method": "nope"}, "unknown method"),
         ({"protocol": "warm"}, "unknown protocol"),
         ({"device": "tpu"}, "unknown device"),
-        ({"repeats": 0}, "--repeats"),
+        ({"repeats": -1}, "--repeats"),
     ],
 )
 def test_bad_specs_say_what_is_allowed(values, message):

@@ -6,8 +6,12 @@ import typer
 
 from .check_cmd import check
 from .env_cmd import env
+from .maxlen_cmd import maxlen
 from .models_cmd import models
+from .plot_cmd import plot
+from .report_cmd import report
 from .run_cmd import run
+from .sweep_cmd import sweep
 
 app = typer.Typer(
     name="sbp",
@@ -17,9 +21,13 @@ app = typer.Typer(
     pretty_exceptions_show_locals=False,
 )
 app.command()(run)
+app.command()(maxlen)
+app.command()(sweep)
 app.command()(check)
 app.command()(env)
 app.command()(models)
+app.command()(plot)
+app.command()(report)
 
 
 def main() -> None:

@@ -7,6 +7,7 @@ from contextlib import contextmanager
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from ..core import UnsupportedModelError
 
@@ -32,5 +33,5 @@ def user_errors():
             raise
         kind = next(v for k, v in USER_ERRORS.items() if isinstance(error, k))
         message = str(error).splitlines()[0] if str(error) else type(error).__name__
-        _stderr.print(f"[bold red]error[/]: {kind}: {message}", highlight=False, soft_wrap=True)
+        _stderr.print(f"[bold red]error[/]: {kind}: {escape(message)}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None

@@ -5,43 +5,40 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
-import torch
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from ..core import DEFAULT_CHUNK_SIZE, DEFAULT_LOGITS_CHUNK_SIZE
-from ..data import DEFAULT_PROMPT_LEN, OBJECTIVES
-from ..measure.units import gib, parse_bytes
-from ..methods import METHODS, MethodSettings
+from ..data import DEFAULT_PROMPT_LEN
+from ..measure.units import gib
 from ..records import ResultRow, check_writable
-from ..runner import PROTOCOLS, RunSpec, run_points
+from ..runner import RunSpec, run_points
 from ..runner.spec import DEFAULT_TIMEOUT_S
 from .errors import user_errors
-from .options import ChunkOpt, DType, LogitsChunkOpt, SeedOpt
+from .options import ChunkOpt, LogitsChunkOpt, SeedOpt
+from .point_options import (
+    AutoDeviceOpt,
+    DefaultedBatchOpt,
+    DefaultedDTypeOpt,
+    DefaultedModelOpt,
+    LoraAlphaOpt,
+    LoraRankOpt,
+    MemoryLimitOpt,
+    MethodsOpt,
+    MoreMethodsArg,
+    NumLayersOpt,
+    ObjectiveOpt,
+    OutOpt,
+    PromptLenOpt,
+    ProtocolOpt,
+    StepOpt,
+    TimeoutOpt,
+    parse_methods,
+    point_specs,
+)
 
-# With no options: a real comparison on a GPU (the paper's Table 2 point), a one-minute one on a CPU.
-DEFAULTS = {
-    "cuda": {"model": "Qwen/Qwen3-4B", "seq": 9000, "dtype": "bf16"},
-    "cpu": {"model": "small/qwen3", "seq": 2048, "dtype": "fp32"},
-}
 DEFAULT_OUT = Path("results/runs.csv")
-DEFAULT_BATCH = {"sft": 1, "grpo": 8, "dpo": 2}  # the paper's: one sequence, a group of 8, one pair
-
-
-def parse_methods(values: list[str]) -> tuple[str, ...]:
-    """`--method bp ckpt`, `--method bp --method ckpt` and `--method bp,ckpt` all mean the same."""
-    names = [name for value in values for name in value.replace(",", " ").split()]
-    for name in names:
-        if name not in METHODS:
-            raise ValueError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
-    return tuple(dict.fromkeys(names)) or tuple(METHODS)
-
-
-def resolve_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
 
 
 def _status(row: ResultRow) -> str:
@@ -101,101 +98,58 @@ def results_table(rows: list[ResultRow], title: str) -> Table:
 
 
 def run(
-    method: Annotated[
-        list[str] | None,
-        typer.Option("--method", help=f"Methods: {', '.join(METHODS)}; several allowed (default: all)."),
-    ] = None,
-    more_methods: Annotated[
-        list[str] | None,
-        typer.Argument(metavar="[METHOD]...", help="More methods after --method: `--method bp ckpt streambp`."),
-    ] = None,
-    model: Annotated[
-        str | None,
-        typer.Option(
-            "--model",
-            "-m",
-            help="Registry name (`sbp models`) or a local checkpoint directory "
-            "(default: Qwen/Qwen3-4B on cuda, small/qwen3 on cpu).",
-        ),
-    ] = None,
+    method: MethodsOpt = None,
+    more_methods: MoreMethodsArg = None,
+    model: DefaultedModelOpt = None,
     seq: Annotated[
         int | None,
         typer.Option("--seq", "-T", help="Tokens per row, prompt included (default: 9000 on cuda, 2048 on cpu)."),
     ] = None,
-    batch: Annotated[
-        int | None,
-        typer.Option("--batch", "-B", min=1, help="Rows per batch (default: sft 1, grpo 8 = a group, dpo 2 = a pair)."),
-    ] = None,
-    objective: Annotated[str, typer.Option(help=f"Training objective: {', '.join(OBJECTIVES)}.")] = "sft",
-    prompt_len: Annotated[
-        int, typer.Option(min=1, help="grpo/dpo: prompt tokens within --seq (at most half of it).")
-    ] = DEFAULT_PROMPT_LEN,
-    lora_rank: Annotated[
-        int, typer.Option(min=0, help="LoRA rank on all linear layers (peft); 0: full fine-tuning.")
-    ] = 0,
-    lora_alpha: Annotated[int, typer.Option(min=1, help="LoRA alpha.")] = 128,
-    step: Annotated[
-        str, typer.Option(help="bp: forward + backward (the paper's Figure 3); train: + AdamW (its Table 3).")
-    ] = "bp",
-    dtype: Annotated[DType | None, typer.Option(help="Model dtype (default: bf16 on cuda, fp32 on cpu).")] = None,
+    batch: DefaultedBatchOpt = None,
+    objective: ObjectiveOpt = "sft",
+    prompt_len: PromptLenOpt = DEFAULT_PROMPT_LEN,
+    lora_rank: LoraRankOpt = 0,
+    lora_alpha: LoraAlphaOpt = 128,
+    step: StepOpt = "bp",
+    dtype: DefaultedDTypeOpt = None,
     chunk_size: ChunkOpt = DEFAULT_CHUNK_SIZE,
     logits_chunk_size: LogitsChunkOpt = DEFAULT_LOGITS_CHUNK_SIZE,
-    device: Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N.")] = "auto",
-    num_layers: Annotated[
-        int, typer.Option("--num-layers", min=0, help="Keep only the first N decoder layers; 0 keeps all.")
-    ] = 0,
-    protocol: Annotated[
-        str,
-        typer.Option(help="steady: gradient buffers resident before the step (the paper's); first: allocated in it."),
-    ] = "steady",
+    device: AutoDeviceOpt = "auto",
+    num_layers: NumLayersOpt = 0,
+    protocol: ProtocolOpt = "steady",
     warmup: Annotated[int, typer.Option(min=0, help="Discarded steps before measuring.")] = 1,
-    repeats: Annotated[int, typer.Option(help="Timed steps (median, min, max).")] = 3,
-    memory_limit: Annotated[
-        str | None,
-        typer.Option(help="Cap memory, e.g. 80GiB: CUDA per-process limit; CPU limit on tracked tensors."),
-    ] = None,
-    timeout: Annotated[float, typer.Option(help="Seconds per point before it is recorded as timeout.")] = (
-        DEFAULT_TIMEOUT_S
-    ),
+    repeats: Annotated[int, typer.Option(min=0, help="Timed steps (median, min, max); 0: memory only.")] = 3,
+    memory_limit: MemoryLimitOpt = None,
+    timeout: TimeoutOpt = DEFAULT_TIMEOUT_S,
     seed: SeedOpt = 0,
-    out: Annotated[Path, typer.Option("--out", "-o", help="Results CSV (rows upserted by point).")] = DEFAULT_OUT,
+    out: OutOpt = DEFAULT_OUT,
 ) -> None:
     """Measure peak memory and step time of each method at one (model, T) point, one process per
     method, and add the rows to a results CSV. With no options: a real comparison on a GPU
     (Qwen/Qwen3-4B, T=9000, bf16), about a minute on a CPU (small/qwen3, T=2048, fp32)."""
     with user_errors():
-        methods = parse_methods([*(method or []), *(more_methods or [])])
-        device = resolve_device(device)
-        defaults = DEFAULTS["cuda" if device.startswith("cuda") else "cpu"]
-        if objective not in OBJECTIVES:
-            raise ValueError(f"unknown objective {objective!r}; choose from {', '.join(OBJECTIVES)}")
-        if protocol not in PROTOCOLS:
-            raise ValueError(f"unknown protocol {protocol!r}; choose from {', '.join(PROTOCOLS)}")
-        specs = [
-            RunSpec(
-                model=model or defaults["model"],
-                method=name,
-                seq_len=seq if seq is not None else defaults["seq"],
-                batch_size=batch or DEFAULT_BATCH[objective],
-                objective=objective,
-                prompt_len=prompt_len,
-                lora_rank=lora_rank,
-                lora_alpha=lora_alpha,
-                step=step,
-                dtype=dtype.value if dtype else defaults["dtype"],
-                device=device,
-                settings=MethodSettings(chunk_size=chunk_size, logits_chunk_size=logits_chunk_size),
-                num_layers=num_layers or None,
-                protocol=protocol,
-                warmup=warmup,
-                repeats=repeats,
-                memory_limit_bytes=parse_bytes(memory_limit) if memory_limit else None,
-                seed=seed,
-                timeout_s=timeout,
-            )
-            for name in methods
-        ]
-        _check_model(specs[0].model)
+        specs = point_specs(
+            parse_methods([*(method or []), *(more_methods or [])]),
+            model=model,
+            seq=seq,
+            batch=batch,
+            objective=objective,
+            prompt_len=prompt_len,
+            lora_rank=lora_rank,
+            lora_alpha=lora_alpha,
+            step=step,
+            dtype=dtype,
+            chunk_size=chunk_size,
+            logits_chunk_size=logits_chunk_size,
+            device=device,
+            num_layers=num_layers,
+            protocol=protocol,
+            memory_limit=memory_limit,
+            seed=seed,
+            warmup=warmup,
+            repeats=repeats,
+            timeout_s=timeout,
+        )
         check_writable(out)
         console = Console()
         rows = []
@@ -224,10 +178,3 @@ def run(
 
 def _measuring(spec: RunSpec) -> str:
     return f"measuring {spec.method} ({spec.model}, T={spec.seq_len}, {spec.device})"
-
-
-def _check_model(name: str) -> None:
-    """Fail in the parent, before any process starts, on a model that cannot be built."""
-    from ..models import load_config
-
-    load_config(name)

@@ -1,19 +1,20 @@
 """The results schema and the CSV files that hold it."""
 
 from .schema import COLUMNS, KEY_COLUMNS, KINDS, PROVENANCE_COLUMNS, SCHEMA_VERSION, SOURCES, STATUSES, ResultRow
-from .store import check_writable, completed_keys, load_results, read_rows, row_key, upsert_rows
+from .store import check_writable, completed_keys, decode_row, load_results, read_rows, row_key, upsert_rows
 
 __all__ = [
     "COLUMNS",
     "KEY_COLUMNS",
-    "PROVENANCE_COLUMNS",
     "KINDS",
+    "PROVENANCE_COLUMNS",
     "SCHEMA_VERSION",
     "SOURCES",
     "STATUSES",
     "ResultRow",
     "check_writable",
     "completed_keys",
+    "decode_row",
     "load_results",
     "read_rows",
     "row_key",

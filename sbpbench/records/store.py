@@ -14,6 +14,7 @@ import os
 import tempfile
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import fields
 from pathlib import Path
 
 from .schema import COLUMNS, KEY_COLUMNS, UPGRADES, ResultRow
@@ -29,6 +30,25 @@ def encode(value) -> str:
     if isinstance(value, float):
         return repr(value)
     return str(value)
+
+
+def decode_row(values: dict[str, str]) -> ResultRow:
+    """A CSV row (strings, as read_rows gives it) back as a ResultRow; unknown columns dropped."""
+    row = ResultRow()
+    for f in fields(ResultRow):
+        text = values.get(f.name, "")
+        if text == "":
+            value = None if "None" in str(f.type) else ""
+        elif f.type.startswith("int"):
+            value = int(float(text))
+        elif f.type.startswith("float"):
+            value = float(text)
+        elif f.type.startswith("bool"):
+            value = text == "true"
+        else:
+            value = text
+        setattr(row, f.name, value)
+    return row
 
 
 def encode_row(row: ResultRow | dict) -> dict[str, str]:

@@ -8,7 +8,8 @@ Protocol (recorded in every row):
      on the CPU: the memory step first (the live-tensor tracker counts tensors, which no lazy
      setup creates there, and a step over --memory-limit stops before any warm-up is spent),
      then the warm-up, which also keeps the tracker's first-run costs out of the timed steps;
-  3. `repeats` timed steps, synchronised, with nothing else running (no tracker, no sampler).
+  3. `repeats` timed steps, synchronised, with nothing else running (no tracker, no sampler);
+     none for a memory-only point (repeats 0: a max-length probe).
 Gradients before each step follow the protocol: steady = resident and zeroed in place, first =
 None. An out-of-memory error anywhere is the point's result (status oom), not a crash.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import gc
 import traceback
 from collections.abc import Callable
+from functools import cache
 
 import torch
 
@@ -36,11 +38,22 @@ from .spec import RunSpec, build_model_and_batch
 _HOST_OOM_MESSAGES = ("can't allocate memory", "out of memory")
 
 
+@cache
+def _full_depth(model: str) -> int | None:
+    from ..models import load_config
+
+    try:
+        return load_config(model).num_hidden_layers
+    except (OSError, ValueError):  # a model that cannot be built: its row says why elsewhere
+        return None
+
+
 def spec_fields(spec: RunSpec) -> dict:
-    """The row columns a spec fixes before anything runs."""
+    """The row columns a spec fixes before anything runs. num_layers is the depth that will be
+    built (a full model's from its config), so a row keyed before running equals the measured one."""
     return {
         "model": spec.model,
-        "num_layers": spec.num_layers,
+        "num_layers": spec.num_layers or _full_depth(spec.model),
         "method": spec.method,
         "objective": spec.objective,
         "step": spec.step,
@@ -62,6 +75,17 @@ def spec_fields(spec: RunSpec) -> dict:
         "repeats": spec.repeats,
         "memory_source": "torch.cuda" if spec.device.startswith("cuda") else "tensor-tracker",
     }
+
+
+def spec_key(spec: RunSpec, *, device_name: str, source: str = "measured", kind: str = "point") -> tuple[str, ...]:
+    """The results-CSV key of the row this spec will give on a device called device_name (a
+    maxlen answer row: kind maxlen, no seq_len)."""
+    from ..records import row_key
+
+    values = {**spec_fields(spec), "kind": kind, "source": source, "device_name": device_name}
+    if kind == "maxlen":
+        values["seq_len"] = None
+    return row_key(values)
 
 
 def is_out_of_memory(error: BaseException) -> bool:
@@ -205,7 +229,9 @@ def measure_point(spec: RunSpec) -> ResultRow:
             synchronize = _measure_cuda(step, row, device)
         else:
             synchronize = _measure_cpu(step, row)
-        timing = time_steps(step.run, repeats=spec.repeats, synchronize=synchronize, before_each=step.prepare)
+        timing = None
+        if spec.repeats:
+            timing = time_steps(step.run, repeats=spec.repeats, synchronize=synchronize, before_each=step.prepare)
         step.record_optimizer(row)
     except Exception as error:  # noqa: BLE001 (any failure is the point's outcome, classified; the traceback goes to the worker's stderr)
         traceback.print_exc()
@@ -213,6 +239,8 @@ def measure_point(spec: RunSpec) -> ResultRow:
         row.error = one_line(error)
         return row
     row.status = "ok"
+    if timing is None:
+        return row
     row.time_median_s, row.time_min_s, row.time_max_s = timing.median_s, timing.min_s, timing.max_s
     row.tokens_per_s = spec.batch_size * spec.seq_len / timing.median_s
     row.tflops_per_s = row.model_flops / timing.median_s / 1e12

@@ -20,6 +20,13 @@ PROTOCOLS = ("steady", "first")
 DEFAULT_TIMEOUT_S = 3600.0
 
 
+def resolve_device(device: str) -> str:
+    """ "auto": cuda if a GPU is visible, else cpu; anything else as given."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
 def check_model_settings(spec) -> None:
     """What `sbp run` points and `sbp check` share: sequence, batch, objective, LoRA rank, dtype,
     depth and device (spec: any object with those attributes)."""
@@ -86,7 +93,7 @@ class RunSpec:
     num_layers: int | None = None  # keep the first N decoder layers (None: the model's depth)
     protocol: str = "steady"
     warmup: int = 1  # steps run and discarded before the measured ones
-    repeats: int = 3  # timed steps
+    repeats: int = 3  # timed steps (0: memory only, as a max-length probe)
     memory_limit_bytes: int | None = None  # CUDA: per-process cap; CPU: cap on tracked bytes
     seed: int = 0
     timeout_s: float = DEFAULT_TIMEOUT_S
@@ -101,8 +108,8 @@ class RunSpec:
             raise ValueError("need --lora-alpha > 0 and --prompt-len >= 1")
         if self.protocol not in PROTOCOLS:
             raise ValueError(f"unknown protocol {self.protocol!r}; choose from {', '.join(PROTOCOLS)}")
-        if self.warmup < 0 or self.repeats < 1:
-            raise ValueError(f"need --warmup >= 0 and --repeats >= 1, got {self.warmup} and {self.repeats}")
+        if self.warmup < 0 or self.repeats < 0:
+            raise ValueError(f"need --warmup >= 0 and --repeats >= 0, got {self.warmup} and {self.repeats}")
         if self.memory_limit_bytes is not None and self.memory_limit_bytes <= 0:
             raise ValueError(f"--memory-limit must be positive, got {self.memory_limit_bytes}")
         if self.timeout_s <= 0:

@@ -7,16 +7,34 @@ print to stdout/stderr freely: the result does not travel through them.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
 from .point import measure_point
 from .spec import RunSpec
 
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_parent() -> None:
+    """Linux: have the kernel SIGKILL this worker when its parent dies, even by SIGKILL (which the
+    parent cannot catch to kill its worker itself). Elsewhere a no-op."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent died before the request took effect
+        os._exit(1)
+
 
 def main(argv: list[str]) -> int:
+    die_with_parent()
     if len(argv) != 1:
         print("usage: python -m sbpbench.runner.worker RESULT.json < SPEC.json", file=sys.stderr)
         return 2

@@ -1,0 +1,52 @@
+"""`sbp plot`: every figure a results table has the data for, as PNG and SVG files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ..report.inputs import load_paper, load_table
+from .errors import user_errors
+
+# Declared once, shared with `sbp report`.
+ResultsArg = Annotated[
+    Path, typer.Argument(help="Results CSV, or a directory whose CSVs are read together (written by `sbp run --out`).")
+]
+ReferenceOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--reference", help="The paper's numbers (default: experiments/reference/streambp_paper.csv in the repository)."
+    ),
+]
+
+
+def plot(
+    results: ResultsArg,
+    out: Annotated[Path, typer.Option("--out", "-o", help="Directory for the figures (created).")] = Path("plots"),
+    reference: ReferenceOpt = None,
+    formats: Annotated[
+        list[str] | None, typer.Option("--format", help="png, svg or pdf; several allowed (default: png and svg).")
+    ] = None,
+) -> None:
+    """Draw peak memory vs T, step time vs T, max T per model and time per sample vs batch size,
+    each with the paper's numbers faint where they exist, and print the files written."""
+    from ..plot import FORMATS, plot_all  # matplotlib: imported only by the command that draws
+
+    with user_errors():
+        table = load_table(results)
+        paper, note = load_paper(reference)
+        chosen = tuple(dict.fromkeys(f for value in formats or [] for f in value.replace(",", " ").split()))
+        paths = plot_all(table, out, paper, chosen or FORMATS)
+    if note:
+        typer.echo(note, err=True)
+    if not paths:
+        typer.echo(
+            f"no figure: {results} has no method timed or measured at two or more T, no max-length search "
+            "and no batch-size series; add points with `sbp run`"
+        )
+        return
+    for path in paths:
+        typer.echo(str(path))
+    typer.echo(f"{len(paths)} file(s) written to {out}")

@@ -1,0 +1,40 @@
+"""`sbp report`: the results beside the paper's numbers, as Markdown (stdout or a file)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ..report import markdown_report
+from ..report.inputs import load_paper, load_table
+from .errors import user_errors
+from .plot_cmd import ReferenceOpt, ResultsArg
+
+
+def report(
+    results: ResultsArg,
+    out: Annotated[
+        Path | None, typer.Option("--out", "-o", help="Write the Markdown to this file (default: print it).")
+    ] = None,
+    reference: ReferenceOpt = None,
+) -> None:
+    """Compare measured rows with the paper's (ratio ours / paper, on comparable devices), list the
+    rows the paper has no counterpart for, and put estimates beside measurements, in Markdown."""
+    with user_errors():
+        table = load_table(results)
+        paper, note = load_paper(reference)
+        text = markdown_report(table, paper)
+        if out is not None:
+            try:
+                out.parent.mkdir(parents=True, exist_ok=True)
+                out.write_text(text)
+            except OSError as error:
+                raise PermissionError(f"cannot write {out} ({error.strerror}); pass a writable --out path") from None
+    if note:
+        typer.echo(note, err=True)
+    if out is None:
+        typer.echo(text, nl=False)
+    else:
+        typer.echo(f"report written to {out}")

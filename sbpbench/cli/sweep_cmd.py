@@ -1,0 +1,117 @@
+"""`sbp sweep`: run an experiment file point by point, with progress, resumable."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from ..measure.environment import capture_environment
+from ..measure.units import gib
+from ..records import ResultRow, check_writable, decode_row, read_rows, row_key
+from ..runner.search import ProbeFailed
+from ..runner.sweep import Job, plan, run_sweep
+from .errors import user_errors
+from .maxlen_cmd import maxlen_table
+
+
+def sweep(
+    experiment: Annotated[Path, typer.Argument(help="Experiment file, e.g. experiments/smoke_cpu.toml.")],
+    out: Annotated[
+        Path | None, typer.Option("--out", "-o", help="Results CSV (default: results/<experiment name>.csv).")
+    ] = None,
+    resume: Annotated[
+        bool, typer.Option(help="Skip points already in --out (same settings); --no-resume reruns them.")
+    ] = True,
+    device: Annotated[
+        str | None, typer.Option("--device", help="Override every point's device (cpu, cuda, cuda:N).")
+    ] = None,
+) -> None:
+    """Run every point of an experiment file, each in its own process, with a progress bar.
+    Each finished point is in --out before the next starts: Ctrl-C or a kill loses at most the
+    point in flight, and the same command resumes. An OOM is recorded and the sweep goes on;
+    longer sequences of the same settings are then recorded as skipped (certain OOM)."""
+    from ..experiments import load_experiment
+
+    with user_errors():
+        loaded = load_experiment(experiment, device=device)
+        out = out or Path("results") / f"{loaded.name}.csv"
+        check_writable(out)
+        first = (loaded.grid or [s.base for s in loaded.searches])[0]
+        env = capture_environment(first.device)
+        jobs = plan(loaded.points, out, device_name=env.device_name, resume=resume)
+    console = Console()
+    todo = [job for job in jobs if not job.done]
+    console.print(
+        f"{loaded.name}: {len(jobs)} point(s), {len(jobs) - len(todo)} already in {out}, {len(todo)} to run "
+        f"on {env.device_name}",
+        highlight=False,
+    )
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("elapsed"),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+        console=console,
+    )
+    rows: list[ResultRow] = []
+    try:
+        with progress:
+            task = progress.add_task("starting", total=len(todo))
+
+            def start(job: Job) -> None:
+                progress.update(task, description=job.describe())
+
+            def probed(job: Job, row: ResultRow) -> None:
+                progress.update(task, description=f"{job.describe()} (T={row.seq_len} {row.status})")
+
+            def done(job: Job, row: ResultRow) -> None:
+                progress.advance(task)
+
+            rows = run_sweep(todo, out, env=env, on_start=start, on_probe=probed, on_done=done)
+    except KeyboardInterrupt:
+        console.print(f"interrupted: finished points are in {out}; run the same command to resume", highlight=False)
+        raise typer.Exit(130) from None
+    except ProbeFailed as error:
+        console.print(f"[red]{escape(str(error))}[/]; finished points are in {out}", highlight=False)
+        raise typer.Exit(1) from None
+    keys = {job.key for job in jobs}
+    _summary(console, loaded.name, [decode_row(r) for r in read_rows(out) if row_key(r) in keys])
+    console.print(f"{len(rows)} new row(s) in {out}", highlight=False)
+    if any(row.status in ("error", "timeout") for row in rows):
+        raise typer.Exit(1)
+
+
+def _summary(console: Console, name: str, rows: list[ResultRow]) -> None:
+    points = [row for row in rows if row.kind == "point"]
+    if points:
+        table = Table(title=f"{name}: every point", caption="GiB = 2^30 B; act: peak minus resident baseline")
+        for header in ("model", "method", "T", "B", "status", "peak GiB", "act GiB", "time s"):
+            table.add_column(header, justify="left" if header in ("model", "method", "status") else "right")
+        for row in points:
+            table.add_row(
+                row.model,
+                row.method,
+                f"{row.seq_len:,}",
+                str(row.batch_size),
+                row.status,
+                gib(row.peak_allocated_bytes),
+                gib(row.activation_peak_bytes),
+                "-" if row.time_median_s is None else f"{row.time_median_s:.3f}",
+            )
+        console.print(table)
+    searches: dict[tuple, list[ResultRow]] = {}
+    for row in rows:
+        if row.kind == "maxlen":
+            group = (row.model, row.objective, row.lora_rank, row.step, row.dtype, row.batch_size)
+            searches.setdefault(group, []).append(row)
+    for group_rows in searches.values():
+        console.print(maxlen_table(group_rows))

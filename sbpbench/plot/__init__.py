@@ -1,0 +1,40 @@
+"""Figures of a results table (`records.load_results`), pure consumers of the CSV.
+
+Each figure function takes the table, an output directory, the paper's reference table (or None)
+and the formats, draws every figure the table has the data for, and returns the paths written.
+File names: `<metric>__<model>__<device>__<protocol>[__<setting>...].<fmt>`, e.g.
+`memory_vs_seq__Qwen3-8B__NVIDIA-H200-limit80GiB__steady.png`; see each module for its figure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..report.select import complete_columns
+from .common import FORMATS
+from .maxlen import max_seq_len_bars
+from .memory import memory_vs_seq
+from .timing import time_per_sample_vs_batch, time_vs_seq
+
+FIGURES = (memory_vs_seq, time_vs_seq, max_seq_len_bars, time_per_sample_vs_batch)
+
+
+def plot_all(table, out_dir: str | Path, reference=None, formats: Sequence[str] = FORMATS) -> list[Path]:
+    """Every figure the table has data for, in each format; the written paths, sorted."""
+    for fmt in formats:
+        if fmt not in ("png", "svg", "pdf"):
+            raise ValueError(f"unknown figure format {fmt!r}; choose from png, svg, pdf")
+    table = complete_columns(table)
+    return sorted(path for figure in FIGURES for path in figure(table, Path(out_dir), reference, formats))
+
+
+__all__ = [
+    "FIGURES",
+    "FORMATS",
+    "max_seq_len_bars",
+    "memory_vs_seq",
+    "plot_all",
+    "time_per_sample_vs_batch",
+    "time_vs_seq",
+]

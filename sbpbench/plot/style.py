@@ -1,0 +1,53 @@
+"""How every figure looks: one colour and marker per method, how estimates, OOMs and the paper are drawn.
+
+Colours are the Okabe-Ito palette (readable with colour-blindness); a method keeps its colour in
+every figure. Conventions: measured = solid line / plain bar; simulated = dashed line / hatched
+bar, "(estimate)" in its label; the paper's numbers faint (PAPER_ALPHA) in the method's colour;
+an OOM is an "x" (skipped = certain OOM, drawn the same).
+"""
+
+from __future__ import annotations
+
+import re
+
+METHOD_ORDER = ("bp", "ckpt", "mst", "streambp")
+METHOD_LABELS = {"bp": "bp (w/o ckpt)", "ckpt": "ckpt (w/ ckpt)", "mst": "MsT (paper only)", "streambp": "StreamBP"}
+METHOD_COLOURS = {"bp": "#D55E00", "ckpt": "#0072B2", "mst": "#CC79A7", "streambp": "#009E73"}
+METHOD_MARKERS = {"bp": "o", "ckpt": "s", "mst": "^", "streambp": "D"}
+OTHER_COLOUR, OTHER_MARKER = "#7F7F7F", "v"  # a method added later, until it gets its own
+
+ESTIMATE_LINESTYLE, ESTIMATE_HATCH = "--", "//"
+PAPER_ALPHA = 0.35
+OOM_MARKER = "x"
+CAPACITY_STYLE = {"color": "black", "linestyle": "-.", "linewidth": 1.0}
+WEIGHTS_GRADS_STYLE = {"color": "#555555", "linestyle": ":", "linewidth": 1.2}
+
+FIGSIZE_IN, DPI = (8.0, 6.0), 100  # every PNG is 800 x 600 pixels
+FONT_SIZE, LEGEND_FONT_SIZE = 9, 7
+
+
+def method_sort_key(method: str) -> tuple:
+    return (METHOD_ORDER.index(method) if method in METHOD_ORDER else len(METHOD_ORDER), method)
+
+
+def colour(method: str) -> str:
+    return METHOD_COLOURS.get(method, OTHER_COLOUR)
+
+
+def marker(method: str) -> str:
+    return METHOD_MARKERS.get(method, OTHER_MARKER)
+
+
+def label(method: str, *, simulated: bool = False, extra: str = "") -> str:
+    text = METHOD_LABELS.get(method, method) + (f" {extra}" if extra else "")
+    return f"{text} (estimate)" if simulated else text
+
+
+def file_safe(text: str) -> str:
+    """ "NVIDIA H200, limit 80 GiB" -> "NVIDIA-H200-limit-80-GiB": letters, digits, . _ - only."""
+    return re.sub(r"[^A-Za-z0-9._]+", "-", str(text)).strip("-") or "unknown"
+
+
+def thousands(tokens: float) -> str:
+    """Token counts as the paper writes them: 4700 -> "4.7k", 110000 -> "110k", 440 -> "440"."""
+    return f"{tokens / 1000:.3g}k" if tokens >= 1000 else f"{tokens:.0f}"

@@ -1,0 +1,140 @@
+"""Figures (b) and (d): step time vs sequence length (paper Table 1) and time per sample vs batch
+size at one T (paper Table 2), per method, median with min-max error bars.
+
+The paper's times are drawn faint on figures of a CUDA device only (it timed an A800-80GB; a CPU
+time beside it says nothing). "x" at the bottom edge: an OOM at that x.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..report.select import is_cuda, is_oom, is_truncated, paper_rows
+from . import style
+from .common import (
+    FORMATS,
+    POINT_GROUP,
+    device_part,
+    finish,
+    group_rows,
+    log2_x,
+    model_title,
+    new_figure,
+    save,
+    series,
+    setting_parts,
+    setting_title,
+    short,
+    stem,
+    where_title,
+)
+
+OOM_Y = 0.03  # axes fraction where OOM markers sit (bottom edge)
+BATCH_GROUP = tuple(c for c in POINT_GROUP if c != "batch_size") + ("seq_len",)
+
+
+def time_vs_seq(table, out_dir: Path, reference=None, formats: Sequence[str] = FORMATS) -> list[Path]:
+    """Step time (s) vs T, one figure per model and setting with times at two or more T; the written paths."""
+    points = table[table["kind"] == "point"]
+    paths = []
+    for _, rows in group_rows(points, POINT_GROUP):
+        if rows.loc[rows["time_median_s"].notna(), "seq_len"].nunique() < 2:
+            continue
+        paths += _figure(rows, "seq_len", reference, Path(out_dir), formats)
+    return paths
+
+
+def time_per_sample_vs_batch(table, out_dir: Path, reference=None, formats: Sequence[str] = FORMATS) -> list[Path]:
+    """Time per sample (s) vs batch size at one T, where a method was timed at several batch sizes."""
+    points = table[table["kind"] == "point"]
+    paths = []
+    for _, rows in group_rows(points, BATCH_GROUP):
+        timed = rows[rows["time_median_s"].notna()]
+        if not (timed.groupby(["method", "source"])["batch_size"].nunique() >= 2).any():
+            continue
+        paths += _figure(rows, "batch_size", reference, Path(out_dir), formats)
+    return paths
+
+
+def _figure(rows, x: str, reference, out_dir: Path, formats) -> list[Path]:
+    per_sample = x == "batch_size"
+    like = rows.iloc[0]
+    fig, ax = new_figure()
+    xs = list(rows[x].dropna())
+    for method, simulated, extra, part in series(rows):
+        ok = part[(part["status"] == "ok") & part["time_median_s"].notna()].sort_values(x)
+        scale = ok["batch_size"] if per_sample else 1
+        median, low, high = ok["time_median_s"] / scale, ok["time_min_s"] / scale, ok["time_max_s"] / scale
+        ax.errorbar(
+            ok[x],
+            median,
+            yerr=[(median - low).fillna(0), (high - median).fillna(0)],
+            linestyle=style.ESTIMATE_LINESTYLE if simulated else "-",
+            marker=style.marker(method),
+            color=style.colour(method),
+            capsize=3,
+            label=style.label(method, simulated=simulated, extra=extra),
+        )
+        ooms = part.loc[part.apply(is_oom, axis=1), x].dropna()
+        ax.plot(
+            ooms,
+            [OOM_Y] * len(ooms),
+            style.OOM_MARKER,
+            color=style.colour(method),
+            markersize=8,
+            transform=ax.get_xaxis_transform(),
+        )
+    if is_cuda(like) and not is_truncated(like):
+        xs += _draw_paper(ax, reference, like, x)
+    if rows.apply(is_oom, axis=1).any():
+        ax.plot([], [], style.OOM_MARKER, color="black", label="out of memory")
+    ax.set_ylim(bottom=0)
+    log2_x(ax, xs)
+    if per_sample:
+        ax.set_xticks(sorted(set(xs)))
+    what = "time per sample (s)" if per_sample else "step time (s)"
+    ax.set_xlabel("batch size (rows)" if per_sample else "sequence length T (tokens per row)", fontsize=style.FONT_SIZE)
+    ax.set_ylabel(f"{what}: median, bars min-max", fontsize=style.FONT_SIZE)
+    fixed = f"T={like['seq_len']:.0f}, " if per_sample else ""
+    setting = setting_title(like, batch=not per_sample)
+    versus = "batch size" if per_sample else "T"
+    finish(fig, ax, f"{model_title(like)}: {what} vs {versus}, {fixed}{setting}\n{where_title(like)}")
+    parts = setting_parts(like)
+    if per_sample:
+        parts = [p for p in parts if not p.startswith("B")] + [f"T{like['seq_len']:.0f}"]
+    metric = "time_per_sample_vs_batch" if per_sample else "time_vs_seq"
+    return save(fig, out_dir, stem(metric, short(like), device_part(like), like["protocol"], *parts), formats)
+
+
+def _draw_paper(ax, reference, like, x: str) -> list[float]:
+    """Table 1 (time vs T) or Table 2 (time per sample vs batch at its T) faint; the x values drawn."""
+    if x == "batch_size":
+        paper = paper_rows(reference, table="Table 2", metric="time_per_sample_s", like=like, method=False, batch=False)
+        paper, name = paper[paper["seq_len"] == like["seq_len"]], "Table 2"
+    else:
+        paper, name = paper_rows(reference, table="Table 1", metric="time_s", like=like, method=False), "Table 1"
+    for method, rows in paper.groupby("method", sort=False):
+        colour, rows = style.colour(method), rows.sort_values(x)
+        ok = rows[rows["status"] == "ok"]
+        ax.plot(
+            ok[x],
+            ok["value"],
+            color=colour,
+            alpha=style.PAPER_ALPHA,
+            marker=style.marker(method),
+            markerfacecolor="none",
+            linewidth=2.5,
+            label=f"{style.label(method)}, paper {name} (A800-80GB)",
+        )
+        ooms = rows.loc[rows["status"] == "oom", x]
+        ax.plot(
+            ooms,
+            [OOM_Y] * len(ooms),
+            style.OOM_MARKER,
+            color=colour,
+            alpha=style.PAPER_ALPHA,
+            markersize=8,
+            transform=ax.get_xaxis_transform(),
+        )
+    return list(paper[x])

@@ -1,0 +1,162 @@
+"""`markdown_report`: the results table beside the paper's numbers, as deterministic Markdown.
+
+Three sections: measured rows beside the paper (one table per paper table and metric, ratio =
+ours / paper); measured rows the paper has nothing to compare with; estimates (simulated rows),
+beside measurements of the same point and beside the paper's max T, never mixed with the above.
+"""
+
+from __future__ import annotations
+
+from ..measure.units import GIB
+from ..records.reference import PAPER_DEVICE
+from .compare import Comparison, estimate_comparisons, estimates_vs_paper, paper_comparisons, run, setting
+from .select import complete_columns, natural_key, no_reference, number, present
+from .select import is_truncated as truncated
+
+METRIC_TITLES = {
+    "max_seq_len": "max T (tokens)",
+    "weights_grads_bytes": "weights + grads (GiB)",
+    "peak_allocated_bytes": "peak memory (GiB)",
+    "time_s": "step time (s)",
+    "time_per_sample_s": "time per sample (s)",
+}
+COMPARE_HEADERS = ("model", "method", "setting", "ours ran on", "paper", "ours", "ours/paper")
+METHOD_ORDER = {"bp": 0, "ckpt": 1, "mst": 2, "streambp": 3}
+
+
+def markdown_report(table, reference=None) -> str:
+    """The report as Markdown; `reference`: `records.reference.load_reference()` or None."""
+    table, paper = complete_columns(table), no_reference() if reference is None else reference
+    lines = [
+        "# sbpbench results beside the StreamBP paper",
+        "",
+        f"Paper: Luo et al. 2025, StreamBP, arXiv 2506.03077, on one {PAPER_DEVICE} GPU.",
+        "Units: memory in GiB (2^30 bytes), lengths in tokens, times in seconds (our median); ratio = ours / paper.",
+        _counts(table),
+    ]
+    if reference is None:
+        lines.append("No paper reference was loaded: nothing to compare with.")
+    comparisons, matched, coverage = paper_comparisons(table, paper)
+    lines += _paper_section(comparisons, coverage)
+    lines += _unmatched_section(table[(table["source"] == "measured") & ~table.index.isin(matched)])
+    lines += _estimates_section(table, paper)
+    return "\n".join(lines) + "\n"
+
+
+def _counts(table) -> str:
+    measured = int((table["source"] == "measured").sum())
+    return f"Results: {len(table)} rows, {measured} measured, {len(table) - measured} simulated (estimates)."
+
+
+def _paper_section(comparisons: list[Comparison], coverage) -> list[str]:
+    lines = [
+        "",
+        "## Measured beside the paper",
+        "",
+        (
+            "Comparable: memory and max-T numbers need a CUDA device whose capacity (the memory limit if set, "
+            "else the device total) is within 10% of 80 GiB; times need a CUDA device (named in each row; "
+            f"the paper used an {PAPER_DEVICE}). Whole models only. OOM on either side: no ratio. "
+            "A max T marked ≥ reached the search's ceiling without an OOM."
+        ),
+    ]
+    for table, metric in dict.fromkeys((c.table, c.metric) for c in comparisons):
+        rows = [c for c in comparisons if (c.table, c.metric) == (table, metric)]
+        lines += ["", f"### {table}: {METRIC_TITLES[metric]}", ""]
+        if metric == "max_seq_len" and any(_prompted(c.setting) for c in rows):
+            note = "grpo/dpo: the paper's number is read as the completion length, so ours is max_seq_len - prompt_len"
+            lines += [f"{note} (experiments/paper_table3.toml).", ""]
+        lines += _markdown_table(COMPARE_HEADERS, [_compare_cells(c) for c in rows])
+    if not comparisons:
+        lines += ["", "No measured row is comparable with a paper number."]
+    counts = ", ".join(f"{name}: {done} of {total}" for name, done, total in coverage)
+    lines += [
+        "",
+        f"Paper numbers with a comparable measurement: {counts or 'none'}.",
+        "Tables 4-5 (ZeRO-2 on several GPUs) and Table 6 (gradient error) have no counterpart in a results table.",
+    ]
+    return lines
+
+
+def _unmatched_section(rows) -> list[str]:
+    lines = ["", "## Measured, no paper counterpart", ""]
+    if rows.empty:
+        return lines + ["None."]
+    headers = ("model", "method", "setting", "ran on", "status", "peak GiB", "time s", "max T")
+    ordered = sorted(
+        (_row_cells(row) for _, row in rows.iterrows()),
+        key=lambda cells: (natural_key(cells[0]), natural_key(cells[3]), _method_rank(cells[1]), natural_key(cells[2])),
+    )
+    return lines + _markdown_table(headers, ordered)
+
+
+def _estimates_section(table, reference) -> list[str]:
+    lines = [
+        "",
+        "## Estimates vs measurements",
+        "",
+        "Simulated rows: a fake-tensor estimate of a GPU, not a measurement.",
+    ]
+    against_measured, unmatched = estimate_comparisons(table)
+    headers = ("model", "method", "setting", "measured on", "measured GiB", "estimate GiB", "error")
+    lines += ["", "### Estimated peak memory beside the measured one (error = estimate / measured - 1)", ""]
+    lines += _markdown_table(headers, [_estimate_cells(c) for c in against_measured]) or ["None."]
+    if unmatched:
+        lines += ["", f"{unmatched} simulated point(s) have no measured counterpart."]
+    against_paper = estimates_vs_paper(table, reference)
+    headers = ("model", "method", "setting", "estimated for", "paper", "estimate", "estimate/paper")
+    lines += ["", "### Estimated max T beside the paper's (Figure 3 for step bp, Table 3 for train)", ""]
+    lines += _markdown_table(headers, [_compare_cells(c) for c in against_paper]) or ["None."]
+    return lines
+
+
+def _compare_cells(c: Comparison) -> list[str]:
+    ceiling = "≥" if c.at_ceiling else ""
+    paper = "-" if c.no_reference else _value(c.reference, c.metric)
+    ratio = "-" if c.ratio is None else f"{c.ratio:.2f}"
+    return [c.model, c.method, c.setting, c.run, paper, ceiling + _value(c.ours, c.metric), ratio]
+
+
+def _estimate_cells(c: Comparison) -> list[str]:
+    error = "-" if c.ratio is None else f"{100 * (c.ratio - 1):+.1f}%"
+    return [c.model, c.method, c.setting, c.run, _value(c.reference, c.metric), _value(c.ours, c.metric), error]
+
+
+def _row_cells(row) -> list[str]:
+    model = row["model"] + (f" ({number(row['num_layers']):.0f} layers)" if truncated(row) else "")
+    peak, time, max_t = (_shown(row, c) for c in ("peak_allocated_bytes", "time_median_s", "max_seq_len"))
+    if max_t and not present(row["oom_seq_len"]):
+        max_t = "≥" + max_t
+    return [model, row["method"], setting(row, seq_len=True), run(row), row["status"], peak, time, max_t]
+
+
+def _value(value: float | None, metric: str) -> str:
+    if value is None:
+        return "OOM"
+    if metric.endswith("_bytes"):
+        return f"{value / GIB:.2f}"
+    if metric == "max_seq_len":
+        return f"{value:.0f}"
+    return f"{value:.2f}"
+
+
+def _shown(row, column: str) -> str:
+    """A recorded number as the report shows it; "" where the row has none."""
+    return _value(number(row[column]), column.replace("time_median_s", "time_s")) if present(row[column]) else ""
+
+
+def _prompted(text: str) -> bool:
+    return text.startswith(("grpo", "dpo"))
+
+
+def _method_rank(method: str) -> tuple:
+    return METHOD_ORDER.get(method, len(METHOD_ORDER)), method
+
+
+def _markdown_table(headers, rows: list[list[str]]) -> list[str]:
+    """A GitHub Markdown table, numbers right-aligned; [] for no rows."""
+    if not rows:
+        return []
+    text = {"model", "method", "setting", "ours ran on", "ran on", "measured on", "estimated for", "status"}
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" if h in text else "---:" for h in headers) + "|"]
+    return lines + ["| " + " | ".join(cell.replace("|", "/") for cell in row) + " |" for row in rows]

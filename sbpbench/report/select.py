@@ -1,0 +1,163 @@
+"""Reading rows of a results table: capacity, OOM, comparability with the paper, stable ordering.
+
+Shared by the plots and the report, so both call the same rows comparable and draw the same OOMs.
+Rows are pandas Series of `records.load_results` (numbers as floats, empty as NaN, strings "").
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from functools import cache
+
+from ..measure.units import GIB
+
+# skipped = a certain OOM that was not run (records/schema.py): shown exactly like an OOM
+OOM_STATUSES = ("oom", "skipped")
+# The paper's GPU is an A800-80GB; a CUDA row whose capacity is within 10% of 80 GiB stands in for
+# it (an H100 80GB has 79.6 GiB, an H200 capped with --memory-limit 80GiB exactly 80).
+PAPER_CAPACITY_BYTES = 80 * GIB
+CAPACITY_TOLERANCE = 0.10
+# Group sizes the paper (and `sbp run`) use per objective: one sample, a GRPO group, a DPO pair.
+DEFAULT_BATCH = {"sft": 1, "grpo": 8, "dpo": 2}
+PROMPTED_OBJECTIVES = ("grpo", "dpo")  # seq_len includes prompt_len; the paper's T is the completion
+MAXLEN_TABLE = {"bp": "Figure 3", "train": "Table 3"}  # the paper's max-T table for each step
+
+
+def complete_columns(table):
+    """The table with every schema column (a CSV of an older schema lacks some): empty text for
+    text columns, NaN for numbers."""
+    from dataclasses import fields
+
+    from ..records import ResultRow
+
+    missing = {f.name: "" if f.type == "str" else math.nan for f in fields(ResultRow) if f.name not in table.columns}
+    return table.assign(**missing) if missing else table
+
+
+def where(rows, keep):
+    """rows[keep] for a per-row list of bools, also when both are empty (rows[[]] would select columns)."""
+    import numpy as np
+
+    return rows[np.asarray(list(keep), dtype=bool)] if len(rows) else rows
+
+
+def present(value) -> bool:
+    """A cell that holds a value (not NaN, None or "")."""
+    if value is None or (isinstance(value, str) and value == ""):
+        return False
+    return not (isinstance(value, float) and math.isnan(value))
+
+
+def number(value) -> float | None:
+    return float(value) if present(value) else None
+
+
+def cell(value) -> str:
+    """A cell as the CSV wrote it, for exact key comparison: 8192.0 -> "8192", NaN -> ""."""
+    if not present(value):
+        return ""
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def is_oom(row) -> bool:
+    return row["status"] in OOM_STATUSES
+
+
+def is_cuda(row) -> bool:
+    return str(row["device"]).startswith("cuda")
+
+
+def capacity_bytes(row) -> float | None:
+    """Memory the step could use: the emulated cap if one was set, else a GPU's total; None for a
+    CPU row without a cap (host RAM is no meaningful limit for the tracked tensors)."""
+    limit = number(row.get("memory_limit_bytes"))
+    if limit:
+        return limit
+    total = number(row.get("device_total_memory_bytes"))
+    return total if total and is_cuda(row) else None
+
+
+def is_paper_capacity(row) -> bool:
+    """A CUDA row whose capacity stands in for the paper's 80 GB GPU (within CAPACITY_TOLERANCE)."""
+    capacity = capacity_bytes(row)
+    return is_cuda(row) and capacity is not None and abs(capacity / PAPER_CAPACITY_BYTES - 1) <= CAPACITY_TOLERANCE
+
+
+@cache
+def full_depth(model: str) -> int | None:
+    """Decoder layers of a registry model (None for a local checkpoint or unknown name)."""
+    from ..models.registry import MODELS, config_dict
+
+    if model not in MODELS:
+        return None
+    return config_dict(model).get("num_hidden_layers")
+
+
+def is_truncated(row) -> bool:
+    """Built with fewer decoder layers than the named model has (`--num-layers`): not the paper's model."""
+    layers, full = number(row.get("num_layers")), full_depth(str(row["model"]))
+    return layers is not None and full is not None and layers < full
+
+
+def prompt_offset(row) -> int:
+    """Tokens of seq_len that are prompt, for objectives whose paper number is a completion length."""
+    if row["objective"] in PROMPTED_OBJECTIVES and present(row.get("prompt_len")):
+        return int(row["prompt_len"])
+    return 0
+
+
+def natural_key(text) -> tuple:
+    """Sort "Qwen3-4B" before "Qwen3-14B": digit runs compare as numbers."""
+    return tuple((0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", str(text)))
+
+
+def short_model(model: str) -> str:
+    """ "Qwen/Qwen3-8B" -> "Qwen3-8B"; the package's own shapes keep their prefix ("tiny-qwen3")."""
+    prefix, _, name = str(model).rstrip("/").rpartition("/")
+    if prefix in ("tiny", "small"):
+        return f"{prefix}-{name}"
+    return name or str(model)
+
+
+def device_label(row) -> str:
+    """ "NVIDIA H200, limit 80 GiB" / "NVIDIA H100 80GB HBM3 (80 GiB)" / "AMD EPYC (cpu)"."""
+    name = row["device_name"] or row["device"] or "unknown device"
+    limit, total = number(row.get("memory_limit_bytes")), number(row.get("device_total_memory_bytes"))
+    if limit:
+        return f"{name}, limit {limit / GIB:g} GiB"
+    if not is_cuda(row):
+        return f"{name} ({row['device'] or 'cpu'})"
+    return f"{name} ({total / GIB:.0f} GiB)" if total else name
+
+
+def no_reference():
+    """An empty reference table: what plots and the report use when the paper's CSV is absent."""
+    import pandas as pd
+
+    columns = ("table", "model", "method", "objective", "lora", "step", "dtype", "batch_size", "seq_len")
+    return pd.DataFrame({c: [] for c in (*columns, "num_gpus", "metric", "value", "status", "note")})
+
+
+def paper_rows(reference, *, table: str | tuple[str, ...], metric: str, like, method: bool = True, batch: bool = True):
+    """Reference rows of `table` and `metric` in the setting of row `like` (model, objective, LoRA or
+    not, step, dtype; the batch size and method too unless turned off), single-GPU numbers only."""
+    reference = no_reference() if reference is None else reference
+    tables = (table,) if isinstance(table, str) else table
+    keep = (
+        reference["table"].isin(tables)
+        & (reference["metric"] == metric)
+        & (reference["model"] == like["model"])
+        & (reference["objective"] == like["objective"])
+        & (reference["lora"] == ((number(like.get("lora_rank")) or 0) > 0))
+        & (reference["step"] == like["step"])
+        & (reference["dtype"] == like["dtype"])
+        & (reference["num_gpus"] == 1)
+    )
+    if batch:
+        keep &= reference["batch_size"] == number(like.get("batch_size"))
+    if method:
+        keep &= reference["method"] == like["method"]
+    return reference[keep]

@@ -1,0 +1,142 @@
+"""`sbp maxlen`'s search with real probes: each probe is one `sbp run` point (isolated process,
+status ok or oom), upserted to the results CSV as it finishes, so an interrupted search resumes
+from the CSV. The answer is one more row: kind maxlen, with the longest ok and shortest OOM."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from datetime import datetime, timezone
+
+from ..measure.environment import Environment, capture_environment
+from ..records import KEY_COLUMNS, ResultRow, decode_row, read_rows, row_key, upsert_rows
+from .isolated import run_isolated
+from .maxlen import Resolution, search_max_len
+from .point import spec_fields, spec_key
+from .spec import RunSpec
+
+# Statuses a probe row can answer with; an error or timeout is not an answer (the search stops).
+_FITS = {"ok": True, "oom": False, "skipped": False}
+
+DEFAULT_RESOLUTION = Resolution(percent=1.0)
+_SEQ_INDEX = KEY_COLUMNS.index("seq_len")
+
+Measure = Callable[[RunSpec, Environment], ResultRow]
+
+
+class ProbeFailed(RuntimeError):
+    """A probe ended in error or timeout: memory says nothing about that length."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MaxlenSpec:
+    """One max-length search: every setting of its probes (base, whose seq_len is ignored) and how
+    the search runs."""
+
+    base: RunSpec
+    resolution: Resolution = DEFAULT_RESOLUTION
+    start: int = 1024  # first probe
+    ceiling: int = 262_144  # longest length tried (the answer is ">= ceiling" if that fits)
+    multiple_of: int = 8
+
+    def __post_init__(self):
+        if not 2 <= self.start <= self.ceiling:
+            raise ValueError(f"need 2 <= --start <= --max-seq, got {self.start} and {self.ceiling}")
+        if self.multiple_of < 1:
+            raise ValueError(f"multiple_of must be >= 1, got {self.multiple_of}")
+
+    @property
+    def method(self) -> str:
+        return self.base.method
+
+    def probe(self, seq_len: int) -> RunSpec:
+        return replace(self.base, seq_len=seq_len)
+
+
+def cached_probes(search: MaxlenSpec, out, *, device_name: str, source: str = "measured") -> dict[int, ResultRow]:
+    """Probe rows already in the CSV for this search: the same key but for seq_len, with an answer."""
+    if out is None:
+        return {}
+    wanted = without_seq_len(spec_key(search.base, device_name=device_name, source=source))
+    return {
+        int(row["seq_len"]): decode_row(row)
+        for row in read_rows(out)
+        if row.get("status") in _FITS and without_seq_len(row_key(row)) == wanted
+    }
+
+
+def without_seq_len(key: tuple[str, ...]) -> tuple[str, ...]:
+    return key[:_SEQ_INDEX] + key[_SEQ_INDEX + 1 :]
+
+
+def maxlen_row(search: MaxlenSpec, result, probe_rows: dict[int, ResultRow], template: ResultRow) -> ResultRow:
+    """The answer as a row: the probe settings, kind maxlen, no seq_len, and the memory columns of
+    the longest ok probe."""
+    row = ResultRow(**{**template.as_dict(), **spec_fields(search.base)})
+    row.kind, row.seq_len, row.error = "maxlen", None, ""
+    row.status = "ok" if result.max_ok is not None else "oom"
+    if result.max_ok is None:
+        row.error = f"even T={result.min_oom} does not fit"
+    row.max_seq_len, row.oom_seq_len = result.max_ok, result.min_oom
+    row.search_resolution, row.num_probes = str(search.resolution), len(result.probes)
+    best = probe_rows.get(result.max_ok)
+    for column in ("loss", "num_tokens", "time_median_s", "time_min_s", "time_max_s", "tokens_per_s", "tflops_per_s"):
+        setattr(row, column, None)
+    if best is None:
+        for column in ("peak_allocated_bytes", "activation_peak_bytes", "peak_reserved_bytes", "nvml_peak_used_bytes"):
+            setattr(row, column, None)
+    else:
+        for column in ("peak_allocated_bytes", "activation_peak_bytes", "peak_reserved_bytes", "nvml_peak_used_bytes"):
+            setattr(row, column, getattr(best, column))
+    row.timestamp_utc = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return row
+
+
+def find_max_len(
+    search: MaxlenSpec,
+    out,
+    *,
+    measure: Measure = run_isolated,
+    env: Environment | None = None,
+    device_name: str | None = None,
+    source: str = "measured",
+    resume: bool = True,
+    on_probe: Callable[[ResultRow], None] | None = None,
+) -> ResultRow:
+    """Search, probing through `measure` (a real isolated run, or a simulation), and upsert the
+    probes and the answer row to `out`. on_probe(row) sees each probe that ran (not cached ones)."""
+    env = env or capture_environment(search.base.device)
+    device_name = device_name if device_name is not None else env.device_name
+    rows = cached_probes(search, out, device_name=device_name, source=source) if resume else {}
+    cached = {seq_len: _FITS[row.status] for seq_len, row in rows.items()}
+    template: list[ResultRow] = []
+
+    def probe(seq_len: int) -> bool:
+        row = measure(search.probe(seq_len), env)
+        if out is not None:
+            upsert_rows(out, [row])
+        rows[seq_len] = row
+        template[:] = [row]
+        if on_probe:
+            on_probe(row)
+        if row.status not in _FITS:
+            raise ProbeFailed(f"{search.method} at T={seq_len}: {row.status}: {row.error}")
+        return _FITS[row.status]
+
+    result = search_max_len(
+        probe,
+        start=search.start,
+        ceiling=search.ceiling,
+        resolution=search.resolution,
+        cached=cached,
+        multiple_of=search.multiple_of,
+    )
+    if not template:  # every answer came from the CSV: provenance from this machine, no new probe
+        template.append(ResultRow(**{**spec_fields(search.base), "source": source, "device_name": device_name}))
+        for name, value in env.as_dict().items():
+            if hasattr(template[0], name) and name not in ("device", "device_name"):
+                setattr(template[0], name, value)
+    answer = maxlen_row(search, result, rows, template[0])
+    if out is not None:
+        upsert_rows(out, [answer])
+    return answer

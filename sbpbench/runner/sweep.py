@@ -1,0 +1,141 @@
+"""`sbp sweep`: an experiment's points one by one, each isolated, resumable from its results CSV.
+
+Every finished point is upserted to the CSV before the next starts (atomic writes), so a Ctrl-C
+or a SIGKILL loses at most the point in flight, and a rerun skips what the CSV already holds
+(same key). A point is certain OOM, and recorded as `skipped` without running, when a point of
+the same settings with no longer sequence and no larger batch already ran out of memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+from ..measure.environment import Environment, capture_environment
+from ..records import KEY_COLUMNS, ResultRow, read_rows, row_key, upsert_rows
+from .isolated import run_isolated
+from .point import spec_fields, spec_key
+from .search import MaxlenSpec, Measure, find_max_len
+from .spec import RunSpec
+
+# Rows a resumed sweep keeps; an error is retried (a fixed bug or a freed device may cure it).
+DONE_STATUSES = ("ok", "oom", "skipped", "timeout")
+_OOM_STATUSES = ("oom", "skipped")
+
+
+@dataclass
+class Job:
+    """One unit of a sweep: a grid point or a whole max-length search."""
+
+    point: RunSpec | MaxlenSpec
+    key: tuple[str, ...]
+    done: bool = False  # already in the CSV (resume)
+
+    @property
+    def spec(self) -> RunSpec:
+        return self.point.base if isinstance(self.point, MaxlenSpec) else self.point
+
+    def describe(self) -> str:
+        spec = self.spec
+        where = f"{spec.model}, {spec.method}"
+        if spec.objective != "sft" or spec.lora_rank:
+            where += f", {spec.objective}" + (f" LoRA r{spec.lora_rank}" if spec.lora_rank else "")
+        if isinstance(self.point, MaxlenSpec):
+            return f"max T: {where}"
+        return f"{where}, T={spec.seq_len}, B={spec.batch_size}"
+
+
+def _oom_group(key: tuple[str, ...]) -> tuple[str, ...]:
+    """A key without seq_len and batch_size: the points among which an OOM is monotone."""
+    drop = {KEY_COLUMNS.index("seq_len"), KEY_COLUMNS.index("batch_size")}
+    return tuple(v for i, v in enumerate(key) if i not in drop)
+
+
+def plan(points, out, *, device_name: str, resume: bool = True) -> list[Job]:
+    """The sweep's jobs in file order, duplicates (same key) dropped, those in the CSV marked done."""
+    done = {row_key(r) for r in read_rows(out) if r.get("status") in DONE_STATUSES} if resume and out else set()
+    jobs, seen = [], set()
+    for point in points:
+        if isinstance(point, MaxlenSpec):
+            key = spec_key(point.base, device_name=device_name, kind="maxlen")
+        else:
+            key = spec_key(point, device_name=device_name)
+        if key in seen:
+            continue
+        seen.add(key)
+        jobs.append(Job(point, key, done=key in done))
+    return jobs
+
+
+class _OomMemory:
+    """The (seq_len, batch) points of each settings group that ran out of memory."""
+
+    def __init__(self, rows: list[dict]):
+        self.ooms: dict[tuple, list[tuple[int, int]]] = {}
+        for row in rows:
+            if row.get("kind", "point") == "point" and row.get("status") in _OOM_STATUSES and row.get("seq_len"):
+                self.add(row_key(row), int(row["seq_len"]), int(row["batch_size"] or 1))
+
+    def add(self, key, seq_len: int, batch_size: int) -> None:
+        self.ooms.setdefault(_oom_group(key), []).append((seq_len, batch_size))
+
+    def certain(self, key, seq_len: int, batch_size: int) -> tuple[int, int] | None:
+        """An OOM point that proves this one OOMs too, if any."""
+        for oom_seq, oom_batch in self.ooms.get(_oom_group(key), []):
+            if oom_seq <= seq_len and oom_batch <= batch_size:
+                return oom_seq, oom_batch
+        return None
+
+
+def skipped_row(spec: RunSpec, env: Environment, proof: tuple[int, int]) -> ResultRow:
+    row = ResultRow(**spec_fields(spec))
+    row.status = "skipped"
+    row.error = f"certain OOM: T={proof[0]}, batch {proof[1]} already ran out of memory; not run"
+    for name, value in env.as_dict().items():
+        if hasattr(row, name) and name != "device":
+            setattr(row, name, value)
+    row.timestamp_utc = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return row
+
+
+def run_sweep(
+    jobs: list[Job],
+    out,
+    *,
+    measure: Measure = run_isolated,
+    env: Environment | None = None,
+    on_start: Callable[[Job], None] | None = None,
+    on_probe: Callable[[Job, ResultRow], None] | None = None,
+    on_done: Callable[[Job, ResultRow], None] | None = None,
+) -> list[ResultRow]:
+    """Run the jobs not yet done, in order; each result is in `out` before the next job starts.
+    A maxlen job's probes are cached in `out` too. Returns the new rows (answers, not probes)."""
+    todo = [job for job in jobs if not job.done]
+    if not todo:
+        return []
+    env = env or capture_environment(todo[0].spec.device)
+    oom = _OomMemory(read_rows(out) if out else [])
+    rows = []
+    for job in todo:
+        if on_start:
+            on_start(job)
+        if isinstance(job.point, MaxlenSpec):
+
+            def told(row: ResultRow, job=job) -> None:
+                if on_probe:
+                    on_probe(job, row)
+
+            row = find_max_len(job.point, out, measure=measure, env=env, on_probe=told)
+        else:
+            spec = job.point
+            proof = oom.certain(job.key, spec.seq_len, spec.batch_size)
+            row = skipped_row(spec, env, proof) if proof else measure(spec, env)
+            if out is not None:
+                upsert_rows(out, [row])
+            if row.status == "oom":
+                oom.add(job.key, spec.seq_len, spec.batch_size)
+        rows.append(row)
+        if on_done:
+            on_done(job, row)
+    return rows

@@ -1,0 +1,173 @@
+"""`sbp maxlen`: the search against fake monotone probes (answer, probe count, resume), the
+CSV-backed search with fake measurements, and one real search on a tiny model on the CPU."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sbpbench.measure.environment import capture_environment
+from sbpbench.records import ResultRow, read_rows
+from sbpbench.runner.maxlen import Resolution, search_max_len
+from sbpbench.runner.point import spec_fields
+from sbpbench.runner.search import MaxlenSpec, ProbeFailed, find_max_len
+from sbpbench.runner.spec import RunSpec
+
+from .test_cli_run import _sbp
+
+
+class Stop(Exception):
+    pass
+
+
+def _fits_up_to(answer: int, calls: list[int], stop_after: int | None = None):
+    def probe(seq_len: int) -> bool:
+        if stop_after is not None and len(calls) == stop_after:
+            raise Stop
+        calls.append(seq_len)
+        return seq_len <= answer
+
+    return probe
+
+
+@pytest.mark.parametrize("answer", [2, 3, 100, 1023, 1024, 1025, 5000, 12_345, 99_999])
+def test_search_finds_the_exact_answer_with_a_bounded_number_of_probes(answer):
+    calls: list[int] = []
+    result = search_max_len(_fits_up_to(answer, calls), start=1024, ceiling=1 << 20, resolution=Resolution(tokens=1))
+    assert (result.max_ok, result.min_oom) == (answer, answer + 1)
+    # growth (or halving) to the bracket, then one probe per halving of it
+    bound = 2 * math.ceil(abs(math.log2(answer / 1024))) + 12
+    assert len(calls) <= bound
+    assert len(calls) == len(set(calls)) == result.num_run  # nothing probed twice
+
+
+@pytest.mark.parametrize("answer", [1500, 7777, 110_000])
+def test_a_percent_resolution_stops_at_a_bracket_that_narrow(answer):
+    calls: list[int] = []
+    result = search_max_len(
+        _fits_up_to(answer, calls), start=1024, ceiling=1 << 20, resolution=Resolution.parse("1%"), multiple_of=8
+    )
+    assert result.max_ok <= answer < result.min_oom
+    assert result.min_oom - result.max_ok <= max(8, math.ceil(result.max_ok / 100))
+    assert all(t % 8 == 0 for t in calls)
+    exact = search_max_len(_fits_up_to(answer, []), start=1024, ceiling=1 << 20, resolution=Resolution(tokens=1))
+    assert len(calls) < exact.num_run
+
+
+def test_the_ceiling_bounds_the_search():
+    result = search_max_len(lambda t: True, start=1000, ceiling=5000, resolution=Resolution.parse("1%"))
+    assert (result.max_ok, result.min_oom) == (5000, None)
+    nothing = search_max_len(lambda t: False, start=16, ceiling=5000, resolution=Resolution.parse("1%"))
+    assert (nothing.max_ok, nothing.min_oom) == (None, 2)
+
+
+@pytest.mark.parametrize("stop_after", [1, 3, 7])
+def test_an_interrupted_search_resumes_from_its_cached_probes(stop_after):
+    """Stopped after k probes, then rerun with those answers cached: the same answer, and the two
+    runs together probe exactly what one uninterrupted search does."""
+    answer, settings = 20_000, {"start": 1024, "ceiling": 1 << 18, "resolution": Resolution.parse("1%")}
+    whole: list[int] = []
+    expected = search_max_len(_fits_up_to(answer, whole), **settings)
+    first: list[int] = []
+    with pytest.raises(Stop):
+        search_max_len(_fits_up_to(answer, first, stop_after=stop_after), **settings)
+    cached = {t: t <= answer for t in first}
+    rest: list[int] = []
+    resumed = search_max_len(_fits_up_to(answer, rest), cached=cached, **settings)
+    assert (resumed.max_ok, resumed.min_oom) == (expected.max_ok, expected.min_oom)
+    assert first + rest == whole
+
+
+def test_contradicting_cached_probes_are_refused():
+    with pytest.raises(ValueError, match="not monotone"):
+        search_max_len(
+            lambda t: True, start=8, ceiling=64, resolution=Resolution(tokens=1), cached={32: True, 16: False}
+        )
+
+
+@pytest.mark.parametrize("text", ["0%", "100%", "x", "0", "-5", "1.5"])
+def test_a_bad_resolution_says_what_to_write(text):
+    with pytest.raises(ValueError, match="1% or a token count"):
+        Resolution.parse(text)
+
+
+def _fake_measure(answer: int, calls: list[int], fail_at: int | None = None):
+    def measure(spec: RunSpec, env) -> ResultRow:
+        calls.append(spec.seq_len)
+        row = ResultRow(**spec_fields(spec))
+        row.device_name = env.device_name
+        row.status = "error" if spec.seq_len == fail_at else ("ok" if spec.seq_len <= answer else "oom")
+        row.peak_allocated_bytes = 1000 * spec.seq_len
+        return row
+
+    return measure
+
+
+def _search(method: str = "bp") -> MaxlenSpec:
+    base = RunSpec(model="tiny/qwen3", method=method, seq_len=256, repeats=0, warmup=0, memory_limit_bytes=1 << 30)
+    return MaxlenSpec(base=base, resolution=Resolution.parse("1%"), start=256, ceiling=1 << 16)
+
+
+def test_find_max_len_writes_probes_and_an_answer_row_and_resumes_from_the_csv(tmp_path):
+    out, env, calls = tmp_path / "maxlen.csv", capture_environment("cpu"), []
+    answer = find_max_len(_search(), out, measure=_fake_measure(3000, calls), env=env)
+    assert (answer.kind, answer.status, answer.max_seq_len, answer.oom_seq_len) == ("maxlen", "ok", 2992, 3008)
+    assert answer.seq_len is None and answer.num_probes == len(calls)
+    assert answer.peak_allocated_bytes == 2_992_000  # the longest ok probe's
+    rows = read_rows(out)
+    assert sorted(int(r["seq_len"]) for r in rows if r["kind"] == "point") == sorted(calls)
+    assert [r["max_seq_len"] for r in rows if r["kind"] == "maxlen"] == ["2992"]
+
+    again: list[int] = []
+    resumed = find_max_len(_search(), out, measure=_fake_measure(3000, again), env=env)
+    assert again == [] and resumed.max_seq_len == 2992 and resumed.peak_allocated_bytes == 2_992_000
+    assert len(read_rows(out)) == len(rows)  # the answer row replaced, nothing duplicated
+
+    fresh: list[int] = []
+    find_max_len(_search(), out, measure=_fake_measure(3000, fresh), env=env, resume=False)
+    assert fresh == calls
+    other: list[int] = []  # another method's search shares no probe
+    find_max_len(_search("ckpt"), out, measure=_fake_measure(3000, other), env=env)
+    assert other == calls
+
+
+def test_a_probe_that_errors_stops_the_search_and_keeps_what_it_had(tmp_path):
+    out, env, calls = tmp_path / "maxlen.csv", capture_environment("cpu"), []
+    with pytest.raises(ProbeFailed, match="T=2048: error"):
+        find_max_len(_search(), out, measure=_fake_measure(3000, calls, fail_at=2048), env=env)
+    assert [r["status"] for r in read_rows(out)] == ["ok", "ok", "ok", "error"]
+    rest: list[int] = []
+    find_max_len(_search(), out, measure=_fake_measure(3000, rest), env=env)
+    assert rest[0] == 2048  # the errored length is probed again, the ok ones are not
+
+
+def test_sbp_maxlen_on_a_tiny_model_orders_streambp_over_ckpt_over_bp(tmp_path):
+    """A real search (isolated probes, tracked-tensor budget) for each method in one call."""
+    out = tmp_path / "maxlen.csv"
+    command = [_sbp(), "maxlen", "--model", "tiny/qwen3", "--method", "bp", "ckpt", "streambp"]
+    command += ["--memory-limit", "10MB", "--start", "512", "--max-seq", "2048", "--resolution", "50%"]
+    done = subprocess.run(
+        [*command, "--out", str(out)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={"COLUMNS": "160", "PATH": str(Path(sys.executable).parent)},
+    )
+    assert done.returncode == 0, done.stderr
+    answers = {r["method"]: r for r in read_rows(out) if r["kind"] == "maxlen"}
+    assert set(answers) == {"bp", "ckpt", "streambp"}
+    best = {method: int(row["max_seq_len"]) for method, row in answers.items()}
+    assert best["streambp"] > best["ckpt"] > best["bp"]
+    for row in answers.values():
+        assert int(row["memory_limit_bytes"]) == 10**7 and row["search_resolution"] == "50%"
+        assert row["oom_seq_len"] == "" or int(row["oom_seq_len"]) > int(row["max_seq_len"])
+    for text in ("max T", "x ckpt", "first OOM", "3 max-length row(s)"):
+        assert text in done.stdout
+    probes = [r for r in read_rows(out) if r["kind"] == "point"]
+    assert {r["status"] for r in probes} == {"ok", "oom"}
+    assert all(r["repeats"] == "0" and r["time_median_s"] == "" for r in probes)  # memory only

@@ -1,0 +1,104 @@
+"""`sbp plot`: the figures a results table has data for, their names, sizes and what they show."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib.image
+import pytest
+from typer.testing import CliRunner
+
+from sbpbench.cli import app
+from sbpbench.plot import memory_vs_seq
+from sbpbench.records import load_results
+from sbpbench.records.reference import load_reference
+
+FIXTURE = Path(__file__).parent / "fixtures" / "results.csv"
+PIXELS = (600, 800)  # style.FIGSIZE_IN (8 x 6 in) at style.DPI (100)
+EXPECTED_STEMS = {
+    # (a) peak memory vs T: the capped H200 series (paper Figure 3 faint) and the CPU series
+    "memory_vs_seq__Qwen3-8B__NVIDIA-H200-limit80GiB__steady",
+    "memory_vs_seq__small-qwen3__AMD-EPYC__steady__fp32",
+    # (b) step time vs T
+    "time_vs_seq__Qwen3-8B__NVIDIA-H200-limit80GiB__steady",
+    "time_vs_seq__small-qwen3__AMD-EPYC__steady__fp32",
+    # (c) max T bars: per setting and device (the simulated GPU its own, hatched)
+    "max_seq_len__sft__full__bp__NVIDIA-H200-limit80GiB__steady",
+    "max_seq_len__sft__full__train__NVIDIA-H200-limit80GiB__steady",
+    "max_seq_len__grpo__lora32__train__NVIDIA-H200-limit80GiB__steady",
+    "max_seq_len__sft__full__bp__NVIDIA-H200__steady",
+    "max_seq_len__sft__full__bp__simulated-GPU__steady",
+    # (d) time per sample vs batch at T=9000
+    "time_per_sample_vs_batch__Qwen3-4B__NVIDIA-H200-limit80GiB__steady__T9000",
+}
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def plotted(tmp_path_factory) -> tuple[Path, str]:
+    out = tmp_path_factory.mktemp("plots")
+    result = runner.invoke(app, ["plot", str(FIXTURE), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    return out, result.output
+
+
+def test_plot_writes_each_figure_as_png_and_svg(plotted):
+    """Exactly the expected figures, each a PNG of 800 x 600 pixels and an SVG; the paths are printed."""
+    out, output = plotted
+    names = {p.name for p in out.iterdir()}
+    assert names == {f"{stem}.{fmt}" for stem in EXPECTED_STEMS for fmt in ("png", "svg")}
+    for stem in EXPECTED_STEMS:
+        image = matplotlib.image.imread(out / f"{stem}.png")
+        assert image.shape[:2] == PIXELS, f"{stem}.png is {image.shape}"
+        assert image.std() > 0, f"{stem}.png is blank"
+        svg = (out / f"{stem}.svg").read_text()
+        assert svg.startswith("<?xml") and "<svg" in svg and svg.rstrip().endswith("</svg>")
+        assert str(out / f"{stem}.png") in output
+    assert f"{2 * len(EXPECTED_STEMS)} file(s) written" in output
+
+
+def test_figures_label_estimates_paper_and_capacity(plotted):
+    """Simulated series say "(estimate)"; the paper is drawn only beside an 80 GiB CUDA device; a CPU
+    figure without a memory cap has no capacity line."""
+    out, _ = plotted
+    svg = {stem: (out / f"{stem}.svg").read_text() for stem in EXPECTED_STEMS}
+    memory = svg["memory_vs_seq__Qwen3-8B__NVIDIA-H200-limit80GiB__steady"]
+    assert "capacity 80.0 GiB (cap)" in memory and "paper Fig. 3" in memory and "weights + grads 30.5 GiB" in memory
+    assert "max T 120k (search)" in memory  # the matching max-length search's answer
+    cpu = svg["memory_vs_seq__small-qwen3__AMD-EPYC__steady__fp32"]
+    assert "capacity" not in cpu and "paper" not in cpu
+    assert "StreamBP (estimate)" in svg["max_seq_len__sft__full__bp__simulated-GPU__steady"]
+    assert "(estimate)" not in svg["max_seq_len__sft__full__bp__NVIDIA-H200-limit80GiB__steady"]
+    assert "paper" not in svg["max_seq_len__sft__full__bp__NVIDIA-H200__steady"]  # 140 GiB: no stand-in for 80 GB
+    assert "completion length" in svg["max_seq_len__grpo__lora32__train__NVIDIA-H200-limit80GiB__steady"]
+    assert "paper Table 2" in svg["time_per_sample_vs_batch__Qwen3-4B__NVIDIA-H200-limit80GiB__steady__T9000"]
+
+
+def test_replotting_gives_identical_svg(tmp_path):
+    """Figures are a pure function of the table: the same table gives byte-identical SVG files."""
+    table, reference = load_results(FIXTURE), load_reference()
+    first = memory_vs_seq(table, tmp_path / "a", reference, formats=("svg",))
+    second = memory_vs_seq(table.sample(frac=1, random_state=0), tmp_path / "b", reference, formats=("svg",))
+    assert [p.name for p in first] == [p.name for p in second] and first
+    for a, b in zip(first, second):
+        assert a.read_bytes() == b.read_bytes(), a.name
+
+
+def test_format_option_and_no_data(tmp_path):
+    """--format svg writes SVG only; a table with nothing to draw says so and writes nothing."""
+    table = load_results(FIXTURE)
+    one = tmp_path / "one.csv"
+    table.iloc[[0]].drop(columns="source_file").to_csv(one, index=False)
+    result = runner.invoke(app, ["plot", str(one), "--out", str(tmp_path / "none"), "--format", "svg"])
+    assert result.exit_code == 0, result.output
+    assert "no figure" in result.output and not (tmp_path / "none").exists()
+    result = runner.invoke(app, ["plot", str(FIXTURE), "--out", str(tmp_path / "x"), "--format", "jpg"])
+    assert result.exit_code == 2 and "unknown figure format 'jpg'" in result.output
+
+
+def test_missing_results_is_a_one_line_error(tmp_path):
+    """A missing results file: exit 2, one line saying what to run, no traceback."""
+    result = runner.invoke(app, ["plot", str(tmp_path / "nope.csv"), "--out", str(tmp_path)])
+    assert result.exit_code == 2
+    assert len(result.output.strip().splitlines()) == 1, result.output
+    assert result.output.startswith("error:") and "sbp run" in result.output and "Traceback" not in result.output

@@ -1,0 +1,149 @@
+"""`sbp report`: measured rows beside the paper's numbers, the rest, and estimates, as Markdown."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from sbpbench.cli import app
+from sbpbench.records import load_results, read_rows
+from sbpbench.records.reference import load_reference
+from sbpbench.records.store import encode_row
+from sbpbench.report import markdown_report
+
+FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURE, EXPECTED = FIXTURES / "results.csv", FIXTURES / "expected_report.md"
+runner = CliRunner()
+CAPPED = "NVIDIA H200, limit 80 GiB, steady"
+
+
+@pytest.fixture(scope="module")
+def table():
+    return load_results(FIXTURE)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return load_reference()
+
+
+@pytest.fixture(scope="module")
+def report_text() -> str:
+    result = runner.invoke(app, ["report", str(FIXTURE)])
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def _sections(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("#")]
+
+
+def test_fixture_files_are_up_to_date(reference):
+    """results.csv holds exactly make_results.py's rows and expected_report.md is the report of it
+    (regenerate both with `python tests/fixtures/make_results.py`)."""
+    from tests.fixtures.make_results import fixture_rows
+
+    assert read_rows(FIXTURE) == [encode_row(row) for row in fixture_rows()]
+    assert markdown_report(load_results(FIXTURE), reference) == EXPECTED.read_text()
+
+
+def test_paper_rows_beside_ours_with_ratios(report_text):
+    """Figure 3, Table 2 and Table 3 lines: paper, ours, ours/paper; an OOM on both sides has no ratio."""
+    lines = report_text.splitlines()
+    for expected in (
+        f"| Qwen/Qwen3-8B | bp | sft, full, bp, bf16, B=1 | {CAPPED} | 4700 | 5100 | 1.09 |",
+        f"| Qwen/Qwen3-8B | streambp | sft, full, bp, bf16, B=1, chunks 500/100 | {CAPPED} | 110000 | 120000 | 1.09 |",
+        f"| Qwen/Qwen3-8B | all | sft, full, bp, bf16, B=1 | {CAPPED} | 30.50 | 30.50 | 1.00 |",
+        f"| Qwen/Qwen3-4B | ckpt | sft, full, bp, bf16, B=2, T=9000 | {CAPPED} | 7.12 | 7.05 | 0.99 |",
+        f"| Qwen/Qwen3-4B | ckpt | sft, full, bp, bf16, B=16, T=9000 | {CAPPED} | OOM | OOM | - |",
+        f"| Qwen/Qwen3-4B | ckpt | sft, full, bp, bf16, B=1, T=9000 | {CAPPED} | 4.70 | 7.20 | 1.53 |",
+        # grpo: the paper's T is the completion, ours max_seq_len 18000 minus the 1000-token prompt
+        (
+            "| Qwen/Qwen3-8B | streambp | grpo, LoRA r32, train, bf16, B=8, prompt 1000, chunks 500/100 "
+            f"| {CAPPED} | 16500 | 17000 | 1.03 |"
+        ),
+    ):
+        assert expected in lines, f"missing line:\n{expected}"
+    assert "grpo/dpo: the paper's number is read as the completion length" in report_text
+    assert "GiB (2^30 bytes)" in report_text
+
+
+def test_sections_in_order_and_estimates_kept_apart(report_text):
+    """Paper tables in reference order, then unmatched measured rows, then estimates, which appear nowhere else."""
+    assert _sections(report_text) == [
+        "# sbpbench results beside the StreamBP paper",
+        "## Measured beside the paper",
+        "### Figure 3: max T (tokens)",
+        "### Figure 3: weights + grads (GiB)",
+        "### Table 1: step time (s)",
+        "### Table 2: time per sample (s)",
+        "### Table 3: max T (tokens)",
+        "## Measured, no paper counterpart",
+        "## Estimates vs measurements",
+        "### Estimated peak memory beside the measured one (error = estimate / measured - 1)",
+        "### Estimated max T beside the paper's (Figure 3 for step bp, Table 3 for train)",
+    ]
+    measured_part, estimates = report_text.split("## Estimates vs measurements")
+    assert "simulated GPU" not in measured_part
+    assert (
+        "| Qwen/Qwen3-8B | streambp | sft, full, bp, bf16, B=1, T=16384, chunks 500/100 "
+        f"| {CAPPED} | 32.50 | 33.00 | +1.5% |"
+    ) in estimates
+    assert (
+        "| Qwen/Qwen3-8B | streambp | sft, full, bp, bf16, B=1, chunks 500/100 "
+        "| simulated GPU (80 GiB), steady | 110000 | 118000 | 1.07 |"
+    ) in estimates
+
+
+def test_rows_without_counterpart(report_text):
+    """CPU rows, Qwen3-8B memory points and a search on the uncapped 140 GiB H200 are listed, not compared."""
+    unmatched = report_text.split("## Measured, no paper counterpart")[1].split("## Estimates")[0]
+    assert "| small/qwen3 | bp | sft, full, bp, fp32, B=1, T=2048 | AMD EPYC (cpu), steady | ok | 1.08 | 1.93 |  |" in (
+        unmatched
+    )
+    assert f"| Qwen/Qwen3-8B | bp | sft, full, bp, bf16, B=1, T=8192 | {CAPPED} | oom |  |  |  |" in unmatched
+    assert "NVIDIA H200 (140 GiB), steady | ok |  |  | ≥200000 |" in unmatched
+    assert "Qwen/Qwen3-4B" not in unmatched  # every Qwen3-4B point met Table 1 or Table 2
+
+
+def test_comparable_device_rules(table, reference):
+    """Without the 80 GiB cap the H200 still meets the paper's times (any CUDA device) but no
+    memory or max-T number; a CPU device meets nothing."""
+    uncapped = table.assign(memory_limit_bytes=float("nan"))
+    text = markdown_report(uncapped, reference)
+    assert "### Table 2: time per sample (s)" in text and "### Figure 3" not in text
+    on_cpu = table.assign(device="cpu", memory_limit_bytes=float("nan"))
+    assert "No measured row is comparable with a paper number." in markdown_report(on_cpu, reference)
+
+
+def test_report_is_deterministic_and_written_to_a_file(table, reference, tmp_path, report_text):
+    """Row order does not change the report; --out writes what stdout would show."""
+    assert markdown_report(table.sample(frac=1, random_state=1), reference) == report_text
+    out = tmp_path / "sub" / "report.md"
+    result = runner.invoke(app, ["report", str(FIXTURE), "--out", str(out)])
+    assert result.exit_code == 0 and out.read_text() == report_text
+
+
+def test_without_reference_every_measured_row_is_unmatched(table):
+    """No paper table: the report says so and lists all measured rows."""
+    text = markdown_report(table, None)
+    assert "No paper reference was loaded" in text and "### Figure 3" not in text
+    unmatched = text.split("## Measured, no paper counterpart")[1].split("## Estimates")[0]
+    assert sum(line.startswith(("| Qwen", "| small")) for line in unmatched.splitlines()) == 26
+
+
+def test_bad_input_is_a_one_line_error(tmp_path):
+    """A missing or empty results file, or a missing --reference: exit 2 with one line."""
+    empty = tmp_path / "empty.csv"
+    empty.write_text("")
+    for args in (
+        ["report", str(tmp_path / "nope.csv")],
+        ["report", str(empty)],
+        ["report", str(FIXTURE), "--reference", str(tmp_path / "paper.csv")],
+    ):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2, (args, result.output)
+        assert len(result.output.strip().splitlines()) == 1 and result.output.startswith("error:"), result.output
+    assert "sbp run" in runner.invoke(app, ["report", str(empty)]).output

@@ -1,0 +1,144 @@
+"""`sbp sweep`: planning and certain-OOM skips with fake measurements, then the CPU smoke
+experiment end to end, killed with SIGKILL mid-sweep and resumed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from sbpbench.cli import app
+from sbpbench.experiments import load_experiment
+from sbpbench.measure.environment import capture_environment
+from sbpbench.records import COLUMNS, ResultRow, read_rows, row_key
+from sbpbench.runner.point import spec_fields
+from sbpbench.runner.sweep import plan, run_sweep
+
+from .test_cli_run import _sbp
+
+SMOKE = Path(__file__).resolve().parents[1] / "experiments" / "smoke_cpu.toml"
+runner = CliRunner()
+
+
+def _experiment(tmp_path, body: str):
+    path = tmp_path / "exp.toml"
+    path.write_text('name = "exp"\n[defaults]\nmodel = "tiny/qwen3"\ndevice = "cpu"\n' + body)
+    return load_experiment(path)
+
+
+def _fake(calls: list, oom_from: int):
+    def measure(spec, env) -> ResultRow:
+        calls.append((spec.method, spec.seq_len, spec.batch_size))
+        row = ResultRow(**spec_fields(spec))
+        row.device_name = env.device_name
+        row.status = "oom" if spec.seq_len * spec.batch_size >= oom_from else "ok"
+        return row
+
+    return measure
+
+
+def test_longer_and_larger_points_after_an_oom_are_skipped_as_certain_oom(tmp_path):
+    experiment = _experiment(
+        tmp_path, '[[points]]\nmethods = ["bp", "streambp"]\nseq_lens = [64, 128, 256]\nbatch_sizes = [1, 2]\n'
+    )
+    out, env, calls = tmp_path / "exp.csv", capture_environment("cpu"), []
+    jobs = plan(experiment.points, out, device_name=env.device_name)
+    rows = run_sweep(jobs, out, measure=_fake(calls, oom_from=128), env=env)
+    assert len(rows) == 12 and len(read_rows(out)) == 12
+    status = {(r.method, r.seq_len, r.batch_size): r.status for r in rows}
+    assert status[("bp", 128, 1)] == "oom" and status[("bp", 256, 1)] == "skipped"
+    assert status[("bp", 64, 2)] == "oom" and status[("bp", 128, 2)] == "skipped"  # batch 2 at 64 is 128 tokens
+    assert ("bp", 256, 1) not in calls and ("streambp", 128, 2) not in calls
+    skipped = [r for r in rows if r.status == "skipped"]
+    assert all("certain OOM" in r.error and r.peak_allocated_bytes is None for r in skipped)
+    assert len(calls) == 12 - len(skipped)
+
+    again: list = []
+    jobs = plan(experiment.points, out, device_name=env.device_name)
+    assert all(job.done for job in jobs)
+    assert run_sweep(jobs, out, measure=_fake(again, oom_from=128), env=env) == [] and again == []
+    redo = plan(experiment.points, out, device_name=env.device_name, resume=False)
+    assert not any(job.done for job in redo)
+
+
+def test_errored_points_are_retried_and_duplicates_run_once(tmp_path):
+    experiment = _experiment(
+        tmp_path,
+        '[[points]]\nmethods = ["bp"]\nseq_lens = [64, 64, 128]\n[[points]]\nmethods = ["bp"]\nseq_lens = [128]\n',
+    )
+    out, env = tmp_path / "exp.csv", capture_environment("cpu")
+    jobs = plan(experiment.points, out, device_name=env.device_name)
+    assert [job.spec.seq_len for job in jobs] == [64, 128]
+    calls: list = []
+
+    def failing(spec, env):
+        row = _fake(calls, oom_from=10**9)(spec, env)
+        row.status = "error" if spec.seq_len == 128 else row.status
+        return row
+
+    run_sweep(jobs, out, measure=failing, env=env)
+    jobs = plan(experiment.points, out, device_name=env.device_name)
+    assert [job.done for job in jobs] == [True, False]
+
+
+def test_a_bad_experiment_file_is_one_line_and_exit_2(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text('[[points]]\nmodel = "tiny/qwen3"\nseq_lenz = [64]\n')
+    result = runner.invoke(app, ["sweep", str(path), "--out", str(tmp_path / "x.csv")])
+    assert result.exit_code == 2
+    assert "bad.toml: [[points]] #1: unknown key 'seq_lenz'" in " ".join(result.output.split())
+    assert not (tmp_path / "x.csv").exists()
+
+
+def _sweep(out: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [_sbp(), "sweep", str(SMOKE), "--out", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={"COLUMNS": "160", "PATH": str(Path(sys.executable).parent)},
+    )
+
+
+def test_smoke_sweep_killed_mid_way_then_resumed_has_every_point_once(tmp_path):
+    """The acceptance run: SIGKILL the sweep (its whole process group) once three rows are in,
+    check the CSV is whole, resume, and find every point of the experiment exactly once."""
+    out = tmp_path / "smoke.csv"
+    started = time.monotonic()
+    first = _sweep(out)
+    while len(read_rows(out)) < 3:
+        assert first.poll() is None, first.communicate()
+        time.sleep(0.2)
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait()
+    killed = read_rows(out)
+    assert len(killed) >= 3 and all(set(row) == set(COLUMNS) for row in killed)
+    assert all(row["status"] for row in killed)
+
+    second = _sweep(out)
+    stdout, stderr = second.communicate(timeout=900)
+    assert second.returncode == 0, stderr
+    print(f"smoke sweep, killed and resumed: {time.monotonic() - started:.0f} s")
+    assert f"{len(killed)} already in" in " ".join(stdout.split())  # none of the killed run's points rerun
+    rows = read_rows(out)
+    keys = [row_key(row) for row in rows]
+    assert len(keys) == len(set(keys))  # no duplicate
+    points = [r for r in rows if r["kind"] == "point"]
+    grid = {(r["method"], r["seq_len"], r["batch_size"]) for r in points}
+    for method in ("bp", "ckpt", "streambp"):
+        assert {(method, t, "1") for t in ("1024", "2048", "4096")} <= grid
+    assert {("ckpt", "1024", "2"), ("streambp", "1024", "2")} <= grid
+    status = {(r["method"], r["seq_len"], r["batch_size"]): r["status"] for r in points}
+    assert status[("bp", "2048", "1")] == "oom" and status[("bp", "4096", "1")] == "skipped"
+    assert status[("streambp", "4096", "1")] == "ok"
+    answers = {r["method"]: r for r in rows if r["kind"] == "maxlen"}
+    assert set(answers) == {"bp", "ckpt", "streambp"}
+    best = {m: int(r["max_seq_len"]) for m, r in answers.items()}
+    assert best["streambp"] > best["ckpt"] > best["bp"]
+    assert "every point" in stdout and "max sequence length" in stdout
