@@ -12,13 +12,13 @@ from rich.table import Table
 
 from ..core import DEFAULT_CHUNK_SIZE, DEFAULT_LOGITS_CHUNK_SIZE
 from ..data import DEFAULT_PROMPT_LEN
-from ..measure.units import gib
+from ..measure.units import gib, parse_bytes
 from ..records import ResultRow, check_writable
 from ..runner.maxlen import Resolution
 from ..runner.search import MaxlenSpec, ProbeFailed, find_max_len
 from ..runner.spec import DEFAULT_TIMEOUT_S, resolve_device
 from .errors import user_errors
-from .options import ChunkOpt, LogitsChunkOpt, SeedOpt
+from .options import ChunkOpt, DType, LogitsChunkOpt, SeedOpt
 from .paper import paper_max_len
 from .point_options import (
     AutoDeviceOpt,
@@ -31,7 +31,6 @@ from .point_options import (
     MoreMethodsArg,
     NumLayersOpt,
     ObjectiveOpt,
-    OutOpt,
     PromptLenOpt,
     ProtocolOpt,
     StepOpt,
@@ -47,6 +46,8 @@ SEARCH_DEFAULTS = {
     "cpu": {"memory_limit": "1GiB", "start": 512, "max_seq": 16_384},
 }
 DEFAULT_OUT = Path("results/maxlen.csv")
+SIMULATED_OUT = Path("results/estimates.csv")
+SIMULATED_DEVICE = "simulated GPU"  # what sbpbench.simulate writes as device_name
 
 
 def maxlen(
@@ -84,14 +85,35 @@ def maxlen(
     timeout: TimeoutOpt = DEFAULT_TIMEOUT_S,
     seed: SeedOpt = 0,
     resume: Annotated[bool, typer.Option(help="Reuse probes already in --out (same settings).")] = True,
-    out: OutOpt = DEFAULT_OUT,
+    simulate: Annotated[
+        bool,
+        typer.Option(
+            "--simulate",
+            help="Probe with `sbp estimate` (the real step on fake tensors, modelling a GPU) instead of running: "
+            "no GPU needed; rows are marked source=simulated.",
+        ),
+    ] = False,
+    gpu_memory: Annotated[
+        str | None, typer.Option(help="--simulate: the GPU's memory, e.g. 80GiB (default: --memory-limit, or 80GiB).")
+    ] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            "--out", "-o", help="Results CSV (default: results/maxlen.csv; simulated: results/estimates.csv)."
+        ),
+    ] = None,
 ) -> None:
     """Find the longest sequence each method trains in a memory budget: doubling from --start
     until a probe runs out of memory, then bisection to --resolution. Each probe is one isolated
     `sbp run` point (memory only), kept in --out so an interrupted search resumes; the answer is
-    a row of kind maxlen. Several methods give one table with the ratio to ckpt."""
+    a row of kind maxlen. Several methods give one table with the ratio to ckpt. With --simulate
+    each probe is a prediction for a GPU of --gpu-memory instead (seconds each, on any machine)."""
     with user_errors():
-        search_defaults = SEARCH_DEFAULTS["cuda" if resolve_device(device).startswith("cuda") else "cpu"]
+        on_gpu = simulate or specs_on_cuda(device)
+        search_defaults = SEARCH_DEFAULTS["cuda" if on_gpu else "cpu"]
+        budget = gpu_memory or memory_limit or search_defaults["memory_limit"]
+        if gpu_memory and not simulate:
+            raise ValueError("--gpu-memory is the simulated GPU's size: add --simulate, or use --memory-limit")
         specs = point_specs(
             parse_methods([*(method or []), *(more_methods or [])]),
             model=model,
@@ -102,15 +124,15 @@ def maxlen(
             lora_rank=lora_rank,
             lora_alpha=lora_alpha,
             step=step,
-            dtype=dtype,
+            dtype=dtype or (DType("bf16") if simulate else None),
             chunk_size=chunk_size,
             logits_chunk_size=logits_chunk_size,
-            device=device,
+            device="cpu" if simulate else device,  # fake CPU tensors stand in for the GPU's
             num_layers=num_layers,
             protocol=protocol,
-            memory_limit=memory_limit or search_defaults["memory_limit"],
+            memory_limit=budget,
             seed=seed,
-            warmup=warmup if specs_on_cuda(device) else 0,  # CPU memory is measured before any warm-up
+            warmup=warmup if on_gpu else 0,  # CPU memory is measured before any warm-up
             repeats=0,  # memory only
             timeout_s=timeout,
         )
@@ -124,7 +146,9 @@ def maxlen(
             )
             for spec in specs
         ]
+        out = out or (SIMULATED_OUT if simulate else DEFAULT_OUT)
         check_writable(out)
+        probing = _simulated_probe(parse_bytes(budget)) if simulate else {}
         console = Console()
         answers = []
         for search in searches:
@@ -134,12 +158,22 @@ def maxlen(
                     status.update(f"{search.method}: T={row.seq_len} {row.status}; probing further")
 
                 try:
-                    answers.append(find_max_len(search, out, resume=resume, on_probe=told))
+                    answers.append(find_max_len(search, out, resume=resume, on_probe=told, **probing))
                 except ProbeFailed as error:
                     console.print(f"[red]{escape(str(error))}[/]; probes so far are in {out}", highlight=False)
                     raise typer.Exit(1) from None
     console.print(maxlen_table(answers))
     console.print(f"{len(answers)} max-length row(s) written to {out}", highlight=False)
+
+
+def _simulated_probe(gpu_memory_bytes: int) -> dict:
+    """find_max_len's arguments for probes that are predictions (sbpbench.simulate)."""
+    from ..simulate.depth import estimate_point_by_depth
+
+    def measure(spec, env) -> ResultRow:
+        return estimate_point_by_depth(spec, target="cuda", gpu_memory_bytes=gpu_memory_bytes)
+
+    return {"measure": measure, "device_name": SIMULATED_DEVICE, "source": "simulated"}
 
 
 def specs_on_cuda(device: str) -> bool:

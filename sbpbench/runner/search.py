@@ -12,7 +12,7 @@ from ..measure.environment import Environment, capture_environment
 from ..records import KEY_COLUMNS, ResultRow, decode_row, read_rows, row_key, upsert_rows
 from .isolated import run_isolated
 from .maxlen import Resolution, search_max_len
-from .point import spec_fields, spec_key
+from .point import spec_key
 from .spec import RunSpec
 
 # Statuses a probe row can answer with; an error or timeout is not an answer (the search stops).
@@ -69,10 +69,12 @@ def without_seq_len(key: tuple[str, ...]) -> tuple[str, ...]:
     return key[:_SEQ_INDEX] + key[_SEQ_INDEX + 1 :]
 
 
-def maxlen_row(search: MaxlenSpec, result, probe_rows: dict[int, ResultRow], template: ResultRow) -> ResultRow:
+def maxlen_row(search: MaxlenSpec, result, probe_rows: dict[int, ResultRow]) -> ResultRow:
     """The answer as a row: the probe settings, kind maxlen, no seq_len, and the memory columns of
     the longest ok probe."""
-    row = ResultRow(**{**template.as_dict(), **spec_fields(search.base)})
+    # a probe of this search (the latest) gives every column but the probe's own length and numbers
+    template = max(probe_rows.values(), key=lambda r: r.timestamp_utc)
+    row = ResultRow(**{**template.as_dict(), "warmup_steps": search.base.warmup, "repeats": search.base.repeats})
     row.kind, row.seq_len, row.error = "maxlen", None, ""
     row.status = "ok" if result.max_ok is not None else "oom"
     if result.max_ok is None:
@@ -82,12 +84,15 @@ def maxlen_row(search: MaxlenSpec, result, probe_rows: dict[int, ResultRow], tem
     best = probe_rows.get(result.max_ok)
     for column in ("loss", "num_tokens", "time_median_s", "time_min_s", "time_max_s", "tokens_per_s", "tflops_per_s"):
         setattr(row, column, None)
-    if best is None:
-        for column in ("peak_allocated_bytes", "activation_peak_bytes", "peak_reserved_bytes", "nvml_peak_used_bytes"):
-            setattr(row, column, None)
-    else:
-        for column in ("peak_allocated_bytes", "activation_peak_bytes", "peak_reserved_bytes", "nvml_peak_used_bytes"):
-            setattr(row, column, getattr(best, column))
+    for column in (
+        "peak_allocated_bytes",
+        "activation_peak_bytes",
+        "peak_reserved_bytes",
+        "nvml_peak_used_bytes",
+        "margin_bytes",
+        "peak_phase",
+    ):
+        setattr(row, column, None if best is None else getattr(best, column))
     row.timestamp_utc = datetime.now(timezone.utc).isoformat(timespec="seconds")
     return row
 
@@ -109,14 +114,12 @@ def find_max_len(
     device_name = device_name if device_name is not None else env.device_name
     rows = cached_probes(search, out, device_name=device_name, source=source) if resume else {}
     cached = {seq_len: _FITS[row.status] for seq_len, row in rows.items()}
-    template: list[ResultRow] = []
 
     def probe(seq_len: int) -> bool:
         row = measure(search.probe(seq_len), env)
         if out is not None:
             upsert_rows(out, [row])
         rows[seq_len] = row
-        template[:] = [row]
         if on_probe:
             on_probe(row)
         if row.status not in _FITS:
@@ -131,12 +134,7 @@ def find_max_len(
         cached=cached,
         multiple_of=search.multiple_of,
     )
-    if not template:  # every answer came from the CSV: provenance from this machine, no new probe
-        template.append(ResultRow(**{**spec_fields(search.base), "source": source, "device_name": device_name}))
-        for name, value in env.as_dict().items():
-            if hasattr(template[0], name) and name not in ("device", "device_name"):
-                setattr(template[0], name, value)
-    answer = maxlen_row(search, result, rows, template[0])
+    answer = maxlen_row(search, result, rows)
     if out is not None:
         upsert_rows(out, [answer])
     return answer
