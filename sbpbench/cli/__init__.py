@@ -6,6 +6,7 @@ import typer
 
 from .check_cmd import check
 from .env_cmd import env
+from .estimate_cmd import estimate
 from .maxlen_cmd import maxlen
 from .models_cmd import models
 from .plot_cmd import plot
@@ -23,6 +24,7 @@ app = typer.Typer(
 app.command()(run)
 app.command()(maxlen)
 app.command()(sweep)
+app.command()(estimate)
 app.command()(check)
 app.command()(env)
 app.command()(models)

@@ -73,9 +73,14 @@ class LiveTensorTracker(TorchDispatchMode):
         if numel > self.largest.numel:
             self.largest = Allocation(numel, nbytes, op)
 
+    def _run(self, func, args, kwargs):
+        """Run one op. A subclass may run it elsewhere (the simulator runs ops on real tensors
+        outside its fake-tensor mode); what it returns is counted the same way."""
+        return func(*args, **kwargs)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        out = self._run(func, args, kwargs)
         inputs = {
             id(t.untyped_storage())
             for t in tree_leaves((args, kwargs))

@@ -1,0 +1,172 @@
+"""Predict a point's peak memory by running its real step (runner/point.py's, through
+methods.run_step) on fake tensors, and report it as a results row (source "simulated").
+
+target "cpu" reproduces the CPU tracker measurement (measure_point on device cpu) to the byte:
+same baseline (weights, resident gradients, batch, optimizer state), same live-tensor count.
+target "cuda" predicts torch.cuda.max_memory_allocated of the same point on a GPU:
+- every block rounded up to 512 B, as the caching allocator does;
+- attention through the CUDA kernels' own ops, chosen as CUDA's dispatcher chooses, plus the
+  memory those kernels allocate internally (cuda_attention.py);
+- StreamBP's attention takes its CUDA branch (core.attention._cuda_kernels);
+- AdamW's multi-tensor (foreach) implementation, PyTorch's default for CUDA parameters.
+What a GPU needs beyond the allocated peak is the margin, reported separately (MARGIN_NOTE).
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+from ..measure.environment import capture_environment
+from ..measure.flops import training_flops
+from ..methods import MethodFn, run_step
+from ..methods.training import optimizer_state_bytes
+from ..records import ResultRow
+from ..runner.point import one_line, spec_fields
+from ..runner.spec import RunSpec
+from .cuda_attention import CudaAttention, hidden_bytes, streambp_cuda_branch
+from .fake_mode import build_fake_step, storage_bytes
+from .memory_counter import CUDA_ALLOCATOR_ROUNDING, SimulatedMemory
+from .phases import PhaseLabels
+
+TARGETS = ("cuda", "cpu")
+GIB = 2**30
+
+# The margin: device memory a run needs beyond max_memory_allocated. Stated from what is known
+# about CUDA and the caching allocator, not fitted to the paper's numbers.
+# - The CUDA context (driver state, loaded kernel images, cuBLAS/cuBLASLt/cuDNN handles), outside
+#   the allocator: commonly 0.3-0.7 GiB for PyTorch 2.x with CUDA 12's lazy module loading on
+#   A100/H100. We take 0.75 GiB, which also covers the small allocations the count does not see
+#   (cuBLAS workspaces, the attention kernels' RNG state). `sbp run` on a GPU records the context
+#   (cuda_context_bytes), so this constant can be checked against real runs.
+# - Fragmentation: the caching allocator reserves more than it hands out (large blocks rounded to
+#   2 MiB, split blocks a larger request cannot reuse): we allow 5% of the activation peak. The
+#   weights, gradients and optimizer moments are allocated once, in blocks of their own size, and
+#   are not charged.
+CUDA_CONTEXT_BYTES = 3 * GIB // 4
+FRAGMENTATION_FRACTION = 0.05
+MARGIN_NOTE = "CUDA context 0.75 GiB + 5% of the activation peak for allocator fragmentation"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Estimate:
+    target: str
+    weights_bytes: int
+    grads_bytes: int
+    optimizer_state_bytes: int | None
+    baseline_bytes: int  # allocated before the step (rounded as the target's allocator rounds)
+    activation_peak_bytes: int  # the step's peak above the baseline
+    peak_phase: str
+    attention_kernel: str  # cuda: the SDPA kernels used, e.g. "flash" or "efficient"; cpu: ""
+    margin_bytes: int  # cuda: context + fragmentation; cpu: 0
+    num_layers: int
+    num_params: int
+    trainable_params: int
+    num_tokens: int
+    model_flops: float
+
+    @property
+    def peak_allocated_bytes(self) -> int:
+        return self.baseline_bytes + self.activation_peak_bytes
+
+    def fits(self, memory_bytes: int) -> bool:
+        return self.peak_allocated_bytes + self.margin_bytes <= memory_bytes
+
+
+def margin_bytes(activation_peak_bytes: int) -> int:
+    return CUDA_CONTEXT_BYTES + round(FRAGMENTATION_FRACTION * activation_peak_bytes)
+
+
+@contextmanager
+def _cuda_attention():
+    """Attention as on a GPU for the duration of the block; yields the CudaAttention in use."""
+    with streambp_cuda_branch(), CudaAttention() as attention:
+        yield attention
+
+
+def estimate(spec: RunSpec, *, target: str = "cuda", method: MethodFn | None = None) -> Estimate:
+    """Run the point's step under fake tensors and count its memory; see the module docstring.
+
+    method: a stand-in for the registered spec.method with the same signature (e.g.
+    paper_baseline.PAPER_METHODS["ckpt"]), followed by the optimizer step as run_step does."""
+    if target not in TARGETS:
+        raise ValueError(f"unknown target {target!r}; choose from {', '.join(TARGETS)}")
+    cuda = target == "cuda"
+    granularity = CUDA_ALLOCATOR_ROUNDING if cuda else 1
+    step = build_fake_step(spec, foreach_optimizer=cuda)
+    model = step.model
+    baseline = storage_bytes(step.resident_tensors(), granularity)
+    counter = SimulatedMemory(granularity, hidden=(lambda f, a: hidden_bytes(f, a, granularity)) if cuda else None)
+    phases = PhaseLabels(counter, chunked_head=spec.method == "streambp")
+    with ExitStack() as stack:
+        attention = stack.enter_context(_cuda_attention()) if cuda else None
+        stack.enter_context(phases.attached(model, step.optimizer))
+        stack.enter_context(step.mode)
+        stack.enter_context(counter)
+        if method is None:
+            run_step(spec.method, model, step.batch, spec.settings, step.optimizer)
+        else:
+            method(model, step.batch, spec.settings)
+            if step.optimizer is not None:
+                step.optimizer.step()
+    trainable = step.trainable
+    return Estimate(
+        target=target,
+        weights_bytes=storage_bytes(model.parameters()),
+        grads_bytes=sum(p.numel() * p.element_size() for p in trainable),
+        optimizer_state_bytes=None if step.optimizer is None else optimizer_state_bytes(step.optimizer),
+        baseline_bytes=baseline,
+        activation_peak_bytes=counter.peak_bytes,
+        peak_phase=counter.peak_phase,
+        attention_kernel=attention.kernel_names() if attention is not None else "",
+        margin_bytes=margin_bytes(counter.peak_bytes) if cuda else 0,
+        num_layers=model.config.num_hidden_layers,
+        num_params=sum(p.numel() for p in model.parameters()),
+        trainable_params=sum(p.numel() for p in trainable),
+        num_tokens=step.batch.num_tokens,
+        model_flops=training_flops(model, batch_size=spec.batch_size, seq_len=spec.seq_len),
+    )
+
+
+def estimate_point(spec: RunSpec, *, target: str = "cuda", gpu_memory_bytes: int | None = None) -> ResultRow:
+    """A results row for the point: status ok, or oom when peak + margin exceeds gpu_memory_bytes,
+    or error (the row says why). Provenance is this machine's software, not a GPU's."""
+    row = ResultRow(**spec_fields(spec))
+    row.source, row.memory_source = "simulated", "fake-tensor"
+    row.device = target
+    row.device_name = "simulated GPU" if target == "cuda" else "simulated CPU"
+    row.device_total_memory_bytes = gpu_memory_bytes
+    env = capture_environment("cpu")
+    for name in ("host", "torch_version", "transformers_version", "sbpbench_version", "python_version"):
+        setattr(row, name, getattr(env, name))
+    row.git_commit, row.git_dirty = env.git_commit, env.git_dirty
+    row.timestamp_utc = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    try:
+        result = estimate(spec, target=target)
+    except Exception as error:  # noqa: BLE001 (a failed simulation is the row's outcome, as in measure_point)
+        row.status, row.error = "error", one_line(error)
+        return row
+    for name in (
+        "weights_bytes",
+        "grads_bytes",
+        "optimizer_state_bytes",
+        "baseline_bytes",
+        "activation_peak_bytes",
+        "peak_allocated_bytes",
+        "peak_phase",
+        "attention_kernel",
+        "margin_bytes",
+        "num_layers",
+        "num_params",
+        "trainable_params",
+        "num_tokens",
+        "model_flops",
+    ):
+        setattr(row, name, getattr(result, name))
+    row.status = "ok"
+    if gpu_memory_bytes is not None and not result.fits(gpu_memory_bytes):
+        need = (result.peak_allocated_bytes + result.margin_bytes) / GIB
+        row.status = "oom"
+        row.error = f"needs {need:.2f} GiB (peak + margin) of {gpu_memory_bytes / GIB:.2f} GiB"
+    return row

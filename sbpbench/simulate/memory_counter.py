@@ -1,0 +1,67 @@
+"""Live bytes of a simulated step: the CPU live-tensor tracker, run over fake tensors.
+
+`SimulatedMemory` is a `LiveTensorTracker` (measure/tensor_tracker.py) pushed above a
+FakeTensorMode, so it counts every storage the step creates, fake or real, exactly as the real
+CPU measurement does, with the CUDA caching allocator's 512-byte rounding when asked. Three
+additions:
+- ops whose tensor arguments are all real (the batch and what is computed from it: labels,
+  masks, token counts) run for real, outside the fake mode, so the step's data-dependent Python
+  (`int(mask.sum())`, `if mask.any()`) works; everything touching the model stays fake;
+- `hidden`: bytes a CUDA kernel allocates and frees inside one op, invisible to the dispatcher
+  (cuda_attention.hidden_bytes), added to the live bytes for the duration of that op;
+- `phase`: a label set from outside (phases.py); `peak_phase` is the label when the peak was set.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import _disable_current_modes
+
+from ..measure.tensor_tracker import LiveTensorTracker
+
+CUDA_ALLOCATOR_ROUNDING = 512  # c10/cuda/CUDACachingAllocator.cpp kMinBlockSize: every block is a multiple of 512 B
+
+_DEVICE = torch.ops.prim.device.default
+HiddenBytes = Callable[[object, tuple], int]  # (aten op, its args) -> bytes allocated inside it
+
+
+def _all_real(args, kwargs) -> bool:
+    """Whether an aten op has tensor arguments and none is fake. Aten arguments are flat: tensors,
+    scalars, and lists of those, so two levels suffice (tree_leaves costs more per op)."""
+    found = False
+    for value in (*args, *kwargs.values()):
+        for t in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(t, FakeTensor):
+                return False
+            found = found or isinstance(t, torch.Tensor)
+    return found
+
+
+class SimulatedMemory(LiveTensorTracker):
+    """with fake_mode, SimulatedMemory(...) as memory: step(); memory.peak_bytes, memory.peak_phase."""
+
+    def __init__(self, granularity_bytes: int = 1, hidden: HiddenBytes | None = None):
+        super().__init__(granularity_bytes=granularity_bytes)
+        self.hidden = hidden
+        self.phase = "forward"
+        self.peak_phase = ""
+
+    def _run(self, func, args, kwargs):
+        if _all_real(args, kwargs):
+            with _disable_current_modes():  # real inputs only: run for real, below no mode
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _DEVICE:  # a FakeTensor's device query (autograd asks for every gradient): allocates nothing
+            return func(*args, **(kwargs or {}))
+        peak = self.peak_bytes
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        inside = self.hidden(func, args) if self.hidden is not None else 0
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes + inside)
+        if self.peak_bytes > peak:
+            self.peak_phase = self.phase
+        return out
