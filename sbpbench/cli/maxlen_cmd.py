@@ -197,6 +197,11 @@ def maxlen_table(rows: list[ResultRow]) -> Table:
         f"budget {gib(budget)} GiB\n{first.device_name} ({first.source}, {first.memory_source})"
     )
     caption = "probes: lengths the search used, cached ones included. peak: max allocated at max T."
+    if first.source == "simulated":
+        caption += (
+            " Simulated: a prediction, not a measurement. Our bp/ckpt free the logits after the loss; the paper's"
+            " script keeps them through the backward (sbpbench/simulate/paper_baseline.py), so ours reach longer."
+        )
     if first.objective != "sft":
         caption += " grpo/dpo: the paper's number is the completion length; ours minus prompt_len is in brackets."
     table = Table(title=title, caption=caption)

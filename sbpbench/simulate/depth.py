@@ -5,7 +5,7 @@ When every decoder layer has the same shape and attention type, each memory term
 affine in the depth L: weights, gradients and optimizer moments per layer, plus per layer what
 stays alive at the peak (bp: its saved activations; ckpt and streambp: its input checkpoint),
 while the peak itself happens in a phase that does not depend on L (the head, or the top layer's
-backward). So the full-depth value is v(2) + (L - 2) * (v(3) - v(2)). tests/test_simulate.py
+backward). So the full-depth value is v(2) + (L - 2) * (v(3) - v(2)). tests/test_simulate_depth.py
 checks this against full-depth runs to the byte; models whose layers differ (Gemma 3's sliding
 and global layers) are always run at full depth.
 """
