@@ -90,9 +90,9 @@ def maxlen_row(search: MaxlenSpec, result, probe_rows: dict[int, ResultRow]) -> 
         "peak_reserved_bytes",
         "nvml_peak_used_bytes",
         "margin_bytes",
-        "peak_phase",
     ):
         setattr(row, column, None if best is None else getattr(best, column))
+    row.peak_phase = "" if best is None else best.peak_phase
     row.timestamp_utc = datetime.now(timezone.utc).isoformat(timespec="seconds")
     return row
 
