@@ -101,13 +101,22 @@ def one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0] if text else ''}"[:500]
 
 
-def _storage_bytes(tensors) -> int:
-    seen = {}
-    for t in tensors:
-        if t is not None:
-            storage = t.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
+def storage_bytes(tensors, granularity_bytes: int = 1) -> int:
+    """Bytes of the distinct storages behind `tensors` (None skipped), each rounded up to
+    granularity_bytes. Keyed by storage identity, which also holds for fake tensors (whose
+    storages all report data_ptr 0)."""
+    sizes = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors if t is not None}
+    return sum(-(-n // granularity_bytes) * granularity_bytes for n in sizes.values())
+
+
+def resident_tensors(model, batch, optimizer) -> list[torch.Tensor]:
+    """What is allocated before a step: weights, gradients (present under the steady protocol),
+    the batch's tensors and the optimizer's state. Shared with the simulated step."""
+    tensors = [*model.parameters(), *(p.grad for p in model.parameters() if p.grad is not None)]
+    tensors += [t for t in vars(batch).values() if isinstance(t, torch.Tensor)]
+    if optimizer is not None:
+        tensors += optimizer_state_tensors(optimizer)
+    return tensors
 
 
 class _Step:
@@ -125,7 +134,7 @@ class _Step:
         row.trainable_params = sum(p.numel() for p in self.trainable)
         row.num_tokens = self.batch.num_tokens
         row.model_flops = training_flops(self.model, batch_size=spec.batch_size, seq_len=spec.seq_len)
-        row.weights_bytes = _storage_bytes(self.model.parameters())
+        row.weights_bytes = storage_bytes(self.model.parameters())
         row.grads_bytes = sum(p.numel() * p.element_size() for p in self.trainable)
         if spec.protocol == "steady":
             for p in self.trainable:
@@ -145,11 +154,7 @@ class _Step:
         gc.collect()  # reference cycles must not carry one step's tensors into the next
 
     def resident_bytes(self) -> int:
-        tensors = [*self.model.parameters(), *(p.grad for p in self.trainable)]
-        tensors += [t for t in vars(self.batch).values() if isinstance(t, torch.Tensor)]
-        if self.optimizer is not None:
-            tensors += optimizer_state_tensors(self.optimizer)
-        return _storage_bytes(tensors)
+        return storage_bytes(resident_tensors(self.model, self.batch, self.optimizer))
 
     def run(self) -> torch.Tensor:
         return run_step(self.spec.method, self.model, self.batch, self.spec.settings, self.optimizer)

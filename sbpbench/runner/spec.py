@@ -54,7 +54,6 @@ def build_model_and_batch(spec, *, lora_alpha: int, lora_init_seed: int | None =
     """The model (random weights, seeded; truncated depth; LoRA adapters if lora_rank) and the
     objective's synthetic batch for it, on spec.device. spec as in check_model_settings, plus
     model, seed and prompt_len."""
-    from ..data import make_batch
     from ..models import build_model
 
     overrides = {"num_hidden_layers": spec.num_layers} if spec.num_layers else {}
@@ -63,17 +62,25 @@ def build_model_and_batch(spec, *, lora_alpha: int, lora_init_seed: int | None =
         from ..models.lora import apply_lora
 
         model = apply_lora(model, rank=spec.lora_rank, alpha=lora_alpha, init_nonzero_seed=lora_init_seed)
-    batch = make_batch(
+    batch = make_spec_batch(spec, model.config, device=spec.device)
+    return model, batch
+
+
+def make_spec_batch(spec, config, *, device: str = "cpu"):
+    """The objective's synthetic batch for a model of this config (spec as in
+    build_model_and_batch). Real tensors: the simulated step builds the same batch."""
+    from ..data import make_batch
+
+    return make_batch(
         spec.objective,
         batch_size=spec.batch_size,
         seq_len=spec.seq_len,
-        vocab_size=model.config.vocab_size,
+        vocab_size=config.vocab_size,
         prompt_len=spec.prompt_len,
         seed=spec.seed,
-        pad_token_id=model.config.pad_token_id or 0,
-        device=spec.device,
+        pad_token_id=config.pad_token_id or 0,
+        device=device,
     )
-    return model, batch
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -23,10 +23,10 @@ from ..measure.flops import training_flops
 from ..methods import MethodFn, run_step
 from ..methods.training import optimizer_state_bytes
 from ..records import ResultRow
-from ..runner.point import one_line, spec_fields
+from ..runner.point import one_line, spec_fields, storage_bytes
 from ..runner.spec import RunSpec
 from .cuda_attention import CudaAttention, hidden_bytes, streambp_cuda_branch
-from .fake_mode import build_fake_step, storage_bytes
+from .fake_mode import build_fake_step
 from .memory_counter import CUDA_ALLOCATOR_ROUNDING, SimulatedMemory
 from .phases import PhaseLabels
 

@@ -20,11 +20,11 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from transformers import AutoModelForCausalLM
 
-from ..data import make_batch
 from ..methods import make_optimizer
-from ..methods.training import init_optimizer_state, optimizer_state_tensors
+from ..methods.training import init_optimizer_state
 from ..models import apply_lora, load_config
-from ..runner.spec import DTYPES, RunSpec
+from ..runner.point import resident_tensors
+from ..runner.spec import DTYPES, RunSpec, make_spec_batch
 
 
 @dataclass
@@ -40,19 +40,8 @@ class FakeStep:
         return [p for p in self.model.parameters() if p.requires_grad]
 
     def resident_tensors(self) -> list[torch.Tensor]:
-        """What is allocated before the step: weights, gradients (steady), batch, optimizer state."""
-        tensors = [*self.model.parameters(), *(p.grad for p in self.trainable if p.grad is not None)]
-        tensors += [t for t in vars(self.batch).values() if isinstance(t, torch.Tensor)]
-        if self.optimizer is not None:
-            tensors += optimizer_state_tensors(self.optimizer)
-        return tensors
-
-
-def storage_bytes(tensors, granularity_bytes: int = 1) -> int:
-    """Bytes of the distinct storages behind `tensors`, each rounded up to granularity_bytes.
-    Keyed by storage identity: every fake storage reports data_ptr 0."""
-    sizes = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}
-    return sum(-(-n // granularity_bytes) * granularity_bytes for n in sizes.values())
+        """What is allocated before the step, as the measured step counts it."""
+        return resident_tensors(self.model, self.batch, self.optimizer)
 
 
 def _fake_model(spec: RunSpec, mode: FakeTensorMode) -> torch.nn.Module:
@@ -94,16 +83,7 @@ def build_fake_step(spec: RunSpec, *, foreach_optimizer: bool = False) -> FakeSt
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     model = _fake_model(spec, mode)
     config = model.config
-    batch = make_batch(  # the arguments build_model_and_batch passes
-        spec.objective,
-        batch_size=spec.batch_size,
-        seq_len=spec.seq_len,
-        vocab_size=config.vocab_size,
-        prompt_len=spec.prompt_len,
-        seed=spec.seed,
-        pad_token_id=config.pad_token_id or 0,
-        device=spec.device,
-    )
+    batch = make_spec_batch(spec, config)
     step = FakeStep(spec=spec, mode=mode, model=model.train(), batch=batch, optimizer=None)
     if spec.step == "train":
         step.optimizer = make_optimizer(step.model)
