@@ -28,7 +28,8 @@ _ROW_FIELDS = {f.name for f in fields(ResultRow)}
 _STDERR_TAIL_LINES = 20
 
 
-def _provenance(env: Environment) -> dict:
+def provenance(env: Environment) -> dict:
+    """The row columns an environment fills (all but `device`, which the spec sets)."""
     values = env.as_dict()
     return {k: v for k, v in values.items() if k in _ROW_FIELDS and k != "device"}
 
@@ -75,7 +76,7 @@ def run_isolated(spec: RunSpec, env: Environment | None = None) -> ResultRow:
                 row.status, row.error = "error", f"worker exited with code {worker.returncode}: {reason}"
     if row.status == "error" and os.environ.get("SBP_DEBUG"):
         print("\n".join(stderr.splitlines()[-_STDERR_TAIL_LINES:]), file=sys.stderr)
-    for name, value in _provenance(env).items():
+    for name, value in provenance(env).items():
         setattr(row, name, value)
     row.timestamp_utc = datetime.now(timezone.utc).isoformat(timespec="seconds")
     return row

@@ -14,7 +14,7 @@ from datetime import datetime, timezone
 
 from ..measure.environment import Environment, capture_environment
 from ..records import KEY_COLUMNS, ResultRow, read_rows, row_key, upsert_rows
-from .isolated import run_isolated
+from .isolated import provenance, run_isolated
 from .point import spec_fields, spec_key
 from .search import MaxlenSpec, Measure, find_max_len
 from .spec import RunSpec
@@ -92,9 +92,8 @@ def skipped_row(spec: RunSpec, env: Environment, proof: tuple[int, int]) -> Resu
     row = ResultRow(**spec_fields(spec))
     row.status = "skipped"
     row.error = f"certain OOM: T={proof[0]}, batch {proof[1]} already ran out of memory; not run"
-    for name, value in env.as_dict().items():
-        if hasattr(row, name) and name != "device":
-            setattr(row, name, value)
+    for name, value in provenance(env).items():
+        setattr(row, name, value)
     row.timestamp_utc = datetime.now(timezone.utc).isoformat(timespec="seconds")
     return row
 
