@@ -5,6 +5,7 @@ from __future__ import annotations
 from functools import cache
 
 from ..records import ResultRow
+from ..report.select import MAXLEN_TABLE, paper_rows
 
 
 @cache
@@ -18,21 +19,13 @@ def _reference():
 
 
 def paper_max_len(row: ResultRow) -> str | None:
-    """The paper's max sequence length for this row's setting on one 80 GB GPU: Figure 3 for a
-    backpropagation step, Table 3 for a training step; None where the paper has none."""
+    """The paper's max sequence length for this row's setting on one 80 GB GPU (Figure 3 for a
+    backpropagation step, Table 3 for a training step), by the rule `sbp report` uses; None where
+    the paper has none."""
     reference = _reference()
-    if reference is None:
+    if reference is None or row.step not in MAXLEN_TABLE:
         return None
-    table = "Figure 3" if row.step == "bp" else "Table 3"
-    match = reference[
-        (reference["table"] == table)
-        & (reference["metric"] == "max_seq_len")
-        & (reference["model"] == row.model)
-        & (reference["method"] == row.method)
-        & (reference["objective"] == row.objective)
-        & (reference["lora"] == bool(row.lora_rank))
-        & (reference["num_gpus"] == 1)
-    ]
+    match = paper_rows(reference, table=MAXLEN_TABLE[row.step], metric="max_seq_len", like=row.as_dict())
     if match.empty:
         return None
     paper = match.iloc[0]
