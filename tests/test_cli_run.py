@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from sbpbench.cli import app
-from sbpbench.cli.run_cmd import parse_methods
+from sbpbench.cli.options import parse_methods
 from sbpbench.records import COLUMNS, PROVENANCE_COLUMNS, read_rows
 
 runner = CliRunner()
@@ -64,18 +64,18 @@ def test_rerun_replaces_the_point_and_memory_limit_gives_an_oom_row(tmp_path):
     ("args", "message"),
     [
         (["--model", "nope/nope"], "unknown model 'nope/nope'"),
-        (["--method", "bogus"], "unknown method 'bogus'"),
-        (["--method", "bp", "bogus"], "unknown method 'bogus'"),
+        (["--method", "bogus"], "unknown --method 'bogus'"),
+        (["--method", "bp", "bogus"], "unknown --method 'bogus'"),
         (["--seq", "0"], "--seq must be at least 2"),
         (["--seq", "1"], "--seq must be at least 2"),
-        (["--chunk-size", "0"], "chunk-size"),
+        (["--chunk-size", "0"], "error: invalid input: --chunk-size must be a positive integer"),
         (["--logits-chunk-size", "-3"], "logits-chunk-size"),
         (["--device", "cuda"], "no CUDA GPU"),
         (["--memory-limit", "lots"], "80GiB"),
-        (["--protocol", "warm"], "unknown protocol"),
-        (["--objective", "ppo"], "unknown objective 'ppo'"),
+        (["--protocol", "warm"], "unknown --protocol 'warm'"),
+        (["--objective", "ppo"], "unknown --objective 'ppo'"),
         (["--objective", "dpo", "--batch", "3"], "even number"),
-        (["--step", "adam"], "unknown step 'adam'"),
+        (["--step", "adam"], "unknown --step 'adam'"),
         (["--out", "/proc/nope/r.csv"], "--out"),
         (["--out", "r.txt"], ".csv"),
     ],
@@ -106,7 +106,7 @@ def test_dpo_lora_train_point_from_the_command_line(tmp_path):
 def test_method_lists_in_every_spelling():
     assert parse_methods(["bp", "ckpt,streambp"]) == ("bp", "ckpt", "streambp")
     assert parse_methods(["bp", "bp"]) == ("bp",)
-    assert parse_methods([]) == ("bp", "ckpt", "streambp")
+    assert parse_methods([]) == ()  # none named: the config runs every method
 
 
 def test_sbp_env_json_parses():

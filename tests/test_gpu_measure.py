@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
+from sbpbench.config import RunSpec
 from sbpbench.methods import MethodSettings
-from sbpbench.runner import RunSpec
 from sbpbench.runner.point import measure_point
 
 pytestmark = pytest.mark.gpu
@@ -46,5 +46,5 @@ def test_cuda_activation_peaks_are_ordered():
 
 def test_cuda_memory_limit_gives_an_oom_row():
     """Capped at 4 GiB (weights + grads of Qwen3-0.6B in bf16 take 2.2 GiB), bp at T=8192 is oom, not a crash."""
-    row = measure_point(_spec("bp", memory_limit_bytes=4 * 2**30, repeats=1))
+    row = measure_point(_spec("bp", memory_limit=4 * 2**30, repeats=1))
     assert row.status == "oom" and "OutOfMemoryError" in row.error

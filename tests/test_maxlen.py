@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from sbpbench.config import MaxlenSpec, Resolution, RunSpec
+from sbpbench.config.rows import spec_fields
 from sbpbench.measure.environment import capture_environment
 from sbpbench.records import ResultRow, read_rows
-from sbpbench.runner.maxlen import Resolution, search_max_len
-from sbpbench.runner.point import spec_fields
-from sbpbench.runner.search import MaxlenSpec, ProbeFailed, find_max_len
-from sbpbench.runner.spec import RunSpec
+from sbpbench.runner.length_search import search_max_len
+from sbpbench.runner.maxlen import ProbeFailed, find_max_len
 
 from .test_cli_run import _sbp
 
@@ -108,8 +108,8 @@ def _fake_measure(answer: int, calls: list[int], fail_at: int | None = None):
 
 
 def _search(method: str = "bp") -> MaxlenSpec:
-    base = RunSpec(model="tiny/qwen3", method=method, seq_len=256, repeats=0, warmup=0, memory_limit_bytes=1 << 30)
-    return MaxlenSpec(base=base, resolution=Resolution.parse("1%"), start=256, ceiling=1 << 16)
+    base = RunSpec(model="tiny/qwen3", method=method, seq_len=256, repeats=0, warmup=0, memory_limit=1 << 30)
+    return MaxlenSpec(base=base, resolution=Resolution.parse("1%"), seq_len_ceiling=1 << 16)
 
 
 def test_find_max_len_writes_probes_and_an_answer_row_and_resumes_from_the_csv(tmp_path):

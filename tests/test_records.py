@@ -16,6 +16,7 @@ from sbpbench.records import (
     ResultRow,
     check_writable,
     completed_keys,
+    decode_row,
     load_results,
     read_rows,
     row_key,
@@ -118,3 +119,40 @@ def test_load_results_reads_a_directory_and_names_a_missing_one(tmp_path):
     assert sorted(load_results(tmp_path)["method"]) == ["bp", "ckpt"]
     with pytest.raises(FileNotFoundError, match="sbp run"):
         load_results(tmp_path / "none")
+
+
+def _v3_row(method: str, chunk_size: str, timestamp: str, peak: str) -> dict:
+    """A row as schema 3 wrote it: every method recorded StreamBP's chunk sizes."""
+    return {
+        "schema_version": "3", "timestamp_utc": timestamp, "status": "ok", "kind": "point", "source": "measured",
+        "model": "tiny/qwen3", "num_layers": "2", "method": method, "objective": "sft", "step": "bp",
+        "lora_rank": "0", "seq_len": "64", "batch_size": "1", "dtype": "fp32", "device": "cpu",
+        "device_name": "AMD EPYC", "protocol": "steady", "chunk_size": chunk_size, "logits_chunk_size": "100",
+        "fp32_grad_accumulation": "true", "attn_implementation": "sdpa", "seed": "0", "peak_allocated_bytes": peak,
+    }  # fmt: skip
+
+
+def test_schema_3_rows_migrate_to_keys_without_unread_settings(tmp_path):
+    """Schema 4: bp/ckpt rows of a schema-3 CSV lose the chunk settings they never read, so two bp
+    rows that differed only in chunk size become one point (the later one), while a streambp row
+    keeps its chunk size; a new row of the same point replaces the migrated one."""
+    path = tmp_path / "old.csv"
+    rows = [
+        _v3_row("bp", "500", "2026-01-01T00:00:00+00:00", "100"),
+        _v3_row("bp", "128", "2026-01-02T00:00:00+00:00", "200"),
+        _v3_row("streambp", "128", "2026-01-01T00:00:00+00:00", "50"),
+    ]
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    migrated = read_rows(path)
+    assert [(r["method"], r["chunk_size"], r["peak_allocated_bytes"]) for r in migrated] == [
+        ("bp", "", "200"),
+        ("streambp", "128", "50"),
+    ]
+    assert migrated[0]["logits_chunk_size"] == "" and migrated[0]["fp32_grad_accumulation"] == ""
+    new = decode_row({**migrated[0], "schema_version": str(SCHEMA_VERSION), "peak_allocated_bytes": "300"})
+    upsert_rows(path, [new])
+    assert [(r["method"], r["peak_allocated_bytes"]) for r in read_rows(path)] == [("bp", "300"), ("streambp", "50")]
+    assert SCHEMA_VERSION == 4

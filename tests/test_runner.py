@@ -10,10 +10,11 @@ import time
 
 import pytest
 
+from sbpbench.config import RunSpec
 from sbpbench.measure.environment import capture_environment
 from sbpbench.methods import MethodSettings
 from sbpbench.records import PROVENANCE_COLUMNS, read_rows
-from sbpbench.runner import RunSpec, run_isolated, run_points
+from sbpbench.runner import run_isolated, run_points
 from sbpbench.runner.point import measure_point
 
 
@@ -58,10 +59,10 @@ def test_activation_peak_orders_bp_over_ckpt_over_streambp():
 
 def test_memory_limit_below_the_need_is_an_oom_row():
     """A CPU --memory-limit under the tracked need gives status oom, with how far it got."""
-    row = measure_point(_spec("bp", memory_limit_bytes=1_500_000))
+    row = measure_point(_spec("bp", memory_limit=1_500_000))
     assert row.status == "oom" and "limit" in row.error
     assert row.peak_allocated_bytes > 1_500_000
-    weights_only = measure_point(_spec("bp", memory_limit_bytes=1000))
+    weights_only = measure_point(_spec("bp", memory_limit=1000))
     assert weights_only.status == "oom" and "weights" in weights_only.error
 
 
@@ -69,7 +70,7 @@ def test_run_isolated_returns_a_row_with_provenance_and_oom_is_a_value(tmp_path)
     """In a worker process: an oom point comes back as a row (no exception) with provenance, and the
     caller that writes rows (as a sweep does) sees it in the CSV."""
     out = tmp_path / "r.csv"
-    rows = list(run_points([_spec("bp", memory_limit_bytes=1_000_000), _spec("streambp")], out))
+    rows = list(run_points([_spec("bp", memory_limit=1_000_000), _spec("streambp")], out))
     assert [r.status for r in rows] == ["oom", "ok"]
     saved = read_rows(out)
     assert [r["status"] for r in saved] == ["oom", "ok"]
@@ -95,7 +96,7 @@ def test_a_failing_method_is_an_error_row(tmp_path):
 
 
 def test_spec_round_trips_through_json():
-    spec = _spec("streambp", settings=MethodSettings(chunk_size=7), memory_limit_bytes=123)
+    spec = _spec("streambp", settings=MethodSettings(chunk_size=7), memory_limit=123)
     assert RunSpec.from_json(spec.to_json()) == spec
 
 
@@ -107,7 +108,7 @@ def test_spec_round_trips_through_json():
         ({"method": "nope"}, "unknown method"),
         ({"protocol": "warm"}, "unknown protocol"),
         ({"device": "tpu"}, "unknown device"),
-        ({"repeats": -1}, "--repeats"),
+        ({"repeats": -1}, "^repeats must be at least 0"),
     ],
 )
 def test_bad_specs_say_what_is_allowed(values, message):
@@ -117,7 +118,8 @@ def test_bad_specs_say_what_is_allowed(values, message):
 
 INTERRUPTED_PARENT = """
 import sys
-from sbpbench.runner import RunSpec, run_isolated
+from sbpbench.config import RunSpec
+from sbpbench.runner import run_isolated
 spec = RunSpec(model="tiny/qwen3", method="streambp", seq_len=2048, repeats=1000, warmup=0,
                settings=__import__("sbpbench.methods", fromlist=["MethodSettings"]).MethodSettings(chunk_size=1))
 print("started", flush=True)

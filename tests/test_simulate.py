@@ -12,11 +12,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from typer.testing import CliRunner
 
 from sbpbench.cli.estimate_cmd import estimate as estimate_command
+from sbpbench.config import Resolution, RunSpec
 from sbpbench.methods import MethodSettings
 from sbpbench.records import read_rows
-from sbpbench.runner.maxlen import Resolution, search_max_len
+from sbpbench.runner.length_search import search_max_len
 from sbpbench.runner.point import measure_point
-from sbpbench.runner.spec import RunSpec
 from sbpbench.simulate import CUDA_CONTEXT_BYTES, FRAGMENTATION_FRACTION, estimate, estimate_point
 from sbpbench.simulate.cuda_attention import EFFICIENT, FLASH, MATH, CudaAttention, choose_kernel, hidden_bytes
 from sbpbench.simulate.memory_counter import SimulatedMemory

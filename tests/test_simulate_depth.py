@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from sbpbench.config import RunSpec
 from sbpbench.methods import MethodSettings
 from sbpbench.records import row_key
-from sbpbench.runner.spec import RunSpec
 from sbpbench.simulate import estimate_point
 from sbpbench.simulate.depth import estimate_point_by_depth, uniform_layers
 
@@ -31,7 +31,7 @@ def test_two_shallow_runs_predict_the_full_depth_to_the_byte(model, seq_len, num
         dtype="bf16",
         num_layers=num_layers,
         settings=MethodSettings(chunk_size=128, logits_chunk_size=64),
-        memory_limit_bytes=80 << 30,
+        memory_limit=80 << 30,
     )
     full = estimate_point(spec, gpu_memory_bytes=80 << 30)
     extrapolated = estimate_point_by_depth(spec, gpu_memory_bytes=80 << 30)

@@ -13,10 +13,10 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from sbpbench.cli import app
-from sbpbench.experiments import load_experiment
+from sbpbench.config.experiment import load_experiment
+from sbpbench.config.rows import spec_fields
 from sbpbench.measure.environment import capture_environment
 from sbpbench.records import COLUMNS, ResultRow, read_rows, row_key
-from sbpbench.runner.point import spec_fields
 from sbpbench.runner.sweep import plan, run_sweep
 
 from .test_cli_run import _sbp

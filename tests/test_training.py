@@ -8,11 +8,11 @@ import copy
 import pytest
 import torch
 
+from sbpbench.config import RunSpec
 from sbpbench.data import make_batch
 from sbpbench.methods import MethodSettings, make_optimizer, run_step
 from sbpbench.methods.exactness import tensor_diff
 from sbpbench.models.lora import apply_lora
-from sbpbench.runner import RunSpec
 from sbpbench.runner.point import measure_point
 
 from .conftest import tiny_model

@@ -2,65 +2,47 @@
 
 from __future__ import annotations
 
-from typing import Annotated
-
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from ..core import DEFAULT_LOGITS_CHUNK_SIZE
-from ..data import DEFAULT_PROMPT_LEN, OBJECTIVES
-from ..methods import METHODS, MethodSettings
+from ..config import METHODS, point_specs
+from ..config.run import EXACTNESS_DEFAULTS
 from ..runner import ExactnessSpec, check_exactness
 from .errors import user_errors
-from .options import BatchOpt, ChunkOpt, DeviceOpt, DType, LogitsChunkOpt, Method, ModelOpt, SeedOpt
+from .options import point_command, run_fields_but
+
+# bp is the reference; lora_alpha is 2 x rank (with seeded non-zero B); nothing is timed
+CHECK_FIELDS = run_fields_but("lora_alpha", "step", "protocol", "warmup", "repeats", "memory_limit", "timeout_s")
 
 
-def check(
-    model: ModelOpt = "Qwen/Qwen3-0.6B",
-    seq: Annotated[int, typer.Option("--seq", "-T", min=2, help="Sequence length T.")] = 300,
-    batch: BatchOpt = 2,
-    objective: Annotated[str, typer.Option(help=f"Training objective: {', '.join(OBJECTIVES)}.")] = "sft",
-    prompt_len: Annotated[int, typer.Option(min=1, help="grpo/dpo: prompt tokens (at most half of --seq).")] = (
-        DEFAULT_PROMPT_LEN
-    ),
-    lora_rank: Annotated[int, typer.Option(min=0, help="Check with LoRA adapters of this rank (0: none).")] = 0,
-    dtype: Annotated[
-        DType, typer.Option(help="fp64 (tolerance 1e-10), fp32 (1e-5) or bf16 (reported only).")
-    ] = DType.fp64,
-    method: Annotated[
-        list[Method] | None, typer.Option("--method", help="Methods to compare with bp; repeatable (default: all).")
-    ] = None,
-    chunk_size: ChunkOpt = 128,
-    logits_chunk_size: LogitsChunkOpt = DEFAULT_LOGITS_CHUNK_SIZE,
-    num_layers: Annotated[
-        int, typer.Option("--num-layers", min=0, help="Keep only the first N decoder layers; 0 keeps all.")
-    ] = 2,
-    device: DeviceOpt = "cpu",
-    seed: SeedOpt = 0,
-) -> None:
+@point_command(
+    CHECK_FIELDS,
+    helps={
+        "method": "Methods to compare with bp; several allowed (default: all).",
+        "model": "Registry name (`sbp models`) or a local checkpoint directory (default: Qwen/Qwen3-0.6B).",
+        "seq_len": "Sequence length T (default: 300).",
+        "batch_size": "Rows per batch (default: 2).",
+        "lora_rank": "Check with LoRA adapters of this rank (default: 0, none).",
+        "dtype": "fp64 (tolerance 1e-10, default), fp32 (1e-5) or bf16 (reported only).",
+        "chunk_size": "StreamBP positions per layer chunk (default: 128).",
+        "num_layers": "Keep only the first N decoder layers (default: 2).",
+        "device": "cpu (default), cuda or cuda:N.",
+    },
+)
+def check(settings: dict, methods: tuple[str, ...]) -> None:
     """Check that every method gives standard BP's loss and gradients (exit 1 if one does not)."""
-    methods = tuple(m.value for m in method) if method else tuple(name for name in METHODS if name != "bp")
+    compared = tuple(m for m in methods if m != "bp") or tuple(name for name in METHODS if name != "bp")
     with user_errors():
-        spec = ExactnessSpec(
-            model=model,
-            seq_len=seq,
-            batch_size=batch,
-            objective=objective,
-            prompt_len=prompt_len,
-            lora_rank=lora_rank,
-            dtype=dtype.value,
-            methods=methods,
-            settings=MethodSettings(chunk_size=chunk_size, logits_chunk_size=logits_chunk_size),
-            num_layers=num_layers or None,
-            device=device,
-            seed=seed,
-        )
-        results = check_exactness(spec)
-    layers = f"{num_layers} layers" if num_layers else "all layers"
-    layers += f", LoRA r{lora_rank}" if lora_rank else ""
+        specs = point_specs(settings, ("bp", *compared), defaults=EXACTNESS_DEFAULTS)
+        results = check_exactness(ExactnessSpec(tuple(specs)))
+    run = specs[0]
+    streamed = next((s for s in specs if s.settings.chunk_size is not None), None)
+    layers = f"{run.num_layers} layers" if run.num_layers else "all layers"
+    layers += f", LoRA r{run.lora_rank}" if run.lora_rank else ""
+    chunks = f", chunk {streamed.settings.chunk_size}/{streamed.settings.logits_chunk_size}" if streamed else ""
     table = Table(
-        title=f"{model} ({layers}), {objective}, {dtype.value}, B={batch}, T={seq}, chunk {chunk_size}/{logits_chunk_size}: vs bp"
+        title=f"{run.model} ({layers}), {run.objective}, {run.dtype}, B={run.batch_size}, T={run.seq_len}{chunks}: vs bp"
     )
     for column in ("method", "result", "loss err", "grad err", "tolerance", "worst gradient"):
         table.add_column(column, no_wrap=column != "worst gradient", overflow="fold")

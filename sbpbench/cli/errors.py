@@ -9,7 +9,9 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from ..core import UnsupportedModelError
+from ..config import ConfigError
+from ..models import UnsupportedModelError
+from .options import FLAGS
 
 _stderr = Console(stderr=True)
 
@@ -32,6 +34,8 @@ def user_errors():
         if os.environ.get("SBP_DEBUG"):
             raise
         kind = next(v for k, v in USER_ERRORS.items() if isinstance(error, k))
+        if isinstance(error, ConfigError):  # the user typed a flag, not a field name
+            error = ValueError(error.naming(FLAGS.get(error.field, error.field)))
         message = str(error).splitlines()[0] if str(error) else type(error).__name__
         _stderr.print(f"[bold red]error[/]: {kind}: {escape(message)}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None

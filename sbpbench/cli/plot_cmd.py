@@ -9,17 +9,7 @@ import typer
 
 from ..report.inputs import load_paper, load_table
 from .errors import user_errors
-
-# Declared once, shared with `sbp report`.
-ResultsArg = Annotated[
-    Path, typer.Argument(help="Results CSV, or a directory whose CSVs are read together (written by `sbp run --out`).")
-]
-ReferenceOpt = Annotated[
-    Path | None,
-    typer.Option(
-        "--reference", help="The paper's numbers (default: experiments/reference/streambp_paper.csv in the repository)."
-    ),
-]
+from .options import ReferenceOpt, ResultsArg
 
 
 def plot(

@@ -10,7 +10,7 @@ import typer
 from ..report import markdown_report
 from ..report.inputs import load_paper, load_table
 from .errors import user_errors
-from .plot_cmd import ReferenceOpt, ResultsArg
+from .options import ReferenceOpt, ResultsArg
 
 
 def report(

@@ -11,16 +11,21 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from ..config.experiment import load_experiment
 from ..measure.environment import capture_environment
 from ..measure.units import gib
 from ..records import ResultRow, check_writable, decode_row, read_rows, row_key
-from ..runner.search import ProbeFailed
+from ..runner.maxlen import ProbeFailed
 from ..runner.sweep import Job, plan, run_sweep
 from .errors import user_errors
-from .maxlen_cmd import maxlen_table
+from .options import point_command
+from .tables import maxlen_table
 
 
+@point_command(("device",), helps={"device": "Override every point's device (cpu, cuda, cuda:N)."})
 def sweep(
+    settings: dict,
+    methods: tuple[str, ...],
     experiment: Annotated[Path, typer.Argument(help="Experiment file, e.g. experiments/smoke_cpu.toml.")],
     out: Annotated[
         Path | None, typer.Option("--out", "-o", help="Results CSV (default: results/<experiment name>.csv).")
@@ -28,18 +33,13 @@ def sweep(
     resume: Annotated[
         bool, typer.Option(help="Skip points already in --out (same settings); --no-resume reruns them.")
     ] = True,
-    device: Annotated[
-        str | None, typer.Option("--device", help="Override every point's device (cpu, cuda, cuda:N).")
-    ] = None,
 ) -> None:
     """Run every point of an experiment file, each in its own process, with a progress bar.
     Each finished point is in --out before the next starts: Ctrl-C or a kill loses at most the
     point in flight, and the same command resumes. An OOM is recorded and the sweep goes on;
     longer sequences of the same settings are then recorded as skipped (certain OOM)."""
-    from ..experiments import load_experiment
-
     with user_errors():
-        loaded = load_experiment(experiment, device=device)
+        loaded = load_experiment(experiment, device=settings.get("device"))
         out = out or Path("results") / f"{loaded.name}.csv"
         check_writable(out)
         first = (loaded.grid or [s.base for s in loaded.searches])[0]

@@ -1,23 +1,39 @@
-"""Settings shared by every method; recorded with each measurement."""
+"""The knobs a method may read. Each method declares which (`Method.uses` in the registry); in a
+spec and its results row the others are None, so a method's key holds only what changes it
+(two `bp` rows never differ by a StreamBP chunk size)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields, replace
 
 from ..core import DEFAULT_CHUNK_SIZE, DEFAULT_LOGITS_CHUNK_SIZE
+
+DEFAULTS = {
+    "chunk_size": DEFAULT_CHUNK_SIZE,  # positions per chunk in the layer backward
+    "logits_chunk_size": DEFAULT_LOGITS_CHUNK_SIZE,  # positions per chunk in the head and loss
+    "fp32_grad_accumulation": True,  # sum bf16 chunk gradients in fp32
+}
 
 
 @dataclass(frozen=True, kw_only=True)
 class MethodSettings:
-    chunk_size: int = DEFAULT_CHUNK_SIZE  # StreamBP layer partition (positions per chunk)
-    logits_chunk_size: int = DEFAULT_LOGITS_CHUNK_SIZE  # StreamBP head partition
-    fp32_grad_accumulation: bool = True  # StreamBP: sum bf16 chunk gradients in fp32
+    """None: the method's default (DEFAULTS) if it reads the knob, absent if it does not. Checked
+    by the run config (sbpbench.config) and, for library callers, by stream_backward itself."""
 
-    def __post_init__(self):
-        for name in ("chunk_size", "logits_chunk_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    chunk_size: int | None = None
+    logits_chunk_size: int | None = None
+    fp32_grad_accumulation: bool | None = None
+
+    def for_method(self, uses: tuple[str, ...]) -> MethodSettings:
+        """The knobs in `uses` set (given or default), every other one None."""
+        values = {f.name: None for f in fields(self)}
+        for name in uses:
+            given = getattr(self, name)
+            values[name] = DEFAULTS[name] if given is None else given
+        return replace(self, **values)
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+SETTING_NAMES = tuple(f.name for f in fields(MethodSettings))

@@ -1,5 +1,6 @@
 """Model shapes and how to build them (no download: configs ship with the package)."""
 
+from ..core import UnsupportedModelError  # what building or running an unsupported family raises
 from .build import build_model, count_parameters, is_local_checkpoint, load_config
 from .lora import apply_lora
 from .registry import MODELS, REAL_MODELS, SMALL_MODELS, TINY_MODELS, ModelSpec, config_dict, get_spec
@@ -10,6 +11,7 @@ __all__ = [
     "SMALL_MODELS",
     "TINY_MODELS",
     "ModelSpec",
+    "UnsupportedModelError",
     "apply_lora",
     "build_model",
     "config_dict",

@@ -1,7 +1,7 @@
 """The results schema and the CSV files that hold it."""
 
 from .schema import COLUMNS, KEY_COLUMNS, KINDS, PROVENANCE_COLUMNS, SCHEMA_VERSION, SOURCES, STATUSES, ResultRow
-from .store import check_writable, completed_keys, decode_row, load_results, read_rows, row_key, upsert_rows
+from .store import check_writable, completed_keys, decode_row, load_results, one_line, read_rows, row_key, upsert_rows
 
 __all__ = [
     "COLUMNS",
@@ -16,6 +16,7 @@ __all__ = [
     "completed_keys",
     "decode_row",
     "load_results",
+    "one_line",
     "read_rows",
     "row_key",
     "upsert_rows",

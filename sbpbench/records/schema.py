@@ -14,13 +14,17 @@ read back with the new columns empty):
   3  kind (point | maxlen) and source (measured | simulated), the max-length search columns
      (max_seq_len, oom_seq_len, search_resolution, num_probes), an estimate's peak_phase,
      margin_bytes and attention_kernel, and status skipped; older rows read back as measured points.
+  4  the method settings (chunk_size, logits_chunk_size, fp32_grad_accumulation) are empty for a
+     method that does not read them (bp, ckpt), so they are not part of its key; older rows of
+     those methods read back with them emptied (two such rows differing only there become one
+     point: the later one is kept).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 # skipped: not run because a shorter sequence of the same point already ran out of memory
 # (certain OOM); plots and reports draw it as an OOM, and a resumed sweep does not retry it.
@@ -55,7 +59,7 @@ class ResultRow:
     dtype: str = ""
     device: str = ""  # cpu | cuda | cuda:N
     protocol: str = ""  # steady (gradient buffers resident before the step) | first (allocated in it)
-    chunk_size: int | None = None  # streambp positions per layer chunk (recorded for every method)
+    chunk_size: int | None = None  # streambp positions per layer chunk (empty for methods that ignore it)
     logits_chunk_size: int | None = None
     fp32_grad_accumulation: bool | None = None
     attn_implementation: str = ""
@@ -159,14 +163,28 @@ PROVENANCE_COLUMNS: tuple[str, ...] = (
     "git_dirty",
     "protocol",
     "dtype",
-    "chunk_size",
-    "logits_chunk_size",
     "attn_implementation",
     "seed",
-)
+)  # not the method settings (METHOD_SETTING_COLUMNS): empty for a method that does not read them
 
 # What a row of an older schema meant for the columns it lacks.
 UPGRADES: dict[str, dict[str, str]] = {
     "1": {"objective": "sft", "step": "bp", "lora_rank": "0", "kind": "point", "source": "measured"},
     "2": {"kind": "point", "source": "measured"},
 }
+# Schema 4: the settings a method does not read are empty. Methods of the older schemas that read
+# none of them (every method before version 4 but streambp).
+METHOD_SETTING_COLUMNS = ("chunk_size", "logits_chunk_size", "fp32_grad_accumulation")
+SETTINGLESS_BEFORE_4 = ("bp", "ckpt")
+
+
+def upgrade(row: dict[str, str]) -> dict[str, str]:
+    """A CSV row (strings) of any schema as the current schema reads it, in place."""
+    version = row.get("schema_version", "")
+    for column, value in UPGRADES.get(version, {}).items():
+        if not row.get(column):
+            row[column] = value
+    if version in ("1", "2", "3") and row.get("method") in SETTINGLESS_BEFORE_4:
+        for column in METHOD_SETTING_COLUMNS:
+            row[column] = ""
+    return row

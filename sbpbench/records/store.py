@@ -17,7 +17,12 @@ from contextlib import contextmanager
 from dataclasses import fields
 from pathlib import Path
 
-from .schema import COLUMNS, KEY_COLUMNS, UPGRADES, ResultRow
+from .schema import COLUMNS, KEY_COLUMNS, ResultRow, upgrade
+
+
+def one_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"[:500]
 
 
 def encode(value) -> str:
@@ -79,18 +84,20 @@ def check_writable(path: str | Path) -> Path:
 
 
 def read_rows(path: str | Path) -> list[dict]:
-    """Rows as dicts of strings. Columns a row's schema lacked read as what that schema meant
-    (schema.UPGRADES) or empty."""
+    """Rows as dicts of strings, each as the current schema reads it (schema.upgrade). Rows that
+    an upgrade makes one point (the same key) are one row: the latest by timestamp."""
     path = Path(path)
     if not path.exists():
         return []
     with path.open(newline="") as f:
-        rows = [{k: (v or "") for k, v in row.items() if k is not None} for row in csv.DictReader(f)]
-    for row in rows:
-        for column, value in UPGRADES.get(row.get("schema_version", ""), {}).items():
-            if not row.get(column):
-                row[column] = value
-    return rows
+        rows = [upgrade({k: (v or "") for k, v in row.items() if k is not None}) for row in csv.DictReader(f)]
+    latest: dict[tuple[str, ...], int] = {}
+    for i, row in enumerate(rows):
+        j = latest.setdefault(row_key(row), i)
+        if j != i and row.get("timestamp_utc", "") >= rows[j].get("timestamp_utc", ""):
+            latest[row_key(row)] = i
+    kept = set(latest.values())
+    return [row for i, row in enumerate(rows) if i in kept]
 
 
 def _columns_of(path: Path) -> list[str]:

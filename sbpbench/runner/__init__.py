@@ -2,6 +2,5 @@
 
 from .exactness import ExactnessSpec, check_exactness
 from .isolated import run_isolated, run_points
-from .spec import DTYPES, PROTOCOLS, RunSpec
 
-__all__ = ["DTYPES", "PROTOCOLS", "ExactnessSpec", "RunSpec", "check_exactness", "run_isolated", "run_points"]
+__all__ = ["ExactnessSpec", "check_exactness", "run_isolated", "run_points"]

@@ -19,10 +19,10 @@ from dataclasses import fields
 from datetime import datetime, timezone
 from pathlib import Path
 
+from ..config import RunSpec
+from ..config.rows import spec_fields
 from ..measure.environment import Environment, capture_environment
 from ..records import ResultRow, upsert_rows
-from .point import spec_fields
-from .spec import RunSpec
 
 _ROW_FIELDS = {f.name for f in fields(ResultRow)}
 _STDERR_TAIL_LINES = 20

@@ -1,151 +1,113 @@
-"""The longest trainable sequence: exponential growth, then bisection, over a monotone probe.
-
-A probe answers "does one step at seq_len T fit?" (True: ok, False: out of memory). Memory grows
-with T, so the answers are monotone, and every probe already answered (this search's, or cached
-from an interrupted one) settles every T on its side: an ok at T proves every shorter length ok,
-an OOM every longer one. The search asks the probe only what nothing cached settles, so a
-resumed search replays the same steps and probes only what is still open.
-
-Growth doubles T from `start` until the first OOM (or `ceiling`); bisection then halves the
-bracket [longest ok, shortest OOM] until it is no wider than the resolution.
-"""
+"""`sbp maxlen`'s search with real probes: each probe is one `sbp run` point (isolated process,
+status ok or oom), upserted to the results CSV as it finishes, so an interrupted search resumes
+from the CSV. The answer is one more row: kind maxlen, with the longest ok and shortest OOM."""
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from datetime import datetime, timezone
 
-MIN_SEQ_LEN = 2  # one token to predict
+from ..config import MaxlenSpec, RunSpec
+from ..config.rows import spec_key
+from ..measure.environment import Environment, capture_environment
+from ..records import KEY_COLUMNS, ResultRow, decode_row, read_rows, row_key, upsert_rows
+from .isolated import run_isolated
+from .length_search import search_max_len
 
+# Statuses a probe row can answer with; an error or timeout is not an answer (the search stops).
+_FITS = {"ok": True, "oom": False, "skipped": False}
 
-@dataclass(frozen=True)
-class Resolution:
-    """When the bracket is narrow enough: a percentage of the longest ok length, or tokens."""
+_SEQ_INDEX = KEY_COLUMNS.index("seq_len")
 
-    percent: float | None = None
-    tokens: int | None = None
-
-    @classmethod
-    def parse(cls, text: str) -> Resolution:
-        text = str(text).strip()
-        try:
-            if text.endswith("%"):
-                percent = float(text[:-1])
-                if 0 < percent < 100:
-                    return cls(percent=percent)
-            elif int(text) >= 1:
-                return cls(tokens=int(text))
-        except ValueError:
-            pass
-        raise ValueError(f"resolution {text!r}: give a percentage in (0, 100) such as 1% or a token count such as 256")
-
-    def width(self, max_ok: int) -> int:
-        """The widest bracket [max_ok, min_oom] that still answers the search."""
-        if self.tokens is not None:
-            return self.tokens
-        return max(1, math.ceil(max_ok * self.percent / 100))
-
-    def __str__(self) -> str:
-        return f"{self.percent:g}%" if self.percent is not None else str(self.tokens)
+Measure = Callable[[RunSpec, Environment], ResultRow]
 
 
-@dataclass
-class SearchResult:
-    max_ok: int | None  # the longest length that fit (None: not even the shortest tried)
-    min_oom: int | None  # the shortest that did not (None: everything up to the ceiling fit)
-    probes: list[tuple[int, bool]] = field(default_factory=list)  # every answer used, in order
-    num_run: int = 0  # answers the probe computed (the rest came from the cache)
+class ProbeFailed(RuntimeError):
+    """A probe ended in error or timeout: memory says nothing about that length."""
 
 
-class _Known:
-    """Probe answers, with monotonicity: the longest ok and the shortest OOM seen so far."""
-
-    def __init__(self, cached: Mapping[int, bool]):
-        self.max_ok = max((t for t, fits in cached.items() if fits), default=None)
-        self.min_oom = min((t for t, fits in cached.items() if not fits), default=None)
-        if self.max_ok is not None and self.min_oom is not None and self.max_ok >= self.min_oom:
-            raise ValueError(
-                f"cached probes are not monotone: T={self.max_ok} fit but T={self.min_oom} ran out of memory; "
-                "remove the stale rows or rerun with --no-resume"
-            )
-
-    def settled(self, seq_len: int) -> bool | None:
-        if self.max_ok is not None and seq_len <= self.max_ok:
-            return True
-        if self.min_oom is not None and seq_len >= self.min_oom:
-            return False
-        return None
-
-    def add(self, seq_len: int, fits: bool) -> None:
-        if fits:
-            self.max_ok = seq_len if self.max_ok is None else max(self.max_ok, seq_len)
-        else:
-            self.min_oom = seq_len if self.min_oom is None else min(self.min_oom, seq_len)
+def cached_probes(search: MaxlenSpec, out, *, device_name: str, source: str = "measured") -> dict[int, ResultRow]:
+    """Probe rows already in the CSV for this search: the same key but for seq_len, with an answer."""
+    if out is None:
+        return {}
+    wanted = without_seq_len(spec_key(search.base, device_name=device_name, source=source))
+    return {
+        int(row["seq_len"]): decode_row(row)
+        for row in read_rows(out)
+        if row.get("status") in _FITS and without_seq_len(row_key(row)) == wanted
+    }
 
 
-def search_max_len(
-    probe: Callable[[int], bool],
+def without_seq_len(key: tuple[str, ...]) -> tuple[str, ...]:
+    return key[:_SEQ_INDEX] + key[_SEQ_INDEX + 1 :]
+
+
+def maxlen_row(search: MaxlenSpec, result, probe_rows: dict[int, ResultRow]) -> ResultRow:
+    """The answer as a row: the probe settings, kind maxlen, no seq_len, and the memory columns of
+    the longest ok probe."""
+    # a probe of this search (the latest) gives every column but the probe's own length and numbers
+    template = max(probe_rows.values(), key=lambda r: r.timestamp_utc)
+    row = ResultRow(**{**template.as_dict(), "warmup_steps": search.base.warmup, "repeats": search.base.repeats})
+    row.kind, row.seq_len, row.error = "maxlen", None, ""
+    row.status = "ok" if result.max_ok is not None else "oom"
+    if result.max_ok is None:
+        row.error = f"even T={result.min_oom} does not fit"
+    row.max_seq_len, row.oom_seq_len = result.max_ok, result.min_oom
+    row.search_resolution, row.num_probes = str(search.resolution), len(result.probes)
+    best = probe_rows.get(result.max_ok)
+    for column in ("loss", "num_tokens", "time_median_s", "time_min_s", "time_max_s", "tokens_per_s", "tflops_per_s"):
+        setattr(row, column, None)
+    for column in (
+        "peak_allocated_bytes",
+        "activation_peak_bytes",
+        "peak_reserved_bytes",
+        "nvml_peak_used_bytes",
+        "margin_bytes",
+    ):
+        setattr(row, column, None if best is None else getattr(best, column))
+    row.peak_phase = "" if best is None else best.peak_phase
+    row.timestamp_utc = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return row
+
+
+def find_max_len(
+    search: MaxlenSpec,
+    out,
     *,
-    start: int,
-    ceiling: int,
-    resolution: Resolution,
-    cached: Mapping[int, bool] | None = None,
-    multiple_of: int = 1,
-) -> SearchResult:
-    """The longest T <= ceiling for which probe(T) is True, to `resolution`.
+    measure: Measure = run_isolated,
+    env: Environment | None = None,
+    device_name: str | None = None,
+    source: str = "measured",
+    resume: bool = True,
+    on_probe: Callable[[ResultRow], None] | None = None,
+) -> ResultRow:
+    """Search, probing through `measure` (a real isolated run, or a simulation), and upsert the
+    probes and the answer row to `out`. on_probe(row) sees each probe that ran (not cached ones)."""
+    env = env or capture_environment(search.base.device)
+    device_name = device_name if device_name is not None else env.device_name
+    rows = cached_probes(search, out, device_name=device_name, source=source) if resume else {}
+    cached = {seq_len: _FITS[row.status] for seq_len, row in rows.items()}
 
-    Probed lengths are multiples of `multiple_of` (the CUDA kernels' favourite, e.g. 8), except
-    `ceiling` itself. The probe may raise (an error that is not an OOM): the search stops there,
-    having kept every answer so far in `cached` order for a resume."""
-    if not MIN_SEQ_LEN <= start <= ceiling:
-        raise ValueError(f"need {MIN_SEQ_LEN} <= start <= ceiling, got start {start}, ceiling {ceiling}")
-    if multiple_of < 1:
-        raise ValueError(f"multiple_of must be >= 1, got {multiple_of}")
-    known = _Known(cached or {})
-    result = SearchResult(max_ok=None, min_oom=None)
+    def probe(seq_len: int) -> bool:
+        row = measure(search.probe(seq_len), env)
+        if out is not None:
+            upsert_rows(out, [row])
+        rows[seq_len] = row
+        if on_probe:
+            on_probe(row)
+        if row.status not in _FITS:
+            raise ProbeFailed(f"{search.method} at T={seq_len}: {row.status}: {row.error}")
+        return _FITS[row.status]
 
-    def ask(seq_len: int) -> bool:
-        answer = known.settled(seq_len)
-        if answer is None:
-            answer = bool(probe(seq_len))
-            result.num_run += 1
-            known.add(seq_len, answer)
-        result.probes.append((seq_len, answer))
-        return answer
-
-    # growth: start, 2*start, ... until an OOM or the ceiling; if start itself does not fit,
-    # halve down to MIN_SEQ_LEN until something does
-    low, high = None, None
-    if ask(start):
-        low = start
-        while low < ceiling:
-            longer = min(ceiling, _round(2 * low, multiple_of))
-            if not ask(longer):
-                high = longer
-                break
-            low = longer
-    else:
-        high = start
-        while high // 2 >= MIN_SEQ_LEN:
-            shorter = _round(high // 2, multiple_of) if high // 2 >= multiple_of else high // 2
-            if ask(shorter):
-                low = shorter
-                break
-            high = shorter
-    # bisection inside [low, high]: low fits, high does not
-    if high is not None and low is not None:
-        while high - low > max(resolution.width(low), multiple_of):
-            middle = _round((low + high) // 2, multiple_of)
-            if middle <= low or middle >= high:
-                break
-            if ask(middle):
-                low = middle
-            else:
-                high = middle
-    result.max_ok, result.min_oom = low, high
-    return result
-
-
-def _round(seq_len: int, multiple_of: int) -> int:
-    return max(multiple_of, seq_len // multiple_of * multiple_of)
+    result = search_max_len(
+        probe,
+        start=search.start,
+        ceiling=search.seq_len_ceiling,
+        resolution=search.resolution,
+        cached=cached,
+        multiple_of=search.multiple_of,
+    )
+    answer = maxlen_row(search, result, rows)
+    if out is not None:
+        upsert_rows(out, [answer])
+    return answer

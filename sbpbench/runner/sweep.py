@@ -12,12 +12,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
+from ..config import MaxlenSpec, RunSpec
+from ..config.rows import spec_fields, spec_key
 from ..measure.environment import Environment, capture_environment
 from ..records import KEY_COLUMNS, ResultRow, read_rows, row_key, upsert_rows
 from .isolated import provenance, run_isolated
-from .point import spec_fields, spec_key
-from .search import MaxlenSpec, Measure, find_max_len
-from .spec import RunSpec
+from .maxlen import Measure, find_max_len
 
 # Rows a resumed sweep keeps; an error is retried (a fixed bug or a freed device may cure it).
 DONE_STATUSES = ("ok", "oom", "skipped", "timeout")

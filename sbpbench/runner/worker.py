@@ -14,8 +14,8 @@ import signal
 import sys
 from pathlib import Path
 
+from ..config import RunSpec
 from .point import measure_point
-from .spec import RunSpec
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 

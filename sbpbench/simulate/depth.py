@@ -15,9 +15,9 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 
+from ..config import RunSpec
 from ..models import load_config
 from ..records import ResultRow
-from ..runner.spec import RunSpec
 from .estimate import GIB, estimate_point, margin_bytes
 
 AFFINE_COLUMNS = (

@@ -1,5 +1,5 @@
-"""Predict a point's peak memory by running its real step (runner/point.py's, through
-methods.run_step) on fake tensors, and report it as a results row (source "simulated").
+"""Predict a point's peak memory by running its real step (methods/step.py, the one the
+measured worker runs) on fake tensors, and report it as a results row (source "simulated").
 
 target "cpu" reproduces the CPU tracker measurement (measure_point on device cpu) to the byte:
 same baseline (weights, resident gradients, batch, optimizer state), same live-tensor count.
@@ -18,13 +18,13 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
+from ..config import RunSpec
+from ..config.rows import spec_fields
 from ..measure.environment import capture_environment
 from ..measure.flops import training_flops
-from ..methods import MethodFn, run_step
-from ..methods.training import optimizer_state_bytes
-from ..records import ResultRow
-from ..runner.point import one_line, spec_fields, storage_bytes
-from ..runner.spec import RunSpec
+from ..methods import MethodFn
+from ..methods.step import storage_bytes
+from ..records import ResultRow, one_line
 from .cuda_attention import CudaAttention, hidden_bytes, streambp_cuda_branch
 from .fake_mode import build_fake_step
 from .memory_counter import CUDA_ALLOCATOR_ROUNDING, SimulatedMemory
@@ -94,7 +94,8 @@ def estimate(spec: RunSpec, *, target: str = "cuda", method: MethodFn | None = N
         raise ValueError(f"unknown target {target!r}; choose from {', '.join(TARGETS)}")
     cuda = target == "cuda"
     granularity = CUDA_ALLOCATOR_ROUNDING if cuda else 1
-    step = build_fake_step(spec, foreach_optimizer=cuda)
+    fake = build_fake_step(spec, foreach_optimizer=cuda)
+    step = fake.step
     model = step.model
     baseline = storage_bytes(step.resident_tensors(), granularity)
     counter = SimulatedMemory(granularity, hidden=(lambda f, a: hidden_bytes(f, a, granularity)) if cuda else None)
@@ -102,10 +103,10 @@ def estimate(spec: RunSpec, *, target: str = "cuda", method: MethodFn | None = N
     with ExitStack() as stack:
         attention = stack.enter_context(_cuda_attention()) if cuda else None
         stack.enter_context(phases.attached(model, step.optimizer))
-        stack.enter_context(step.mode)
+        stack.enter_context(fake.mode)
         stack.enter_context(counter)
         if method is None:
-            run_step(spec.method, model, step.batch, spec.settings, step.optimizer)
+            step.run()
         else:
             method(model, step.batch, spec.settings)
             if step.optimizer is not None:
@@ -114,8 +115,8 @@ def estimate(spec: RunSpec, *, target: str = "cuda", method: MethodFn | None = N
     return Estimate(
         target=target,
         weights_bytes=storage_bytes(model.parameters()),
-        grads_bytes=sum(p.numel() * p.element_size() for p in trainable),
-        optimizer_state_bytes=None if step.optimizer is None else optimizer_state_bytes(step.optimizer),
+        grads_bytes=step.grads_bytes,
+        optimizer_state_bytes=step.optimizer_state_bytes,
         baseline_bytes=baseline,
         activation_peak_bytes=counter.peak_bytes,
         peak_phase=counter.peak_phase,

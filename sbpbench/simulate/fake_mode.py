@@ -6,9 +6,8 @@ strides and dtype, under a FakeTensorMode (fake CUDA tensors abort a CPU-only to
 autograd runs). Built on meta first because peft moves its adapters with `module.to(...)`, which
 fails on fake parameters (the fake mode holds weak references, so they cannot be swapped). The
 batch is real: it is small, and the step's Python reads its values (token counts, which chunks
-hold targets), which fake tensors cannot give. Mirrors runner.point._Step: the model and batch of
-runner.spec.build_model_and_batch (same config, overrides, LoRA and batch arguments), the same
-gradient/optimizer protocol.
+hold targets), which fake tensors cannot give. The step itself is the measured one
+(methods/step.py); the model matches config/build.py's (same config, overrides, LoRA).
 """
 
 from __future__ import annotations
@@ -20,28 +19,19 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from transformers import AutoModelForCausalLM
 
-from ..methods import make_optimizer
-from ..methods.training import init_optimizer_state
+from ..config import DTYPES, RunSpec
+from ..config.build import make_spec_batch, training_step
+from ..methods.step import TrainingStep
 from ..models import apply_lora, load_config
-from ..runner.point import resident_tensors
-from ..runner.spec import DTYPES, RunSpec, make_spec_batch
 
 
 @dataclass
 class FakeStep:
-    spec: RunSpec
+    """The measured step (methods/step.py) over a fake model and a real batch, and the fake mode
+    it must run under."""
+
     mode: FakeTensorMode
-    model: torch.nn.Module  # fake parameters
-    batch: object  # real tensors
-    optimizer: torch.optim.Optimizer | None
-
-    @property
-    def trainable(self) -> list[torch.nn.Parameter]:
-        return [p for p in self.model.parameters() if p.requires_grad]
-
-    def resident_tensors(self) -> list[torch.Tensor]:
-        """What is allocated before the step, as the measured step counts it."""
-        return resident_tensors(self.model, self.batch, self.optimizer)
+    step: TrainingStep
 
 
 def _fake_model(spec: RunSpec, mode: FakeTensorMode) -> torch.nn.Module:
@@ -82,17 +72,6 @@ def build_fake_step(spec: RunSpec, *, foreach_optimizer: bool = False) -> FakeSt
         raise ValueError(f"a simulated point is built on fake CPU tensors; give device 'cpu', got {spec.device!r}")
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     model = _fake_model(spec, mode)
-    config = model.config
-    batch = make_spec_batch(spec, config)
-    step = FakeStep(spec=spec, mode=mode, model=model.train(), batch=batch, optimizer=None)
-    if spec.step == "train":
-        step.optimizer = make_optimizer(step.model)
-        for group in step.optimizer.param_groups:
-            group["foreach"] = foreach_optimizer
-    if spec.protocol == "steady":
-        with mode:
-            for p in step.trainable:
-                p.grad = torch.zeros_like(p)
-            if step.optimizer is not None:
-                init_optimizer_state(step.optimizer)
-    return step
+    batch = make_spec_batch(spec, model.config)
+    step = training_step(spec, model, batch, foreach_optimizer=foreach_optimizer, allocation=mode)
+    return FakeStep(mode=mode, step=step)

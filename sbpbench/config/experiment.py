@@ -1,7 +1,9 @@
-"""Experiment files: declarative TOML (no code runs) loaded into the dataclasses the CLI uses.
+"""Experiment files: declarative TOML (no code runs) loaded into the specs the CLI builds.
 
-An experiment is a list of points, each a `sbp run` grid (RunSpec per method x seq_len x batch)
-or a `sbp maxlen` search (MaxlenSpec per method). Layout:
+An experiment is a list of points, each a `sbp run` grid (RunSpec per method x seq_len x
+batch_size) or a `sbp maxlen` search (MaxlenSpec per method). Keys are the specs' field names
+(`sbp run --help` flags with dashes as underscores); method, seq_len and batch_size may be lists
+(the grid's axes). Layout:
 
     name = "paper_table1"            # default results file: results/<name>.csv
     kind = "grid"                    # grid | maxlen: the default for every point
@@ -11,49 +13,49 @@ or a `sbp maxlen` search (MaxlenSpec per method). Layout:
     dtype = "bf16"
     [[points]]                       # one or more; each merges [defaults]
     model = "Qwen/Qwen3-4B"
-    methods = ["ckpt", "streambp"]
-    seq_lens = [6000, 9000]
+    method = ["ckpt", "streambp"]
+    seq_len = [6000, 9000]
 
-Every key is checked (name, type, allowed values); a mistake is reported as
+A maxlen point's seq_len is its first probe. Every key is checked (name, type, allowed values)
+and every value by the spec itself; a mistake is reported as
 `<file>: <table> <key>: <what is wrong>; <what is allowed>`.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from itertools import product
 from pathlib import Path
 
 import tomllib
 
-from ..data import DEFAULT_PROMPT_LEN, OBJECTIVES
-from ..measure.units import parse_bytes
-from ..methods import METHODS, STEPS, MethodSettings
+from ..data import OBJECTIVES
+from ..methods import METHODS, STEPS
 from ..models.registry import MODELS
-from ..runner.maxlen import Resolution
-from ..runner.search import MaxlenSpec
-from ..runner.spec import DEFAULT_TIMEOUT_S, DTYPES, PROTOCOLS, RunSpec, resolve_device
+from .device import device_kind, resolve_device
+from .errors import ConfigError
+from .maxlen import SEARCH_DEFAULTS, MaxlenSpec
+from .run import DTYPES, FIELD_NAMES, PROTOCOLS, RunSpec, point_specs
 
 KINDS = ("grid", "maxlen")
 
 
 @dataclass(frozen=True)
 class Key:
-    kind: type | tuple[type, ...]  # what TOML value it takes (list: a list of these)
+    kind: type | tuple[type, ...]  # what TOML value it takes
     help: str
     choices: tuple[str, ...] = ()
-    is_list: bool = False
+    may_list: bool = False  # a list is a grid axis
 
 
-# Every key a [defaults] table or a [[points]] entry may hold.
+# Every key a [defaults] table or a [[points]] entry may hold: the spec fields, a search's own
+# settings, and the point's kind (tests/test_config.py freezes the set).
 POINT_KEYS: dict[str, Key] = {
     "kind": Key(str, "grid or maxlen", KINDS),
     "model": Key(str, "a registry name (`sbp models`) or a local checkpoint directory"),
-    "methods": Key(str, "methods to run", tuple(METHODS), is_list=True),
-    "seq_lens": Key(int, "grid: tokens per row, prompt included", is_list=True),
-    "batch_sizes": Key(int, "grid: rows per batch", is_list=True),
-    "batch_size": Key(int, "rows per batch (grpo: the group, dpo: chosen + rejected)"),
+    "method": Key(str, "methods to run", tuple(METHODS), may_list=True),
+    "seq_len": Key(int, "tokens per row, prompt included (maxlen: the first probe)", may_list=True),
+    "batch_size": Key(int, "rows per batch (grpo: the group, dpo: chosen + rejected)", may_list=True),
     "objective": Key(str, "training objective", tuple(OBJECTIVES)),
     "prompt_len": Key(int, "grpo/dpo prompt tokens"),
     "lora_rank": Key(int, "0: full fine-tuning"),
@@ -61,25 +63,33 @@ POINT_KEYS: dict[str, Key] = {
     "step": Key(str, "bp: forward+backward; train: + AdamW", STEPS),
     "dtype": Key(str, "model dtype", tuple(DTYPES)),
     "device": Key(str, "auto, cpu, cuda or cuda:N"),
+    "num_layers": Key(int, "keep the first N decoder layers"),
     "protocol": Key(str, "gradient buffers before the step", PROTOCOLS),
+    "warmup": Key(int, "discarded steps before measuring"),
+    "repeats": Key(int, "timed steps (0: memory only)"),
+    "memory_limit": Key((int, str), 'cap, e.g. "80GiB", or bytes'),
+    "seed": Key(int, "seed for weights and batch"),
+    "timeout_s": Key((int, float), "seconds per point"),
     "chunk_size": Key((int, str), 'StreamBP layer chunk: tokens, or "T/3" for a third of seq_len'),
     "logits_chunk_size": Key(int, "StreamBP logits chunk"),
     "fp32_grad_accumulation": Key(bool, "StreamBP: sum bf16 chunk gradients in fp32"),
-    "num_layers": Key(int, "keep the first N decoder layers"),
-    "warmup": Key(int, "discarded steps before measuring"),
-    "repeats": Key(int, "timed steps (0: memory only)"),
-    "memory_limit": Key(str, 'cap, e.g. "80GiB"'),
-    "timeout": Key((int, float), "seconds per point"),
-    "seed": Key(int, "seed for weights and batch"),
     "resolution": Key(str, 'maxlen: "1%" of the answer, or tokens such as "256"'),
-    "start": Key(int, "maxlen: first probe length"),
-    "max_seq": Key(int, "maxlen: longest length tried"),
+    "seq_len_ceiling": Key(int, "maxlen: longest length tried"),
     "multiple_of": Key(int, "maxlen: probe lengths are multiples of this"),
 }
+assert set(POINT_KEYS) == {"kind", *FIELD_NAMES, "resolution", "seq_len_ceiling", "multiple_of"}
 TOP_KEYS = {"name", "kind", "description", "reference", "defaults", "points"}
 REQUIRED = ("model",)
-GRID_ONLY = ("seq_lens", "batch_sizes")
-MAXLEN_ONLY = ("resolution", "start", "max_seq", "multiple_of")
+GRID_AXES = ("method", "seq_len", "batch_size")
+MAXLEN_ONLY = ("resolution", "seq_len_ceiling", "multiple_of")
+RENAMED = {
+    "methods": "method",
+    "seq_lens": "seq_len",
+    "batch_sizes": "batch_size",
+    "max_seq": "seq_len_ceiling",
+    "start": "seq_len",
+    "timeout": "timeout_s",
+}  # keys of the first experiment-file format
 
 
 class ExperimentError(ValueError):
@@ -115,9 +125,9 @@ def _check_value(where: str, name: str, value, key: Key):
             return False
         return isinstance(item, kinds)
 
-    items = value if key.is_list else [value]
-    if key.is_list and (not isinstance(value, list) or not value):
-        raise ExperimentError(f"{where} {name}: expected a non-empty list of {_type_name(key.kind)}s, got {value!r}")
+    items = value if isinstance(value, list) and key.may_list else [value]
+    if isinstance(value, list) and key.may_list and not value:
+        raise ExperimentError(f"{where} {name}: expected {_type_name(key.kind)} or a non-empty list of them, got []")
     for item in items:
         if not fits(item):
             raise ExperimentError(f"{where} {name}: expected {_type_name(key.kind)} ({key.help}), got {item!r}")
@@ -130,7 +140,8 @@ def _check_table(where: str, table) -> dict:
         raise ExperimentError(f"{where}: expected a table of keys, got {table!r}")
     for name, value in table.items():
         if name not in POINT_KEYS:
-            raise ExperimentError(f"{where}: unknown key {name!r}; allowed: {', '.join(POINT_KEYS)}")
+            hint = f"; it is now called {RENAMED[name]!r}" if name in RENAMED else f"; allowed: {', '.join(POINT_KEYS)}"
+            raise ExperimentError(f"{where}: unknown key {name!r}{hint}")
         _check_value(where, name, value, POINT_KEYS[name])
     return table
 
@@ -144,68 +155,37 @@ def _check_model(where: str, name: str) -> None:
         )
 
 
-def _chunk_size(value, seq_len: int) -> int:
-    """An integer, or "T/k": seq_len / k rounded up (the paper's timing runs use T/3)."""
-    if isinstance(value, int):
-        return value
-    text = value.replace(" ", "")
-    if text.startswith("T/") and text[2:].isdigit() and int(text[2:]) >= 1:
-        return math.ceil(seq_len / int(text[2:]))
-    raise ValueError(f'chunk_size {value!r}: give an integer or "T/k", e.g. "T/3"')
+def _as_list(value) -> list:
+    return value if isinstance(value, list) else [value]
 
 
-def _run_spec(values: dict, *, method: str, seq_len: int, batch_size: int, device: str) -> RunSpec:
-    limit = values.get("memory_limit")
-    return RunSpec(
-        model=values["model"],
-        method=method,
-        seq_len=seq_len,
-        batch_size=batch_size,
-        objective=values.get("objective", "sft"),
-        prompt_len=values.get("prompt_len", DEFAULT_PROMPT_LEN),
-        lora_rank=values.get("lora_rank", 0),
-        lora_alpha=values.get("lora_alpha", 128),
-        step=values.get("step", "bp"),
-        dtype=values.get("dtype", "bf16" if device.startswith("cuda") else "fp32"),
-        device=device,
-        settings=MethodSettings(
-            chunk_size=_chunk_size(values.get("chunk_size", MethodSettings().chunk_size), seq_len),
-            logits_chunk_size=values.get("logits_chunk_size", MethodSettings().logits_chunk_size),
-            fp32_grad_accumulation=values.get("fp32_grad_accumulation", True),
-        ),
-        num_layers=values.get("num_layers"),
-        protocol=values.get("protocol", "steady"),
-        warmup=values.get("warmup", 1),
-        repeats=values.get("repeats", 3),
-        memory_limit_bytes=parse_bytes(limit) if limit else None,
-        seed=values.get("seed", 0),
-        timeout_s=float(values.get("timeout", DEFAULT_TIMEOUT_S)),
-    )
-
-
-def _expand(values: dict, kind: str, device: str) -> list[RunSpec | MaxlenSpec]:
-    methods = values.get("methods", list(METHODS))
+def _expand(values: dict, kind: str, device: str | None) -> list[RunSpec | MaxlenSpec]:
+    settings = {k: v for k, v in values.items() if k not in ("kind", "method", *MAXLEN_ONLY)}
+    if device is not None:
+        settings["device"] = device
+    methods = _as_list(values.get("method", list(METHODS)))
     if kind == "grid":
-        if "seq_lens" not in values:
-            raise ValueError("a grid point needs seq_lens, e.g. seq_lens = [2048, 4096]")
-        batch_sizes = values.get("batch_sizes", [values.get("batch_size", 1)])
+        if "seq_len" not in values:
+            raise ConfigError("seq_len", "is needed by a grid point, e.g. seq_len = [2048, 4096]")
         return [
-            _run_spec(values, method=m, seq_len=t, batch_size=b, device=device)
-            for b, t, m in product(batch_sizes, values["seq_lens"], methods)
+            spec
+            for batch_size, seq_len in product(_as_list(values.get("batch_size", [None])), _as_list(values["seq_len"]))
+            for spec in point_specs({**settings, "seq_len": seq_len, "batch_size": batch_size}, methods)
         ]
-    start, ceiling = values.get("start", 1024), values.get("max_seq", 262_144)
+    for axis in ("seq_len", "batch_size"):
+        if isinstance(values.get(axis), list):
+            raise ConfigError(axis, "takes one value in a maxlen point (seq_len: the first probe)")
+    defaults = SEARCH_DEFAULTS[device_kind(resolve_device(settings.get("device", "auto")))]
+    settings.setdefault("seq_len", defaults["seq_len"])
+    # probes measure memory only: timed steps would add nothing to the answer
     return [
         MaxlenSpec(
-            # probes measure memory only: timed steps would add nothing to the answer
-            base=_run_spec(
-                {"repeats": 0, **values}, method=m, seq_len=start, batch_size=values.get("batch_size", 1), device=device
-            ),
-            resolution=Resolution.parse(values.get("resolution", "1%")),
-            start=start,
-            ceiling=ceiling,
+            base=base,
+            resolution=values.get("resolution", "1%"),
+            seq_len_ceiling=values.get("seq_len_ceiling", defaults["seq_len_ceiling"]),
             multiple_of=values.get("multiple_of", 8),
         )
-        for m in methods
+        for base in point_specs({"repeats": 0, **settings}, methods)
     ]
 
 
@@ -241,12 +221,13 @@ def load_experiment(path: str | Path, *, device: str | None = None) -> Experimen
                 raise ExperimentError(f"{where}: missing key {name!r} ({POINT_KEYS[name].help})")
         _check_model(where, values["model"])
         point_kind = values.get("kind", kind)
-        misplaced = [k for k in (MAXLEN_ONLY if point_kind == "grid" else GRID_ONLY) if k in entry]
+        misplaced = [k for k in MAXLEN_ONLY if k in entry] if point_kind == "grid" else []
         if misplaced:
             raise ExperimentError(f"{where}: key {misplaced[0]!r} does not apply to a {point_kind} point")
-        point_device = resolve_device(device or values.get("device", "auto"))
         try:
-            points += _expand(values, point_kind, point_device)
+            points += _expand(values, point_kind, device)
+        except ConfigError as error:
+            raise ExperimentError(f"{where} {error.field}: {error.naming(error.field)}") from None
         except ValueError as error:
             raise ExperimentError(f"{where}: {error}") from None
     return Experiment(

@@ -1,0 +1,36 @@
+"""Run configuration: the typed specs every command, experiment file and Python caller builds
+(RunSpec, MaxlenSpec), their defaults and checks, device resolution, experiment files, and the
+model and batch a spec describes."""
+
+from .device import resolve_device
+from .errors import ConfigError
+from .maxlen import MaxlenSpec, Resolution
+from .run import (
+    DEFAULT_TIMEOUT_S,
+    DEVICE_DEFAULTS,
+    DTYPES,
+    FIELD_NAMES,
+    METHODS,
+    OBJECTIVES,
+    PROTOCOLS,
+    STEPS,
+    RunSpec,
+    point_specs,
+)
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "DEVICE_DEFAULTS",
+    "DTYPES",
+    "FIELD_NAMES",
+    "METHODS",
+    "OBJECTIVES",
+    "PROTOCOLS",
+    "STEPS",
+    "ConfigError",
+    "MaxlenSpec",
+    "Resolution",
+    "RunSpec",
+    "point_specs",
+    "resolve_device",
+]

@@ -1,0 +1,19 @@
+"""The one error type of a bad setting: it knows the field, so each front end names it its own way
+(the CLI by its flag, an experiment file by its key, Python by the field)."""
+
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """`field` is a RunSpec / MethodSettings / MaxlenSpec field name. str() reads
+    "<field> <problem>" ("seq_len must be at least 2 (one token to predict), got 1"), or the
+    problem with the name put in where it says {field} ("unknown objective 'ppo'; ...")."""
+
+    def __init__(self, field: str, problem: str):
+        self.field = field
+        self.problem = problem
+        super().__init__(self.naming(field))
+
+    def naming(self, name: str) -> str:
+        """The message with the field called `name` (a CLI flag, a TOML key)."""
+        return self.problem.format(field=name) if "{field}" in self.problem else f"{name} {self.problem}"

@@ -1,0 +1,85 @@
+"""One max-length search (`sbp maxlen`, an experiment's maxlen point): the probes' settings and
+how the search runs. Its first probe is base.seq_len; it never tries past seq_len_ceiling."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from .errors import ConfigError
+from .run import RunSpec
+
+MIN_SEQ_LEN = 2  # one token to predict
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """When the bracket is narrow enough: a percentage of the longest ok length, or tokens."""
+
+    percent: float | None = None
+    tokens: int | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> Resolution:
+        text = str(text).strip()
+        try:
+            if text.endswith("%"):
+                percent = float(text[:-1])
+                if 0 < percent < 100:
+                    return cls(percent=percent)
+            elif int(text) >= 1:
+                return cls(tokens=int(text))
+        except ValueError:
+            pass
+        raise ConfigError(
+            "resolution", f"{text!r}: give a percentage in (0, 100) such as 1% or a token count such as 256"
+        )
+
+    def width(self, max_ok: int) -> int:
+        """The widest bracket [max_ok, min_oom] that still answers the search."""
+        if self.tokens is not None:
+            return self.tokens
+        return max(1, math.ceil(max_ok * self.percent / 100))
+
+    def __str__(self) -> str:
+        return f"{self.percent:g}%" if self.percent is not None else str(self.tokens)
+
+
+DEFAULT_RESOLUTION = Resolution(percent=1.0)
+# The first probe, ceiling and budget when none is given: the paper's 80 GB GPU; on a CPU a 1 GiB
+# cap on tracked tensors keeps a search within minutes.
+SEARCH_DEFAULTS = {
+    "cuda": {"seq_len": 1024, "seq_len_ceiling": 262_144, "memory_limit": "80GiB"},
+    "cpu": {"seq_len": 512, "seq_len_ceiling": 16_384, "memory_limit": "1GiB"},
+}
+SEARCH_FIELDS = ("seq_len_ceiling", "resolution", "multiple_of")  # a search's own settings, beside RunSpec's
+
+
+@dataclass(frozen=True, kw_only=True)
+class MaxlenSpec:
+    base: RunSpec  # every probe setting; base.seq_len is the first probe
+    resolution: Resolution = DEFAULT_RESOLUTION
+    seq_len_ceiling: int = 262_144  # longest length tried (the answer is ">= ceiling" if that fits)
+    multiple_of: int = 8  # probe lengths are multiples of this
+
+    def __post_init__(self):
+        if not isinstance(self.resolution, Resolution):
+            object.__setattr__(self, "resolution", Resolution.parse(self.resolution))
+        if not isinstance(self.multiple_of, int) or self.multiple_of < 1:
+            raise ConfigError("multiple_of", f"must be an integer >= 1, got {self.multiple_of!r}")
+        if not isinstance(self.seq_len_ceiling, int) or not MIN_SEQ_LEN <= self.base.seq_len <= self.seq_len_ceiling:
+            raise ConfigError(
+                "seq_len_ceiling",
+                f"must be at least the first probe length seq_len ({self.base.seq_len}), got {self.seq_len_ceiling!r}",
+            )
+
+    @property
+    def method(self) -> str:
+        return self.base.method
+
+    @property
+    def start(self) -> int:
+        return self.base.seq_len
+
+    def probe(self, seq_len: int) -> RunSpec:
+        return replace(self.base, seq_len=seq_len)

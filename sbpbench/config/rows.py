@@ -1,0 +1,56 @@
+"""The results-row columns a spec fixes before anything runs, and the key of its row."""
+
+from __future__ import annotations
+
+from functools import cache
+
+from ..data import prompt_length
+from ..methods import METHODS
+from ..records import row_key
+from .run import RunSpec
+
+
+@cache
+def _full_depth(model: str) -> int | None:
+    from ..models import load_config
+
+    try:
+        return load_config(model).num_hidden_layers
+    except (OSError, ValueError):  # a model that cannot be built: its row says why elsewhere
+        return None
+
+
+def spec_fields(spec: RunSpec) -> dict:
+    """The row columns a spec fixes before anything runs. num_layers is the depth that will be
+    built (a full model's from its config), so a row keyed before running equals the measured one."""
+    return {
+        "model": spec.model,
+        "num_layers": spec.num_layers or _full_depth(spec.model),
+        "method": spec.method,
+        "objective": spec.objective,
+        "step": spec.step,
+        "lora_rank": spec.lora_rank,
+        "lora_alpha": spec.lora_alpha if spec.lora_rank else None,
+        "prompt_len": prompt_length(spec.seq_len, spec.prompt_len) if spec.objective != "sft" else None,
+        "seq_len": spec.seq_len,
+        "batch_size": spec.batch_size,
+        "dtype": spec.dtype,
+        "device": spec.device,
+        "protocol": spec.protocol,
+        **spec.settings.as_dict(),  # None where the method does not read the knob
+        "attn_implementation": METHODS[spec.method].attn_implementation,
+        "memory_limit_bytes": spec.memory_limit,
+        "seed": spec.seed,
+        "warmup_steps": spec.warmup,
+        "repeats": spec.repeats,
+        "memory_source": "torch.cuda" if spec.device.startswith("cuda") else "tensor-tracker",
+    }
+
+
+def spec_key(spec: RunSpec, *, device_name: str, source: str = "measured", kind: str = "point") -> tuple[str, ...]:
+    """The results-CSV key of the row this spec will give on a device called device_name (a
+    maxlen answer row: kind maxlen, no seq_len)."""
+    values = {**spec_fields(spec), "kind": kind, "source": source, "device_name": device_name}
+    if kind == "maxlen":
+        values["seq_len"] = None
+    return row_key(values)

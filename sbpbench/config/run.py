@@ -1,0 +1,199 @@
+"""One measured point: a typed RunSpec that owns every default and every check of a run setting.
+
+The CLI (`sbp run`, `maxlen`, `estimate`, `check`), experiment files and Python callers all build
+it through `point_specs`, with the same defaults and the same messages. A bad value raises
+ConfigError naming the field; each front end shows the name its user typed (a CLI flag, a TOML
+key). The spec travels to the worker process as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
+
+import torch
+
+from ..data import DEFAULT_PROMPT_LEN, OBJECTIVES
+from ..measure.units import parse_bytes
+from ..methods import METHODS, STEPS, MethodSettings
+from ..methods.settings import SETTING_NAMES
+from ..report.select import DEFAULT_BATCH as DEFAULT_BATCH_SIZES  # TODO(merge): records.select
+from .device import device_kind, resolve_device
+from .errors import ConfigError
+
+DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
+
+# steady: gradient buffers are resident before the step, as in every training step after the
+#         first (the paper's Figure 3 curves); the peak above them is activations.
+# first:  gradients are None before the step and allocated during it (a run's first step).
+PROTOCOLS = ("steady", "first")
+
+DEFAULT_TIMEOUT_S = 3600.0
+
+# What a setting defaults to when nobody gave it, by the kind of device the point runs on: on a
+# GPU the paper's Table 2 point; on a CPU a one-minute comparison (a Qwen3 shape, 4 narrow layers).
+DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "cuda": {"model": "Qwen/Qwen3-4B", "seq_len": 9000, "dtype": "bf16"},
+    "cpu": {"model": "small/qwen3", "seq_len": 2048, "dtype": "fp32"},
+}
+# `sbp check`: a real shape, two layers, fp64 (exactness is per layer; time is not the point).
+EXACTNESS_DEFAULTS: dict[str, Any] = {
+    "model": "Qwen/Qwen3-0.6B",
+    "seq_len": 300,
+    "batch_size": 2,
+    "dtype": "fp64",
+    "chunk_size": 128,
+    "num_layers": 2,
+    "device": "cpu",
+}
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSpec:
+    model: str  # registry name (`sbp models`) or a local checkpoint directory
+    method: str
+    seq_len: int  # tokens per row, prompt included
+    batch_size: int = 1  # rows: a GRPO group; DPO chosen + rejected rows
+    objective: str = "sft"
+    prompt_len: int = DEFAULT_PROMPT_LEN  # grpo / dpo (capped at seq_len // 2)
+    lora_rank: int = 0  # 0: full fine-tuning; else LoRA on all linear layers (peft)
+    lora_alpha: int = 128
+    step: str = "bp"  # bp: forward + backward; train: + AdamW
+    dtype: str = "fp32"
+    device: str = "cpu"  # auto | cpu | cuda | cuda:N, stored resolved (cpu or cuda:N)
+    settings: MethodSettings = field(default_factory=MethodSettings)  # only what `method` reads is set
+    num_layers: int | None = None  # keep the first N decoder layers (None: the model's depth)
+    protocol: str = "steady"
+    warmup: int = 1  # steps run and discarded before the measured ones
+    repeats: int = 3  # timed steps (0: memory only, as a max-length probe)
+    memory_limit: int | None = None  # bytes; CUDA: per-process cap; CPU: cap on tracked bytes
+    seed: int = 0
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ConfigError("method", f"unknown {{field}} {self.method!r}; choose from {', '.join(METHODS)}")
+        for name, choices in (("objective", OBJECTIVES), ("step", STEPS), ("dtype", DTYPES), ("protocol", PROTOCOLS)):
+            if getattr(self, name) not in choices:
+                raise ConfigError(name, f"unknown {{field}} {getattr(self, name)!r}; choose from {', '.join(choices)}")
+        minimums = {"seq_len": 2, "batch_size": 1, "prompt_len": 1, "lora_rank": 0, "lora_alpha": 1}
+        minimums |= {"warmup": 0, "repeats": 0, "seed": 0}
+        for name, least in minimums.items():
+            value = getattr(self, name)
+            if not _is_int(value):
+                raise ConfigError(name, f"must be an integer, got {value!r}")
+            if value < least:
+                why = " (one token to predict)" if name == "seq_len" else ""
+                raise ConfigError(name, f"must be at least {least}{why}, got {value!r}")
+        if self.num_layers is not None and (not _is_int(self.num_layers) or self.num_layers < 1):
+            raise ConfigError(
+                "num_layers", f"must be an integer >= 1 (or unset for every layer), got {self.num_layers!r}"
+            )
+        if self.objective == "dpo" and self.batch_size % 2:
+            raise ConfigError(
+                "batch_size", f"counts chosen + rejected rows for dpo: give an even number, got {self.batch_size}"
+            )
+        if self.memory_limit is not None and (not _is_int(self.memory_limit) or self.memory_limit <= 0):
+            raise ConfigError("memory_limit", f"must be a positive number of bytes, got {self.memory_limit!r}")
+        if not isinstance(self.timeout_s, (int, float)) or isinstance(self.timeout_s, bool) or self.timeout_s <= 0:
+            raise ConfigError("timeout_s", f"must be a positive number of seconds, got {self.timeout_s!r}")
+        for name in ("chunk_size", "logits_chunk_size"):
+            value = getattr(self.settings, name)
+            if value is not None and (not _is_int(value) or value < 1):
+                raise ConfigError(name, f"must be a positive integer, got {value!r}")
+        accumulate = self.settings.fp32_grad_accumulation
+        if accumulate is not None and not isinstance(accumulate, bool):
+            raise ConfigError("fp32_grad_accumulation", f"must be true or false, got {accumulate!r}")
+        # one resolution, here: every later torch.cuda call gets an indexed device
+        object.__setattr__(self, "device", resolve_device(self.device))
+        object.__setattr__(self, "settings", self.settings.for_method(METHODS[self.method].uses))
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def with_method(self, method: str) -> RunSpec:
+        """The same point for another method (settings re-derived for what it reads)."""
+        return replace(self, method=method, settings=MethodSettings(**self.settings.as_dict()))
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> RunSpec:
+        values = json.loads(text)
+        values["settings"] = MethodSettings(**values["settings"])
+        return cls(**values)
+
+
+# The names a point's settings go by everywhere (CLI option names, experiment-file keys):
+# RunSpec's fields, with MethodSettings' fields in place of `settings`.
+SPEC_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(RunSpec) if f.name != "settings")
+FIELD_NAMES: tuple[str, ...] = SPEC_FIELDS + SETTING_NAMES
+
+
+def chunk_size_for(value, seq_len: int) -> int:
+    """An integer, or "T/k": seq_len / k rounded up (the paper's timing runs use T/3)."""
+    if _is_int(value):
+        return value
+    text = str(value).replace(" ", "")
+    if text.isdigit():
+        return int(text)
+    if text.upper().startswith("T/") and text[2:].isdigit() and int(text[2:]) >= 1:
+        return math.ceil(seq_len / int(text[2:]))
+    raise ConfigError("chunk_size", f'{value!r} is not a size: give a positive integer or "T/k", e.g. "T/3"')
+
+
+def memory_limit_bytes(value) -> int | None:
+    """A byte count, or a size such as "80GiB" / "24GB"."""
+    if value is None or _is_int(value):
+        return value
+    try:
+        return parse_bytes(value)
+    except ValueError as error:
+        raise ConfigError("memory_limit", str(error)) from None
+
+
+def point_specs(
+    values: Mapping[str, Any],
+    methods: Sequence[str] | None = None,
+    *,
+    defaults: Mapping[str, Any] | None = None,
+    defaults_for: str | None = None,
+) -> list[RunSpec]:
+    """One RunSpec per method from the settings someone gave (FIELD_NAMES keys; absent or None
+    means "not given"), filled from `defaults`, then the device's defaults (DEVICE_DEFAULTS of
+    defaults_for, else of the resolved device), then the objective's batch size. The model is
+    checked here, before any process starts."""
+    from ..models import load_config
+
+    given = {**(defaults or {}), **{k: v for k, v in values.items() if v is not None}}
+    unknown = sorted(set(given) - set(FIELD_NAMES))
+    if unknown:
+        raise ConfigError(unknown[0], f"is not a setting; settings are {', '.join(FIELD_NAMES)}")
+    names = tuple(dict.fromkeys(methods)) if methods else tuple(METHODS)
+    for name in names:
+        if name not in METHODS:
+            raise ConfigError("method", f"unknown {{field}} {name!r}; choose from {', '.join(METHODS)}")
+    device = resolve_device(given.get("device", "auto"))
+    for name, value in DEVICE_DEFAULTS[defaults_for or device_kind(device)].items():
+        given.setdefault(name, value)
+    objective = given.get("objective", "sft")
+    given.setdefault("batch_size", DEFAULT_BATCH_SIZES.get(objective, 1))
+    seq_len = given["seq_len"]
+    settings = {name: given.pop(name) for name in SETTING_NAMES if name in given}
+    if "chunk_size" in settings and _is_int(seq_len):
+        settings["chunk_size"] = chunk_size_for(settings["chunk_size"], seq_len)
+    given["memory_limit"] = memory_limit_bytes(given.get("memory_limit"))
+    given["device"] = device
+    given.pop("method", None)
+    specs = [RunSpec(method=name, settings=MethodSettings(**settings), **given) for name in names]
+    load_config(specs[0].model)  # fail here, before any process starts, on a model that cannot be built
+    return specs

@@ -1,0 +1,126 @@
+"""The run configuration: one set of names and defaults for the CLI, experiment files and Python."""
+
+from __future__ import annotations
+
+import pytest
+import typer
+
+from sbpbench.cli import app
+from sbpbench.cli.options import FLAGS, OPTIONS
+from sbpbench.config import FIELD_NAMES, ConfigError, MaxlenSpec, RunSpec, point_specs
+from sbpbench.config.experiment import POINT_KEYS
+
+# Frozen on purpose: a new option or key is a deliberate change to this list and to the README.
+EXPECTED_FIELDS = (
+    "model", "method", "seq_len", "batch_size", "objective", "prompt_len", "lora_rank", "lora_alpha", "step",
+    "dtype", "device", "num_layers", "protocol", "warmup", "repeats", "memory_limit", "seed", "timeout_s",
+    "chunk_size", "logits_chunk_size", "fp32_grad_accumulation",
+)  # fmt: skip
+EXPECTED_OPTIONS = {
+    "run": {
+        "--method", "--model", "--seq", "--batch", "--objective", "--prompt-len", "--lora-rank", "--lora-alpha",
+        "--step", "--dtype", "--chunk-size", "--logits-chunk-size", "--fp32-grad-accumulation", "--device",
+        "--num-layers", "--protocol", "--warmup", "--repeats", "--memory-limit", "--timeout", "--seed", "--out",
+    },
+    "maxlen": {
+        "--method", "--model", "--seq", "--start", "--batch", "--objective", "--prompt-len", "--lora-rank",
+        "--lora-alpha", "--step", "--dtype", "--chunk-size", "--logits-chunk-size", "--fp32-grad-accumulation",
+        "--device", "--num-layers", "--protocol", "--warmup", "--memory-limit", "--timeout", "--seed", "--max-seq",
+        "--resolution", "--multiple-of", "--resume", "--simulate", "--gpu-memory", "--out",
+    },
+    "estimate": {
+        "--method", "--model", "--seq", "--batch", "--objective", "--prompt-len", "--lora-rank", "--lora-alpha",
+        "--step", "--dtype", "--chunk-size", "--logits-chunk-size", "--fp32-grad-accumulation", "--num-layers",
+        "--protocol", "--seed", "--gpu-memory", "--target", "--out",
+    },
+    "check": {
+        "--method", "--model", "--seq", "--batch", "--objective", "--prompt-len", "--lora-rank", "--dtype",
+        "--chunk-size", "--logits-chunk-size", "--fp32-grad-accumulation", "--device", "--num-layers", "--seed",
+    },
+    "sweep": {"--device", "--out", "--resume"},
+}  # fmt: skip
+
+
+def _flags(command_name: str) -> set[str]:
+    command = typer.main.get_command(app).commands[command_name]
+    flags = set()
+    for param in command.params:
+        flags |= {f for f in (*param.opts, *param.secondary_opts) if f.startswith("--") and not f.startswith("--no-")}
+    return flags
+
+
+def test_the_setting_names_are_frozen():
+    """RunSpec + MethodSettings fields are the one list of setting names; changing it is deliberate."""
+    assert FIELD_NAMES == EXPECTED_FIELDS
+
+
+@pytest.mark.parametrize("command", sorted(EXPECTED_OPTIONS))
+def test_each_command_has_exactly_its_frozen_options(command):
+    """Every point command's flags, so that a new option is a deliberate change."""
+    assert _flags(command) == EXPECTED_OPTIONS[command]
+
+
+def test_experiment_keys_are_the_config_field_names():
+    """An experiment file says seq_len where Python says seq_len: the keys are the fields (plus a
+    search's own settings and the point kind)."""
+    assert set(POINT_KEYS) == {*FIELD_NAMES, "seq_len_ceiling", "resolution", "multiple_of", "kind"}
+    assert set(OPTIONS) == set(FLAGS) == set(POINT_KEYS) - {"kind"}
+
+
+def test_defaults_are_filled_by_the_config_per_device_and_objective():
+    """The CPU default point and the per-objective batch sizes come from one place."""
+    (bp, streambp) = point_specs({"device": "cpu"}, ["bp", "streambp"])
+    assert (bp.model, bp.seq_len, bp.dtype, bp.batch_size, bp.device) == ("small/qwen3", 2048, "fp32", 1, "cpu")
+    assert (streambp.settings.chunk_size, streambp.settings.logits_chunk_size) == (500, 100)
+    assert point_specs({"device": "cpu", "objective": "grpo"}, ["bp"])[0].batch_size == 8
+    assert point_specs({"device": "cpu", "objective": "dpo"}, ["bp"])[0].batch_size == 2
+    gpu_shaped = point_specs({"device": "cpu"}, ["bp"], defaults_for="cuda")[0]
+    assert (gpu_shaped.model, gpu_shaped.seq_len, gpu_shaped.dtype) == ("Qwen/Qwen3-4B", 9000, "bf16")
+
+
+def test_a_method_holds_only_the_settings_it_reads():
+    """bp and ckpt ignore StreamBP's chunk sizes, so their specs (and rows, and keys) hold none."""
+    specs = point_specs({"device": "cpu", "model": "tiny/qwen3", "seq_len": 90, "chunk_size": "T/3"})
+    by_method = {s.method: s.settings for s in specs}
+    assert by_method["streambp"].chunk_size == 30
+    assert by_method["bp"].chunk_size is None and by_method["ckpt"].logits_chunk_size is None
+    assert specs[0].with_method("streambp").settings.chunk_size == 500  # re-derived: the default
+
+
+@pytest.mark.parametrize(
+    ("values", "field", "words"),
+    [
+        ({"seq_len": 1}, "seq_len", "at least 2"),
+        ({"batch_size": 3, "objective": "dpo"}, "batch_size", "even"),
+        ({"chunk_size": 0}, "chunk_size", "positive"),
+        ({"chunk_size": "half"}, "chunk_size", "T/3"),
+        ({"memory_limit": "lots"}, "memory_limit", "cannot read the size"),
+        ({"objective": "ppo"}, "objective", "sft, grpo, dpo"),
+        ({"device": "tpu"}, "device", "cuda:N"),
+        ({"timeout_s": 0}, "timeout_s", "positive"),
+        ({"seqlen": 5}, "seqlen", "is not a setting"),
+    ],
+)
+def test_a_bad_setting_names_its_field(values, field, words):
+    """The config's error carries the field, which each front end renames (flag, TOML key)."""
+    with pytest.raises(ConfigError) as error:
+        point_specs({"device": "cpu", "model": "tiny/qwen3", **values}, ["streambp"])
+    assert error.value.field == field
+    assert words in str(error.value)
+
+
+def test_a_spec_survives_the_trip_to_the_worker():
+    """to_json/from_json round-trip, settings included (the worker rebuilds the same spec)."""
+    (spec,) = point_specs(
+        {"device": "cpu", "model": "tiny/qwen3", "chunk_size": 7, "memory_limit": "1MiB"}, ["streambp"]
+    )
+    assert RunSpec.from_json(spec.to_json()) == spec
+    assert spec.memory_limit == 2**20
+
+
+def test_a_search_checks_its_ceiling_against_its_first_probe():
+    """A max-length search cannot start above the longest length it may try."""
+    (base,) = point_specs({"device": "cpu", "model": "tiny/qwen3", "seq_len": 512}, ["bp"])
+    with pytest.raises(ConfigError, match="seq_len_ceiling"):
+        MaxlenSpec(base=base, seq_len_ceiling=256)
+    assert MaxlenSpec(base=base, resolution="5%", seq_len_ceiling=4096).start == 512
