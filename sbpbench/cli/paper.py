@@ -5,7 +5,7 @@ from __future__ import annotations
 from functools import cache
 
 from ..records import ResultRow
-from ..report.select import MAXLEN_TABLE, paper_rows
+from ..records.select import MAXLEN_TABLE, paper_rows
 
 
 @cache
