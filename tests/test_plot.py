@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import matplotlib.image
@@ -9,9 +10,11 @@ import pytest
 from typer.testing import CliRunner
 
 from sbpbench.cli import app
-from sbpbench.plot import memory_vs_seq
-from sbpbench.records import load_results
+from sbpbench.models import full_depth
+from sbpbench.plot import memory_vs_seq, plot_all
+from sbpbench.records import load_results, upsert_rows
 from sbpbench.records.reference import load_reference
+from tests.fixtures.make_results import fixture_rows
 
 FIXTURE = Path(__file__).parent / "fixtures" / "results.csv"
 PIXELS = (600, 800)  # style.FIGSIZE_IN (8 x 6 in) at style.DPI (100)
@@ -82,6 +85,30 @@ def test_replotting_gives_identical_svg(tmp_path):
     assert [p.name for p in first] == [p.name for p in second] and first
     for a, b in zip(first, second):
         assert a.read_bytes() == b.read_bytes(), a.name
+
+
+def _shallow_fixture(path: Path) -> Path:
+    """The fixture rows with every Qwen3-8B row built with 4 of its 36 decoder layers (`--num-layers 4`)."""
+    upsert_rows(path, [replace(r, num_layers=4) if r.model == "Qwen/Qwen3-8B" else r for r in fixture_rows()])
+    return path
+
+
+def test_truncated_model_named_by_depth_without_paper_marks(tmp_path):
+    """Given the registry's depths, a 4-layer Qwen3-8B gets "4layers" in its file names and no paper line."""
+    table = load_results(_shallow_fixture(tmp_path / "shallow.csv"))
+    paths = plot_all(table, tmp_path / "plots", load_reference(), ("svg",), full_depth=full_depth)
+    memory = tmp_path / "plots" / "memory_vs_seq__Qwen3-8B__NVIDIA-H200-limit80GiB__steady__4layers.svg"
+    assert memory in paths
+    svg = memory.read_text()
+    assert "Qwen/Qwen3-8B (4 layers): peak memory (GiB)" in svg and "paper" not in svg
+
+
+def test_sbp_plot_knows_model_depths(tmp_path):
+    """`sbp plot` reads each model's full depth from the registry, as plot_all(full_depth=...) does."""
+    out = tmp_path / "plots"
+    result = runner.invoke(app, ["plot", str(_shallow_fixture(tmp_path / "shallow.csv")), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert (out / "memory_vs_seq__Qwen3-8B__NVIDIA-H200-limit80GiB__steady__4layers.svg").is_file()
 
 
 def test_format_option_and_no_data(tmp_path):

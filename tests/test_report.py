@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from sbpbench.cli import app
-from sbpbench.records import load_results, read_rows
+from sbpbench.models import full_depth
+from sbpbench.records import load_results, read_rows, upsert_rows
 from sbpbench.records.reference import load_reference
 from sbpbench.records.store import encode_row
 from sbpbench.report import markdown_report
+from tests.fixtures.make_results import fixture_rows
 
 FIXTURES = Path(__file__).parent / "fixtures"
 FIXTURE, EXPECTED = FIXTURES / "results.csv", FIXTURES / "expected_report.md"
@@ -43,10 +46,8 @@ def _sections(text: str) -> list[str]:
 def test_fixture_files_are_up_to_date(reference):
     """results.csv holds exactly make_results.py's rows and expected_report.md is the report of it
     (regenerate both with `python tests/fixtures/make_results.py`)."""
-    from tests.fixtures.make_results import fixture_rows
-
     assert read_rows(FIXTURE) == [encode_row(row) for row in fixture_rows()]
-    assert markdown_report(load_results(FIXTURE), reference) == EXPECTED.read_text()
+    assert markdown_report(load_results(FIXTURE), reference, full_depth=full_depth) == EXPECTED.read_text()
 
 
 def test_paper_rows_beside_ours_with_ratios(report_text):
@@ -124,6 +125,28 @@ def test_report_is_deterministic_and_written_to_a_file(table, reference, tmp_pat
     out = tmp_path / "sub" / "report.md"
     result = runner.invoke(app, ["report", str(FIXTURE), "--out", str(out)])
     assert result.exit_code == 0 and out.read_text() == report_text
+
+
+def _shallow_qwen8(table):
+    """The fixture with every Qwen3-8B row built with 4 of its 36 decoder layers (`--num-layers 4`)."""
+    return table.assign(num_layers=table["num_layers"].mask(table["model"] == "Qwen/Qwen3-8B", 4.0))
+
+
+def test_truncated_model_is_named_so_and_never_beside_the_paper(table, reference):
+    """Given the registry's depths, a 4-layer Qwen3-8B meets no paper number and is listed as such."""
+    text = markdown_report(_shallow_qwen8(table), reference, full_depth=full_depth)
+    measured = text.split("## Estimates vs measurements")[0]
+    compared, unmatched = measured.split("## Measured, no paper counterpart")
+    assert "Qwen/Qwen3-8B" not in compared and "| Qwen/Qwen3-4B | ckpt |" in compared
+    assert f"| Qwen/Qwen3-8B (4 layers) | bp | sft, full, bp, bf16, B=1, T=8192 | {CAPPED} | oom |" in unmatched
+
+
+def test_sbp_report_knows_model_depths(table, tmp_path):
+    """`sbp report` reads each model's full depth from the registry, as markdown_report(full_depth=...) does."""
+    shallow = tmp_path / "shallow.csv"
+    upsert_rows(shallow, [replace(r, num_layers=4) if r.model == "Qwen/Qwen3-8B" else r for r in fixture_rows()])
+    result = runner.invoke(app, ["report", str(shallow)])
+    assert result.exit_code == 0 and "Qwen/Qwen3-8B (4 layers)" in result.output
 
 
 def test_without_reference_every_measured_row_is_unmatched(table):

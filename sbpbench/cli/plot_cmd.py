@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from ..report.inputs import load_paper, load_table
+from ..models import full_depth
 from .errors import user_errors
 from .options import ReferenceOpt, ResultsArg
 
@@ -28,7 +29,7 @@ def plot(
         table = load_table(results)
         paper, note = load_paper(reference)
         chosen = tuple(dict.fromkeys(f for value in formats or [] for f in value.replace(",", " ").split()))
-        paths = plot_all(table, out, paper, chosen or FORMATS)
+        paths = plot_all(table, out, paper, chosen or FORMATS, full_depth=full_depth)
     if note:
         typer.echo(note, err=True)
     if not paths:

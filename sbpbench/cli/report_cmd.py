@@ -9,6 +9,7 @@ import typer
 
 from ..report import markdown_report
 from ..report.inputs import load_paper, load_table
+from ..models import full_depth
 from .errors import user_errors
 from .options import ReferenceOpt, ResultsArg
 
@@ -25,7 +26,7 @@ def report(
     with user_errors():
         table = load_table(results)
         paper, note = load_paper(reference)
-        text = markdown_report(table, paper)
+        text = markdown_report(table, paper, full_depth=full_depth)
         if out is not None:
             try:
                 out.parent.mkdir(parents=True, exist_ok=True)

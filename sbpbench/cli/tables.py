@@ -10,7 +10,7 @@ from rich.table import Table
 
 from ..measure.units import gib
 from ..records import ResultRow
-from ..report.select import MAXLEN_TABLE, paper_rows  # TODO(merge): records.select
+from ..records.select import MAXLEN_TABLE, paper_rows
 from ..simulate import MARGIN_NOTE
 
 

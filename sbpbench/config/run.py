@@ -20,7 +20,7 @@ from ..data import DEFAULT_PROMPT_LEN, OBJECTIVES
 from ..measure.units import parse_bytes
 from ..methods import METHODS, STEPS, MethodSettings
 from ..methods.settings import SETTING_NAMES
-from ..report.select import DEFAULT_BATCH as DEFAULT_BATCH_SIZES  # TODO(merge): records.select
+from ..records.select import DEFAULT_BATCH_SIZES
 from .device import device_kind, resolve_device
 from .errors import ConfigError
 

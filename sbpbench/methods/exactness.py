@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..data import SFTBatch
+from .registry import run_method
 from .settings import MethodSettings
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
@@ -92,8 +93,6 @@ class MethodComparison:
 
 def step_gradients(method, model, batch: SFTBatch, settings: MethodSettings):
     """Run one step from zero gradients; return (loss, {parameter name: grad or zeros})."""
-    from . import run_method
-
     model.zero_grad(set_to_none=True)
     loss = run_method(method, model, batch, settings)
     grads = {

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..data import Batch
+from .registry import run_method
 from .settings import MethodSettings
 
 STEPS = ("bp", "train")
@@ -47,8 +48,6 @@ def run_step(
     method: str, model, batch: Batch, settings: MethodSettings, optimizer: torch.optim.Optimizer | None = None
 ) -> torch.Tensor:
     """One measured step: the method's forward+backward, then optimizer.step() if one is given."""
-    from . import run_method
-
     loss = run_method(method, model, batch, settings)
     if optimizer is not None:
         optimizer.step()

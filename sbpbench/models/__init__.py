@@ -3,7 +3,7 @@
 from ..core import UnsupportedModelError  # what building or running an unsupported family raises
 from .build import build_model, count_parameters, is_local_checkpoint, load_config
 from .lora import apply_lora
-from .registry import MODELS, REAL_MODELS, SMALL_MODELS, TINY_MODELS, ModelSpec, config_dict, get_spec
+from .registry import MODELS, REAL_MODELS, SMALL_MODELS, TINY_MODELS, ModelSpec, config_dict, full_depth, get_spec
 
 __all__ = [
     "MODELS",
@@ -16,6 +16,7 @@ __all__ = [
     "build_model",
     "config_dict",
     "count_parameters",
+    "full_depth",
     "get_spec",
     "is_local_checkpoint",
     "load_config",

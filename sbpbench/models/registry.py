@@ -126,3 +126,12 @@ def config_dict(name: str, **overrides) -> dict:
         values.pop("layer_types", None)  # recomputed by the config class for the new depth
     values.update(merged)
     return values
+
+
+@cache
+def full_depth(name: str) -> int | None:
+    """Decoder layers of a named shape (None for a local checkpoint or an unknown name): what a row
+    built with `--num-layers` is compared with to call it truncated (records.select.with_full_depth)."""
+    if name not in MODELS:
+        return None
+    return config_dict(name).get("num_hidden_layers")

@@ -8,10 +8,10 @@ File names: `<metric>__<model>__<device>__<protocol>[__<setting>...].<fmt>`, e.g
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from ..report.select import complete_columns
+from ..records.select import complete_columns, with_full_depth
 from .common import FORMATS
 from .maxlen import max_seq_len_bars
 from .memory import memory_vs_seq
@@ -20,12 +20,20 @@ from .timing import time_per_sample_vs_batch, time_vs_seq
 FIGURES = (memory_vs_seq, time_vs_seq, max_seq_len_bars, time_per_sample_vs_batch)
 
 
-def plot_all(table, out_dir: str | Path, reference=None, formats: Sequence[str] = FORMATS) -> list[Path]:
-    """Every figure the table has data for, in each format; the written paths, sorted."""
+def plot_all(
+    table,
+    out_dir: str | Path,
+    reference=None,
+    formats: Sequence[str] = FORMATS,
+    full_depth: Callable[[str], int | None] | None = None,
+) -> list[Path]:
+    """Every figure the table has data for, in each format; the written paths, sorted.
+    full_depth: a model name's decoder layers (`models.full_depth`), to mark and keep away from the
+    paper's numbers a model built with fewer; None: no row is called truncated."""
     for fmt in formats:
         if fmt not in ("png", "svg", "pdf"):
             raise ValueError(f"unknown figure format {fmt!r}; choose from png, svg, pdf")
-    table = complete_columns(table)
+    table = with_full_depth(complete_columns(table), full_depth)
     return sorted(path for figure in FIGURES for path in figure(table, Path(out_dir), reference, formats))
 
 

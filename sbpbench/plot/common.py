@@ -12,7 +12,16 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from ..report.select import DEFAULT_BATCH, cell, device_label, is_truncated, natural_key, number, short_model, where
+from ..records.select import (
+    DEFAULT_BATCH_SIZES,
+    cell,
+    device_label,
+    is_truncated,
+    natural_key,
+    number,
+    short_model,
+    where,
+)
 from . import style
 
 FORMATS = ("png", "svg")
@@ -75,7 +84,7 @@ def setting_parts(like, *, always: bool = False) -> list[str]:
         f"lora{rank}" if rank else ("full" if always else ""),
         like["step"] if always or like["step"] != "bp" else "",
         like["dtype"] if like["dtype"] != "bf16" else "",
-        f"B{batch:.0f}" if batch is not None and batch != DEFAULT_BATCH.get(objective, 1) else "",
+        f"B{batch:.0f}" if batch is not None and batch != DEFAULT_BATCH_SIZES.get(objective, 1) else "",
         f"{cell(like['num_layers'])}layers" if is_truncated(like) else "",
     ]
     return [p for p in parts if p]

@@ -15,7 +15,7 @@ from pathlib import Path
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
-from ..report.select import (
+from ..records.select import (
     MAXLEN_TABLE,
     PROMPTED_OBJECTIVES,
     is_oom,
@@ -69,7 +69,10 @@ def max_seq_len_bars(table, out_dir: Path, reference=None, formats: Sequence[str
 def _figure(rows, reference, out_dir: Path, formats) -> list[Path]:
     like = rows.iloc[0]
     fig, ax = new_figure()
-    slots = {key: i for i, key in enumerate(sorted({_slot(r) for _, r in rows.iterrows()}, key=_slot_order))}
+    slot_rows = {}  # a model on the x axis -> one of its rows (for its label)
+    for _, r in rows.iterrows():
+        slot_rows.setdefault(_slot(r), r)
+    slots = {key: i for i, key in enumerate(sorted(slot_rows, key=_slot_order))}
     bars = list(series(rows))
     width = min(BAR_SPAN / len(bars), MAX_BAR_WIDTH)
     values, paper_values, handles = [], [], []
@@ -91,7 +94,7 @@ def _figure(rows, reference, out_dir: Path, formats) -> list[Path]:
     else:
         ax.set_ylim(0, max(values, default=1) * 1.15)
     ax.set_xlim(-0.6, len(slots) - 0.4)
-    ax.set_xticks(range(len(slots)), [_slot_label(key) for key in slots], fontsize=style.FONT_SIZE)
+    ax.set_xticks(range(len(slots)), [_slot_label(slot_rows[key]) for key in slots], fontsize=style.FONT_SIZE)
     ax.set_ylabel(
         "max completion length (tokens) = max_seq_len − prompt_len\n(the paper's number read as completion length)"
         if like["objective"] in PROMPTED_OBJECTIVES
@@ -122,10 +125,10 @@ def _slot_order(slot: tuple[str, float]) -> tuple:
     return natural_key(slot[0]), slot[1]
 
 
-def _slot_label(slot: tuple[str, float]) -> str:
-    model, layers = slot
-    truncated = layers > 0 and is_truncated({"model": model, "num_layers": layers})
-    return short_model(model) + (f"\n({layers:.0f} layers)" if truncated else "")
+def _slot_label(row) -> str:
+    """A model's tick label: its short name, and its depth where it was built truncated."""
+    depth = f"\n({number(row['num_layers']):.0f} layers)" if is_truncated(row) else ""
+    return short_model(row["model"]) + depth
 
 
 def _draw_bar(ax, row, x: float, width: float, method: str, simulated: bool) -> list[float]:

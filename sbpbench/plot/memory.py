@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..measure.units import GIB
-from ..report.select import capacity_bytes, is_oom, is_paper_capacity, is_truncated, number, paper_rows, where
+from ..records.select import capacity_bytes, is_oom, is_paper_capacity, is_truncated, number, paper_rows, where
 from . import style
 from .common import (
     FORMATS,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..report.select import is_cuda, is_oom, is_truncated, paper_rows
+from ..records.select import is_cuda, is_oom, is_truncated, paper_rows
 from . import style
 from .common import (
     FORMATS,

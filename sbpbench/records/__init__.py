@@ -1,4 +1,5 @@
-"""The results schema and the CSV files that hold it."""
+"""The results schema, the CSV files that hold it, and reading their rows (select.py: OOM, capacity,
+comparability with the paper), shared by the plots, the report and the CLI."""
 
 from .schema import COLUMNS, KEY_COLUMNS, KINDS, PROVENANCE_COLUMNS, SCHEMA_VERSION, SOURCES, STATUSES, ResultRow
 from .store import check_writable, completed_keys, decode_row, load_results, one_line, read_rows, row_key, upsert_rows

@@ -1,4 +1,4 @@
-"""The results table beside the paper's numbers: `sbp report`, and the row selection plots share."""
+"""The results table beside the paper's numbers, as Markdown: `sbp report` (rows read by records.select)."""
 
 from .markdown import markdown_report
 

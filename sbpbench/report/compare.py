@@ -3,7 +3,7 @@
 A paper number (a row of experiments/reference/streambp_paper.csv) is met by every measured row
 of the same model, method, objective, LoRA or not, step, dtype, batch size (and seq_len where the
 paper gives one) on a comparable device: memory and max-T numbers need a CUDA device whose capacity
-is within 10% of the paper's 80 GB (select.is_paper_capacity), times any CUDA device. A model
+is within 10% of the paper's 80 GB (records.select.is_paper_capacity), times any CUDA device. A model
 built with fewer layers (--num-layers) is not the paper's model. Reruns: the latest row wins.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..records import KEY_COLUMNS
-from .select import (
+from ..records.select import (
     MAXLEN_TABLE,
     PROMPTED_OBJECTIVES,
     cell,

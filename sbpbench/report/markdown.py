@@ -7,11 +7,13 @@ beside measurements of the same point and beside the paper's max T, never mixed 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ..measure.units import GIB
 from ..records.reference import PAPER_DEVICE
 from .compare import Comparison, estimate_comparisons, estimates_vs_paper, paper_comparisons, run, setting
-from .select import complete_columns, natural_key, no_reference, number, present
-from .select import is_truncated as truncated
+from ..records.select import complete_columns, natural_key, no_reference, number, present, with_full_depth
+from ..records.select import is_truncated as truncated
 
 METRIC_TITLES = {
     "max_seq_len": "max T (tokens)",
@@ -24,9 +26,12 @@ COMPARE_HEADERS = ("model", "method", "setting", "ours ran on", "paper", "ours",
 METHOD_ORDER = {"bp": 0, "ckpt": 1, "mst": 2, "streambp": 3}
 
 
-def markdown_report(table, reference=None) -> str:
-    """The report as Markdown; `reference`: `records.reference.load_reference()` or None."""
-    table, paper = complete_columns(table), no_reference() if reference is None else reference
+def markdown_report(table, reference=None, full_depth: Callable[[str], int | None] | None = None) -> str:
+    """The report as Markdown; `reference`: `records.reference.load_reference()` or None; full_depth:
+    a model name's decoder layers (`models.full_depth`), to mark and keep away from the paper's
+    numbers a model built with fewer; None: no row is called truncated."""
+    table = with_full_depth(complete_columns(table), full_depth)
+    paper = no_reference() if reference is None else reference
     lines = [
         "# sbpbench results beside the StreamBP paper",
         "",

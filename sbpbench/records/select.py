@@ -1,16 +1,20 @@
 """Reading rows of a results table: capacity, OOM, comparability with the paper, stable ordering.
 
-Shared by the plots and the report, so both call the same rows comparable and draw the same OOMs.
-Rows are pandas Series of `records.load_results` (numbers as floats, empty as NaN, strings "").
+Shared by the plots, the report and the CLI, so all call the same rows comparable and draw the same
+OOMs. Rows are pandas Series of `load_results` (numbers as floats, empty as NaN, strings "").
+Whether a row's model is truncated needs the named model's full depth, which the model registry
+knows and this package does not: `with_full_depth` writes it into a column the caller fills.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from functools import cache
+from collections.abc import Callable
+from dataclasses import fields
 
 from ..measure.units import GIB
+from .schema import ResultRow
 
 # skipped = a certain OOM that was not run (records/schema.py): shown exactly like an OOM
 OOM_STATUSES = ("oom", "skipped")
@@ -19,18 +23,16 @@ OOM_STATUSES = ("oom", "skipped")
 PAPER_CAPACITY_BYTES = 80 * GIB
 CAPACITY_TOLERANCE = 0.10
 # Group sizes the paper (and `sbp run`) use per objective: one sample, a GRPO group, a DPO pair.
-DEFAULT_BATCH = {"sft": 1, "grpo": 8, "dpo": 2}
+DEFAULT_BATCH_SIZES = {"sft": 1, "grpo": 8, "dpo": 2}
 PROMPTED_OBJECTIVES = ("grpo", "dpo")  # seq_len includes prompt_len; the paper's T is the completion
 MAXLEN_TABLE = {"bp": "Figure 3", "train": "Table 3"}  # the paper's max-T table for each step
+# Not a schema column: the named model's decoder layers, written by `with_full_depth` (NaN: unknown).
+FULL_DEPTH_COLUMN = "full_num_layers"
 
 
 def complete_columns(table):
     """The table with every schema column (a CSV of an older schema lacks some): empty text for
     text columns, NaN for numbers."""
-    from dataclasses import fields
-
-    from ..records import ResultRow
-
     missing = {f.name: "" if f.type == "str" else math.nan for f in fields(ResultRow) if f.name not in table.columns}
     return table.assign(**missing) if missing else table
 
@@ -86,19 +88,19 @@ def is_paper_capacity(row) -> bool:
     return is_cuda(row) and capacity is not None and abs(capacity / PAPER_CAPACITY_BYTES - 1) <= CAPACITY_TOLERANCE
 
 
-@cache
-def full_depth(model: str) -> int | None:
-    """Decoder layers of a registry model (None for a local checkpoint or unknown name)."""
-    from ..models.registry import MODELS, config_dict
-
-    if model not in MODELS:
-        return None
-    return config_dict(model).get("num_hidden_layers")
+def with_full_depth(table, full_depth: Callable[[str], int | None] | None):
+    """The table with FULL_DEPTH_COLUMN: `full_depth(model)` for each row (`models.full_depth`: the
+    registry's depth, None for a local checkpoint or unknown name). full_depth None: every depth
+    unknown, so no row is called truncated."""
+    depths = {} if full_depth is None else {m: full_depth(m) for m in set(map(str, table["model"]))}
+    column = [math.nan if depths.get(str(m)) is None else float(depths[str(m)]) for m in table["model"]]
+    return table.assign(**{FULL_DEPTH_COLUMN: column})
 
 
 def is_truncated(row) -> bool:
-    """Built with fewer decoder layers than the named model has (`--num-layers`): not the paper's model."""
-    layers, full = number(row.get("num_layers")), full_depth(str(row["model"]))
+    """Built with fewer decoder layers than the named model has (`--num-layers`): not the paper's
+    model. The named model's depth is the row's FULL_DEPTH_COLUMN (`with_full_depth`); none: False."""
+    layers, full = number(row.get("num_layers")), number(row.get(FULL_DEPTH_COLUMN))
     return layers is not None and full is not None and layers < full
 
 
