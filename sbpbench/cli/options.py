@@ -11,104 +11,45 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
-from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-from ..config import DTYPES, METHODS, OBJECTIVES, PROTOCOLS, STEPS
+from ..config.fields import SETTINGS, Setting
 
-
-def _choices(name: str, values) -> type[Enum]:
-    return Enum(name, {value: value for value in values}, type=str)
-
-
-# Fixed choices come from the registries, so a new method or dtype needs no CLI edit.
-Method = _choices("Method", METHODS)
-DType = _choices("DType", DTYPES)
-Objective = _choices("Objective", OBJECTIVES)
-Step = _choices("Step", STEPS)
-Protocol = _choices("Protocol", PROTOCOLS)
-
-
-def _option(kind, *flags: str, help: str, **limits) -> Any:
-    """An option whose value the config checks (so a bad one is a one-line error, not Typer's
-    box); an Enum kind only names the choices in the help."""
-    if isinstance(kind, type) and issubclass(kind, Enum):
-        limits["metavar"] = "[" + "|".join(member.value for member in kind) + "]"
-        kind = str
-    return Annotated[kind | None, typer.Option(*flags, help=help, **limits)]
-
-
-# field -> its option. A command changes only the help (see `point_command`), never the flag.
-OPTIONS: dict[str, Any] = {
-    "method": _option(list[str], "--method", help=f"Methods: {', '.join(METHODS)}; several allowed (default: all)."),
-    "model": _option(
-        str,
-        "--model",
-        "-m",
-        help="Registry name (`sbp models`) or a local checkpoint directory "
-        "(default: Qwen/Qwen3-4B on cuda, small/qwen3 on cpu).",
-    ),
-    "seq_len": _option(
-        int, "--seq", "-T", help="Tokens per row, prompt included (default: 9000 on cuda, 2048 on cpu)."
-    ),
-    "batch_size": _option(
-        int, "--batch", "-B", help="Rows per batch (default: sft 1, grpo 8 = a group, dpo 2 = a pair)."
-    ),
-    "objective": _option(Objective, "--objective", help="Training objective (default: sft)."),
-    "prompt_len": _option(
-        int, "--prompt-len", help="grpo/dpo: prompt tokens within --seq, at most half of it (default: 1000)."
-    ),
-    "lora_rank": _option(
-        int, "--lora-rank", help="LoRA rank on all linear layers (peft); 0: full fine-tuning (default)."
-    ),
-    "lora_alpha": _option(int, "--lora-alpha", help="LoRA alpha (default: 128)."),
-    "step": _option(
-        Step, "--step", help="bp: forward + backward (the paper's Figure 3, default); train: + AdamW (its Table 3)."
-    ),
-    "dtype": _option(DType, "--dtype", help="Model dtype (default: bf16 on cuda, fp32 on cpu)."),
-    "device": _option(str, "--device", help="auto (default), cpu, cuda or cuda:N."),
-    "num_layers": _option(int, "--num-layers", help="Keep only the first N decoder layers (default: all)."),
-    "protocol": _option(
-        Protocol,
-        "--protocol",
-        help="steady (default): gradient buffers resident before the step (the paper's); first: allocated in it.",
-    ),
-    "warmup": _option(int, "--warmup", help="Discarded steps before measuring (default: 1)."),
-    "repeats": _option(int, "--repeats", help="Timed steps (median, min, max); 0: memory only (default: 3)."),
-    "memory_limit": _option(
-        str, "--memory-limit", help="Cap memory, e.g. 80GiB: CUDA per-process limit; CPU limit on tracked tensors."
-    ),
-    "seed": _option(int, "--seed", help="Seed for weights and batch (default: 0)."),
-    "timeout_s": _option(
-        float, "--timeout", help="Seconds per point before it is recorded as timeout (default: 3600)."
-    ),
-    "chunk_size": _option(
-        str, "--chunk-size", help='StreamBP positions per layer chunk: tokens, or "T/k" for seq/k (default: 500).'
-    ),
-    "logits_chunk_size": _option(
-        int, "--logits-chunk-size", help="StreamBP positions per logits chunk (default: 100)."
-    ),
-    "fp32_grad_accumulation": Annotated[
-        bool | None,
-        typer.Option(
-            "--fp32-grad-accumulation/--no-fp32-grad-accumulation",
-            help="StreamBP: sum bf16 chunk gradients in fp32 (default: on).",
-            show_default=False,
-        ),
-    ],
-    # a max-length search's own settings (MaxlenSpec)
-    "seq_len_ceiling": _option(int, "--max-seq", help="Longest length tried (default: 262144 cuda, 16384 cpu)."),
-    "resolution": _option(
-        str,
-        "--resolution",
-        help="Stop when the bracket is this narrow: a percentage (1%) or tokens (256) (default: 1%).",
-    ),
-    "multiple_of": _option(int, "--multiple-of", help="Probe lengths are multiples of this (default: 8)."),
+# Flags that keep an older spelling; every other setting's flag is its name with dashes.
+FLAG_NAMES: dict[str, tuple[str, ...]] = {
+    "model": ("--model", "-m"),
+    "seq_len": ("--seq", "-T"),
+    "batch_size": ("--batch", "-B"),
+    "timeout_s": ("--timeout",),
+    "seq_len_ceiling": ("--max-seq",),
+    "fp32_grad_accumulation": ("--fp32-grad-accumulation/--no-fp32-grad-accumulation",),
 }
-# field -> the flag a user typed, for messages (in Annotated, typer.Option's first flag is its `default`)
+
+
+def _option(name: str, setting: Setting) -> Any:
+    """The option of a setting. Its value is checked by the config (a bad one is a one-line error,
+    not Typer's box), so choices are named in the help, not enforced by Typer."""
+    flags = FLAG_NAMES.get(name, ("--" + name.replace("_", "-"),))
+    extra: dict[str, Any] = {"metavar": "[" + "|".join(setting.choices) + "]"} if setting.choices else {}
+    if setting.may_list and name == "method":
+        kind = list[str]
+    elif setting.kind is bool:
+        kind, extra = bool, {"show_default": False}
+    elif setting.kind in (int, float):
+        kind = setting.kind
+    elif setting.kind == (int, float):
+        kind = float
+    else:
+        kind = str  # sizes ("80GiB", "T/3") and choices, parsed by the config
+    return Annotated[kind | None, typer.Option(*flags, help=setting.help, **extra)]
+
+
+# setting -> its option; a command may change the help (see `point_command`), never the flag
+OPTIONS: dict[str, Any] = {name: _option(name, setting) for name, setting in SETTINGS.items()}
+# setting -> the flag a user typed, for messages (in Annotated, typer.Option's first flag is its `default`)
 FLAGS: dict[str, str] = {name: a.__metadata__[0].default.split("/")[0] for name, a in OPTIONS.items()}
 
 MoreMethodsArg = Annotated[
@@ -169,7 +110,7 @@ def point_command(
 ) -> Callable:
     """Give a command the options of `fields` (OPTIONS' keys) before its own parameters, with
     its own help text (helps) or extra flag names (aliases) for some. The command receives them
-    as `settings`: a dict of the ones the user gave (Enums as their values), and `methods`: the
+    as `settings`: a dict of the ones the user gave, and `methods`: the
     methods named by --method and the positional words after it."""
     helps, aliases = helps or {}, aliases or {}
 

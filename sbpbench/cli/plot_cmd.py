@@ -7,8 +7,8 @@ from typing import Annotated
 
 import typer
 
-from ..report.inputs import load_paper, load_table
 from ..models import full_depth
+from ..report.inputs import load_paper, load_table
 from .errors import user_errors
 from .options import ReferenceOpt, ResultsArg
 

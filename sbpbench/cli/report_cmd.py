@@ -7,9 +7,9 @@ from typing import Annotated
 
 import typer
 
+from ..models import full_depth
 from ..report import markdown_report
 from ..report.inputs import load_paper, load_table
-from ..models import full_depth
 from .errors import user_errors
 from .options import ReferenceOpt, ResultsArg
 

@@ -29,59 +29,23 @@ from pathlib import Path
 
 import tomllib
 
-from ..data import OBJECTIVES
-from ..methods import METHODS, STEPS
+from ..methods import METHODS
 from ..models.registry import MODELS
 from .device import device_kind, resolve_device
 from .errors import ConfigError
+from .fields import SEARCH_SETTINGS, SETTINGS, Setting
 from .maxlen import SEARCH_DEFAULTS, MaxlenSpec
-from .run import DTYPES, FIELD_NAMES, PROTOCOLS, RunSpec, point_specs
+from .run import RunSpec, point_specs
 
 KINDS = ("grid", "maxlen")
 
 
-@dataclass(frozen=True)
-class Key:
-    kind: type | tuple[type, ...]  # what TOML value it takes
-    help: str
-    choices: tuple[str, ...] = ()
-    may_list: bool = False  # a list is a grid axis
-
-
-# Every key a [defaults] table or a [[points]] entry may hold: the spec fields, a search's own
-# settings, and the point's kind (tests/test_config.py freezes the set).
-POINT_KEYS: dict[str, Key] = {
-    "kind": Key(str, "grid or maxlen", KINDS),
-    "model": Key(str, "a registry name (`sbp models`) or a local checkpoint directory"),
-    "method": Key(str, "methods to run", tuple(METHODS), may_list=True),
-    "seq_len": Key(int, "tokens per row, prompt included (maxlen: the first probe)", may_list=True),
-    "batch_size": Key(int, "rows per batch (grpo: the group, dpo: chosen + rejected)", may_list=True),
-    "objective": Key(str, "training objective", tuple(OBJECTIVES)),
-    "prompt_len": Key(int, "grpo/dpo prompt tokens"),
-    "lora_rank": Key(int, "0: full fine-tuning"),
-    "lora_alpha": Key(int, "LoRA alpha"),
-    "step": Key(str, "bp: forward+backward; train: + AdamW", STEPS),
-    "dtype": Key(str, "model dtype", tuple(DTYPES)),
-    "device": Key(str, "auto, cpu, cuda or cuda:N"),
-    "num_layers": Key(int, "keep the first N decoder layers"),
-    "protocol": Key(str, "gradient buffers before the step", PROTOCOLS),
-    "warmup": Key(int, "discarded steps before measuring"),
-    "repeats": Key(int, "timed steps (0: memory only)"),
-    "memory_limit": Key((int, str), 'cap, e.g. "80GiB", or bytes'),
-    "seed": Key(int, "seed for weights and batch"),
-    "timeout_s": Key((int, float), "seconds per point"),
-    "chunk_size": Key((int, str), 'StreamBP layer chunk: tokens, or "T/3" for a third of seq_len'),
-    "logits_chunk_size": Key(int, "StreamBP logits chunk"),
-    "fp32_grad_accumulation": Key(bool, "StreamBP: sum bf16 chunk gradients in fp32"),
-    "resolution": Key(str, 'maxlen: "1%" of the answer, or tokens such as "256"'),
-    "seq_len_ceiling": Key(int, "maxlen: longest length tried"),
-    "multiple_of": Key(int, "maxlen: probe lengths are multiples of this"),
-}
-assert set(POINT_KEYS) == {"kind", *FIELD_NAMES, "resolution", "seq_len_ceiling", "multiple_of"}
+# Every key a [defaults] table or a [[points]] entry may hold: the settings (config/fields.py)
+# and the point's kind.
+POINT_KEYS: dict[str, Setting] = {"kind": Setting(str, "grid or maxlen", KINDS), **SETTINGS}
 TOP_KEYS = {"name", "kind", "description", "reference", "defaults", "points"}
 REQUIRED = ("model",)
-GRID_AXES = ("method", "seq_len", "batch_size")
-MAXLEN_ONLY = ("resolution", "seq_len_ceiling", "multiple_of")
+MAXLEN_ONLY = SEARCH_SETTINGS
 RENAMED = {
     "methods": "method",
     "seq_lens": "seq_len",
@@ -118,7 +82,7 @@ def _type_name(kind) -> str:
     return " or ".join({int: "an integer", float: "a number", str: "a string", bool: "true/false"}[k] for k in kinds)
 
 
-def _check_value(where: str, name: str, value, key: Key):
+def _check_value(where: str, name: str, value, key: Setting):
     def fits(item) -> bool:
         kinds = key.kind if isinstance(key.kind, tuple) else (key.kind,)
         if isinstance(item, bool) and bool not in kinds:

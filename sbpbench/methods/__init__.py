@@ -7,4 +7,14 @@ from .registry import METHODS, Method, MethodFn, get_method, run_method
 from .settings import MethodSettings
 from .training import STEPS, make_optimizer, run_step
 
-__all__ = ["METHODS", "STEPS", "Method", "MethodFn", "MethodSettings", "get_method", "make_optimizer", "run_method", "run_step"]
+__all__ = [
+    "METHODS",
+    "STEPS",
+    "Method",
+    "MethodFn",
+    "MethodSettings",
+    "get_method",
+    "make_optimizer",
+    "run_method",
+    "run_step",
+]

@@ -11,9 +11,9 @@ from collections.abc import Callable
 
 from ..measure.units import GIB
 from ..records.reference import PAPER_DEVICE
-from .compare import Comparison, estimate_comparisons, estimates_vs_paper, paper_comparisons, run, setting
 from ..records.select import complete_columns, natural_key, no_reference, number, present, with_full_depth
 from ..records.select import is_truncated as truncated
+from .compare import Comparison, estimate_comparisons, estimates_vs_paper, paper_comparisons, run, setting
 
 METRIC_TITLES = {
     "max_seq_len": "max T (tokens)",
