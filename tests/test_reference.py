@@ -119,7 +119,7 @@ def test_table3_toml_points_match_the_reference_cells(ref):
         spec = tomllib.load(f)
     assert spec["kind"] == "maxlen"
     assert spec["reference"] == "experiments/reference/streambp_paper.csv"
-    assert spec["defaults"]["methods"] == ["bp", "ckpt", "streambp"]
+    assert spec["defaults"]["method"] == ["bp", "ckpt", "streambp"]
     points = spec["points"]
     keys = [(p["objective"], p["model"], "true" if p["lora_rank"] > 0 else "false") for p in points]
     assert len(keys) == len(set(keys)), "duplicate points"
