@@ -219,15 +219,20 @@ def test_predicted_max_len_matches_figure3(model, method, paper):
 
 
 @pytest.mark.slow
-def test_estimate_qwen3_8b_at_20k_time():
-    """Benchmark-style: `sbp estimate` of Qwen3-8B at T=20k, all methods, prints each prediction
-    (StreamBP's included) and the time; the bound only catches a pathological slowdown."""
+def test_estimate_qwen3_8b_at_20k_orders_the_methods_as_the_paper(tmp_path):
+    """`sbp estimate` of Qwen3-8B at T=20k (all methods, through the CLI): bp does not fit 80 GiB,
+    ckpt and StreamBP do, StreamBP with the lowest peak (the paper's Figure 3 at 20k). Its time is
+    printed for the log only: speed is a benchmark's business, not a test's."""
     app = typer.Typer()
     app.command()(estimate_command)
     start = time.perf_counter()
-    result = CliRunner().invoke(app, ["--model", "Qwen/Qwen3-8B", "--seq", "20000"], env={"COLUMNS": "200"})
-    elapsed = time.perf_counter() - start
+    result = CliRunner().invoke(
+        app, ["--model", "Qwen/Qwen3-8B", "--seq", "20000", "--out", str(tmp_path / "e.csv")], env={"COLUMNS": "200"}
+    )
     print(result.output)
-    print(f"sbp estimate Qwen/Qwen3-8B T=20000 bp ckpt streambp: {elapsed:.1f} s")
+    print(f"sbp estimate Qwen/Qwen3-8B T=20000 bp ckpt streambp: {time.perf_counter() - start:.1f} s")
     assert result.exit_code == 0, result.output
-    assert elapsed < 300
+    rows = {row["method"]: row for row in read_rows(tmp_path / "e.csv")}
+    assert {m: rows[m]["status"] for m in rows} == {"bp": "oom", "ckpt": "ok", "streambp": "ok"}
+    peak = {m: int(rows[m]["peak_allocated_bytes"]) for m in rows}
+    assert peak["streambp"] < peak["ckpt"] < peak["bp"]
