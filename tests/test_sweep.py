@@ -44,7 +44,7 @@ def _fake(calls: list, oom_from: int):
 
 def test_longer_and_larger_points_after_an_oom_are_skipped_as_certain_oom(tmp_path):
     experiment = _experiment(
-        tmp_path, '[[points]]\nmethods = ["bp", "streambp"]\nseq_lens = [64, 128, 256]\nbatch_sizes = [1, 2]\n'
+        tmp_path, '[[points]]\nmethod = ["bp", "streambp"]\nseq_len = [64, 128, 256]\nbatch_size = [1, 2]\n'
     )
     out, env, calls = tmp_path / "exp.csv", capture_environment("cpu"), []
     jobs = plan(experiment.points, out, device_name=env.device_name)
@@ -69,7 +69,7 @@ def test_longer_and_larger_points_after_an_oom_are_skipped_as_certain_oom(tmp_pa
 def test_errored_points_are_retried_and_duplicates_run_once(tmp_path):
     experiment = _experiment(
         tmp_path,
-        '[[points]]\nmethods = ["bp"]\nseq_lens = [64, 64, 128]\n[[points]]\nmethods = ["bp"]\nseq_lens = [128]\n',
+        '[[points]]\nmethod = ["bp"]\nseq_len = [64, 64, 128]\n[[points]]\nmethod = ["bp"]\nseq_len = [128]\n',
     )
     out, env = tmp_path / "exp.csv", capture_environment("cpu")
     jobs = plan(experiment.points, out, device_name=env.device_name)
