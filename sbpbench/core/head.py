@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .adapters import DecoderParts
+from .chunking import chunk_bounds
 from .grad_accum import ChunkGradAccumulator
 from .objectives import Objective
 from .sft import loss_dtype
@@ -27,8 +28,7 @@ def _chunk_logits(parts: DecoderParts, hidden: torch.Tensor) -> torch.Tensor:
 
 def _chunks(seq_len: int, chunk_size: int, objective: Objective):
     """(start, end) of each chunk holding at least one counted target (others have zero gradient)."""
-    for start in range(0, seq_len, chunk_size):
-        end = min(start + chunk_size, seq_len)
+    for start, end in chunk_bounds(seq_len, chunk_size):
         if bool(objective.mask[:, start:end].any()):
             yield start, end
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .attention import STATE_KWARG, ChunkState, KVBuffer, KVCaptured, window_start
-from .checkpoints import chunk_bounds, chunk_kwargs
+from .chunking import chunk_bounds, chunk_kwargs
 from .grad_accum import ChunkGradAccumulator
 
 
