@@ -15,7 +15,7 @@ from .adapters import DecoderParts
 from .chunking import chunk_bounds
 from .grad_accum import ChunkGradAccumulator
 from .objectives import Objective
-from .sft import loss_dtype
+from .labels import loss_dtype
 
 
 def _chunk_logits(parts: DecoderParts, hidden: torch.Tensor) -> torch.Tensor:

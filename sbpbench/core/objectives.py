@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .sft import IGNORE_INDEX, count_targets, loss_dtype, shift_labels, sum_cross_entropy
+from .labels import IGNORE_INDEX, count_targets, loss_dtype, shift_labels, sum_cross_entropy
 
 GRPO_NORMALIZATIONS = ("sequence", "token")
 

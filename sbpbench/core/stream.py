@@ -24,7 +24,7 @@ from .grad_accum import ChunkGradAccumulator
 from .head import head_backward
 from .layer_backward import layer_backward
 from .objectives import SFT, Objective
-from .sft import IGNORE_INDEX
+from .labels import IGNORE_INDEX
 
 DEFAULT_CHUNK_SIZE = 500  # the paper's layer partition for its max-length runs (appendix D)
 DEFAULT_LOGITS_CHUNK_SIZE = 100  # the paper's logits partition
