@@ -13,7 +13,10 @@ unchanged (`STATE_KWARG`), which of three jobs it does for this call:
   collect gradient) concatenated with the chunk's own keys/values (which stay in the graph).
 
 transformers' own `sdpa_attention_forward` cannot be reused: with no mask, `is_causal` and more
-keys than queries it silently cuts the keys to the query length (DESIGN.md, pitfalls).
+keys than queries it silently cuts the keys to the query length. core/README.md, "The attention
+function": splicing the prefix K/V, offset causal attention without a T x T matrix
+(`offset_causal_attention`), sliding windows and the choice of CUDA kernels (`force_cuda_branch`
+runs that branch off a GPU).
 """
 
 from __future__ import annotations

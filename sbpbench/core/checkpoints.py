@@ -7,7 +7,8 @@ instance and only for the duration of the pass, so that the layer runs `chunk_si
 at a time through its own code, attending over a key/value buffer of the positions before
 (`KVBuffer(attend=True)`). The forward therefore never holds a whole-sequence MLP intermediate
 (B x T x intermediate_size: several GiB at 100k tokens), only one chunk's. The recorded arguments
-let the backward call the same layer the same way, sliced to a chunk's positions.
+let the backward call the same layer the same way, sliced to a chunk's positions
+(chunking.chunk_kwargs). core/README.md, "Checkpoint pass".
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ chunk's backward leaves its final-norm and lm_head weight gradients (accumulated
 and writes dL/dZ for its positions, where Z is the last decoder layer's output. An objective that
 is a nonlinear function of whole-sequence sums (DPO) first takes a no-grad pass over the chunks
 for those sums (objectives.py), so its head costs two lm_head forwards instead of one.
+core/README.md, "Head and loss".
 """
 
 from __future__ import annotations
