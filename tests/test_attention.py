@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from sbpbench.core import attention
 from sbpbench.core.attention import offset_causal_attention
@@ -47,23 +48,47 @@ def test_chunk_rows_match_full_attention(start, end, kv_heads, window):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("kv_heads", [1, 2, 4])
 @pytest.mark.parametrize("start,end", [(0, 5), (5, 12), (19, 20)])
-def test_cuda_branch_lower_right_bias_on_cpu(start, end, kv_heads, dtype, monkeypatch):
+def test_cuda_branch_lower_right_bias_on_cpu(start, end, kv_heads, dtype):
     """The CUDA branch (causal_lower_right bias; heads repeated for fp32/fp64, native GQA for bf16)
     gives the same rows, run here on the CPU, where the bias is materialised."""
-    monkeypatch.setattr(attention, "_cuda_kernels", lambda tensor: True)
     torch.manual_seed(0)
     q = torch.randn(2, 4, 20, 8, dtype=torch.float64)
     k = torch.randn(2, kv_heads, 20, 8, dtype=torch.float64)
     v = torch.randn(2, kv_heads, 20, 8, dtype=torch.float64)
-    out = attention.offset_causal_attention(
-        q[:, :, start:end].to(dtype),
-        k[:, :, :end].to(dtype),
-        v[:, :, :end].to(dtype),
-        query_start=start,
-        key_start=0,
-        scale=None,
-        sliding_window=None,
-    )
+    with attention.force_cuda_branch():
+        out = attention.offset_causal_attention(
+            q[:, :, start:end].to(dtype),
+            k[:, :, :end].to(dtype),
+            v[:, :, :end].to(dtype),
+            query_start=start,
+            key_start=0,
+            scale=None,
+            sliding_window=None,
+        )
     tolerance = 1e-12 if dtype == torch.float64 else 3e-2
     expected = _full_reference(q, k, v, None)[:, :, start:end]
     torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance)
+
+
+def test_force_cuda_branch_uses_the_given_bias_and_restores():
+    """force_cuda_branch builds the non-square chunk's bias with the given function, nests, and
+    leaves the CPU branch (which never calls it) in place after the block."""
+    calls = []
+
+    def spy(num_queries, num_keys):
+        calls.append((num_queries, num_keys))
+        return causal_lower_right(num_queries, num_keys)
+
+    q, k = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 7, 8)
+
+    def run():
+        return attention.offset_causal_attention(q, k, k, query_start=4, key_start=0, scale=None, sliding_window=None)
+
+    with attention.force_cuda_branch(causal_bias=spy):
+        with attention.force_cuda_branch():
+            run()
+        assert calls == []
+        run()
+    assert calls == [(3, 7)]
+    run()
+    assert calls == [(3, 7)]

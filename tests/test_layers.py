@@ -99,7 +99,7 @@ def test_checker_catches_forbidden_imports():
         "from ..measure.units import GIB\n"  # listed: allowed
         "from .schema import ResultRow\n"  # itself: allowed
         "import numpy\n"  # not ours: ignored
-        "import sbpbench.core.sft\n"
+        "import sbpbench.core.labels\n"
         "from .. import core\n"
         "def f():\n"
         "    import sbpbench.models.build\n"
@@ -107,7 +107,7 @@ def test_checker_catches_forbidden_imports():
     )
     rule = "(package records may import only measure)"
     assert violations({"records/select.py": source}, allowed) == [
-        f"sbpbench/records/select.py: imports sbpbench.core.sft {rule}",
+        f"sbpbench/records/select.py: imports sbpbench.core.labels {rule}",
         f"sbpbench/records/select.py: imports sbpbench.core {rule}",
         f"sbpbench/records/select.py: imports sbpbench.models.build {rule}",
     ]

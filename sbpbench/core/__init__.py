@@ -3,6 +3,7 @@
 A training loop calls `stream_backward(model, input_ids, labels, ...)` instead of
 `model(..., labels=labels).loss.backward()`: same loss, same gradients, without full-sequence
 logits or a whole layer's intermediates in memory. Imports torch and transformers only.
+core/README.md tells the algorithm as this package implements it, in its order of work.
 """
 
 from .adapters import SUPPORTED_MODEL_TYPES, UnsupportedModelError, supported_families

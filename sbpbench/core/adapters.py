@@ -8,6 +8,7 @@ A wrapper with `get_base_model()` (peft's PeftModel) is unwrapped to the causal 
 and the other adapters that replace Linear modules live inside the decoder layers and need nothing
 more. Prompt learning changes the decoder's inputs and is refused; any other trainable parameter
 outside the parts (of the model as given, wrapper included) is refused by the coverage check.
+core/README.md, "What is refused, and why", lists every refusal of the package.
 """
 
 from __future__ import annotations

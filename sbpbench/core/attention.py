@@ -13,11 +13,16 @@ unchanged (`STATE_KWARG`), which of three jobs it does for this call:
   collect gradient) concatenated with the chunk's own keys/values (which stay in the graph).
 
 transformers' own `sdpa_attention_forward` cannot be reused: with no mask, `is_causal` and more
-keys than queries it silently cuts the keys to the query length (DESIGN.md, pitfalls).
+keys than queries it silently cuts the keys to the query length. core/README.md, "The attention
+function": splicing the prefix K/V, offset causal attention without a T x T matrix
+(`offset_causal_attention`), sliding windows and the choice of CUDA kernels (`force_cuda_branch`
+runs that branch off a GPU).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -81,9 +86,27 @@ class ChunkState:
     value_chunk: torch.Tensor | None = None
 
 
-def _cuda_kernels(tensor: torch.Tensor) -> bool:
-    """Whether SDPA will run CUDA kernels (a function so tests can take the CUDA branch on a CPU)."""
-    return tensor.device.type == "cuda"
+CausalBiasFn = Callable[[int, int], torch.Tensor]  # (num_queries, num_keys) -> attn_mask for SDPA
+_forced_cuda_branch: CausalBiasFn | None = None  # set by force_cuda_branch()
+
+
+@contextmanager
+def force_cuda_branch(causal_bias: CausalBiasFn = causal_lower_right) -> Iterator[None]:
+    """Within the block, `offset_causal_attention` takes its CUDA branch whatever the device.
+
+    That branch is what a GPU runs: a lower-right causal bias instead of a boolean (c, n) mask, and
+    K/V heads repeated where CUDA's kernels lack GQA. Its users off a GPU: tests (CPU SDPA
+    materialises the bias, so the branch's rows can be checked) and the memory simulator
+    (simulate/cuda_attention.py), whose stand-in for SDPA replays CUDA's kernel choice on fake
+    tensors. causal_bias(num_queries, num_keys) builds the bias (default torch's
+    `causal_lower_right`; the simulator passes one built outside its fake mode). Nests; restores
+    the previous setting on exit, whatever happens."""
+    global _forced_cuda_branch
+    previous, _forced_cuda_branch = _forced_cuda_branch, causal_bias
+    try:
+        yield
+    finally:
+        _forced_cuda_branch = previous
 
 
 def offset_causal_attention(
@@ -108,13 +131,14 @@ def offset_causal_attention(
     query_end = query_start + num_queries
     assert key_start + num_keys == query_end, "keys must end where the queries end"
     needs_window = sliding_window is not None and query_end - 1 - key_start >= sliding_window
-    on_cuda = _cuda_kernels(query)
+    forced = _forced_cuda_branch
+    on_cuda = forced is not None or query.device.type == "cuda"  # SDPA will run CUDA kernels
     square = num_queries == num_keys
 
     is_causal, mask = False, None
     if not needs_window and (square or on_cuda):
         # Square: plain causal. On CUDA the lower-right causal bias reaches the flash / efficient kernels.
-        is_causal, mask = square, None if square else causal_lower_right(num_queries, num_keys)
+        is_causal, mask = square, None if square else (forced or causal_lower_right)(num_queries, num_keys)
         native_gqa = not on_cuda or query.dtype in _LOW_PRECISION  # CUDA: flash takes GQA, efficient does not
     else:
         query_pos = torch.arange(query_start, query_end, device=query.device)[:, None]

@@ -7,7 +7,8 @@ instance and only for the duration of the pass, so that the layer runs `chunk_si
 at a time through its own code, attending over a key/value buffer of the positions before
 (`KVBuffer(attend=True)`). The forward therefore never holds a whole-sequence MLP intermediate
 (B x T x intermediate_size: several GiB at 100k tokens), only one chunk's. The recorded arguments
-let the backward call the same layer the same way, sliced to a chunk's positions.
+let the backward call the same layer the same way, sliced to a chunk's positions
+(chunking.chunk_kwargs). core/README.md, "Checkpoint pass".
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch import nn
 
 from .adapters import DecoderParts
 from .attention import STATE_KWARG, KVBuffer
+from .chunking import chunk_bounds, chunk_kwargs
 
 
 @dataclass
@@ -27,10 +29,6 @@ class Checkpoints:
     layer_inputs: list[torch.Tensor | None]  # X_l, (B, T, d) each
     layer_kwargs: list[dict] = field(default_factory=list)
     last_hidden: torch.Tensor | None = None  # last layer output, input of the final norm
-
-
-def chunk_bounds(seq_len: int, chunk_size: int) -> list[tuple[int, int]]:
-    return [(start, min(start + chunk_size, seq_len)) for start in range(0, seq_len, chunk_size)]
 
 
 def forward_checkpoints(parts: DecoderParts, input_ids: torch.Tensor, chunk_size: int) -> Checkpoints:
@@ -85,20 +83,3 @@ def _chunked_forward(forward, index: int, saved: Checkpoints, chunk_size: int):
 
     return chunked
 
-
-def chunk_kwargs(kwargs: dict, start: int, end: int) -> dict:
-    """Slice a layer's per-position arguments to positions [start, end)."""
-    sliced = {}
-    for name, value in kwargs.items():
-        if name.startswith("position_embeddings"):  # (cos, sin), each (B or 1, T, head_dim)
-            value = tuple(t[:, start:end] for t in value) if isinstance(value, tuple) else value[:, start:end]
-        elif name == "position_ids":  # (B or 1, T)
-            value = value[..., start:end]
-        elif name == "cache_position":  # (T,)
-            value = value[start:end]
-        elif isinstance(value, torch.Tensor):
-            raise NotImplementedError(
-                f"StreamBP does not know how to slice the decoder-layer argument {name!r} along the sequence"
-            )
-        sliced[name] = value
-    return sliced

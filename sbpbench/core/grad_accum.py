@@ -6,6 +6,7 @@ chunk; summing T/c partials in bf16 would round T/c times. For bf16/fp16 paramet
 are therefore summed in an fp32 buffer and rounded once when the module is done, costing one fp32
 copy of the module's parameters: 0.72 GiB for a Qwen3-8B layer, 2.32 GiB for its lm_head during
 the head phase. Full-precision parameters accumulate straight into .grad as autograd does.
+core/README.md, "fp32 gradient accumulation" and "Embedding and tied weights".
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ chunk's backward leaves its final-norm and lm_head weight gradients (accumulated
 and writes dL/dZ for its positions, where Z is the last decoder layer's output. An objective that
 is a nonlinear function of whole-sequence sums (DPO) first takes a no-grad pass over the chunks
 for those sums (objectives.py), so its head costs two lm_head forwards instead of one.
+core/README.md, "Head and loss".
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ from __future__ import annotations
 import torch
 
 from .adapters import DecoderParts
+from .chunking import chunk_bounds
 from .grad_accum import ChunkGradAccumulator
 from .objectives import Objective
-from .sft import loss_dtype
+from .labels import loss_dtype
 
 
 def _chunk_logits(parts: DecoderParts, hidden: torch.Tensor) -> torch.Tensor:
@@ -27,8 +29,7 @@ def _chunk_logits(parts: DecoderParts, hidden: torch.Tensor) -> torch.Tensor:
 
 def _chunks(seq_len: int, chunk_size: int, objective: Objective):
     """(start, end) of each chunk holding at least one counted target (others have zero gradient)."""
-    for start in range(0, seq_len, chunk_size):
-        end = min(start + chunk_size, seq_len)
+    for start, end in chunk_bounds(seq_len, chunk_size):
         if bool(objective.mask[:, start:end].any()):
             yield start, end
 

@@ -1,4 +1,4 @@
-"""Backward through one decoder layer, chunk by chunk along the sequence (DESIGN.md, "The algorithm").
+"""Backward through one decoder layer, chunk by chunk along the sequence (core/README.md, "Layer backward").
 
 1. Keys/values of all T positions are recomputed from X_l once, without grad, into buffers
    (B, kv_heads, T, head_dim) - small under GQA.
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .attention import STATE_KWARG, ChunkState, KVBuffer, KVCaptured, window_start
-from .checkpoints import chunk_bounds, chunk_kwargs
+from .chunking import chunk_bounds, chunk_kwargs
 from .grad_accum import ChunkGradAccumulator
 
 

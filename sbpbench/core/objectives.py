@@ -18,7 +18,7 @@ chunk by chunk (head.py) while `bp` and `ckpt` compute it from the full logits (
 Streaming protocol (head.py): if `needs_sequence_logps`, pass 1 calls `sequence_logps` chunk by
 chunk and `prepare(sums)`; then for each chunk `chunk_loss(logits, start, end)` is a scalar whose
 gradient is exactly the loss's gradient through that chunk's logits, and `streamed_loss(total)`
-turns the sum of the chunk values into the loss.
+turns the sum of the chunk values into the loss (core/README.md, "Head and loss").
 
 Losses are computed in at least float32 (float64 for a float64 model), as transformers does.
 """
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .sft import IGNORE_INDEX, count_targets, loss_dtype, shift_labels, sum_cross_entropy
+from .labels import IGNORE_INDEX, count_targets, loss_dtype, shift_labels, sum_cross_entropy
 
 GRPO_NORMALIZATIONS = ("sequence", "token")
 

@@ -8,7 +8,8 @@ Order of work (B batch, T sequence, d hidden, L layers, V vocabulary):
                     (DPO: a no-grad pass for the sequence sums first)
   layers L-1..0     layer_backward in chunks of chunk_size; dZ becomes dX in place      one B x T x d buffer
   embedding         embed(input_ids).backward(dX_0)
-Each checkpoint is dropped as soon as its layer's backward is done.
+Each checkpoint is dropped as soon as its layer's backward is done. core/README.md follows this
+order section by section; "Memory per phase" gives what is resident when.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from .grad_accum import ChunkGradAccumulator
 from .head import head_backward
 from .layer_backward import layer_backward
 from .objectives import SFT, Objective
-from .sft import IGNORE_INDEX
+from .labels import IGNORE_INDEX
 
 DEFAULT_CHUNK_SIZE = 500  # the paper's layer partition for its max-length runs (appendix D)
 DEFAULT_LOGITS_CHUNK_SIZE = 100  # the paper's logits partition

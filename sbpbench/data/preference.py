@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core.objectives import DPO, GRPO
-from ..core.sft import IGNORE_INDEX
+from ..core.labels import IGNORE_INDEX
 from .sft import TokenBatch, pad_lengths
 
 DEFAULT_PROMPT_LEN = 1000  # the paper's GRPO and DPO prompt length

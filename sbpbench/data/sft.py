@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from ..core.objectives import SFT
-from ..core.sft import IGNORE_INDEX
+from ..core.labels import IGNORE_INDEX
 
 
 class TokenBatch:

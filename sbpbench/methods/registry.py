@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 
 from ..core.attention import ATTENTION_NAME
-from ..core.sft import count_targets, shift_labels
+from ..core.labels import count_targets, shift_labels
 from ..data import Batch
 from .hf_baseline import bp, ckpt
 from .settings import SETTING_NAMES, MethodSettings

@@ -48,14 +48,13 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import CausalBias, CausalVariant, causal_lower_right
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ..core import attention as core_attention
+from ..core.attention import force_cuda_branch
 
 aten = torch.ops.aten
 
@@ -208,23 +207,16 @@ class CudaAttention:
         return "+".join(sorted(self.kernels))
 
 
-@contextmanager
+def _causal_lower_right_outside_fake_mode(num_queries: int, num_keys: int) -> CausalBias:
+    """A CausalBias is a tensor subclass: made inside a FakeTensorMode it would be a FakeTensor."""
+    with _disable_current_modes():
+        return causal_lower_right(num_queries, num_keys)
+
+
 def streambp_cuda_branch():
-    """StreamBP's attention (core.attention) as on a GPU: its CUDA branch (`_cuda_kernels`, the
-    hook for this), with the lower-right causal bias made outside the fake mode (a CausalBias is
-    a tensor subclass; made from inside a FakeTensorMode it would be a FakeTensor)."""
-
-    def causal_lower_right_outside_fake_mode(*size):
-        with _disable_current_modes():
-            return causal_lower_right(*size)
-
-    saved = core_attention._cuda_kernels, core_attention.causal_lower_right
-    core_attention._cuda_kernels = lambda tensor: True
-    core_attention.causal_lower_right = causal_lower_right_outside_fake_mode
-    try:
-        yield
-    finally:
-        core_attention._cuda_kernels, core_attention.causal_lower_right = saved
+    """StreamBP's attention (core.attention) as on a GPU, through core's public hook
+    `force_cuda_branch`, with the lower-right causal bias made outside the fake mode."""
+    return force_cuda_branch(causal_bias=_causal_lower_right_outside_fake_mode)
 
 
 def _bytes(*shape: int, dtype: torch.dtype, granularity: int) -> int:

@@ -7,7 +7,7 @@ target "cuda" predicts torch.cuda.max_memory_allocated of the same point on a GP
 - every block rounded up to 512 B, as the caching allocator does;
 - attention through the CUDA kernels' own ops, chosen as CUDA's dispatcher chooses, plus the
   memory those kernels allocate internally (cuda_attention.py);
-- StreamBP's attention takes its CUDA branch (core.attention._cuda_kernels);
+- StreamBP's attention takes its CUDA branch (core.attention.force_cuda_branch);
 - AdamW's multi-tensor (foreach) implementation, PyTorch's default for CUDA parameters.
 What a GPU needs beyond the allocated peak is the margin, reported separately (MARGIN_NOTE).
 """

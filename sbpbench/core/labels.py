@@ -1,8 +1,9 @@
-"""The SFT objective exactly as transformers defines it (`ForCausalLMLoss`).
+"""Labels and targets as transformers defines them (`ForCausalLMLoss`), shared by every objective
+(objectives.py), by the data builders and by the reference methods.
 
-Logits at position t predict labels[t + 1]; labels equal to IGNORE_INDEX do not count; the loss is
-the mean token cross-entropy over every counted token of the whole batch. transformers upcasts the
-logits to float32; here the upcast is to at least float32, so a float64 model keeps float64.
+Logits at position t predict labels[t + 1] (`shift_labels`); labels equal to IGNORE_INDEX do not
+count. transformers upcasts the logits to float32 for the loss; here the upcast is to at least
+float32 (`loss_dtype`), so a float64 model keeps float64.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
 
 
 def count_targets(targets: torch.Tensor) -> int:
+    """Counted targets of the whole batch (HF normalises SFT over the batch); raises if there are none."""
     num = int((targets != IGNORE_INDEX).sum())
     if num == 0:
         raise ValueError(
@@ -29,6 +31,7 @@ def count_targets(targets: torch.Tensor) -> int:
 
 
 def loss_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype losses are computed in: float32, or float64 for a float64 model."""
     return torch.promote_types(dtype, torch.float32)
 
 
