@@ -14,18 +14,20 @@ from sbpbench.config.experiment import POINT_KEYS
 EXPECTED_FIELDS = (
     "model", "method", "seq_len", "batch_size", "objective", "prompt_len", "lora_rank", "lora_alpha", "step",
     "dtype", "device", "num_layers", "protocol", "warmup", "repeats", "memory_limit", "seed", "timeout_s",
-    "chunk_size", "logits_chunk_size", "fp32_grad_accumulation",
+    "threads", "chunk_size", "logits_chunk_size", "fp32_grad_accumulation",
 )  # fmt: skip
 EXPECTED_OPTIONS = {
     "run": {
         "--method", "--model", "--seq", "--batch", "--objective", "--prompt-len", "--lora-rank", "--lora-alpha",
         "--step", "--dtype", "--chunk-size", "--logits-chunk-size", "--fp32-grad-accumulation", "--device",
-        "--num-layers", "--protocol", "--warmup", "--repeats", "--memory-limit", "--timeout", "--seed", "--out",
+        "--num-layers", "--protocol", "--warmup", "--repeats", "--memory-limit", "--timeout", "--seed", "--threads",
+        "--out",
     },
     "maxlen": {
         "--method", "--model", "--seq", "--start", "--batch", "--objective", "--prompt-len", "--lora-rank",
         "--lora-alpha", "--step", "--dtype", "--chunk-size", "--logits-chunk-size", "--fp32-grad-accumulation",
-        "--device", "--num-layers", "--protocol", "--warmup", "--memory-limit", "--timeout", "--seed", "--max-seq",
+        "--device", "--num-layers", "--protocol", "--warmup", "--memory-limit", "--timeout", "--seed", "--threads",
+        "--max-seq",
         "--resolution", "--multiple-of", "--resume", "--simulate", "--gpu-memory", "--out",
     },
     "estimate": {
@@ -37,7 +39,7 @@ EXPECTED_OPTIONS = {
         "--method", "--model", "--seq", "--batch", "--objective", "--prompt-len", "--lora-rank", "--dtype",
         "--chunk-size", "--logits-chunk-size", "--fp32-grad-accumulation", "--device", "--num-layers", "--seed",
     },
-    "sweep": {"--device", "--out", "--resume"},
+    "sweep": {"--device", "--threads", "--out", "--resume"},
 }  # fmt: skip
 
 

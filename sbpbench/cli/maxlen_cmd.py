@@ -16,7 +16,9 @@ from ..records import ResultRow, check_writable
 from ..runner.maxlen import ProbeFailed, find_max_len
 from .errors import user_errors
 from .options import point_command, run_fields_but
-from .tables import maxlen_table
+from .progress import Progress
+from .run_cmd import point_line
+from .tables import maxlen_table, print_table, seq_bound
 
 DEFAULT_OUT = Path("results/maxlen.csv")
 SIMULATED_OUT = Path("results/estimates.csv")
@@ -88,18 +90,21 @@ def maxlen(
         probing = _simulated_probe(specs[0].memory_limit) if simulate else {}
         console = Console()
         answers = []
-        for search_spec in searches:
-            with console.status(f"{search_spec.method}: searching") as status:
+        with Progress(console, len(searches)) as progress:
+            for search_spec in searches:
+                progress.start(f"{search_spec.method}: searching")
 
-                def told(row: ResultRow, status=status, search_spec=search_spec) -> None:
-                    status.update(f"{search_spec.method}: T={row.seq_len} {row.status}; probing further")
+                def told(row: ResultRow, search_spec=search_spec) -> None:
+                    progress.note(f"{search_spec.method}: probe {point_line(row)}")
 
                 try:
-                    answers.append(find_max_len(search_spec, out, resume=resume, on_probe=told, **probing))
+                    answer = find_max_len(search_spec, out, resume=resume, on_probe=told, **probing)
                 except ProbeFailed as error:
                     console.print(f"[red]{escape(str(error))}[/]; probes so far are in {out}", highlight=False)
                     raise typer.Exit(1) from None
-    console.print(maxlen_table(answers))
+                answers.append(answer)
+                progress.advance(f"{search_spec.method}: max T {seq_bound(answer)} ({answer.num_probes} probes)")
+    print_table(console, maxlen_table(answers))
     console.print(f"{len(answers)} max-length row(s) written to {out}", highlight=False)
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ..data import DEFAULT_PROMPT_LEN, OBJECTIVES
+from ..measure.threads import physical_cores_available
 from ..measure.units import parse_bytes
 from ..methods import METHODS, STEPS, MethodSettings
 from ..methods.settings import SETTING_NAMES
@@ -76,6 +77,10 @@ class RunSpec:
     memory_limit: int | None = None  # bytes; CUDA: per-process cap; CPU: cap on tracked bytes
     seed: int = 0
     timeout_s: float = DEFAULT_TIMEOUT_S
+    # torch intra-op threads in the worker (None: the physical cores this process may use). Not part
+    # of a row's key: it changes time, not memory or the work done, like the host's load; each row
+    # records it (num_threads), and a rerun with another count replaces the point's row.
+    threads: int | None = None
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -99,6 +104,12 @@ class RunSpec:
         if self.objective == "dpo" and self.batch_size % 2:
             raise ConfigError(
                 "batch_size", f"counts chosen + rejected rows for dpo: give an even number, got {self.batch_size}"
+            )
+        if self.threads is None:
+            object.__setattr__(self, "threads", physical_cores_available())
+        elif not _is_int(self.threads) or self.threads < 1:
+            raise ConfigError(
+                "threads", f"must be an integer >= 1 (or unset for the physical cores), got {self.threads!r}"
             )
         if self.memory_limit is not None and (not _is_int(self.memory_limit) or self.memory_limit <= 0):
             raise ConfigError("memory_limit", f"must be a positive number of bytes, got {self.memory_limit!r}")
