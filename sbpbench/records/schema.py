@@ -124,6 +124,10 @@ class ResultRow:
 
 COLUMNS: tuple[str, ...] = tuple(f.name for f in fields(ResultRow))
 
+# What every row of every schema version has: a header without one of these is not a results CSV,
+# and a row with one of them empty is skipped when read (a torn or hand-damaged line).
+REQUIRED_COLUMNS: tuple[str, ...] = ("schema_version", "status", "model", "method")
+
 # The settings that define a point: same key, same measurement (a rerun replaces it).
 KEY_COLUMNS: tuple[str, ...] = (
     "kind",
