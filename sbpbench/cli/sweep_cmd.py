@@ -96,12 +96,16 @@ def _outcome(row: ResultRow) -> str:
 def _summary(console: Console, name: str, rows: list[ResultRow]) -> None:
     points = [row for row in rows if row.kind == "point"]
     if points:
-        table = Table(title=f"{name}: every point", caption="GiB = 2^30 B; act: peak minus resident baseline")
-        for header in ("model", "method", "T", "B", "status", "peak GiB", "act GiB", "time s"):
+        models = sorted({row.model for row in points})
+        one_model = len(models) == 1  # then named in the title: the table fits 80 columns
+        title = f"{name}: every point" + (f" ({models[0]})" if one_model else "")
+        table = Table(title=title, caption="GiB = 2^30 B; act: peak minus resident baseline")
+        headers = ("method", "T", "B", "status", "peak GiB", "act GiB", "time s")
+        for header in headers if one_model else ("model", *headers):
             table.add_column(header, justify="left" if header in ("model", "method", "status") else "right")
         for row in points:
             table.add_row(
-                row.model,
+                *(() if one_model else (row.model,)),
                 row.method,
                 f"{row.seq_len:,}",
                 str(row.batch_size),
