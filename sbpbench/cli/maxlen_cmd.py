@@ -105,7 +105,7 @@ def maxlen(
                 answers.append(answer)
                 progress.advance(f"{search_spec.method}: max T {seq_bound(answer)} ({answer.num_probes} probes)")
     print_table(console, maxlen_table(answers))
-    console.print(f"{len(answers)} max-length row(s) written to {out}", highlight=False)
+    console.print(f"{len(answers)} max-length row(s) written to {out}", highlight=False, soft_wrap=True)
 
 
 def _simulated_probe(gpu_memory_bytes: int) -> dict:

@@ -59,7 +59,7 @@ class Progress:
         return time.monotonic() - self.started
 
     def eta_s(self) -> float | None:
-        if not self.done or self.total is None:
+        if not self.done or self.total is None or self.done >= self.total:
             return None
         return self.elapsed_s() / self.done * (self.total - self.done)
 

@@ -49,7 +49,7 @@ def run(settings: dict, methods: tuple[str, ...], out: OutOpt = None) -> None:
     for row in rows:
         if row.error:
             console.print(f"{row.method}: {row.status}: {row.error}", highlight=False, soft_wrap=True)
-    console.print(f"{len(rows)} row(s) written to {out}", highlight=False)
+    console.print(f"{len(rows)} row(s) written to {out}", highlight=False, soft_wrap=True)
     if any(row.status in ("error", "timeout") for row in rows):
         raise typer.Exit(1)
 

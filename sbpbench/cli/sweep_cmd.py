@@ -82,7 +82,7 @@ def sweep(
         raise typer.Exit(1) from None
     keys = {job.key for job in jobs}
     _summary(console, loaded.name, [decode_row(r) for r in read_rows(out) if row_key(r) in keys])
-    console.print(f"{len(rows)} new row(s) in {out}", highlight=False)
+    console.print(f"{len(rows)} new row(s) in {out}", highlight=False, soft_wrap=True)
     if any(row.status in ("error", "timeout") for row in rows):
         raise typer.Exit(1)
 
