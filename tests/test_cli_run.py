@@ -78,6 +78,11 @@ def test_rerun_replaces_the_point_and_memory_limit_gives_an_oom_row(tmp_path):
         (["--step", "adam"], "unknown --step 'adam'"),
         (["--out", "/proc/nope/r.csv"], "--out"),
         (["--out", "r.txt"], ".csv"),
+        (["--out", "/proc/forbidden.csv"], "error: permission denied: cannot write /proc/forbidden.csv"),
+        (["--seq", "abc"], "error: invalid input: --seq must be an integer, got 'abc'"),
+        (["--timeout", "soon"], "error: invalid input: --timeout must be a number, got 'soon'"),
+        (["--threads", "0"], "error: invalid input: --threads must be an integer >= 1"),
+        (["--dtype", "fp16"], "error: invalid input: unknown --dtype 'fp16'"),
     ],
 )
 def test_bad_input_is_a_one_line_error_and_nothing_is_written(tmp_path, args, message):

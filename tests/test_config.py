@@ -14,18 +14,20 @@ from sbpbench.config.experiment import POINT_KEYS
 EXPECTED_FIELDS = (
     "model", "method", "seq_len", "batch_size", "objective", "prompt_len", "lora_rank", "lora_alpha", "step",
     "dtype", "device", "num_layers", "protocol", "warmup", "repeats", "memory_limit", "seed", "timeout_s",
-    "chunk_size", "logits_chunk_size", "fp32_grad_accumulation",
+    "threads", "chunk_size", "logits_chunk_size", "fp32_grad_accumulation",
 )  # fmt: skip
 EXPECTED_OPTIONS = {
     "run": {
         "--method", "--model", "--seq", "--batch", "--objective", "--prompt-len", "--lora-rank", "--lora-alpha",
         "--step", "--dtype", "--chunk-size", "--logits-chunk-size", "--fp32-grad-accumulation", "--device",
-        "--num-layers", "--protocol", "--warmup", "--repeats", "--memory-limit", "--timeout", "--seed", "--out",
+        "--num-layers", "--protocol", "--warmup", "--repeats", "--memory-limit", "--timeout", "--seed", "--threads",
+        "--out",
     },
     "maxlen": {
         "--method", "--model", "--seq", "--start", "--batch", "--objective", "--prompt-len", "--lora-rank",
         "--lora-alpha", "--step", "--dtype", "--chunk-size", "--logits-chunk-size", "--fp32-grad-accumulation",
-        "--device", "--num-layers", "--protocol", "--warmup", "--memory-limit", "--timeout", "--seed", "--max-seq",
+        "--device", "--num-layers", "--protocol", "--warmup", "--memory-limit", "--timeout", "--seed", "--threads",
+        "--max-seq",
         "--resolution", "--multiple-of", "--resume", "--simulate", "--gpu-memory", "--out",
     },
     "estimate": {
@@ -37,7 +39,7 @@ EXPECTED_OPTIONS = {
         "--method", "--model", "--seq", "--batch", "--objective", "--prompt-len", "--lora-rank", "--dtype",
         "--chunk-size", "--logits-chunk-size", "--fp32-grad-accumulation", "--device", "--num-layers", "--seed",
     },
-    "sweep": {"--device", "--out", "--resume"},
+    "sweep": {"--device", "--threads", "--out", "--resume"},
 }  # fmt: skip
 
 
@@ -124,3 +126,24 @@ def test_a_search_checks_its_ceiling_against_its_first_probe():
     with pytest.raises(ConfigError, match="seq_len_ceiling"):
         MaxlenSpec(base=base, seq_len_ceiling=256)
     assert MaxlenSpec(base=base, resolution="5%", seq_len_ceiling=4096).start == 512
+
+
+def test_a_local_checkpoint_of_another_family_is_refused_before_anything_runs(tmp_path):
+    """A BERT directory is not a decoder-only causal LM (refused for every method, naming what runs);
+    a GPT-2 one runs under bp and ckpt but not streambp, which names its families."""
+    from transformers import BertConfig, GPT2Config
+
+    from sbpbench.models import UnsupportedModelError
+
+    BertConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2).save_pretrained(
+        tmp_path / "bert"
+    )
+    GPT2Config(n_layer=1, n_embd=32, n_head=2).save_pretrained(tmp_path / "gpt2")
+    with pytest.raises(UnsupportedModelError, match="'bert', not a decoder-only causal LM.*Qwen3"):
+        point_specs({"device": "cpu", "model": str(tmp_path / "bert"), "seq_len": 16}, ["bp"])
+    with pytest.raises(UnsupportedModelError, match="streambp does not support.*Llama.*bp and ckpt"):
+        point_specs({"device": "cpu", "model": str(tmp_path / "gpt2"), "seq_len": 16})
+    assert [s.method for s in point_specs({"device": "cpu", "model": str(tmp_path / "gpt2")}, ["bp", "ckpt"])] == [
+        "bp",
+        "ckpt",
+    ]

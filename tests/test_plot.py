@@ -129,3 +129,17 @@ def test_missing_results_is_a_one_line_error(tmp_path):
     assert result.exit_code == 2
     assert len(result.output.strip().splitlines()) == 1, result.output
     assert result.output.startswith("error:") and "sbp run" in result.output and "Traceback" not in result.output
+
+
+def test_time_plot_ooms_sit_on_the_axis_and_bars_are_named_only_when_drawn(tmp_path):
+    """OOM crosses are drawn on the x axis and the legend says they carry no time; "bars min-max"
+    is in the y label only when some point has a spread (not for single timed steps)."""
+    from sbpbench.plot.timing import time_vs_seq
+
+    table = load_results(FIXTURE)
+    (with_bars,) = [p for p in time_vs_seq(table, tmp_path / "a", formats=("svg",)) if "Qwen3-8B" in p.name]
+    svg = with_bars.read_text()
+    assert "bars min-max" in svg and "out of memory (on the x axis: no time)" in svg
+    table["time_min_s"] = table["time_max_s"] = table["time_median_s"]
+    (without,) = [p for p in time_vs_seq(table, tmp_path / "b", formats=("svg",)) if "Qwen3-8B" in p.name]
+    assert "bars min-max" not in without.read_text() and "median" in without.read_text()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import typer
 
 from .check_cmd import check
@@ -20,6 +22,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_show_locals=False,
+    rich_markup_mode=None,
 )
 app.command()(run)
 app.command()(maxlen)
@@ -32,5 +35,10 @@ app.command()(plot)
 app.command()(report)
 
 
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    return f"warning: {message}\n"
+
+
 def main() -> None:
+    warnings.formatwarning = _one_line_warning  # e.g. a results-CSV row skipped: one line, no source
     app()

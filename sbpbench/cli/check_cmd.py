@@ -13,7 +13,9 @@ from .errors import user_errors
 from .options import point_command, run_fields_but
 
 # bp is the reference; lora_alpha is 2 x rank (with seeded non-zero B); nothing is timed
-CHECK_FIELDS = run_fields_but("lora_alpha", "step", "protocol", "warmup", "repeats", "memory_limit", "timeout_s")
+CHECK_FIELDS = run_fields_but(
+    "lora_alpha", "step", "protocol", "warmup", "repeats", "memory_limit", "timeout_s", "threads"
+)
 
 
 @point_command(

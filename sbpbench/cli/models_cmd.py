@@ -1,32 +1,50 @@
-"""`sbp models`: the model shapes the registry knows, with their sizes."""
+"""`sbp models`: the model shapes the registry knows, with their sizes (fits 80 columns)."""
 
 from __future__ import annotations
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
 from ..models import MODELS, count_parameters, load_config
 
+LEGEND = (
+    "params: B = 10^9, M = 10^6, k = 10^3. L: decoder layers; d: hidden size; heads: query / key-value "
+    "heads; hd: head dim; vocab: tokens (k = 10^3); tied: lm_head shares the input embedding."
+)
+
+
+def _count(number: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if number >= 0.9995 * scale:  # 999.9M shows as 1B
+            return f"{number / scale:.3g}{unit}"
+    return str(number)
+
 
 def models() -> None:
     """List known model shapes (real Hub configs, small CPU shapes and tiny test shapes)."""
-    table = Table(title="sbpbench model registry (random weights; configs ship with the package)")
-    for column in ("name", "type", "params", "layers", "hidden", "heads / kv", "head_dim", "vocab", "tied"):
-        table.add_column(column, justify="left" if column in ("name", "type") else "right", no_wrap=column == "name")
+    table = Table(
+        title="sbpbench model registry (random weights; configs ship with the package)",
+        caption=LEGEND,
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        padding=0,  # the box's blank column separator keeps one space between columns
+        show_edge=False,
+    )
+    for column in ("name", "type", "params", "L", "d", "heads", "hd", "vocab", "tied"):
+        table.add_column(column, justify="left" if column in ("name", "type") else "right", no_wrap=True)
     for name in MODELS:
         config = load_config(name)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         table.add_row(
             name,
             config.model_type,
-            f"{count_parameters(name) / 1e9:.3f}B"
-            if not name.startswith(("tiny/", "small/"))
-            else f"{count_parameters(name):,}",
+            _count(count_parameters(name)),
             str(config.num_hidden_layers),
             str(config.hidden_size),
-            f"{config.num_attention_heads} / {config.num_key_value_heads}",
+            f"{config.num_attention_heads}/{config.num_key_value_heads}",
             str(head_dim),
-            f"{config.vocab_size:,}",
+            _count(config.vocab_size),
             "yes" if config.tie_word_embeddings else "no",
         )
     Console().print(table)

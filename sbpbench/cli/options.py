@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import functools
 import inspect
+import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
+from ..config import ConfigError
 from ..config.fields import SETTINGS, Setting
 
 # Flags that keep an older spelling; every other setting's flag is its name with dashes.
@@ -38,10 +40,9 @@ def _option(name: str, setting: Setting) -> Any:
         kind = list[str]
     elif setting.kind is bool:
         kind, extra = bool, {"show_default": False}
-    elif setting.kind in (int, float):
-        kind = setting.kind
-    elif setting.kind == (int, float):
-        kind = float
+    elif setting.kind in (int, float, (int, float)):
+        # read as text and parsed in point_command, so `--seq abc` is a one-line error like the rest
+        kind, extra = str, {"metavar": "<int>" if setting.kind is int else "<float>"}
     else:
         kind = str  # sizes ("80GiB", "T/3") and choices, parsed by the config
     return Annotated[kind | None, typer.Option(*flags, help=setting.help, **extra)]
@@ -92,6 +93,7 @@ RUN_FIELDS = (
     "memory_limit",
     "timeout_s",
     "seed",
+    "threads",
 )
 
 
@@ -105,6 +107,16 @@ def parse_methods(words: list[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(name for word in words for name in word.replace(",", " ").split()))
 
 
+def parse_number(name: str, value: str) -> int | float:
+    """A numeric option's text as its setting's type; ConfigError (one line) if it is not one."""
+    kind = SETTINGS[name].kind
+    try:
+        return int(value) if kind is int else float(value)
+    except ValueError:
+        what = "an integer" if kind is int else "a number"
+        raise ConfigError(name, f"must be {what}, got {value!r}") from None
+
+
 def point_command(
     fields: tuple[str, ...], *, helps: dict[str, str] | None = None, aliases: dict[str, tuple[str, ...]] | None = None
 ) -> Callable:
@@ -115,7 +127,12 @@ def point_command(
     helps, aliases = helps or {}, aliases or {}
 
     def decorate(command: Callable) -> Callable:
-        own = [p for name, p in inspect.signature(command).parameters.items() if name not in ("settings", "methods")]
+        hints = typing.get_type_hints(command, include_extras=True)  # a module's string annotations, resolved
+        own = [
+            p.replace(annotation=hints.get(name, p.annotation))
+            for name, p in inspect.signature(command).parameters.items()
+            if name not in ("settings", "methods")
+        ]
         shared = []
         for name in fields:
             annotation = OPTIONS[name]
@@ -137,6 +154,14 @@ def point_command(
             words = [*(values.pop("method", None) or []), *(values.pop("more_methods", None) or [])]
             methods = parse_methods(words)
             settings = {name: values.pop(name) for name in fields if name != "method"}
+            numeric = [
+                n for n, v in settings.items() if isinstance(v, str) and SETTINGS[n].kind in (int, float, (int, float))
+            ]
+            if numeric:
+                from .errors import user_errors  # errors.py imports this module's FLAGS
+
+                with user_errors():
+                    settings |= {name: parse_number(name, settings[name]) for name in numeric}
             return command(settings={k: v for k, v in settings.items() if v is not None}, methods=methods, **values)
 
         wrapper.__signature__ = inspect.Signature(

@@ -8,7 +8,6 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
 from ..config.experiment import load_experiment
@@ -19,10 +18,18 @@ from ..runner.maxlen import ProbeFailed
 from ..runner.sweep import Job, plan, run_sweep
 from .errors import user_errors
 from .options import point_command
-from .tables import maxlen_table
+from .progress import Progress
+from .run_cmd import point_line, warn_if_busy
+from .tables import maxlen_table, print_table
 
 
-@point_command(("device",), helps={"device": "Override every point's device (cpu, cuda, cuda:N)."})
+@point_command(
+    ("device", "threads"),
+    helps={
+        "device": "Override every point's device (cpu, cuda, cuda:N).",
+        "threads": "Override every point's CPU threads (default: the file's, else the physical cores available).",
+    },
+)
 def sweep(
     settings: dict,
     methods: tuple[str, ...],
@@ -39,7 +46,7 @@ def sweep(
     point in flight, and the same command resumes. An OOM is recorded and the sweep goes on;
     longer sequences of the same settings are then recorded as skipped (certain OOM)."""
     with user_errors():
-        loaded = load_experiment(experiment, device=settings.get("device"))
+        loaded = load_experiment(experiment, device=settings.get("device"), threads=settings.get("threads"))
         out = out or Path("results") / f"{loaded.name}.csv"
         check_writable(out)
         first = (loaded.grid or [s.base for s in loaded.searches])[0]
@@ -52,29 +59,19 @@ def sweep(
         f"on {env.device_name}",
         highlight=False,
     )
-    progress = Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("elapsed"),
-        TimeElapsedColumn(),
-        TextColumn("ETA"),
-        TimeRemainingColumn(),
-        console=console,
-    )
+    warn_if_busy()
     rows: list[ResultRow] = []
     try:
-        with progress:
-            task = progress.add_task("starting", total=len(todo))
+        with Progress(console, len(todo)) as progress:
 
             def start(job: Job) -> None:
-                progress.update(task, description=job.describe())
+                progress.start(job.describe())
 
             def probed(job: Job, row: ResultRow) -> None:
-                progress.update(task, description=f"{job.describe()} (T={row.seq_len} {row.status})")
+                progress.note(f"{job.describe()}: probe {point_line(row)}")
 
             def done(job: Job, row: ResultRow) -> None:
-                progress.advance(task)
+                progress.advance(f"{job.describe()}: {_outcome(row)}")
 
             rows = run_sweep(todo, out, env=env, on_start=start, on_probe=probed, on_done=done)
     except KeyboardInterrupt:
@@ -85,20 +82,30 @@ def sweep(
         raise typer.Exit(1) from None
     keys = {job.key for job in jobs}
     _summary(console, loaded.name, [decode_row(r) for r in read_rows(out) if row_key(r) in keys])
-    console.print(f"{len(rows)} new row(s) in {out}", highlight=False)
+    console.print(f"{len(rows)} new row(s) in {out}", highlight=False, soft_wrap=True)
     if any(row.status in ("error", "timeout") for row in rows):
         raise typer.Exit(1)
+
+
+def _outcome(row: ResultRow) -> str:
+    if row.kind == "maxlen":
+        return f"{row.status}, max T {row.max_seq_len}" + ("" if row.oom_seq_len else " (ceiling)")
+    return point_line(row).split(": ", 1)[1]
 
 
 def _summary(console: Console, name: str, rows: list[ResultRow]) -> None:
     points = [row for row in rows if row.kind == "point"]
     if points:
-        table = Table(title=f"{name}: every point", caption="GiB = 2^30 B; act: peak minus resident baseline")
-        for header in ("model", "method", "T", "B", "status", "peak GiB", "act GiB", "time s"):
+        models = sorted({row.model for row in points})
+        one_model = len(models) == 1  # then named in the title: the table fits 80 columns
+        title = f"{name}: every point" + (f" ({models[0]})" if one_model else "")
+        table = Table(title=title, caption="GiB = 2^30 B; act: peak minus resident baseline")
+        headers = ("method", "T", "B", "status", "peak GiB", "act GiB", "time s")
+        for header in headers if one_model else ("model", *headers):
             table.add_column(header, justify="left" if header in ("model", "method", "status") else "right")
         for row in points:
             table.add_row(
-                row.model,
+                *(() if one_model else (row.model,)),
                 row.method,
                 f"{row.seq_len:,}",
                 str(row.batch_size),
@@ -107,11 +114,11 @@ def _summary(console: Console, name: str, rows: list[ResultRow]) -> None:
                 gib(row.activation_peak_bytes),
                 "-" if row.time_median_s is None else f"{row.time_median_s:.3f}",
             )
-        console.print(table)
+        print_table(console, table)
     searches: dict[tuple, list[ResultRow]] = {}
     for row in rows:
         if row.kind == "maxlen":
             group = (row.model, row.objective, row.lora_rank, row.step, row.dtype, row.batch_size)
             searches.setdefault(group, []).append(row)
     for group_rows in searches.values():
-        console.print(maxlen_table(group_rows))
+        print_table(console, maxlen_table(group_rows))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from functools import cache
 
+from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
@@ -12,6 +13,68 @@ from ..measure.units import gib
 from ..records import ResultRow
 from ..records.select import MAXLEN_TABLE, paper_rows
 from ..simulate import MARGIN_NOTE
+
+
+def print_table(console: Console, table: Table) -> None:
+    """Print a table that fits the console: as built; else without its all-empty ("-") columns;
+    else transposed (a row per column, a column per row: three methods fit 80 columns); else one
+    block of "header  value" lines per row."""
+    for candidate in (table, _without_empty_columns(table)):
+        if _width(console, candidate) <= console.width:
+            console.print(candidate)
+            return
+    narrow = _without_empty_columns(table)
+    flipped = _transposed(narrow)
+    if _width(console, flipped) <= console.width:
+        console.print(flipped)
+        return
+    console.print(_records(narrow))
+
+
+def _width(console: Console, table: Table) -> int:
+    """The width a table takes unsqueezed (a measure is otherwise capped at the console's width)."""
+    return console.measure(table, options=console.options.update_width(10_000)).maximum
+
+
+def _cells(table: Table) -> list[list]:
+    return [list(column.cells) for column in table.columns]
+
+
+def _like(table: Table, **options) -> Table:
+    return Table(title=table.title, caption=table.caption, **options)
+
+
+def _without_empty_columns(table: Table) -> Table:
+    narrow = _like(table)
+    kept = [(c, cells) for c, cells in zip(table.columns, _cells(table), strict=True) if any(v != "-" for v in cells)]
+    for column, _ in kept:
+        narrow.add_column(column.header, justify=column.justify, no_wrap=column.no_wrap)
+    for values in zip(*(cells for _, cells in kept), strict=True):
+        narrow.add_row(*values)
+    return narrow
+
+
+def _transposed(table: Table) -> Table:
+    """Columns become rows: the first column's values (a method, a model) head the new columns."""
+    columns = _cells(table)
+    flipped = _like(table)
+    flipped.add_column(table.columns[0].header, justify="left", no_wrap=True)
+    for name in columns[0]:
+        flipped.add_column(name, justify="right", no_wrap=True)
+    for column, cells in zip(table.columns[1:], columns[1:], strict=True):
+        flipped.add_row(column.header, *cells)
+    return flipped
+
+
+def _records(table: Table) -> Table:
+    """One block per row, "header  value" per line: fits any width."""
+    records = _like(table, show_header=False, show_lines=True)
+    records.add_column("column", justify="left", no_wrap=True)
+    records.add_column("value", justify="left")
+    headers = [str(column.header) for column in table.columns]
+    for values in zip(*_cells(table), strict=True):
+        records.add_row("\n".join(headers), "\n".join(str(v) for v in values))
+    return records
 
 
 def point_title(rows: list[ResultRow], *, seq_len: bool = True) -> str:
@@ -119,7 +182,7 @@ def estimate_table(rows: list[ResultRow], gpu_memory_bytes: int) -> Table:
     return table
 
 
-def _bound(row: ResultRow) -> str:
+def seq_bound(row: ResultRow) -> str:
     if row.max_seq_len is None:
         return f"< {row.oom_seq_len:,}"
     return f"{row.max_seq_len:,}" if row.oom_seq_len is not None else f">= {row.max_seq_len:,} (ceiling)"
@@ -149,7 +212,7 @@ def maxlen_table(rows: list[ResultRow]) -> Table:
         ratio = f"{row.max_seq_len / ckpt:.2f}" if ckpt and row.max_seq_len else "-"
         if ratio != "-" and row.oom_seq_len is None:
             ratio = f">= {ratio}"  # the search stopped at its ceiling
-        shown = _bound(row)
+        shown = seq_bound(row)
         if row.objective != "sft" and row.max_seq_len is not None and row.prompt_len:
             shown += f" [{row.max_seq_len - row.prompt_len:,}]"
         paper = paper_max_len(row)

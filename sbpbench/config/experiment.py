@@ -123,10 +123,9 @@ def _as_list(value) -> list:
     return value if isinstance(value, list) else [value]
 
 
-def _expand(values: dict, kind: str, device: str | None) -> list[RunSpec | MaxlenSpec]:
+def _expand(values: dict, kind: str, overrides: dict) -> list[RunSpec | MaxlenSpec]:
     settings = {k: v for k, v in values.items() if k not in ("kind", "method", *MAXLEN_ONLY)}
-    if device is not None:
-        settings["device"] = device
+    settings.update(overrides)
     methods = _as_list(values.get("method", list(METHODS)))
     if kind == "grid":
         if "seq_len" not in values:
@@ -153,9 +152,10 @@ def _expand(values: dict, kind: str, device: str | None) -> list[RunSpec | Maxle
     ]
 
 
-def load_experiment(path: str | Path, *, device: str | None = None) -> Experiment:
+def load_experiment(path: str | Path, *, device: str | None = None, threads: int | None = None) -> Experiment:
     """Read and check an experiment file. device overrides every point's (e.g. "cpu" to check a
-    GPU experiment's file on a machine without one)."""
+    GPU experiment's file on a machine without one); so does threads."""
+    overrides = {name: value for name, value in (("device", device), ("threads", threads)) if value is not None}
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no experiment file {path}; see experiments/*.toml")
@@ -189,7 +189,7 @@ def load_experiment(path: str | Path, *, device: str | None = None) -> Experimen
         if misplaced:
             raise ExperimentError(f"{where}: key {misplaced[0]!r} does not apply to a {point_kind} point")
         try:
-            points += _expand(values, point_kind, device)
+            points += _expand(values, point_kind, overrides)
         except ConfigError as error:
             raise ExperimentError(f"{where} {error.field}: {error.naming(error.field)}") from None
         except ValueError as error:

@@ -52,6 +52,9 @@ SETTINGS: dict[str, Setting] = {
         (int, str), "Cap memory, e.g. 80GiB: CUDA per-process limit; CPU limit on tracked tensors (default: none)."
     ),
     "seed": Setting(int, "Seed for weights and batch (default: 0)."),
+    "threads": Setting(
+        int, "CPU threads for torch's intra-op work in each point (default: the physical cores this process may use)."
+    ),
     "timeout_s": Setting((int, float), "Seconds per point before it is recorded as timeout (default: 3600)."),
     "chunk_size": Setting((int, str), 'StreamBP positions per layer chunk: tokens, or "T/k" for T/k (default: 500).'),
     "logits_chunk_size": Setting(int, "StreamBP positions per logits chunk (default: 100)."),

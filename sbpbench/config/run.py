@@ -16,7 +16,9 @@ from typing import Any
 
 import torch
 
+from ..core.adapters import SUPPORTED_MODEL_TYPES, UnsupportedModelError, supported_families
 from ..data import DEFAULT_PROMPT_LEN, OBJECTIVES
+from ..measure.threads import physical_cores_available
 from ..measure.units import parse_bytes
 from ..methods import METHODS, STEPS, MethodSettings
 from ..methods.settings import SETTING_NAMES
@@ -76,6 +78,10 @@ class RunSpec:
     memory_limit: int | None = None  # bytes; CUDA: per-process cap; CPU: cap on tracked bytes
     seed: int = 0
     timeout_s: float = DEFAULT_TIMEOUT_S
+    # torch intra-op threads in the worker (None: the physical cores this process may use). Not part
+    # of a row's key: it changes time, not memory or the work done, like the host's load; each row
+    # records it (num_threads), and a rerun with another count replaces the point's row.
+    threads: int | None = None
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -99,6 +105,12 @@ class RunSpec:
         if self.objective == "dpo" and self.batch_size % 2:
             raise ConfigError(
                 "batch_size", f"counts chosen + rejected rows for dpo: give an even number, got {self.batch_size}"
+            )
+        if self.threads is None:
+            object.__setattr__(self, "threads", physical_cores_available())
+        elif not _is_int(self.threads) or self.threads < 1:
+            raise ConfigError(
+                "threads", f"must be an integer >= 1 (or unset for the physical cores), got {self.threads!r}"
             )
         if self.memory_limit is not None and (not _is_int(self.memory_limit) or self.memory_limit <= 0):
             raise ConfigError("memory_limit", f"must be a positive number of bytes, got {self.memory_limit!r}")
@@ -195,5 +207,36 @@ def point_specs(
     given["device"] = device
     given.pop("method", None)
     specs = [RunSpec(method=name, settings=MethodSettings(**settings), **given) for name in names]
-    load_config(specs[0].model)  # fail here, before any process starts, on a model that cannot be built
+    # fail here, before any process starts, on a model that cannot be built or a method cannot run
+    check_model_family(specs[0].model, load_config(specs[0].model), names)
     return specs
+
+
+# Methods that run only some causal-LM families (model_type -> family name); a method not listed
+# runs any decoder-only causal LM that transformers' AutoModelForCausalLM builds (bp, ckpt).
+FAMILY_LIMITED: dict[str, dict[str, str]] = {"streambp": SUPPORTED_MODEL_TYPES}
+
+
+def check_model_family(model: str, config, methods: Sequence[str]) -> None:
+    """Refuse, before anything runs, a model that is not a decoder-only causal LM (an encoder such
+    as BERT, an encoder-decoder), or that a method does not support, naming what each method runs."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    model_type = getattr(config, "model_type", None)
+    others = "bp and ckpt also run other decoder-only causal LMs that transformers' AutoModelForCausalLM builds"
+    encoder = model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES or getattr(config, "is_encoder_decoder", False)
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or encoder:
+        raise UnsupportedModelError(
+            f"{model} has model_type {model_type!r}, not a decoder-only causal LM; streambp supports "
+            f"{supported_families()}; {others}"
+        )
+    for method in methods:
+        families = FAMILY_LIMITED.get(method)
+        if families is not None and model_type not in families:
+            raise UnsupportedModelError(
+                f"{method} does not support {model} (model_type {model_type!r}); it supports "
+                f"{', '.join(families.values())}; {others}, e.g. this one: --method bp ckpt"
+            )

@@ -96,15 +96,17 @@ def _draw_method(ax, method: str, simulated: bool, extra: str, part, search) -> 
     if search is not None and number(search["max_seq_len"]) is not None:
         max_t = number(search["max_seq_len"])
         ax.axvline(max_t, color=colour, linestyle=":", linewidth=1.2)
-        ax.text(
-            max_t,
-            0.5,
-            f" max T {style.thousands(max_t)} (search{', estimate' if simulated else ''})",
+        ax.annotate(  # beside its dotted line, not on it: 3 points to the left
+            f"max T {style.thousands(max_t)} (search{', estimate' if simulated else ''})",
+            (max_t, 0.5),
+            xycoords=ax.get_xaxis_transform(),
+            xytext=(-3, 0),
+            textcoords="offset points",
             rotation=90,
             fontsize=7,
             color=colour,
+            ha="right",
             va="center",
-            transform=ax.get_xaxis_transform(),
         )
         return [max_t]
     first_oom = ooms[ooms > ok["seq_len"].max()] if len(ok) else ooms[:0]

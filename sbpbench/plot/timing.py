@@ -2,7 +2,9 @@
 size at one T (paper Table 2), per method, median with min-max error bars.
 
 The paper's times are drawn faint on figures of a CUDA device only (it timed an A800-80GB; a CPU
-time beside it says nothing). "x" at the bottom edge: an OOM at that x.
+time beside it says nothing). "x" on the x axis (drawn over it, outside the data area): an OOM
+at that x, which has no time; the legend says so. The y label mentions min-max bars only when a
+point has a spread to draw.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from .common import (
     where_title,
 )
 
-OOM_Y = 0.03  # axes fraction where OOM markers sit (bottom edge)
+OOM_Y = 0.0  # axes fraction where OOM markers sit: on the x axis (y = 0 s is no time), unclipped
 BATCH_GROUP = tuple(c for c in POINT_GROUP if c != "batch_size") + ("seq_len",)
 
 
@@ -62,10 +64,12 @@ def _figure(rows, x: str, reference, out_dir: Path, formats) -> list[Path]:
     like = rows.iloc[0]
     fig, ax = new_figure()
     xs = list(rows[x].dropna())
+    bars = False
     for method, simulated, extra, part in series(rows):
         ok = part[(part["status"] == "ok") & part["time_median_s"].notna()].sort_values(x)
         scale = ok["batch_size"] if per_sample else 1
         median, low, high = ok["time_median_s"] / scale, ok["time_min_s"] / scale, ok["time_max_s"] / scale
+        bars = bars or bool(((high - low).fillna(0) > 0).any())
         ax.errorbar(
             ok[x],
             median,
@@ -77,25 +81,18 @@ def _figure(rows, x: str, reference, out_dir: Path, formats) -> list[Path]:
             label=style.label(method, simulated=simulated, extra=extra),
         )
         ooms = part.loc[part.apply(is_oom, axis=1), x].dropna()
-        ax.plot(
-            ooms,
-            [OOM_Y] * len(ooms),
-            style.OOM_MARKER,
-            color=style.colour(method),
-            markersize=8,
-            transform=ax.get_xaxis_transform(),
-        )
+        _oom_marks(ax, ooms, color=style.colour(method))
     if is_cuda(like) and not is_truncated(like):
         xs += _draw_paper(ax, reference, like, x)
     if rows.apply(is_oom, axis=1).any():
-        ax.plot([], [], style.OOM_MARKER, color="black", label="out of memory")
+        ax.plot([], [], style.OOM_MARKER, color="black", label="out of memory (on the x axis: no time)")
     ax.set_ylim(bottom=0)
     log2_x(ax, xs)
     if per_sample:
         ax.set_xticks(sorted(set(xs)))
     what = "time per sample (s)" if per_sample else "step time (s)"
     ax.set_xlabel("batch size (rows)" if per_sample else "sequence length T (tokens per row)", fontsize=style.FONT_SIZE)
-    ax.set_ylabel(f"{what}: median, bars min-max", fontsize=style.FONT_SIZE)
+    ax.set_ylabel(f"{what}: median" + (", bars min-max" if bars else ""), fontsize=style.FONT_SIZE)
     fixed = f"T={like['seq_len']:.0f}, " if per_sample else ""
     setting = setting_title(like, batch=not per_sample)
     versus = "batch size" if per_sample else "T"
@@ -127,14 +124,20 @@ def _draw_paper(ax, reference, like, x: str) -> list[float]:
             linewidth=2.5,
             label=f"{style.label(method)}, paper {name} (A800-80GB)",
         )
-        ooms = rows.loc[rows["status"] == "oom", x]
-        ax.plot(
-            ooms,
-            [OOM_Y] * len(ooms),
-            style.OOM_MARKER,
-            color=colour,
-            alpha=style.PAPER_ALPHA,
-            markersize=8,
-            transform=ax.get_xaxis_transform(),
-        )
+        _oom_marks(ax, rows.loc[rows["status"] == "oom", x], color=colour, alpha=style.PAPER_ALPHA)
     return list(paper[x])
+
+
+def _oom_marks(ax, xs, **options) -> None:
+    """OOMs as crosses on the x axis (over it, not clipped), where no time can be read from them."""
+    ax.plot(
+        xs,
+        [OOM_Y] * len(xs),
+        style.OOM_MARKER,
+        markersize=8,
+        markeredgewidth=2,
+        clip_on=False,
+        zorder=5,
+        transform=ax.get_xaxis_transform(),
+        **options,
+    )

@@ -18,13 +18,17 @@ read back with the new columns empty):
      method that does not read them (bp, ckpt), so they are not part of its key; older rows of
      those methods read back with them emptied (two such rows differing only there become one
      point: the later one is kept).
+  5  num_threads (torch intra-op threads of the worker) and load_avg_1m (the machine's 1-minute load
+     average as the point started): what a CPU time depends on besides the point. Not key columns
+     (a rerun with another thread count replaces the row). Older rows read back with them empty
+     (not recorded).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 # skipped: not run because a shorter sequence of the same point already ran out of memory
 # (certain OOM); plots and reports draw it as an OOM, and a resumed sweep does not retry it.
@@ -94,6 +98,8 @@ class ResultRow:
     time_max_s: float | None = None
     tokens_per_s: float | None = None  # batch_size * seq_len / time_median_s (padding included)
     tflops_per_s: float | None = None  # model_flops / time_median_s / 1e12
+    num_threads: int | None = None  # torch intra-op threads the worker ran with (RunSpec.threads)
+    load_avg_1m: float | None = None  # the machine's 1-minute load average as the point started
     # max-length search (kind maxlen): the longest seq_len that ran and the shortest that did not
     max_seq_len: int | None = None  # the answer: the longest ok probe (None if even the first OOMed)
     oom_seq_len: int | None = None  # the shortest OOM probe (None if the search hit its ceiling)
@@ -117,6 +123,10 @@ class ResultRow:
 
 
 COLUMNS: tuple[str, ...] = tuple(f.name for f in fields(ResultRow))
+
+# What every row of every schema version has: a header without one of these is not a results CSV,
+# and a row with one of them empty is skipped when read (a torn or hand-damaged line).
+REQUIRED_COLUMNS: tuple[str, ...] = ("schema_version", "status", "model", "method")
 
 # The settings that define a point: same key, same measurement (a rerun replaces it).
 KEY_COLUMNS: tuple[str, ...] = (

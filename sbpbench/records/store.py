@@ -1,9 +1,16 @@
 """Results CSV files: atomic upsert by key, reading back, loading into pandas.
 
 A write never edits the file in place: the whole table goes to a temporary file in the same
-directory, is fsynced, and replaces the old one with os.replace (atomic on POSIX). A process killed
-at any moment leaves either the old table or the new one, never a torn row. A lock file beside
-the CSV serialises concurrent writers (read-modify-write would otherwise lose rows).
+directory, is fsynced, and replaces the old one with os.replace (atomic on POSIX), with the mode
+the umask gives a new file (an existing file keeps its own). A process killed at any moment
+leaves either the old table or the new one, never a torn row. A lock file beside the CSV
+serialises concurrent writers (read-modify-write would otherwise lose rows); its holder removes
+it, and one left by a killed process is stale (no process holds its flock) and removed by the
+next writer.
+
+Reading checks every row against the schema: a file whose header lacks REQUIRED_COLUMNS is not
+a results CSV (ValueError); a row cut short or missing a required value is skipped with a
+warning (ResultsFileWarning) that names its line.
 """
 
 from __future__ import annotations
@@ -12,12 +19,17 @@ import csv
 import fcntl
 import os
 import tempfile
+import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import fields
 from pathlib import Path
 
-from .schema import COLUMNS, KEY_COLUMNS, ResultRow, upgrade
+from .schema import COLUMNS, KEY_COLUMNS, REQUIRED_COLUMNS, ResultRow, upgrade
+
+
+class ResultsFileWarning(UserWarning):
+    """A results CSV row that could not be read and was skipped."""
 
 
 def one_line(error: BaseException) -> str:
@@ -80,17 +92,25 @@ def check_writable(path: str | Path) -> Path:
     target = path if path.exists() else path.parent
     if not os.access(target, os.W_OK) or not os.access(path.parent, os.W_OK):
         raise PermissionError(f"cannot write {path} (no write permission); pass a writable --out path")
+    try:  # what a write will do: take the lock, create a temporary file beside the CSV
+        with _locked(path):
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+            os.close(fd)
+            os.unlink(tmp)
+    except OSError as error:
+        raise PermissionError(f"cannot write {path} ({error.strerror or error}); pass a writable --out path") from None
     return path
 
 
 def read_rows(path: str | Path) -> list[dict]:
     """Rows as dicts of strings, each as the current schema reads it (schema.upgrade). Rows that
-    an upgrade makes one point (the same key) are one row: the latest by timestamp."""
+    an upgrade makes one point (the same key) are one row: the latest by timestamp. A row cut
+    short or missing a required value is skipped with a ResultsFileWarning naming its line; a
+    file that is not a results CSV raises ValueError."""
     path = Path(path)
     if not path.exists():
         return []
-    with path.open(newline="") as f:
-        rows = [upgrade({k: (v or "") for k, v in row.items() if k is not None}) for row in csv.DictReader(f)]
+    rows = [upgrade(row) for row in _checked_rows(path)]
     latest: dict[tuple[str, ...], int] = {}
     for i, row in enumerate(rows):
         j = latest.setdefault(row_key(row), i)
@@ -100,6 +120,40 @@ def read_rows(path: str | Path) -> list[dict]:
     return [row for i, row in enumerate(rows) if i in kept]
 
 
+def _checked_rows(path: Path) -> list[dict]:
+    """The rows of a results CSV that have every field of the header and the required values."""
+    with path.open(newline="") as f:
+        text = f.read()
+    if not text.strip():
+        return []
+    reader = csv.DictReader(text.splitlines(keepends=True))
+    header = reader.fieldnames or []
+    missing = [c for c in REQUIRED_COLUMNS if c not in header]
+    if missing:
+        shown = ",".join(header[:4])[:60]
+        raise ValueError(
+            f"{path} is not a results CSV: its first line ({shown!r}...) lacks the column(s) {', '.join(missing)}"
+        )
+    rows, start = [], 2
+    for record in reader:
+        line, start = start, reader.line_num + 1
+        if None in record.values():
+            _skip(path, line, f"has fewer fields than the header's {len(header)}: cut short")
+        elif None in record:
+            _skip(path, line, f"has more fields than the header's {len(header)}: damaged")
+        elif missing := [c for c in REQUIRED_COLUMNS if not record[c]]:
+            _skip(path, line, f"lacks the required field(s) {', '.join(missing)}")
+        elif reader.line_num == text.count("\n") + 1 and not text.endswith(("\n", "\r")):
+            _skip(path, line, "has no line end: cut short")
+        else:
+            rows.append({k: v or "" for k, v in record.items()})
+    return rows
+
+
+def _skip(path: Path, line: int, why: str) -> None:
+    warnings.warn(f"{path} line {line} {why}; row skipped", ResultsFileWarning, stacklevel=4)
+
+
 def _columns_of(path: Path) -> list[str]:
     if not path.exists():
         return []
@@ -107,20 +161,43 @@ def _columns_of(path: Path) -> list[str]:
         return next(csv.reader(f), [])
 
 
+def lock_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.lock")
+
+
 @contextmanager
 def _locked(path: Path) -> Iterator[None]:
-    lock = path.with_name(f".{path.name}.lock")
-    with lock.open("a") as handle:
+    """Hold the CSV's lock file (flock), created if needed and removed on release. A waiter that
+    got the lock of a file removed meanwhile (its inode no longer at the path) takes the new one;
+    a file no process holds (left by a killed writer) is simply taken and removed."""
+    lock = lock_path(path)
+    while True:
+        handle = lock.open("a")
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+            if os.stat(lock).st_ino == os.fstat(handle.fileno()).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        handle.close()
+    try:
+        yield
+    finally:
+        lock.unlink(missing_ok=True)  # still held: a process waiting on this inode retries on a new file
+        handle.close()
+
+
+def _new_file_mode() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
 
 
 def _write_atomic(path: Path, columns: list[str], rows: list[dict]) -> None:
+    mode = path.stat().st_mode & 0o777 if path.exists() else _new_file_mode()
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, mode)  # mkstemp makes 0600
         with os.fdopen(fd, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
             writer.writeheader()
@@ -143,7 +220,7 @@ def upsert_rows(path: str | Path, rows: Iterable[ResultRow | dict], *, replace: 
     dropped (replace=False). Columns in the file that this schema does not know are kept."""
     path = check_writable(path)
     new = [encode_row(r) for r in rows]
-    with _locked(path):
+    with _write_errors(path), _locked(path):
         existing = read_rows(path)
         columns = list(COLUMNS) + [c for c in _columns_of(path) if c not in COLUMNS]
         index = {row_key(row): i for i, row in enumerate(existing)}
@@ -155,6 +232,17 @@ def upsert_rows(path: str | Path, rows: Iterable[ResultRow | dict], *, replace: 
             elif replace:
                 existing[i] = row
         _write_atomic(path, columns, existing)
+
+
+@contextmanager
+def _write_errors(path: Path) -> Iterator[None]:
+    """An OS error while writing names the CSV (not its lock or temporary file)."""
+    try:
+        yield
+    except OSError as error:
+        if isinstance(error, PermissionError) and str(path) in str(error):
+            raise
+        raise PermissionError(f"cannot write {path} ({error.strerror or error}); pass a writable --out path") from None
 
 
 def completed_keys(path: str | Path) -> set[tuple[str, ...]]:
@@ -182,7 +270,14 @@ def load_results(source: str | Path):
     files = sorted(source.rglob("*.csv")) if source.is_dir() else [source]
     if not files or not all(f.exists() for f in files):
         raise FileNotFoundError(f"no results CSV at {source}; run `sbp run --out {source}` first")
-    rows = [{**row, "source_file": str(f)} for f in files for row in read_rows(f)]  # read_rows upgrades old rows
+    rows = []
+    for f in files:
+        try:
+            rows += [{**row, "source_file": str(f)} for row in read_rows(f)]  # read_rows upgrades old rows
+        except ValueError as error:
+            if not source.is_dir():
+                raise
+            warnings.warn(f"{error}; skipped", ResultsFileWarning, stacklevel=2)  # another CSV in the folder
     table = pd.DataFrame(rows).fillna("")
     table = _numeric(table)
     ordered = [c for c in COLUMNS if c in table.columns]

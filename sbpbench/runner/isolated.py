@@ -8,13 +8,18 @@ Outcome classes: ok | oom (CUDA OOM, host allocation failure, or the tracked pea
 
 from __future__ import annotations
 
+import fcntl
+import functools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import fields
 from datetime import datetime, timezone
 from pathlib import Path
@@ -26,6 +31,10 @@ from ..records import ResultRow, upsert_rows
 
 _ROW_FIELDS = {f.name for f in fields(ResultRow)}
 _STDERR_TAIL_LINES = 20
+POINT_DIR_PREFIX = "sbp-point-"
+_HELD = ".held"  # flocked by the process that owns a point's directory, for as long as it runs
+_HELD_GRACE_S = 60  # an unheld directory younger than this may be one whose owner has not locked it yet
+_UNMARKED_STALE_S = 3600  # a directory without the mark (an older sbpbench's) is stale after an hour
 
 
 def provenance(env: Environment) -> dict:
@@ -39,11 +48,47 @@ def _last_error_line(stderr: str) -> str:
     return lines[-1][:500] if lines else ""
 
 
+@contextmanager
+def point_directory() -> Iterator[Path]:
+    """A temporary directory for one point's result, held (flock on a file inside) while in use
+    and removed after; one a killed process left behind is removed by remove_stale_point_dirs."""
+    tmp = Path(tempfile.mkdtemp(prefix=POINT_DIR_PREFIX))
+    held = (tmp / _HELD).open("w")
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        yield tmp
+    finally:
+        held.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@functools.cache  # once per process
+def remove_stale_point_dirs(root: str | None = None) -> int:
+    """Remove point directories under the temporary root that no running process holds (left by
+    a SIGKILLed run); returns how many."""
+    removed = 0
+    for directory in Path(root or tempfile.gettempdir()).glob(POINT_DIR_PREFIX + "*"):
+        try:
+            age_s = time.time() - directory.stat().st_mtime
+            with (directory / _HELD).open("r") as held:
+                fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises while its owner runs
+            stale = age_s > _HELD_GRACE_S  # not one whose owner is between creating and locking it
+        except FileNotFoundError:  # unmarked (or gone): stale once old
+            stale = directory.exists() and age_s > _UNMARKED_STALE_S
+        except OSError:  # held, or not ours to read
+            stale = False
+        if stale:
+            shutil.rmtree(directory, ignore_errors=True)
+            removed += 1
+    return removed
+
+
 def run_isolated(spec: RunSpec, env: Environment | None = None) -> ResultRow:
     """Measure one point in a worker process and return its row, provenance filled."""
     env = env or capture_environment(spec.device)
-    with tempfile.TemporaryDirectory(prefix="sbp-point-") as tmp:
-        result_path = Path(tmp) / "result.json"
+    remove_stale_point_dirs()
+    with point_directory() as tmp:
+        result_path = tmp / "result.json"
         worker = subprocess.Popen(
             [sys.executable, "-m", "sbpbench.runner.worker", str(result_path)],
             stdin=subprocess.PIPE,

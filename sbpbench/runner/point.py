@@ -10,6 +10,8 @@ Protocol (recorded in every row):
      then the warm-up, which also keeps the tracker's first-run costs out of the timed steps;
   3. `repeats` timed steps, synchronised, with nothing else running (no tracker, no sampler);
      none for a memory-only point (repeats 0: a max-length probe).
+The worker runs spec.threads intra-op threads (default: the physical cores it may use); the row
+records them and the load average as the point started.
 Gradients before each step follow the protocol: steady = resident and zeroed in place, first =
 None. An out-of-memory error anywhere is the point's result (status oom), not a crash.
 """
@@ -28,6 +30,7 @@ from ..measure.cuda_memory import NvmlPeakSampler, nvml_handle, start_cuda
 from ..measure.flops import training_flops
 from ..measure.host_memory import peak_rss_bytes, reset_peak_rss
 from ..measure.tensor_tracker import LiveTensorTracker, TrackedOutOfMemoryError
+from ..measure.threads import load_average_1m, set_intra_op_threads
 from ..measure.timing import time_steps
 from ..methods.step import TrainingStep, storage_bytes
 from ..records import ResultRow, one_line
@@ -110,6 +113,8 @@ def _measure_cuda(spec: RunSpec, step: TrainingStep, row: ResultRow, device: tor
 def measure_point(spec: RunSpec) -> ResultRow:
     """Measure one point in this process. Never raises for a failed step: the row says what happened."""
     row = ResultRow(**spec_fields(spec))
+    row.load_avg_1m = load_average_1m()  # before this point adds its own threads to it
+    row.num_threads = set_intra_op_threads(spec.threads)
     device = torch.device(spec.device)
     try:
         if device.type == "cuda":

@@ -1,0 +1,90 @@
+"""Progress of a long command: a rich progress bar on a terminal; one line per finished unit (a
+point, a probe, a search) when stdout is not a terminal (a log file, a pipe, CI), where a bar
+would print nothing until the end."""
+
+from __future__ import annotations
+
+import time
+from typing import Self
+
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import Progress as RichProgress
+
+
+def duration(seconds: float) -> str:
+    """12 s, 3 min 05 s, 1 h 02 min."""
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min {seconds % 60:02d} s"
+    return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
+
+
+class Progress:
+    """`total` units (None: unknown); `advance` finishes one, `note` reports a step inside one (a
+    probe of a search) without finishing it. The ETA is the mean time of a finished unit times
+    the units left, shown once one has finished."""
+
+    def __init__(self, console: Console, total: int | None):
+        self.console, self.total, self.done = console, total, 0
+        self.started = time.monotonic()
+        self._bar = None
+        if console.is_terminal:
+            self._bar = RichProgress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("elapsed"),
+                TimeElapsedColumn(),
+                TextColumn("ETA"),
+                TimeRemainingColumn(),
+                console=console,
+                transient=False,
+            )
+            self._task = self._bar.add_task("starting", total=total)
+
+    def __enter__(self) -> Self:
+        if self._bar is not None:
+            self._bar.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+    def elapsed_s(self) -> float:
+        return time.monotonic() - self.started
+
+    def eta_s(self) -> float | None:
+        if not self.done or self.total is None or self.done >= self.total:
+            return None
+        return self.elapsed_s() / self.done * (self.total - self.done)
+
+    def start(self, description: str) -> None:
+        """The unit now running (shown on the bar; a log gets a line only when it finishes)."""
+        if self._bar is not None:
+            self._bar.update(self._task, description=escape(description))
+
+    def note(self, line: str) -> None:
+        """A step inside the running unit finished (e.g. one probe of a search)."""
+        if self._bar is not None:
+            self._bar.update(self._task, description=escape(line))
+        else:
+            self._print(f"  {line} ({duration(self.elapsed_s())} elapsed)")
+
+    def advance(self, line: str) -> None:
+        """One unit finished; `line` says how it ended."""
+        self.done += 1
+        if self._bar is not None:
+            self._bar.update(self._task, advance=1, description=escape(line))
+            return
+        count = f"[{self.done}/{self.total}]" if self.total is not None else f"[{self.done}]"
+        eta = self.eta_s()
+        timing = f"{duration(self.elapsed_s())} elapsed" + ("" if eta is None else f", ETA {duration(eta)}")
+        self._print(f"{count} {line} ({timing})")
+
+    def _print(self, text: str) -> None:
+        self.console.print(escape(text), highlight=False, soft_wrap=True)
