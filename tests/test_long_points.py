@@ -85,3 +85,37 @@ def test_the_worker_prints_progress_of_slow_steps(monkeypatch, capsys):
     assert row.status == "ok", row.error
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith(PROGRESS_PREFIX)]
     assert len(lines) == row.num_layers + 1 and "layer 2 of 2 backward done" in lines[-1]
+
+
+def test_phase_flops_of_bp_add_up_to_the_model_flops():
+    """bp executes exactly the model FLOPs (measure/flops.py training_flops); ckpt adds one
+    forward of the layers, streambp that plus the K/V projections of every position."""
+    from sbpbench.measure.flops import phase_flops, training_flops
+
+    model = tiny_model("tiny/qwen3", torch.float32)
+    totals = {
+        method: sum(m + a for m, a in phase_flops(model.config, method=method, batch_size=2, seq_len=40).values())
+        for method in ("bp", "ckpt", "streambp")
+    }
+    forward = phase_flops(model.config, method="bp", batch_size=2, seq_len=40)["forward"]
+    c = model.config
+    kv_projections = 2 * 2 * c.hidden_size * c.num_key_value_heads * c.head_dim * 2 * 40 * c.num_hidden_layers
+    assert totals["bp"] == pytest.approx(training_flops(model, batch_size=2, seq_len=40), rel=1e-12)
+    assert totals["ckpt"] == pytest.approx(totals["bp"] + sum(forward), rel=1e-12)
+    assert totals["streambp"] == pytest.approx(totals["ckpt"] + kv_projections, rel=1e-12)
+
+
+def test_attention_dominates_a_qwen3_8b_step_at_100k():
+    """The breakdown the issue asks for: at T=100k, two thirds of a Qwen3-8B StreamBP step's
+    FLOPs are attention, three quarters of all of it in the layer backward; the head is ~2%."""
+    from sbpbench.measure.flops import phase_flops, phase_flops_markdown
+    from sbpbench.models import load_config
+
+    config = load_config("Qwen/Qwen3-8B")
+    phases = phase_flops(config, method="streambp", batch_size=1, seq_len=100_000)
+    total = sum(m + a for m, a in phases.values())
+    assert sum(a for _, a in phases.values()) / total == pytest.approx(0.66, abs=0.02)
+    assert sum(phases["layer backward"]) / total == pytest.approx(0.74, abs=0.02)
+    assert sum(phases["head"]) / total < 0.03
+    table = phase_flops_markdown(config, model="Qwen/Qwen3-8B", method="streambp", batch_size=1, seq_len=100_000, tflops_per_s=400)
+    assert "| layer backward |" in table and "| total |" in table
