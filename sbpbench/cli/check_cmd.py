@@ -67,8 +67,30 @@ def check(settings: dict, methods: tuple[str, ...]) -> None:
         table.add_row(*cells)
     console = Console()
     console.print(table)
+    if judged:
+        for line in error_ratios(results):
+            console.print(line, highlight=False)
     failed = [d for r in results for d in r.failures()]
     for diff in failed:
         console.print(f"[red]{diff.describe()}[/]", highlight=False)
     if failed:
         raise typer.Exit(1)
+
+
+def error_ratios(results) -> list[str]:
+    """fp32: per method, its error over bp's on each tensor (both against fp64): the spread that
+    FP32_ERROR_FACTOR must cover, and the tensor where it is largest."""
+    baseline = {d.name: d for d in results[0].grads}
+    lines = []
+    for result in results[1:]:
+        ratios = sorted(
+            (d.rel_error / baseline[d.name].rel_error, d.name) for d in result.grads if baseline[d.name].rel_error > 0
+        )
+        if ratios:
+            median = ratios[len(ratios) // 2][0]
+            top, name = ratios[-1]
+            lines.append(
+                f"{result.method}: error / bp's error over {len(ratios)} tensors: median {median:.2f}, max {top:.2f} "
+                f"({name}: {baseline[name].rel_error:.2e} for bp)"
+            )
+    return lines
