@@ -8,9 +8,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from ..config import resolve_device
-from ..config.device import device_kind
-from ..measure.environment import capture_environment
+from ..measure.environment import auto_device, capture_environment
 from ..runner.selftest import CPU_BUDGET_S, GPU_BUDGET_S, Selftest, find_tests_dir, output_dir, run_selftest, write_summary
 
 
@@ -27,9 +25,9 @@ def selftest(
     estimated peaks (Qwen3-4B, Qwen3-8B) and the longest Qwen3-8B StreamBP point the time allows;
     on a CPU a small check, run and estimate. Writes the rows, the raw log and summary.md (exit 1
     if a step failed)."""
-    device = resolve_device("auto")
-    kind = device_kind(device)
-    env = capture_environment(device)
+    # NVML, not torch.cuda: this process must hold no CUDA context while its points are measured
+    kind = auto_device()
+    env = capture_environment("cuda:0" if kind == "cuda" else "cpu")
     console = Console()
     if kind != "cuda":
         console.print("No CUDA GPU visible: running the CPU subset (sbp check, run, estimate; 2 to 3 minutes).")
