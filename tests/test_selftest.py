@@ -67,15 +67,15 @@ def test_the_long_point_is_the_longest_that_fits_the_time_left():
 
 
 def test_the_speed_comes_from_the_default_runs_streambp_row():
-    """seconds per executed FLOP = the 4B T=9000 step time / its executed FLOPs; without a row
-    the assumed model rate is used."""
+    """seconds per executed FLOP = the 4B T=9000 step time / that step's executed FLOPs (of the
+    row's model, not the long point's); without a row the assumed model rate is used."""
     from sbpbench.measure.flops import phase_flops
 
-    config4b = load_config("Qwen/Qwen3-4B")
+    config4b, config8b = load_config("Qwen/Qwen3-4B"), load_config("Qwen/Qwen3-8B")
     flops = sum(m + a for m, a in phase_flops(config4b, method="streambp", batch_size=1, seq_len=9000).values())
-    row = {"seq_len": "9000", "time_median_s": "2.0"}
-    assert st.seconds_per_executed_flop(row, config4b) == pytest.approx(2.0 / flops)
-    assert 1 / st.seconds_per_executed_flop(None, config4b) > st.ASSUMED_MODEL_TFLOPS * 1e12  # executed > model
+    row = {"model": "Qwen/Qwen3-4B", "seq_len": "9000", "batch_size": "1", "time_median_s": "2.0"}
+    assert st.seconds_per_executed_flop(row, config8b) == pytest.approx(2.0 / flops)  # the row's own model
+    assert 1 / st.seconds_per_executed_flop(None, config8b) > st.ASSUMED_MODEL_TFLOPS * 1e12  # executed > model
 
 
 def test_estimate_error_per_point():

@@ -166,19 +166,23 @@ def long_seq_len(seconds_left: float, *, seconds_per_flop: float, config) -> int
 
 
 def seconds_per_executed_flop(streambp_row: dict | None, config) -> float:
-    """From the default run's streambp row (time of one step at its T), seconds per executed
-    FLOP; ASSUMED_MODEL_TFLOPS when there is no such row. Attention kernels run faster at
-    longer T, so this errs long."""
+    """From the default run's streambp row (one step's time at its model and T), seconds per
+    executed FLOP; without such a row, ASSUMED_MODEL_TFLOPS turned into executed FLOPs with
+    `config` (the long point's). Attention kernels run faster at longer T, so this errs long."""
     if streambp_row is not None and streambp_row.get("time_median_s") not in (None, ""):
-        seq_len = int(streambp_row["seq_len"])
-        flops = sum(m + a for m, a in phase_flops(config, method="streambp", batch_size=1, seq_len=seq_len).values())
-        return float(streambp_row["time_median_s"]) / flops
+        timed = load_config(streambp_row["model"])
+        seq_len, batch_size = int(streambp_row["seq_len"]), int(streambp_row.get("batch_size") or 1)
+        phases = phase_flops(timed, method="streambp", batch_size=batch_size, seq_len=seq_len)
+        return float(streambp_row["time_median_s"]) / sum(m + a for m, a in phases.values())
     # model FLOPs (bp's) -> executed: same ratio at the long point's scale
     return 1 / (ASSUMED_MODEL_TFLOPS * 1e12) * _model_over_executed(config, LONG_SEQ_LENS[0])
 
 
 def _model_over_executed(config, seq_len: int) -> float:
-    total = {m: sum(a + b for a, b in phase_flops(config, method=m, batch_size=1, seq_len=seq_len).values()) for m in ("bp", "streambp")}
+    total = {
+        m: sum(a + b for a, b in phase_flops(config, method=m, batch_size=1, seq_len=seq_len).values())
+        for m in ("bp", "streambp")
+    }
     return total["bp"] / total["streambp"]
 
 
