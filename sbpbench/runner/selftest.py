@@ -34,7 +34,7 @@ from ..records import read_rows
 from .selftest_summary import estimate_errors, progress_seconds, pytest_counts, summary_markdown
 
 GPU_BUDGET_S = 480.0  # the 8 minutes on one H100
-# The CPU subset's own work is about 100 CPU-seconds (three commands and three workers, each
+# The CPU subset's own work is about 150 CPU-seconds (three commands and three workers, each
 # importing torch and transformers, ~8 s of it); on 2 idle cores that is under 3 minutes. The
 # budget is a hard stop set wider, so a machine shared with other jobs still finishes; the
 # summary gives each step's wall and CPU seconds, so a slow step says whether it waited or worked.
