@@ -14,18 +14,24 @@ from sbpbench.measure import cuda_memory
 from sbpbench.runner import point
 
 
+def _no_cuda_init():
+    raise AssertionError("resolving a device initialised CUDA (current_device) in the parent")
+
+
 @pytest.fixture
 def two_gpus(monkeypatch):
-    """torch.cuda as on a machine with two GPUs, the current one cuda:1."""
+    """torch.cuda as on a machine with two GPUs, failing if anything asks for the current device
+    (which initialises CUDA)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "current_device", _no_cuda_init)
 
 
-def test_auto_and_cuda_resolve_to_the_current_indexed_device(two_gpus):
-    """auto and cuda name the current GPU with its index; cuda:N is kept when it exists."""
-    assert resolve_device("auto") == "cuda:1"
-    assert resolve_device("cuda") == "cuda:1"
+def test_auto_and_cuda_resolve_to_an_indexed_device(two_gpus):
+    """auto and cuda name the first visible GPU with its index (without starting CUDA); cuda:N is
+    kept when it exists."""
+    assert resolve_device("auto") == "cuda:0"
+    assert resolve_device("cuda") == "cuda:0"
     assert resolve_device("CUDA:0") == "cuda:0"
     assert resolve_device("cpu") == "cpu"
 
@@ -50,8 +56,8 @@ def test_every_spec_holds_an_indexed_device(two_gpus):
     is indexed, and the row records the indexed name."""
     (built,) = point_specs({"device": "cuda", "model": "tiny/qwen3"}, ["bp"])
     direct = RunSpec(model="tiny/qwen3", method="bp", seq_len=64, device="cuda")
-    assert built.device == direct.device == RunSpec.from_json(direct.to_json()).device == "cuda:1"
-    assert point_specs({"model": "tiny/qwen3"}, ["bp"])[0].device == "cuda:1"  # the default, auto
+    assert built.device == direct.device == RunSpec.from_json(direct.to_json()).device == "cuda:0"
+    assert point_specs({"model": "tiny/qwen3"}, ["bp"])[0].device == "cuda:0"  # the default, auto
 
 
 class _StandInCuda:
@@ -94,8 +100,8 @@ def test_the_worker_starts_cuda_on_the_indexed_device(two_gpus, monkeypatch):
     monkeypatch.setattr(point, "start_cuda", start)
     row = point.measure_point(RunSpec(model="tiny/qwen3", method="bp", seq_len=64, device="cuda"))
     assert row.error == "RuntimeError: stop after start-up"  # start-up itself raised nothing
-    assert [str(d) for d in started] == ["cuda:1"] and row.device == "cuda:1"
-    assert cuda.devices and all(d == "cuda:1" for d in cuda.devices)
+    assert [str(d) for d in started] == ["cuda:0"] and row.device == "cuda:0"
+    assert cuda.devices and all(d == "cuda:0" for d in cuda.devices)
 
 
 def test_the_stand_in_fails_as_the_real_call_did_on_an_index_less_device(monkeypatch):

@@ -14,6 +14,7 @@ from .models_cmd import models
 from .plot_cmd import plot
 from .report_cmd import report
 from .run_cmd import run
+from .selftest_cmd import selftest
 from .sweep_cmd import sweep
 
 app = typer.Typer(
@@ -29,6 +30,7 @@ app.command()(maxlen)
 app.command()(sweep)
 app.command()(estimate)
 app.command()(check)
+app.command()(selftest)
 app.command()(env)
 app.command()(models)
 app.command()(plot)

@@ -26,7 +26,8 @@ CHECK_FIELDS = run_fields_but(
         "seq_len": "Sequence length T (default: 300).",
         "batch_size": "Rows per batch (default: 2).",
         "lora_rank": "Check with LoRA adapters of this rank (default: 0, none).",
-        "dtype": "fp64 (tolerance 1e-10, default), fp32 (1e-5) or bf16 (reported only).",
+        "dtype": "fp64 (tolerance 1e-10, default), fp32 (against an fp64 step: within a small factor of bp's own "
+        "fp32 error) or bf16 (reported only).",
         "chunk_size": "StreamBP positions per layer chunk (default: 128).",
         "num_layers": "Keep only the first N decoder layers (default: 2).",
         "device": "cpu (default), cuda or cuda:N.",
@@ -43,25 +44,56 @@ def check(settings: dict, methods: tuple[str, ...]) -> None:
     layers = f"{run.num_layers} layers" if run.num_layers else "all layers"
     layers += f", LoRA r{run.lora_rank}" if run.lora_rank else ""
     chunks = f", chunk {streamed.settings.chunk_size}/{streamed.settings.logits_chunk_size}" if streamed else ""
+    judged = run.dtype == "fp32"  # every row against an fp64 step, bp's own row included
     table = Table(
-        title=f"{run.model} ({layers}), {run.objective}, {run.dtype}, B={run.batch_size}, T={run.seq_len}{chunks}: vs bp"
+        title=f"{run.model} ({layers}), {run.objective}, {run.dtype}, B={run.batch_size}, T={run.seq_len}{chunks}: "
+        f"vs {results[0].reference}"
     )
-    for column in ("method", "result", "loss err", "grad err", "tolerance", "worst gradient"):
+    columns = ("method", "result", "loss err", "grad err", "tolerance", "worst gradient")
+    columns += ("worst vs bp fp32",) if judged else ()
+    for column in columns:
         table.add_column(column, no_wrap=column != "worst gradient", overflow="fold")
     for result in results:
         worst = result.worst
-        table.add_row(
+        cells = [
             result.method,
-            "[green]exact[/]" if result.ok else "[red]DIFFERS[/]",
+            ("[green]exact[/]" if result.ok else "[red]DIFFERS[/]")
+            if result.method != "bp" or not judged
+            else ("[green]reference ok[/]" if result.ok else "[red]REFERENCE?[/]"),
             f"{result.loss.rel_error:.2e}",
             f"{worst.rel_error:.2e}",
-            str(worst.tolerance) if worst.tolerance is not None else "reported",
+            f"{worst.tolerance:.2g}" if worst.tolerance is not None else "reported",
             worst.name,
-        )
+        ]
+        if judged:
+            cells.append("" if result.versus_baseline is None else f"{result.versus_baseline:.2e}")
+        table.add_row(*cells)
     console = Console()
     console.print(table)
+    if judged:
+        for line in error_ratios(results):
+            console.print(line, highlight=False)
     failed = [d for r in results for d in r.failures()]
     for diff in failed:
         console.print(f"[red]{diff.describe()}[/]", highlight=False)
     if failed:
         raise typer.Exit(1)
+
+
+def error_ratios(results) -> list[str]:
+    """fp32: per method, its error over bp's on each tensor (both against fp64): the spread that
+    FP32_ERROR_FACTOR must cover, and the tensor where it is largest."""
+    baseline = {d.name: d for d in results[0].grads}
+    lines = []
+    for result in results[1:]:
+        ratios = sorted(
+            (d.rel_error / baseline[d.name].rel_error, d.name) for d in result.grads if baseline[d.name].rel_error > 0
+        )
+        if ratios:
+            median = ratios[len(ratios) // 2][0]
+            top, name = ratios[-1]
+            lines.append(
+                f"{result.method}: error / bp's error over {len(ratios)} tensors: median {median:.2f}, max {top:.2f} "
+                f"({name}: {baseline[name].rel_error:.2e} for bp)"
+            )
+    return lines

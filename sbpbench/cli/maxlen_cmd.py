@@ -30,7 +30,7 @@ MAXLEN_FIELDS = run_fields_but("repeats") + SEARCH_FIELDS
     MAXLEN_FIELDS,
     helps={
         "seq_len": "First probe length (default: 1024 cuda, 512 cpu).",
-        "warmup": "Discarded steps before each probe's memory step (default: 1).",
+        "warmup": "Discarded steps before each probe's memory step (default: 0; its peak needs none).",
         "memory_limit": "The memory budget, e.g. 80GiB (default: 80GiB on cuda, capping the process so an 80 GB "
         "card is emulated on a larger one; 1GiB of tracked tensors on cpu).",
     },
@@ -76,8 +76,6 @@ def maxlen(
         defaults = {**SEARCH_DEFAULTS[kind], "repeats": 0}  # probes measure memory only
         if gpu_memory:
             settings["memory_limit"] = gpu_memory
-        if kind == "cpu":
-            defaults["warmup"] = 0  # CPU memory is measured before any warm-up
         if simulate:
             settings["device"] = "cpu"  # fake CPU tensors stand in for the GPU's
         ceiling = search.get("seq_len_ceiling", defaults.pop("seq_len_ceiling"))

@@ -35,7 +35,7 @@ def resolve_device(device: str, field: str = "device") -> str:
 def _indexed(index: int | None, field: str = "device") -> str:
     count = torch.cuda.device_count()
     if index is None:
-        index = torch.cuda.current_device()
+        index = 0
     if not 0 <= index < count:
         raise ConfigError(
             field, f"cuda:{index} does not exist: {count} CUDA device(s) visible (cuda:0..cuda:{count - 1})"

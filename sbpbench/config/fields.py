@@ -46,7 +46,7 @@ SETTINGS: dict[str, Setting] = {
         "steady (default): gradient buffers resident before the step (the paper's); first: allocated in it.",
         PROTOCOLS,
     ),
-    "warmup": Setting(int, "Discarded steps before measuring (default: 1)."),
+    "warmup": Setting(int, "Discarded steps before measuring (default: 1; 0 with --repeats 0)."),
     "repeats": Setting(int, "Timed steps (median, min, max); 0: memory only (default: 3)."),
     "memory_limit": Setting(
         (int, str), "Cap memory, e.g. 80GiB: CUDA per-process limit; CPU limit on tracked tensors (default: none)."

@@ -73,7 +73,7 @@ class RunSpec:
     settings: MethodSettings = field(default_factory=MethodSettings)  # only what `method` reads is set
     num_layers: int | None = None  # keep the first N decoder layers (None: the model's depth)
     protocol: str = "steady"
-    warmup: int = 1  # steps run and discarded before the measured ones
+    warmup: int = 1  # steps run and discarded before the measured ones (point_specs: 0 if repeats is 0)
     repeats: int = 3  # timed steps (0: memory only, as a max-length probe)
     memory_limit: int | None = None  # bytes; CUDA: per-process cap; CPU: cap on tracked bytes
     seed: int = 0
@@ -199,6 +199,8 @@ def point_specs(
         given.setdefault(name, value)
     objective = given.get("objective", "sft")
     given.setdefault("batch_size", DEFAULT_BATCH_SIZES.get(objective, 1))
+    if given.get("repeats") == 0:  # memory only (a max-length probe): one step, its peak needs no
+        given.setdefault("warmup", 0)  # warm-up (runner/point.py `_measure_cuda` says why)
     seq_len = given["seq_len"]
     settings = {name: given.pop(name) for name in SETTING_NAMES if name in given}
     if "chunk_size" in settings and _is_int(seq_len):

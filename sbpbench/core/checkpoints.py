@@ -82,4 +82,3 @@ def _chunked_forward(forward, index: int, saved: Checkpoints, chunk_size: int):
         return output
 
     return chunked
-

@@ -15,8 +15,8 @@ import torch
 from .adapters import DecoderParts
 from .chunking import chunk_bounds
 from .grad_accum import ChunkGradAccumulator
-from .objectives import Objective
 from .labels import loss_dtype
+from .objectives import Objective
 
 
 def _chunk_logits(parts: DecoderParts, hidden: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ order section by section; "Memory per phase" gives what is resident when.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
@@ -23,12 +24,17 @@ from .attention import ATTENTION_NAME
 from .checkpoints import forward_checkpoints
 from .grad_accum import ChunkGradAccumulator
 from .head import head_backward
+from .labels import IGNORE_INDEX
 from .layer_backward import layer_backward
 from .objectives import SFT, Objective
-from .labels import IGNORE_INDEX
 
 DEFAULT_CHUNK_SIZE = 500  # the paper's layer partition for its max-length runs (appendix D)
 DEFAULT_LOGITS_CHUNK_SIZE = 100  # the paper's logits partition
+
+# progress(done, num_layers): called with 0 once the checkpoint pass and the head are done, then
+# after each layer's backward with the number of layers done. Core only calls it; what to do with
+# it (print past a few seconds, log) is the caller's.
+LayerProgress = Callable[[int, int], None]
 
 
 def stream_backward(
@@ -41,6 +47,7 @@ def stream_backward(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     logits_chunk_size: int = DEFAULT_LOGITS_CHUNK_SIZE,
     fp32_grad_accumulation: bool = True,
+    progress: LayerProgress | None = None,
 ) -> torch.Tensor:
     """Forward + backward of a training objective with StreamBP.
 
@@ -53,7 +60,8 @@ def stream_backward(
     their own labels and inputs). attention_mask: (B, T) of 0/1 with right padding only; padded
     positions must not be the source of a counted prediction. chunk_size: positions per chunk in the layer backward;
     logits_chunk_size: positions per chunk in the head. fp32_grad_accumulation: sum per-chunk
-    gradients of bf16/fp16 parameters in fp32 and round once (see grad_accum.py).
+    gradients of bf16/fp16 parameters in fp32 and round once (see grad_accum.py). progress: see
+    LayerProgress (per layer of the backward, for long steps).
     """
     _check_sizes(chunk_size, logits_chunk_size)
     if (labels is None) == (objective is None):
@@ -76,7 +84,10 @@ def stream_backward(
             head_grads.round_sums()  # the embedding's gradient joins this sum before it meets .grad
         else:
             head_grads.finish()
-        for index in reversed(range(len(parts.layers))):
+        num_layers = len(parts.layers)
+        if progress is not None:
+            progress(0, num_layers)
+        for index in reversed(range(num_layers)):
             layer_backward(
                 parts.layers[index],
                 saved.layer_inputs[index],
@@ -87,6 +98,8 @@ def stream_backward(
                 fp32_grad_accumulation=fp32_grad_accumulation,
             )
             saved.layer_inputs[index] = None  # free X_l
+            if progress is not None:
+                progress(num_layers - index, num_layers)
         if embed_trainable:
             with torch.enable_grad():
                 parts.embed(input_ids).backward(grad)

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.objectives import DPO, GRPO
 from ..core.labels import IGNORE_INDEX
+from ..core.objectives import DPO, GRPO
 from .sft import TokenBatch, pad_lengths
 
 DEFAULT_PROMPT_LEN = 1000  # the paper's GRPO and DPO prompt length

@@ -12,8 +12,8 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from ..core.objectives import SFT
 from ..core.labels import IGNORE_INDEX
+from ..core.objectives import SFT
 
 
 class TokenBatch:

@@ -49,3 +49,76 @@ def training_flops(model: torch.nn.Module, *, batch_size: int, seq_len: int) -> 
         3 * 4 * heads * head_dim * mean_attended_keys(seq_len, w) * tokens for w in attention_layer_windows(config)
     )
     return float(dense + attention)
+
+
+# Where a step's time goes: FLOPs *executed* per phase (recomputation included, unlike
+# training_flops), from the config alone, so any registered shape is priced without building it.
+# Same conventions as above: 2 FLOPs per multiply-add, backward = 2x forward (PaLM). Flash-style
+# attention kernels recompute QK^T in their backward (2.5x forward, FlashAttention-2 section 3.1);
+# that is left out here, so the attention shares are if anything low.
+PHASES = {
+    # method -> its phases in order; "layers" counts what each phase runs per decoder layer
+    "bp": ("forward", "head", "layer backward"),
+    "ckpt": ("forward", "head", "layer backward"),
+    "streambp": ("checkpoint pass", "head", "layer backward"),
+}
+
+
+def _layer_shapes(config) -> tuple[int, int, int]:
+    """(weights of one decoder layer's matmuls, weights of its K and V projections, heads x head_dim)."""
+    d, heads = config.hidden_size, config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or d // heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    attention = 2 * d * heads * head_dim + 2 * d * kv * head_dim  # q, o; k, v
+    mlp = 3 * d * config.intermediate_size  # gate, up, down
+    return attention + mlp, 2 * d * kv * head_dim, heads * head_dim
+
+
+def phase_flops(config, *, method: str, batch_size: int, seq_len: int) -> dict[str, tuple[float, float]]:
+    """phase -> (matmul FLOPs, attention FLOPs) executed by one step of `method` (bp, ckpt,
+    streambp; full fine-tuning, SFT). The head is lm_head over every position, forward and both
+    gradients; layer backward includes what the method recomputes there (ckpt: the layer's
+    forward; streambp: the K/V projections of all positions, then the forward chunk by chunk)."""
+    if method not in PHASES:
+        raise ValueError(f"no phase model for method {method!r}; choose from {', '.join(PHASES)}")
+    tokens = batch_size * seq_len
+    layer_weights, kv_weights, width = _layer_shapes(config)
+    # one layer's attention forward: QK^T and AV, 2 FLOPs each per multiply-add, over the keys seen
+    attention_fwd = sum(4 * width * mean_attended_keys(seq_len, w) * tokens for w in attention_layer_windows(config))
+    num_layers = config.num_hidden_layers
+    forward = (2 * layer_weights * tokens * num_layers, attention_fwd)
+    backward = (4 * layer_weights * tokens * num_layers, 2 * attention_fwd)
+    head = (6 * config.hidden_size * config.vocab_size * tokens, 0.0)
+    recompute = {"bp": (0.0, 0.0), "ckpt": forward}.get(method)
+    if recompute is None:  # streambp: K/V of all T once, then every chunk's forward again
+        recompute = (forward[0] + 2 * kv_weights * tokens * num_layers, forward[1])
+    first = PHASES[method][0]
+    return {
+        first: forward,
+        "head": head,
+        "layer backward": (backward[0] + recompute[0], backward[1] + recompute[1]),
+    }
+
+
+def phase_flops_markdown(config, *, model: str, method: str, batch_size: int, seq_len: int, tflops_per_s: float) -> str:
+    """A Markdown table of phase_flops with each phase's share and its time at `tflops_per_s`."""
+    phases = phase_flops(config, method=method, batch_size=batch_size, seq_len=seq_len)
+    total = sum(m + a for m, a in phases.values())
+    lines = [
+        f"FLOPs executed by one {method} step, {model}, B={batch_size}, T={seq_len} "
+        f"(s: the time at {tflops_per_s:g} TFLOP/s executed):",
+        "",
+        "| phase | matmul PFLOP | attention PFLOP | share | s |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for phase, (matmul, attention) in phases.items():
+        lines.append(
+            f"| {phase} | {matmul / 1e15:.2f} | {attention / 1e15:.2f} | {(matmul + attention) / total:.0%} "
+            f"| {(matmul + attention) / tflops_per_s / 1e12:.0f} |"
+        )
+    attention_total = sum(a for _, a in phases.values())
+    lines.append(
+        f"| total | {(total - attention_total) / 1e15:.2f} | {attention_total / 1e15:.2f} | 100% "
+        f"| {total / tflops_per_s / 1e12:.0f} |"
+    )
+    return "\n".join(lines)

@@ -1,7 +1,9 @@
 """`sbp check`: does each method give standard BP's loss and gradients on this model, here?
 
 Builds the spec's model (random weights, seeded) in fp64 or fp32, one synthetic batch with the
-paper's random right padding, and compares every method with `bp` (see methods/exactness.py).
+paper's random right padding, and compares every method with `bp` (see methods/exactness.py):
+in fp64 directly (1e-10); in fp32 against a float64 step on the same weights, each method within a
+small factor of bp's own fp32 error (`judge_against_fp64`).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from dataclasses import dataclass
 from ..config import RunSpec
 from ..config.build import build_model_and_batch
 from ..methods import MethodSettings
-from ..methods.exactness import MethodComparison, compare_methods
+from ..methods.exactness import MethodComparison, compare_methods, judge_against_fp64
 from ..methods.settings import SETTING_NAMES
 
 
@@ -40,4 +42,6 @@ def check_exactness(spec: ExactnessSpec) -> list[MethodComparison]:
         }
     )
     methods = [s.method for s in spec.specs[1:]]
+    if run.dtype == "fp32":
+        return judge_against_fp64(model, batch, methods, settings, baseline=run.method)
     return compare_methods(model, batch, methods, settings, reference=run.method)

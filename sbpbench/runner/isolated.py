@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -27,6 +28,7 @@ from pathlib import Path
 from ..config import RunSpec
 from ..config.rows import spec_fields
 from ..measure.environment import Environment, capture_environment
+from ..measure.progress import PROGRESS_PREFIX
 from ..records import ResultRow, upsert_rows
 
 _ROW_FIELDS = {f.name for f in fields(ResultRow)}
@@ -83,6 +85,16 @@ def remove_stale_point_dirs(root: str | None = None) -> int:
     return removed
 
 
+def _read_stderr(pipe, lines: list[str]) -> None:
+    """Keep the worker's stderr for its error line, and pass its progress lines (a long step's
+    "layer i of L", measure/progress.py) on to this process's stderr as they come."""
+    for line in pipe:
+        lines.append(line)
+        if line.startswith(PROGRESS_PREFIX):
+            sys.stderr.write(line)
+            sys.stderr.flush()
+
+
 def run_isolated(spec: RunSpec, env: Environment | None = None) -> ResultRow:
     """Measure one point in a worker process and return its row, provenance filled."""
     env = env or capture_environment(spec.device)
@@ -97,17 +109,27 @@ def run_isolated(spec: RunSpec, env: Environment | None = None) -> ResultRow:
             text=True,
             start_new_session=True,  # its own process group: a timeout kills all of it
         )
+        lines: list[str] = []
+        reader = threading.Thread(target=_read_stderr, args=(worker.stderr, lines), daemon=True)
+        reader.start()
         try:
-            _, stderr = worker.communicate(spec.to_json(), timeout=spec.timeout_s)
+            try:
+                worker.stdin.write(spec.to_json())
+                worker.stdin.close()
+            except BrokenPipeError:  # the worker died at start; its stderr says why
+                pass
+            worker.wait(timeout=spec.timeout_s)
             timed_out = False
         except subprocess.TimeoutExpired:
             os.killpg(worker.pid, signal.SIGKILL)
-            _, stderr = worker.communicate()
+            worker.wait()
             timed_out = True
         except BaseException:  # Ctrl-C or a kill of this process: the worker must not outlive it
             os.killpg(worker.pid, signal.SIGKILL)
             worker.wait()
             raise
+        reader.join()
+        stderr = "".join(lines)
         if result_path.exists():
             row = ResultRow(**json.loads(result_path.read_text()))
         else:

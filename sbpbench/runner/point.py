@@ -4,7 +4,8 @@ Protocol (recorded in every row):
   1. build the model (random weights, seeded) and the batch on the device;
   2. on a GPU: `warmup` steps, discarded (kernels load, cuBLAS workspaces and allocator caches
      fill), then one memory step with the peaks reset just before it (torch.cuda peak stats, an
-     NVML sampler, the peak RSS);
+     NVML sampler, the peak RSS); a memory-only point defaults to no warm-up (config/run.py
+     `point_specs`; why its peak is the same: `_measure_cuda`);
      on the CPU: the memory step first (the live-tensor tracker counts tensors, which no lazy
      setup creates there, and a step over --memory-limit stops before any warm-up is spent),
      then the warm-up, which also keeps the tracker's first-run costs out of the timed steps;
@@ -14,6 +15,8 @@ The worker runs spec.threads intra-op threads (default: the physical cores it ma
 records them and the load average as the point started.
 Gradients before each step follow the protocol: steady = resident and zeroed in place, first =
 None. An out-of-memory error anywhere is the point's result (status oom), not a crash.
+A step that runs past a few seconds prints "layer i of L" lines to stderr (measure/progress.py;
+StreamBP steps only: bp and ckpt are transformers' own backward, with no per-layer callback).
 """
 
 from __future__ import annotations
@@ -29,10 +32,12 @@ from ..config.rows import spec_fields
 from ..measure.cuda_memory import NvmlPeakSampler, nvml_handle, start_cuda
 from ..measure.flops import training_flops
 from ..measure.host_memory import peak_rss_bytes, reset_peak_rss
+from ..measure.progress import StepProgress
 from ..measure.tensor_tracker import LiveTensorTracker, TrackedOutOfMemoryError
 from ..measure.threads import load_average_1m, set_intra_op_threads
 from ..measure.timing import time_steps
 from ..methods.step import TrainingStep, storage_bytes
+from ..methods.streambp import reporting_progress
 from ..records import ResultRow, one_line
 
 _HOST_OOM_MESSAGES = ("can't allocate memory", "out of memory")
@@ -60,8 +65,8 @@ def build_step(spec: RunSpec, row: ResultRow) -> TrainingStep:
     return step
 
 
-def _measure_cpu(spec: RunSpec, step: TrainingStep, row: ResultRow) -> Callable[[], None]:
-    step.prepare()
+def _measure_cpu(spec: RunSpec, step: TrainingStep, row: ResultRow, prepare: Callable[[], None]) -> Callable[[], None]:
+    prepare()
     resident = storage_bytes(step.resident_tensors())
     if spec.memory_limit is not None and resident > spec.memory_limit:
         raise TrackedOutOfMemoryError(
@@ -79,19 +84,29 @@ def _measure_cpu(spec: RunSpec, step: TrainingStep, row: ResultRow) -> Callable[
         row.peak_allocated_bytes = resident + tracker.peak_bytes
         row.activation_peak_bytes = tracker.peak_bytes
     for _ in range(spec.warmup):
-        step.prepare()
+        prepare()
         step.run()
     return lambda: None
 
 
-def _measure_cuda(spec: RunSpec, step: TrainingStep, row: ResultRow, device: torch.device) -> Callable[[], None]:
+def _measure_cuda(
+    spec: RunSpec, step: TrainingStep, row: ResultRow, device: torch.device, prepare: Callable[[], None]
+) -> Callable[[], None]:
+    """Warm-up, then the memory step. A memory-only probe needs no warm-up for its peak:
+    max_memory_allocated counts live tensors, and what a first step creates lazily and keeps
+    (cuBLAS/cuBLASLt workspaces, allocated through the caching allocator on the first matmul)
+    is then allocated early inside the measured step and still counted at its peak, instead of
+    sitting in the baseline; the peak is the same, activation_peak_bytes (peak - baseline) grows
+    by the workspaces (a few MiB to tens of MiB) and peak_reserved_bytes may differ (no cached
+    segments to reuse). The warm-up matters for timing, which a probe does not do."""
+
     def synchronize() -> None:
         torch.cuda.synchronize(device)
 
     for _ in range(spec.warmup):
-        step.prepare()
+        prepare()
         step.run()
-    step.prepare()
+    prepare()
     synchronize()
     torch.cuda.reset_peak_memory_stats(device)
     row.baseline_bytes = torch.cuda.memory_allocated(device)
@@ -127,13 +142,23 @@ def measure_point(spec: RunSpec) -> ResultRow:
                 torch.cuda.set_per_process_memory_fraction(spec.memory_limit / total, device)
         step = build_step(spec, row)
         row.optimizer_state_bytes = step.optimizer_state_bytes
-        if device.type == "cuda":
-            synchronize = _measure_cuda(spec, step, row, device)
-        else:
-            synchronize = _measure_cpu(spec, step, row)
-        timing = None
-        if spec.repeats:
-            timing = time_steps(step.run, repeats=spec.repeats, synchronize=synchronize, before_each=step.prepare)
+        progress = StepProgress(
+            f"{spec.method} {spec.model} T={spec.seq_len}",
+            synchronize=(lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else lambda: None,
+        )
+
+        def prepare() -> None:  # before each step: gradients per protocol, the progress clock
+            step.prepare()
+            progress.restart()
+
+        with reporting_progress(progress):
+            if device.type == "cuda":
+                synchronize = _measure_cuda(spec, step, row, device, prepare)
+            else:
+                synchronize = _measure_cpu(spec, step, row, prepare)
+            timing = None
+            if spec.repeats:
+                timing = time_steps(step.run, repeats=spec.repeats, synchronize=synchronize, before_each=prepare)
         row.optimizer_state_bytes = step.optimizer_state_bytes
     except Exception as error:  # noqa: BLE001 (any failure is the point's outcome, classified; the traceback goes to the worker's stderr)
         traceback.print_exc()

@@ -1,0 +1,165 @@
+"""The selftest's Markdown summary: what ran, measured vs estimated peaks, the long point, and
+where a long step's time goes. Pure functions of the selftest's outcomes, rows and log, so every
+GPU-only line of it is tested on a CPU with stand-in rows."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from ..measure.flops import phase_flops_markdown
+from ..measure.progress import PROGRESS_PREFIX
+from ..measure.units import GIB
+
+# the issue's H100 measurements put the estimator within about 1% of the measured peaks
+GOOD_ESTIMATE = 0.05
+
+
+@dataclass(frozen=True)
+class PointError:
+    model: str
+    seq_len: int
+    method: str
+    chunk_size: str
+    measured_status: str
+    measured_bytes: int | None
+    estimated_status: str
+    estimated_bytes: int | None
+
+    @property
+    def error(self) -> float | None:
+        """(estimate - measured) / measured of the peak allocated bytes; None unless both exist."""
+        if not self.measured_bytes or self.estimated_bytes is None or self.measured_status != "ok":
+            return None
+        return (self.estimated_bytes - self.measured_bytes) / self.measured_bytes
+
+
+def _int(value) -> int | None:
+    return None if value in (None, "") else int(float(value))
+
+
+def _point(row: dict) -> tuple[str, int, str]:
+    return row["model"], int(row["seq_len"]), row["method"]
+
+
+def estimate_errors(
+    measured: list[dict], simulated: list[dict], points: list[tuple[str, int, str]]
+) -> list[PointError]:
+    """One PointError per (model, seq_len, method) in `points`, from measured rows (sbp run) and
+    simulated ones (sbp estimate): the last row of each point wins, as in an upserted CSV."""
+    ours = {_point(r): r for r in measured if r.get("kind", "point") == "point" and r.get("seq_len")}
+    theirs = {_point(r): r for r in simulated if r.get("seq_len")}
+    errors = []
+    for point in points:
+        m, s = ours.get(point, {}), theirs.get(point, {})
+        errors.append(
+            PointError(
+                *point,
+                chunk_size=m.get("chunk_size") or s.get("chunk_size") or "",
+                measured_status=m.get("status", "missing"),
+                measured_bytes=_int(m.get("peak_allocated_bytes")),
+                estimated_status=s.get("status", "missing"),
+                estimated_bytes=_int(s.get("peak_allocated_bytes")),
+            )
+        )
+    return errors
+
+
+def _gib(nbytes: int | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / GIB:.2f}"
+
+
+def estimate_table(errors: list[PointError]) -> list[str]:
+    lines = [
+        "| model | T | method | chunk | measured GiB | estimated GiB | estimate error | note |",
+        "|---|---:|---|---:|---:|---:|---:|---|",
+    ]
+    for e in errors:
+        error = "-" if e.error is None else f"{e.error:+.1%}"
+        notes = []
+        if e.measured_status != "ok":
+            notes.append(f"measured: {e.measured_status}")
+        if e.estimated_status not in ("ok",):
+            notes.append(f"estimate: {e.estimated_status}")
+        if e.error is not None and abs(e.error) > GOOD_ESTIMATE:
+            notes.append(f"off by more than {GOOD_ESTIMATE:.0%}")
+        lines.append(
+            f"| {e.model} | {e.seq_len} | {e.method} | {e.chunk_size or '-'} | {_gib(e.measured_bytes)} "
+            f"| {_gib(e.estimated_bytes)} | {error} | {'; '.join(notes)} |"
+        )
+    return lines
+
+
+_PROGRESS_LINE = re.compile(re.escape(PROGRESS_PREFIX) + r" (?P<label>.*?): (?P<what>.*), (?P<seconds>[0-9.]+) s$")
+
+
+def progress_seconds(log_text: str, label: str) -> float | None:
+    """The elapsed time of the last progress line of `label` in a log: a long step's duration
+    when it ran to its last layer (measure/progress.py prints from the 5th second on)."""
+    seconds = None
+    for line in log_text.splitlines():
+        match = _PROGRESS_LINE.match(line.strip())
+        if match and match["label"] == label:
+            seconds = float(match["seconds"])
+    return seconds
+
+
+def pytest_counts(log_text: str) -> dict[str, int]:
+    """PASSED / FAILED / SKIPPED / ERROR counts from `pytest -v` lines (read even when a timeout
+    killed pytest before its own summary)."""
+    counts: dict[str, int] = {}
+    for word in re.findall(r"::\S+ (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)", log_text):
+        counts[word] = counts.get(word, 0) + 1
+    return counts
+
+
+def summary_markdown(
+    *,
+    title: str,
+    provenance: str,
+    steps: list[tuple[str, str, float]],
+    errors: list[PointError],
+    pytest: dict[str, int] | None,
+    long_point: str | None,
+    flops: tuple | None,
+) -> str:
+    """steps: (name, status, wall seconds, CPU seconds or None); flops: (config, model, method,
+    seq_len, tflops_per_s, a line saying where that rate comes from) of the breakdown, or None."""
+    lines = [
+        f"# {title}",
+        "",
+        provenance,
+        "",
+        "## Steps",
+        "",
+        "| step | result | wall s | CPU s |",
+        "|---|---|---:|---:|",
+    ]
+    lines += [
+        f"| {name} | {status} | {seconds:.0f} | {'-' if cpu is None else f'{cpu:.0f}'} |"
+        for name, status, seconds, cpu in steps
+    ]
+    if pytest is not None:
+        counted = ", ".join(f"{n} {word.lower()}" for word, n in sorted(pytest.items())) or "no test result lines"
+        lines += ["", f"gpu-marked tests: {counted} (details in selftest.log)."]
+    lines += [
+        "",
+        "## Peak memory: measured vs `sbp estimate`",
+        "",
+        "Peak = max allocated (GiB = 2^30 B), steady protocol; error = (estimate - measured) / measured.",
+        "",
+        *estimate_table(errors),
+    ]
+    if long_point:
+        lines += ["", "## The long point", "", long_point]
+    if flops is not None:
+        config, model, method, seq_len, rate, note = flops
+        lines += [
+            "",
+            "## Where a long step's time goes",
+            "",
+            phase_flops_markdown(config, model=model, method=method, batch_size=1, seq_len=seq_len, tflops_per_s=rate),
+            "",
+            note,
+        ]
+    return "\n".join(lines) + "\n"

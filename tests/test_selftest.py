@@ -1,0 +1,196 @@
+"""`sbp selftest`: its plans, the long point's length, the estimate's error and the summary are
+checked on a CPU with stand-in rows and steps; the CPU subset runs end to end (slow tier)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sbpbench.measure.environment import capture_environment
+from sbpbench.measure.progress import PROGRESS_PREFIX
+from sbpbench.models import load_config
+from sbpbench.records import ResultRow, upsert_rows
+from sbpbench.runner import selftest as st
+from sbpbench.runner.selftest_summary import estimate_errors, progress_seconds, pytest_counts
+
+
+def _row(model, seq_len, method, *, source="measured", status="ok", peak=None, time_s=None):
+    return ResultRow(
+        model=model,
+        seq_len=seq_len,
+        method=method,
+        source=source,
+        status=status,
+        peak_allocated_bytes=peak,
+        time_median_s=time_s,
+        dtype="bf16",
+        device="cuda:0",
+        batch_size=1,
+        objective="sft",
+        step="bp",
+        protocol="steady",
+        lora_rank=0,
+    )
+
+
+def test_output_directories_name_the_device():
+    """A GPU's results go to OUT/gpu/<device name with dashes>/, a CPU's to OUT/cpu-selftest/."""
+    assert st.output_dir(Path("r"), "cuda", "NVIDIA H100 80GB HBM3") == Path("r/gpu/NVIDIA-H100-80GB-HBM3")
+    assert st.output_dir(Path("r"), "cpu", "AMD EPYC") == Path("r/cpu-selftest")
+
+
+def test_cpu_plan_is_a_check_a_run_and_its_estimate(tmp_path):
+    """The CPU subset: sbp check, a short sbp run and the estimate of the same point, into OUT."""
+    test = st.Selftest("cpu", tmp_path, st.CPU_BUDGET_S)
+    names = [step.argv[1] for step in st.cpu_plan(test)]
+    assert names == ["check", "run", "estimate"]
+    run, estimate = st.cpu_plan(test)[1:]
+    assert str(test.runs_csv) in run.argv and str(test.estimates_csv) in estimate.argv
+    shared = lambda argv: [a for a in argv if a in ("small/qwen3", "512", "128", "100")]
+    assert shared(run.argv) == shared(estimate.argv)  # the estimate predicts the point that was run
+
+
+def test_gpu_plan_covers_the_issue_points(tmp_path):
+    """On a GPU: the default run (no options), 8B bp T=4608 and ckpt T=20000 memory-only, the
+    gpu-marked tests, and an estimate of every point running beside them."""
+    test = st.Selftest("cuda", tmp_path, st.GPU_BUDGET_S)
+    steps = st.gpu_plan(test, tests_dir=Path("tests"))
+    foreground = [s.argv for s in steps if not s.background]
+    assert foreground[0] == ("sbpbench", "run", "--out", str(test.runs_csv))
+    probes = [a for a in foreground if "--repeats" in a]
+    assert [(a[a.index("--seq") + 1], a[a.index("--method") + 1]) for a in probes] == [
+        ("4608", "bp"),
+        ("20000", "ckpt"),
+    ]
+    assert all(a[a.index("--repeats") + 1] == "0" for a in probes)
+    assert foreground[-1][:4] == ("pytest", "-v", "-m", "gpu")
+    estimated = {
+        (a[a.index("--seq") + 1], m)
+        for a in (s.argv for s in steps if s.background)
+        for m in a[a.index("--method") + 1 :]
+        if not m.startswith("--") and m != str(test.estimates_csv)
+    }
+    assert {(str(t), m) for _, t, m in st.GPU_POINTS} <= estimated
+
+
+def test_the_long_point_is_the_longest_that_fits_the_time_left():
+    """110k with time to spare, a shorter T with less, none when not even 32k fits."""
+    config = load_config("Qwen/Qwen3-8B")
+    rate = 1 / 300e12  # seconds per executed FLOP at 300 TFLOP/s: 110k takes ~70 s
+    assert st.long_seq_len(400, seconds_per_flop=rate, config=config) == 110_000
+    assert st.long_seq_len(90, seconds_per_flop=rate, config=config) in st.LONG_SEQ_LENS[1:]
+    assert st.long_seq_len(30, seconds_per_flop=rate, config=config) is None
+
+
+def test_the_speed_comes_from_the_default_runs_streambp_row():
+    """seconds per executed FLOP = the 4B T=9000 step time / that step's executed FLOPs (of the
+    row's model, not the long point's); without a row the assumed model rate is used."""
+    from sbpbench.measure.flops import phase_flops
+
+    config4b, config8b = load_config("Qwen/Qwen3-4B"), load_config("Qwen/Qwen3-8B")
+    flops = sum(m + a for m, a in phase_flops(config4b, method="streambp", batch_size=1, seq_len=9000).values())
+    row = {"model": "Qwen/Qwen3-4B", "seq_len": "9000", "batch_size": "1", "time_median_s": "2.0"}
+    assert st.seconds_per_executed_flop(row, config8b) == pytest.approx(2.0 / flops)  # the row's own model
+    assert 1 / st.seconds_per_executed_flop(None, config8b) > st.ASSUMED_MODEL_TFLOPS * 1e12  # executed > model
+
+
+def test_estimate_error_per_point():
+    """error = (estimate - measured) / measured on peak allocated; an OOM or a missing row has none."""
+    gib = 2**30
+    measured = [
+        _row("m", 9000, "ckpt", peak=32 * gib).as_dict(),
+        _row("m", 9000, "bp", status="oom", peak=75 * gib).as_dict(),
+    ]
+    simulated = [
+        _row("m", 9000, "ckpt", source="simulated", peak=int(32.32 * gib)).as_dict(),
+        _row("m", 9000, "bp", source="simulated", peak=91 * gib).as_dict(),
+    ]
+    points = [("m", 9000, "ckpt"), ("m", 9000, "bp"), ("m", 9000, "streambp")]
+    ckpt, bp, streambp = estimate_errors([_strings(r) for r in measured], [_strings(r) for r in simulated], points)
+    assert ckpt.error == pytest.approx(0.01, abs=1e-3)
+    assert bp.error is None and bp.measured_status == "oom"
+    assert streambp.error is None and streambp.measured_status == "missing"
+
+
+def _strings(row: dict) -> dict:
+    return {k: "" if v is None else str(v) for k, v in row.items()}
+
+
+def test_log_readers():
+    """The long step's time is its last progress line; pytest results are counted from -v lines."""
+    log = "\n".join(
+        [
+            f"{PROGRESS_PREFIX} streambp Qwen/Qwen3-8B T=110000: checkpoint pass and head done, 20.5 s",
+            f"{PROGRESS_PREFIX} streambp Qwen/Qwen3-8B T=110000: layer 36 of 36 backward done, 81.0 s",
+            "tests/test_gpu.py::test_a[x] PASSED  [ 50%]",
+            "tests/test_gpu.py::test_b FAILED  [100%]",
+        ]
+    )
+    assert progress_seconds(log, "streambp Qwen/Qwen3-8B T=110000") == 81.0
+    assert progress_seconds(log, "streambp Qwen/Qwen3-8B T=96000") is None
+    assert pytest_counts(log) == {"PASSED": 1, "FAILED": 1}
+
+
+def test_gpu_selftest_runs_its_plan_and_writes_the_summary(tmp_path, monkeypatch):
+    """The GPU path end to end with stand-in steps: the default run's streambp speed picks the
+    long point, whose estimate joins the background; summary.md holds every point's error, the
+    long point and the FLOP breakdown."""
+    gib = 2**30
+    test = st.Selftest("cuda", tmp_path, st.GPU_BUDGET_S)
+    ran = []
+
+    def fake_run_step(step, log, env=None):
+        ran.append(step)
+        argv = step.argv
+        if argv[:2] == ("sbpbench", "run"):
+            if "--model" not in argv:  # the default run
+                upsert_rows(test.runs_csv, [_row("Qwen/Qwen3-4B", 9000, "streambp", peak=19 * gib, time_s=2.0)])
+            else:
+                seq, method = int(argv[argv.index("--seq") + 1]), argv[argv.index("--method") + 1]
+                upsert_rows(test.runs_csv, [_row(argv[argv.index("--model") + 1], seq, method, peak=50 * gib)])
+                with log.open("a") as out:
+                    out.write(
+                        f"{PROGRESS_PREFIX} {method} Qwen/Qwen3-8B T={seq}: layer 36 of 36 backward done, 75.0 s\n"
+                    )
+        if argv[:2] == ("sbpbench", "estimate"):
+            seq = int(argv[argv.index("--seq") + 1])
+            methods = argv[argv.index("--method") + 1 : argv.index("--out")]
+            model = argv[argv.index("--model") + 1]
+            upsert_rows(
+                test.estimates_csv, [_row(model, seq, m, source="simulated", peak=int(50.5 * gib)) for m in methods]
+            )
+        return st.Outcome(step, "ok", 1.0)
+
+    monkeypatch.setattr(st, "run_step", fake_run_step)
+    st.run_selftest(test, tests_dir=Path("tests"), echo=lambda line: None)
+    assert test.long_seq_len == 110_000
+    assert sum(s.background for s in ran) == 4  # three fixed points' estimates and the long one's
+    summary = st.write_summary(test, capture_environment("cpu")).read_text()
+    assert "| Qwen/Qwen3-8B | 110000 | streambp | - | 50.00 | 50.50 | +1.0% |" in summary
+    assert "| Qwen/Qwen3-4B | 9000 | streambp | - | 19.00 | 50.50 |" in summary  # off by > 5%: flagged
+    assert "off by more than 5%" in summary
+    assert "streambp Qwen/Qwen3-8B T=110000 (memory only, one step, no warm-up): ok, peak 50.00 GiB" in summary
+    assert "75 s into the step" in summary and "| layer backward |" in summary
+
+
+@pytest.mark.slow
+def test_cpu_selftest_runs_end_to_end(tmp_path):
+    """`sbp selftest` on this CPU machine says so in one line, runs check, run and estimate, and
+    writes the rows, the log and a summary with the estimate's error for each method."""
+    done = subprocess.run(
+        [sys.executable, "-m", "sbpbench", "selftest", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.startswith("No CUDA GPU visible: running the CPU subset")
+    out = tmp_path / "cpu-selftest"
+    summary = (out / "summary.md").read_text()
+    assert (out / "runs.csv").exists() and (out / "estimates.csv").exists() and (out / "selftest.log").exists()
+    for method in ("bp", "ckpt", "streambp"):
+        line = next(l for l in summary.splitlines() if l.startswith(f"| small/qwen3 | 512 | {method} |"))
+        assert "%" in line, line  # measured and estimated, with an error
