@@ -105,8 +105,10 @@ def phase_flops_markdown(config, *, model: str, method: str, batch_size: int, se
     phases = phase_flops(config, method=method, batch_size=batch_size, seq_len=seq_len)
     total = sum(m + a for m, a in phases.values())
     lines = [
-        f"FLOPs executed by one {method} step, {model}, B={batch_size}, T={seq_len} "
-        f"(s: the time at {tflops_per_s:g} TFLOP/s executed):",
+        (
+            f"FLOPs executed by one {method} step, {model}, B={batch_size}, T={seq_len} "
+            f"(s: the time at {tflops_per_s:g} TFLOP/s executed):"
+        ),
         "",
         "| phase | matmul PFLOP | attention PFLOP | share | s |",
         "|---|---:|---:|---:|---:|",

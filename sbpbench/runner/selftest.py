@@ -204,6 +204,7 @@ def run_step(step: Step, log: Path, *, env: dict | None = None) -> Outcome:
         try:
             done = subprocess.run(
                 [sys.executable, "-m", *step.argv],
+                check=False,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 timeout=step.timeout_s,
