@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import sys
+from pathlib import Path
+
 import pytest
+
+# One intra-op thread unless OMP_NUM_THREADS says otherwise: the tiny test models gain nothing from
+# more, and on a busy machine (other test runs beside this one) spinning OpenMP threads made steps
+# several times slower. Set before torch starts its thread pool; subprocesses (CLI runs, isolated
+# workers) inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import torch
 
 from sbpbench.data import SFTBatch, make_sft_batch
@@ -26,6 +37,17 @@ def padded_batch(model, *, batch_size: int, seq_len: int, lengths=None, seed: in
         return batch
     mask = (torch.arange(seq_len)[None, :] < torch.tensor(lengths)[:, None]).long()
     return SFTBatch(batch.input_ids, mask, batch.input_ids.masked_fill(mask == 0, -100))
+
+
+def cli_env() -> dict[str, str]:
+    """A small environment for a CLI subprocess: wide columns, this interpreter's bin/ on PATH, the
+    thread count, and PYTHONPATH, so that `PYTHONPATH=$PWD pytest` in a git worktree runs the
+    worktree's code in the subprocess too, not the editable install's."""
+    env = {"COLUMNS": "160", "PATH": str(Path(sys.executable).parent)}
+    for name in ("PYTHONPATH", "OMP_NUM_THREADS"):
+        if name in os.environ:
+            env[name] = os.environ[name]
+    return env
 
 
 def pytest_collection_modifyitems(config, items):

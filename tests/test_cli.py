@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from sbpbench.cli import app
@@ -29,17 +30,20 @@ def test_check_unknown_model_is_a_one_line_error():
 
 
 def test_check_refuses_cuda_without_a_gpu():
+    """`sbp check --device cuda` on a machine without a GPU: exit 2 and a message saying so."""
     result = runner.invoke(app, ["check", "--model", "tiny/qwen3", "--device", "cuda"])
     assert result.exit_code == 2 and "no CUDA GPU" in result.output
 
 
 def test_models_lists_the_registry():
+    """`sbp models` lists real and tiny names of the registry."""
     result = runner.invoke(app, ["models"])
     assert result.exit_code == 0
     for name in ("Qwen/Qwen3-32B", "meta-llama/Llama-3.1-8B", "tiny/gemma3"):
         assert name in result.output
 
 
+@pytest.mark.slow
 def test_console_script_is_installed():
     """The installed `sbp` entry point runs in a fresh process."""
     beside_python = Path(sys.executable).parent / "sbp"

@@ -15,6 +15,8 @@ from sbpbench.cli import app
 from sbpbench.cli.options import parse_methods
 from sbpbench.records import COLUMNS, PROVENANCE_COLUMNS, read_rows
 
+from .conftest import cli_env
+
 runner = CliRunner()
 TINY = ["--model", "tiny/qwen3", "--seq", "48", "--repeats", "1", "--warmup", "0"]
 
@@ -24,6 +26,7 @@ def _sbp() -> str:
     return str(beside_python) if beside_python.exists() else shutil.which("sbp")
 
 
+@pytest.mark.slow
 def test_sbp_run_in_a_real_process_writes_rows_with_full_provenance(tmp_path):
     """The installed `sbp run` with `--method bp ckpt streambp`: exit 0, a table, three rows whose
     provenance columns are all filled."""
@@ -34,7 +37,7 @@ def test_sbp_run_in_a_real_process_writes_rows_with_full_provenance(tmp_path):
         capture_output=True,
         text=True,
         timeout=600,
-        env={"COLUMNS": "160", "PATH": str(Path(sys.executable).parent)},
+        env=cli_env(),
     )
     assert done.returncode == 0, done.stderr
     for text in ("bp", "ckpt", "streambp", "peak GiB", "tiny/qwen3", "3 row(s) written"):
@@ -47,6 +50,7 @@ def test_sbp_run_in_a_real_process_writes_rows_with_full_provenance(tmp_path):
     assert set(rows[0]) == set(COLUMNS)
 
 
+@pytest.mark.slow
 def test_rerun_replaces_the_point_and_memory_limit_gives_an_oom_row(tmp_path):
     """Same point twice: still one row. Under --memory-limit the row is oom and the run exits 0."""
     out = tmp_path / "r.csv"
@@ -97,6 +101,7 @@ def test_bad_input_is_a_one_line_error_and_nothing_is_written(tmp_path, args, me
     assert out.read_text() == "keep me\n"
 
 
+@pytest.mark.slow
 def test_dpo_lora_train_point_from_the_command_line(tmp_path):
     """`--objective dpo --lora-rank 4 --step train`: one pair by default, rows say objective, LoRA and step."""
     out = tmp_path / "r.csv"
@@ -109,12 +114,14 @@ def test_dpo_lora_train_point_from_the_command_line(tmp_path):
 
 
 def test_method_lists_in_every_spelling():
+    """--method takes separate or comma-joined names, drops repeats, and defaults to all three."""
     assert parse_methods(["bp", "ckpt,streambp"]) == ("bp", "ckpt", "streambp")
     assert parse_methods(["bp", "bp"]) == ("bp",)
     assert parse_methods([]) == ()  # none named: the config runs every method
 
 
 def test_sbp_env_json_parses():
+    """`sbp env --json` is valid JSON with the torch version and git commit filled."""
     result = runner.invoke(app, ["env", "--json"])
     assert result.exit_code == 0
     values = json.loads(result.output)

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import math
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -17,6 +15,7 @@ from sbpbench.records import ResultRow, read_rows
 from sbpbench.runner.length_search import search_max_len
 from sbpbench.runner.maxlen import ProbeFailed, find_max_len
 
+from .conftest import cli_env
 from .test_cli_run import _sbp
 
 
@@ -36,6 +35,7 @@ def _fits_up_to(answer: int, calls: list[int], stop_after: int | None = None):
 
 @pytest.mark.parametrize("answer", [2, 3, 100, 1023, 1024, 1025, 5000, 12_345, 99_999])
 def test_search_finds_the_exact_answer_with_a_bounded_number_of_probes(answer):
+    """At 1-token resolution the search finds the exact longest fit, within a log-bounded number of distinct probes."""
     calls: list[int] = []
     result = search_max_len(_fits_up_to(answer, calls), start=1024, ceiling=1 << 20, resolution=Resolution(tokens=1))
     assert (result.max_ok, result.min_oom) == (answer, answer + 1)
@@ -47,6 +47,7 @@ def test_search_finds_the_exact_answer_with_a_bounded_number_of_probes(answer):
 
 @pytest.mark.parametrize("answer", [1500, 7777, 110_000])
 def test_a_percent_resolution_stops_at_a_bracket_that_narrow(answer):
+    """A 1% resolution stops at a bracket of 1% (multiples of 8), with fewer probes than an exact search."""
     calls: list[int] = []
     result = search_max_len(
         _fits_up_to(answer, calls), start=1024, ceiling=1 << 20, resolution=Resolution.parse("1%"), multiple_of=8
@@ -59,6 +60,7 @@ def test_a_percent_resolution_stops_at_a_bracket_that_narrow(answer):
 
 
 def test_the_ceiling_bounds_the_search():
+    """Everything fits: the answer is the ceiling; nothing fits: no answer and the first OOM is 2."""
     result = search_max_len(lambda t: True, start=1000, ceiling=5000, resolution=Resolution.parse("1%"))
     assert (result.max_ok, result.min_oom) == (5000, None)
     nothing = search_max_len(lambda t: False, start=16, ceiling=5000, resolution=Resolution.parse("1%"))
@@ -83,6 +85,7 @@ def test_an_interrupted_search_resumes_from_its_cached_probes(stop_after):
 
 
 def test_contradicting_cached_probes_are_refused():
+    """Cached probes where a longer length fits and a shorter one does not are refused as not monotone."""
     with pytest.raises(ValueError, match="not monotone"):
         search_max_len(
             lambda t: True, start=8, ceiling=64, resolution=Resolution(tokens=1), cached={32: True, 16: False}
@@ -91,6 +94,7 @@ def test_contradicting_cached_probes_are_refused():
 
 @pytest.mark.parametrize("text", ["0%", "100%", "x", "0", "-5", "1.5"])
 def test_a_bad_resolution_says_what_to_write(text):
+    """An unreadable resolution is a ValueError that shows the two accepted spellings."""
     with pytest.raises(ValueError, match="1% or a token count"):
         Resolution.parse(text)
 
@@ -113,6 +117,7 @@ def _search(method: str = "bp") -> MaxlenSpec:
 
 
 def test_find_max_len_writes_probes_and_an_answer_row_and_resumes_from_the_csv(tmp_path):
+    """Each probe and one answer row are written; a rerun resumes from the CSV, resume=False probes again."""
     out, env, calls = tmp_path / "maxlen.csv", capture_environment("cpu"), []
     answer = find_max_len(_search(), out, measure=_fake_measure(3000, calls), env=env)
     assert (answer.kind, answer.status, answer.max_seq_len, answer.oom_seq_len) == ("maxlen", "ok", 2992, 3008)
@@ -136,6 +141,7 @@ def test_find_max_len_writes_probes_and_an_answer_row_and_resumes_from_the_csv(t
 
 
 def test_a_probe_that_errors_stops_the_search_and_keeps_what_it_had(tmp_path):
+    """An errored probe stops the search with ProbeFailed, keeps the earlier rows, and is probed again on resume."""
     out, env, calls = tmp_path / "maxlen.csv", capture_environment("cpu"), []
     with pytest.raises(ProbeFailed, match="T=2048: error"):
         find_max_len(_search(), out, measure=_fake_measure(3000, calls, fail_at=2048), env=env)
@@ -145,6 +151,7 @@ def test_a_probe_that_errors_stops_the_search_and_keeps_what_it_had(tmp_path):
     assert rest[0] == 2048  # the errored length is probed again, the ok ones are not
 
 
+@pytest.mark.slow
 def test_sbp_maxlen_on_a_tiny_model_orders_streambp_over_ckpt_over_bp(tmp_path):
     """A real search (isolated probes, tracked-tensor budget) for each method in one call."""
     out = tmp_path / "maxlen.csv"
@@ -156,7 +163,7 @@ def test_sbp_maxlen_on_a_tiny_model_orders_streambp_over_ckpt_over_bp(tmp_path):
         capture_output=True,
         text=True,
         timeout=900,
-        env={"COLUMNS": "160", "PATH": str(Path(sys.executable).parent)},
+        env=cli_env(),
     )
     assert done.returncode == 0, done.stderr
     answers = {r["method"]: r for r in read_rows(out) if r["kind"] == "maxlen"}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from sbpbench.measure.tensor_tracker import LiveTensorTracker
@@ -11,6 +12,8 @@ from .conftest import padded_batch, tiny_model
 
 SEQ_LEN = 4096
 VOCAB = 32000  # a realistic vocabulary: full logits are what standard BP and ckpt pay for
+
+pytestmark = pytest.mark.slow  # T = 4096 steps with a 32k vocabulary: 5-15 s each on 2 cores
 
 
 def _tracked_step(model, batch, method, settings):

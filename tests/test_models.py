@@ -2,18 +2,46 @@
 
 from __future__ import annotations
 
+import json
+import re
+from importlib import resources
+
 import pytest
 import torch
 
-from sbpbench.models import MODELS, REAL_MODELS, build_model, config_dict, count_parameters, load_config
+from sbpbench.models import MODELS, REAL_MODELS, TINY_MODELS, build_model, count_parameters, load_config
 
 GIB = 2**30
 
 
-def test_every_registered_shape_loads():
-    """Every name gives a config of a supported family."""
-    for name in MODELS:
-        assert load_config(name).model_type in {"qwen3", "qwen2", "llama", "mistral", "gemma3_text"}, name
+SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+
+
+def _shipped_configs() -> dict[str, dict]:
+    """Hub id -> the config.json shipped in sbpbench/models/configs/, read straight from the file."""
+    folder = resources.files("sbpbench.models").joinpath("configs")
+    files = (f for f in folder.iterdir() if f.name.endswith(".json"))
+    return {f.name.removesuffix(".json").replace("__", "/"): json.loads(f.read_text()) for f in files}
+
+
+def test_the_real_names_are_the_shipped_config_files():
+    """REAL_MODELS lists exactly the shipped config files, and every other shape starts from one of them."""
+    shipped = _shipped_configs()
+    assert sorted(REAL_MODELS) == sorted(shipped)
+    assert {spec.base for spec in MODELS.values()} <= set(shipped)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_every_registered_shape_loads(name):
+    """Each name loads with its shipped config.json's model_type and sizes, changed only by the registry's overrides."""
+    spec = MODELS[name]
+    expected = _shipped_configs()[spec.base] | spec.overrides
+    config = load_config(name)
+    assert config.model_type == expected["model_type"]
+    for key in (*SIZES, "vocab_size"):
+        assert getattr(config, key) == expected[key], key
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    assert head_dim == expected.get("head_dim", expected["hidden_size"] // expected["num_attention_heads"])
 
 
 @pytest.mark.parametrize(
@@ -44,18 +72,47 @@ def test_parameter_counts_match_the_published_sizes(name, billions):
 
 
 def test_unknown_name_lists_the_known_ones():
+    """An unknown model name is a ValueError that lists the known names."""
     with pytest.raises(ValueError, match="known models: .*Qwen/Qwen3-8B"):
         load_config("Qwen/Qwen9-1T")
 
 
-def test_tiny_shapes_keep_their_family_features():
-    """Tiny shapes are derived from the real configs: Gemma keeps its sliding layers, Qwen2 its biases."""
+# query heads per KV head where a tiny shape cannot or does not keep its real model's ratio:
+# Qwen2.5-7B's 7:1 needs a multiple of 7 heads; tiny/mistral is plain multi-head (the real one groups 4:1).
+TINY_GQA_RATIO = {"tiny/qwen2": 2, "tiny/mistral": 1}
+
+
+def _structure(model) -> tuple[set[str], set[str], bool]:
+    """Parameter names (layer index as *), module classes, and whether the head is tied to the embedding."""
+    names = {re.sub(r"\.layers\.\d+\.", ".layers.*.", n) for n, _ in model.named_parameters()}
+    classes = {type(m).__name__ for m in model.modules()}
+    return names, classes, model.get_output_embeddings().weight is model.get_input_embeddings().weight
+
+
+@pytest.mark.parametrize("name", list(TINY_MODELS))
+def test_tiny_shapes_keep_their_family_features(name):
+    """A tiny shape is its real model with only the overridden sizes changed: model_type, every other config
+    value (RoPE, norms, tying, windows), module structure (biases, q/k norms), attention-layer kinds and GQA."""
+    spec = TINY_MODELS[name]
+    tiny, real = load_config(name), load_config(spec.base)
+    assert tiny.model_type == real.model_type
+    tiny_values, real_values = tiny.to_dict(), real.to_dict()
+    changed = {k for k in tiny_values.keys() | real_values.keys() if tiny_values.get(k) != real_values.get(k)}
+    assert changed <= set(spec.overrides) | {"layer_types"}, changed - set(spec.overrides)  # layer_types: per depth
+    assert set(getattr(tiny, "layer_types", None) or ()) == set(getattr(real, "layer_types", None) or ())
+    assert tiny.num_attention_heads % tiny.num_key_value_heads == 0
+    real_ratio = real.num_attention_heads // real.num_key_value_heads
+    assert tiny.num_attention_heads // tiny.num_key_value_heads == TINY_GQA_RATIO.get(name, real_ratio)
+    tiny_model = build_model(name, device="meta")
+    real_model = build_model(spec.base, device="meta", dtype=torch.bfloat16)
+    assert _structure(tiny_model) == _structure(real_model)
+
+
+def test_gemma3_tiny_shape_has_both_attention_kinds_within_test_lengths():
+    """tiny/gemma3 alternates a sliding layer (window 8, shorter than the tests' sequences) and a full one."""
     gemma = load_config("tiny/gemma3")
     assert gemma.layer_types == ["sliding_attention", "full_attention"] and gemma.sliding_window == 8
-    assert config_dict("tiny/qwen2")["model_type"] == "qwen2"
-    model = build_model("tiny/qwen2")
-    assert model.model.layers[0].self_attn.q_proj.bias is not None
-    assert len(REAL_MODELS) == 12
+    assert gemma.query_pre_attn_scalar == gemma.head_dim  # as in gemma-3-1b (256 = head_dim)
 
 
 def test_seeded_random_weights():

@@ -6,11 +6,11 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
+from sbpbench.core.sft import shift_labels
 
 from sbpbench.core import DPO, GRPO, SFT, stream_backward
 from sbpbench.core.objectives import token_logps
-from sbpbench.data import GRPOBatch, make_dpo_batch, make_grpo_batch
+from sbpbench.data import DPOBatch, GRPOBatch, make_dpo_batch, make_grpo_batch
 from sbpbench.methods import MethodSettings
 from sbpbench.methods.exactness import compare_methods
 
@@ -78,6 +78,7 @@ def test_dpo_value_matches_the_sigmoid_formula():
 
 
 def test_sft_objective_is_transformers_loss():
+    """SFT.full_loss equals transformers' own `labels=` loss."""
     model = tiny_model("tiny/qwen3", torch.float32)
     ids = torch.randint(0, 512, (2, 11))
     out = model(input_ids=ids, labels=ids)
@@ -146,11 +147,13 @@ def test_dpo_streamed_loss_is_the_loss():
     ],
 )
 def test_bad_objective_inputs_say_what_is_wrong(make, message):
+    """Malformed GRPO/DPO inputs are ValueErrors naming what is wrong."""
     with pytest.raises(ValueError, match=message):
         make()
 
 
 def test_stream_backward_needs_labels_or_objective():
+    """stream_backward takes labels or an objective, exactly one of them."""
     model = tiny_model("tiny/qwen3", torch.float64)
     ids = torch.randint(0, 512, (1, 8))
     with pytest.raises(ValueError, match="either labels"):
@@ -159,14 +162,72 @@ def test_stream_backward_needs_labels_or_objective():
         stream_backward(model, ids, ids, objective=SFT(ids))
 
 
-def test_f_logsigmoid_reference_is_stable():
-    """Guard for the DPO reference: logsigmoid of a large negative margin is finite."""
-    assert math.isfinite(float(F.logsigmoid(torch.tensor(-1000.0))))
+def _saturating_refs(sums: torch.Tensor, beta: float) -> torch.Tensor:
+    """Reference log-probs that put pair 0 at margin +1e4 and pair 1 at margin -1e4 (rows c0 c1 r0 r1):
+    rewards s - ref of +-1e4 / beta on the chosen rows, 0 on the rejected ones."""
+    return sums.detach().double() - torch.tensor([1e4, -1e4, 0.0, 0.0], dtype=torch.float64) / beta
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
-@pytest.mark.parametrize("family", ["tiny/qwen3", "tiny/mistral"])  # tied and untied embeddings
-@pytest.mark.parametrize("objective", ["grpo", "dpo"])
+def test_dpo_loss_and_gradient_are_finite_and_right_at_saturated_margins(dtype):
+    """DPO at margins +-1e4 (sigmoid saturated both ways), full and streamed: loss 1e4/2, gradient +-beta/P or 0."""
+    torch.manual_seed(0)
+    labels = torch.randint(0, 50, (4, 7))
+    labels[:, :2] = -100
+    labels[3, 5:] = -100  # the rejected responses of unequal length
+    beta = 0.1
+    logps = (-torch.rand(4, 7, dtype=torch.float64) * 3).to(dtype)
+    counted = shift_labels(labels) != -100
+    ref = _saturating_refs((logps * counted).sum(dim=1), beta)
+    dpo = DPO(labels, ref_logps=ref, beta=beta)
+    # expected, in Python floats: pair 0 costs softplus(-1e4) = 0, pair 1 softplus(1e4) = 1e4
+    sums = [float(logps[b].double()[counted[b]].sum()) for b in range(4)]
+    margins = [beta * ((sums[p] - float(ref[p])) - (sums[p + 2] - float(ref[p + 2]))) for p in range(2)]
+    assert margins == pytest.approx([1e4, -1e4], rel=1e-6)
+    expected_loss = sum(max(-m, 0.0) + math.log1p(math.exp(-abs(m))) for m in margins) / 2
+    sigmoid_neg = [math.exp(-m) / (1 + math.exp(-m)) if m > 0 else 1 / (1 + math.exp(m)) for m in margins]  # 0, 1
+    per_row = torch.tensor([-sigmoid_neg[0], -sigmoid_neg[1], sigmoid_neg[0], sigmoid_neg[1]]) * beta / 2
+    expected_grad = (per_row[:, None] * counted).to(dtype)
+
+    full = logps.clone().requires_grad_()
+    loss = dpo.loss_from_logps(full)
+    loss.backward()
+
+    streamed = logps.clone().requires_grad_()
+    dpo.prepare(dpo.masked(streamed.detach()).sum(dim=1))  # pass 1
+    total = sum(dpo.loss_from_logps_chunk(dpo.masked(streamed[:, i : i + 2], i), i, i + 2) for i in range(0, 7, 2))
+    total.backward()  # pass 2, in chunks of 2 positions
+    for name, value, grad in (
+        ("full", loss.detach(), full.grad),
+        ("streamed", dpo.streamed_loss(total.detach()), streamed.grad),
+    ):
+        assert math.isfinite(float(value)) and float(value) == pytest.approx(expected_loss, rel=1e-6), name
+        assert bool(grad.isfinite().all()), name
+        torch.testing.assert_close(grad, expected_grad, rtol=1e-6, atol=1e-12, msg=name)
+
+
+def test_dpo_exact_at_saturated_margins():
+    """fp32 tiny model, one pair at margin +1e4 and one at -1e4: loss finite (1e4/2), ckpt and streambp equal bp."""
+    model = tiny_model("tiny/llama", torch.float32)
+    batch = make_dpo_batch(batch_size=4, seq_len=21, vocab_size=512, prompt_len=5)
+    ref = _saturating_refs(_current_logps(model, batch).sum(dim=1), batch.beta)
+    batch = DPOBatch(**{**batch.__dict__, "ref_logps": ref})
+    for result in compare_methods(model, batch, ["ckpt", "streambp"], SETTINGS):
+        assert result.ok, f"{result.method} differs from bp:\n" + "\n".join(d.describe() for d in result.failures())
+        assert result.loss.reference == pytest.approx(1e4 / 2, rel=1e-5)
+
+
+def _lora_cases():
+    """objective x family (tied and untied embeddings) x dtype; the fast tier keeps one per objective."""
+    fast = {("grpo", "tiny/qwen3", "fp64"), ("dpo", "tiny/mistral", "fp64")}
+    for objective in ("grpo", "dpo"):
+        for family in ("tiny/qwen3", "tiny/mistral"):
+            for dtype, name in ((torch.float64, "fp64"), (torch.float32, "fp32")):
+                marks = () if (objective, family, name) in fast else pytest.mark.slow
+                yield pytest.param(objective, family, dtype, id=f"{objective}-{family}-{name}", marks=marks)
+
+
+@pytest.mark.parametrize(("objective", "family", "dtype"), list(_lora_cases()))
 def test_lora_objectives_exact(objective, family, dtype):
     """GRPO (off-policy, a group of 3) and DPO (two pairs) on a LoRA model: adapter gradients exact."""
     from sbpbench.data import make_batch

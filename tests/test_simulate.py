@@ -37,21 +37,27 @@ def _spec(model: str, method: str, **values) -> RunSpec:
     return RunSpec(model=model, method=method, **(base | values))
 
 
-# Two families, every method, every objective, both protocols, a training step and LoRA.
+def _slow(*values):
+    """A CPU_CASES row that runs in the slow tier only."""
+    return pytest.param(*values, marks=pytest.mark.slow)
+
+
+# Two families, every method, every objective, both protocols, a training step and LoRA. The fast
+# tier keeps each method once (one of them a DPO point under the first-step protocol).
 CPU_CASES = [
-    ("tiny/qwen3", "bp", {}),
-    ("tiny/qwen3", "ckpt", {}),
-    ("tiny/qwen3", "streambp", {}),
+    _slow("tiny/qwen3", "bp", {}),
+    _slow("tiny/qwen3", "ckpt", {}),
+    _slow("tiny/qwen3", "streambp", {}),
     ("tiny/llama", "bp", {}),
-    ("tiny/llama", "ckpt", {}),
+    _slow("tiny/llama", "ckpt", {}),
     ("tiny/llama", "streambp", {}),
-    ("tiny/qwen3", "bp", {"objective": "grpo", "batch_size": 2, "protocol": "first"}),
-    ("tiny/llama", "streambp", {"objective": "grpo", "batch_size": 2}),
+    _slow("tiny/qwen3", "bp", {"objective": "grpo", "batch_size": 2, "protocol": "first"}),
+    _slow("tiny/llama", "streambp", {"objective": "grpo", "batch_size": 2}),
     ("tiny/llama", "ckpt", {"objective": "dpo", "batch_size": 2, "protocol": "first"}),
-    ("tiny/qwen3", "streambp", {"objective": "dpo", "batch_size": 2, "protocol": "first"}),
-    ("tiny/qwen3", "ckpt", {"step": "train"}),
-    ("tiny/llama", "streambp", {"step": "train", "protocol": "first"}),
-    ("tiny/qwen3", "streambp", {"lora_rank": 4, "step": "train"}),
+    _slow("tiny/qwen3", "streambp", {"objective": "dpo", "batch_size": 2, "protocol": "first"}),
+    _slow("tiny/qwen3", "ckpt", {"step": "train"}),
+    _slow("tiny/llama", "streambp", {"step": "train", "protocol": "first"}),
+    _slow("tiny/qwen3", "streambp", {"lora_rank": 4, "step": "train"}),
 ]
 
 
@@ -134,6 +140,7 @@ def test_hidden_terms_raise_the_simulated_peak_during_the_kernel():
     assert peaks[1] - peaks[0] == softmax_d + dq_accum + expanded + grad_out
 
 
+@pytest.mark.slow
 def test_cuda_target_rounds_picks_kernels_and_states_a_margin():
     """cuda: every count in 512 B blocks; StreamBP's attention on flash, the padded-mask HF path on
     the efficient kernel; the margin is context + a fraction of the activations, outside the peak."""
@@ -149,6 +156,7 @@ def test_cuda_target_rounds_picks_kernels_and_states_a_margin():
     assert cpu.attention_kernel == "" and cpu.margin_bytes == 0
 
 
+@pytest.mark.slow
 def test_estimate_point_is_a_simulated_row_and_oom_is_a_value():
     """The row says simulated / fake-tensor / simulated GPU, and a GPU too small is status oom."""
     spec = _spec("tiny/qwen3", "streambp", dtype="bf16")
@@ -185,6 +193,7 @@ def test_estimate_command_prints_a_table_and_writes_rows(tmp_path):
     assert bad.exit_code == 2 and "target" in bad.output
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("model", "weights_and_grads_gib"), [("Qwen/Qwen3-8B", 30.5), ("Qwen/Qwen3-14B", 55.0)])
 def test_weights_and_grads_match_figure3(model, weights_and_grads_gib):
     """bf16 weights + resident bf16 gradients: the paper's Figure 3 baselines, to 0.1 GiB."""

@@ -22,8 +22,10 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("model", "seq_len", "num_layers", "method"), CASES)
 def test_two_shallow_runs_predict_the_full_depth_to_the_byte(model, seq_len, num_layers, method):
+    """Extrapolated from 2- and 3-layer fake runs: the full-depth fake run's byte columns and peak phase."""
     spec = RunSpec(
         model=model,
         method=method,
@@ -43,5 +45,6 @@ def test_two_shallow_runs_predict_the_full_depth_to_the_byte(model, seq_len, num
 
 
 def test_only_models_whose_layers_are_all_alike_are_extrapolated():
+    """Depth extrapolation applies to uniform-layer models and not to Gemma's mixed sliding/global layers."""
     assert uniform_layers("Qwen/Qwen3-8B") and uniform_layers("meta-llama/Llama-3.1-8B")
     assert not uniform_layers("google/gemma-3-1b-pt")  # sliding and global layers

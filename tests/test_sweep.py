@@ -6,10 +6,10 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from sbpbench.cli import app
@@ -19,6 +19,7 @@ from sbpbench.measure.environment import capture_environment
 from sbpbench.records import COLUMNS, ResultRow, read_rows, row_key
 from sbpbench.runner.sweep import plan, run_sweep
 
+from .conftest import cli_env
 from .test_cli_run import _sbp
 
 SMOKE = Path(__file__).resolve().parents[1] / "experiments" / "smoke_cpu.toml"
@@ -43,6 +44,7 @@ def _fake(calls: list, oom_from: int):
 
 
 def test_longer_and_larger_points_after_an_oom_are_skipped_as_certain_oom(tmp_path):
+    """After an OOM, longer or larger points are skipped as certain OOM, not run; a rerun has nothing left."""
     experiment = _experiment(
         tmp_path, '[[points]]\nmethod = ["bp", "streambp"]\nseq_len = [64, 128, 256]\nbatch_size = [1, 2]\n'
     )
@@ -67,6 +69,7 @@ def test_longer_and_larger_points_after_an_oom_are_skipped_as_certain_oom(tmp_pa
 
 
 def test_errored_points_are_retried_and_duplicates_run_once(tmp_path):
+    """A duplicated point is planned once, and an errored point is planned again on the next run."""
     experiment = _experiment(
         tmp_path,
         '[[points]]\nmethod = ["bp"]\nseq_len = [64, 64, 128]\n[[points]]\nmethod = ["bp"]\nseq_len = [128]\n',
@@ -87,6 +90,7 @@ def test_errored_points_are_retried_and_duplicates_run_once(tmp_path):
 
 
 def test_a_bad_experiment_file_is_one_line_and_exit_2(tmp_path):
+    """`sbp sweep` on a bad experiment file: exit 2, a one-line message naming file, table and key, no CSV."""
     path = tmp_path / "bad.toml"
     path.write_text('[[points]]\nmodel = "tiny/qwen3"\nseq_lenz = [64]\n')
     result = runner.invoke(app, ["sweep", str(path), "--out", str(tmp_path / "x.csv")])
@@ -102,10 +106,11 @@ def _sweep(out: Path) -> subprocess.Popen:
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
-        env={"COLUMNS": "160", "PATH": str(Path(sys.executable).parent)},
+        env=cli_env(),
     )
 
 
+@pytest.mark.slow
 def test_smoke_sweep_killed_mid_way_then_resumed_has_every_point_once(tmp_path):
     """The acceptance run: SIGKILL the sweep (its whole process group) once three rows are in,
     check the CSV is whole, resume, and find every point of the experiment exactly once."""

@@ -61,6 +61,7 @@ def test_train_point_records_optimizer_state():
     assert row.baseline_bytes >= row.weights_bytes + row.grads_bytes + 2 * row.grads_bytes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("objective", ["grpo", "dpo"])
 def test_lora_preference_points_run_for_every_method(objective):
     """GRPO and DPO with LoRA through the runner: only adapters are trainable, every method ok."""
@@ -72,5 +73,6 @@ def test_lora_preference_points_run_for_every_method(objective):
 
 
 def test_odd_dpo_batch_is_refused():
+    """A DPO point with an odd batch (no whole pairs) is refused when the spec is made."""
     with pytest.raises(ValueError, match="even number"):
         _spec(objective="dpo", batch_size=3)
