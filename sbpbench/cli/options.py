@@ -26,6 +26,7 @@ FLAG_NAMES: dict[str, tuple[str, ...]] = {
     "timeout_s": ("--timeout",),
     "seq_len_ceiling": ("--max-seq",),
     "fp32_grad_accumulation": ("--fp32-grad-accumulation/--no-fp32-grad-accumulation",),
+    "offload_checkpoints": ("--offload-checkpoints/--no-offload-checkpoints",),
 }
 
 
@@ -84,6 +85,8 @@ RUN_FIELDS = (
     "chunk_size",
     "logits_chunk_size",
     "fp32_grad_accumulation",
+    "mlp_tile_size",
+    "offload_checkpoints",
     "device",
     "num_layers",
     "protocol",

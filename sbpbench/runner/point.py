@@ -29,6 +29,7 @@ from ..measure.flops import training_flops
 from ..measure.host_memory import peak_rss_bytes, reset_peak_rss
 from ..measure.tensor_tracker import LiveTensorTracker, TrackedOutOfMemoryError
 from ..measure.timing import time_steps
+from ..methods import MethodUnsupported
 from ..methods.step import TrainingStep, storage_bytes
 from ..records import ResultRow, one_line
 
@@ -130,6 +131,9 @@ def measure_point(spec: RunSpec) -> ResultRow:
         if spec.repeats:
             timing = time_steps(step.run, repeats=spec.repeats, synchronize=synchronize, before_each=step.prepare)
         row.optimizer_state_bytes = step.optimizer_state_bytes
+    except MethodUnsupported as error:  # the method cannot run here: a result, with the reason
+        row.status, row.error = "unsupported", one_line(error)
+        return row
     except Exception as error:  # noqa: BLE001 (any failure is the point's outcome, classified; the traceback goes to the worker's stderr)
         traceback.print_exc()
         row.status = "oom" if is_out_of_memory(error) else "error"
