@@ -48,6 +48,9 @@ def check(settings: dict, methods: tuple[str, ...]) -> None:
         table.add_column(column, no_wrap=column != "worst gradient", overflow="fold")
     for result in results:
         worst = result.worst
+        if result.loss is None:
+            table.add_row(result.method, "[yellow]unsupported[/]", "", "", "", result.unsupported)
+            continue
         table.add_row(
             result.method,
             "[green]exact[/]" if result.ok else "[red]DIFFERS[/]",

@@ -20,6 +20,7 @@ import torch
 from ..data import SFTBatch
 from .registry import run_method
 from .settings import MethodSettings
+from .unsupported import MethodUnsupported
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
 ROUNDING_UNITS = 4
@@ -76,19 +77,21 @@ def tensor_diff(
 class MethodComparison:
     method: str
     reference: str
-    loss: TensorDiff
+    loss: TensorDiff | None  # None: the method cannot run here (unsupported says why)
     grads: list[TensorDiff]
+    unsupported: str = ""
 
     @property
-    def worst(self) -> TensorDiff:
-        return max(self.grads, key=lambda d: (not d.ok, d.rel_error))
+    def worst(self) -> TensorDiff | None:
+        return max(self.grads, key=lambda d: (not d.ok, d.rel_error), default=None)
 
     @property
     def ok(self) -> bool:
-        return self.loss.ok and all(d.ok for d in self.grads)
+        """Exact, or not run here: an unsupported method is reported, not a failure."""
+        return self.loss is None or (self.loss.ok and all(d.ok for d in self.grads))
 
     def failures(self) -> list[TensorDiff]:
-        return [d for d in [self.loss, *self.grads] if not d.ok]
+        return [] if self.loss is None else [d for d in [self.loss, *self.grads] if not d.ok]
 
 
 def step_gradients(method, model, batch: SFTBatch, settings: MethodSettings):
@@ -135,7 +138,12 @@ def compare_methods(
     loss_tolerance = TOLERANCE.get(model.dtype)
     results = []
     for method in methods:
-        loss, grads = step_gradients(method, model, batch, settings)
+        try:
+            loss, grads = step_gradients(method, model, batch, settings)
+        except MethodUnsupported as error:
+            model.zero_grad(set_to_none=True)
+            results.append(MethodComparison(method, reference, None, [], unsupported=str(error)))
+            continue
         results.append(
             MethodComparison(
                 method=method,

@@ -1,0 +1,127 @@
+"""The peers (issue 16) give standard BP's loss and every gradient, to rounding, and do what they
+claim: no (B, T, V) logits, tiled MLPs, offloaded checkpoints; liger refuses a CPU point."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sbpbench.config import RunSpec
+from sbpbench.data import make_batch
+from sbpbench.measure.tensor_tracker import LiveTensorTracker
+from sbpbench.methods import MethodSettings, MethodUnsupported, run_method
+from sbpbench.methods import offload, tiled
+from sbpbench.methods.exactness import compare_methods
+from sbpbench.runner.point import measure_point
+
+from .conftest import FAMILIES, padded_batch, tiny_model
+
+PEERS = ["ckpt-offload", "ckpt-chunked-ce", "tiled"]  # the ones that run on a CPU
+# logits chunks and MLP tiles that do not divide T, and ones >= T
+SETTINGS = {
+    "uneven": MethodSettings(logits_chunk_size=7, mlp_tile_size=5),
+    "one_chunk": MethodSettings(logits_chunk_size=64, mlp_tile_size=64),
+}
+
+
+def _assert_exact(model, batch, settings, methods=PEERS):
+    for result in compare_methods(model, batch, methods, settings):
+        assert result.ok, f"{result.method} differs from bp:\n" + "\n".join(d.describe() for d in result.failures())
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("chunks", list(SETTINGS))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_peers_match_bp(family, chunks, dtype):
+    """SFT, batch 3 with uneven right padding: every CPU peer equals bp (fp64 1e-10, fp32 1e-5)."""
+    model = tiny_model(family, dtype)
+    batch = padded_batch(model, batch_size=3, seq_len=37, lengths=[37, 30, 21])
+    _assert_exact(model, batch, SETTINGS[chunks])
+
+
+@pytest.mark.parametrize("objective", ["grpo", "dpo"])
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_peers_match_bp_on_grpo_and_dpo(objective, lora):
+    """The chunked head runs every objective through its per-token log-probs (DPO after a sums
+    pass), with and without LoRA adapters: exact in fp64."""
+    from sbpbench.models.lora import apply_lora
+
+    model = tiny_model("tiny/llama")
+    if lora:
+        model = apply_lora(model, rank=4, alpha=8, init_nonzero_seed=0)
+    batch = make_batch(objective, batch_size=4, seq_len=30, vocab_size=model.config.vocab_size, prompt_len=8)
+    _assert_exact(model, batch, SETTINGS["uneven"])
+
+
+def test_tied_embeddings_get_both_contributions():
+    """A tied lm_head / embedding weight gets the head's and the embedding's gradients summed."""
+    model = tiny_model("tiny/qwen3", tie_word_embeddings=True)
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+    batch = padded_batch(model, batch_size=2, seq_len=21, lengths=[21, 15])
+    _assert_exact(model, batch, SETTINGS["uneven"])
+
+
+def _activation_peak(method, model, batch, settings) -> int:
+    model.zero_grad(set_to_none=True)
+    with LiveTensorTracker() as tracker:
+        run_method(method, model, batch, settings)
+    return tracker.peak_bytes
+
+
+def test_chunked_head_never_holds_the_full_logits():
+    """With a vocabulary much wider than the model, ckpt-chunked-ce's peak is below one float32
+    copy of the (B, T, V) logits, which ckpt's peak exceeds."""
+    model = tiny_model("tiny/qwen3", dtype=torch.float32, vocab_size=4096)
+    batch = padded_batch(model, batch_size=1, seq_len=256)
+    logits_bytes = 256 * 4096 * 4
+    settings = MethodSettings(logits_chunk_size=16)
+    assert _activation_peak("ckpt", model, batch, settings) > logits_bytes
+    assert _activation_peak("ckpt-chunked-ce", model, batch, settings) < logits_bytes
+
+
+def test_tiled_runs_every_mlp_in_tiles(monkeypatch):
+    """tiled runs each decoder MLP through TiledMLP with ceil(T / tile) tiles per pass, and leaves
+    no tiled forward behind."""
+    model = tiny_model("tiny/llama")
+    batch = padded_batch(model, batch_size=2, seq_len=23)
+    widths = []
+    real = tiled._tiles
+
+    def spy(seq_len, tile_size):
+        widths.append(seq_len)
+        return real(seq_len, tile_size)
+
+    monkeypatch.setattr(tiled, "_tiles", spy)
+    run_method("tiled", model, batch, MethodSettings(mlp_tile_size=5))
+    num_layers = model.config.num_hidden_layers
+    # each layer: forward, checkpoint recompute, backward
+    assert widths == [23] * (3 * num_layers)
+    assert all("forward" not in vars(layer.mlp) for layer in model.model.layers)
+
+
+def test_offload_wraps_every_checkpoint(monkeypatch):
+    """ckpt-offload runs every checkpointed decoder layer inside save_on_cpu (here without
+    pinning: no accelerator), and the model's checkpoint functions are restored after."""
+    entered = []
+    real = offload.save_on_cpu
+
+    def spy(pin_memory, device_type):
+        entered.append((pin_memory, device_type))
+        return real(pin_memory=pin_memory, device_type=device_type)
+
+    monkeypatch.setattr(offload, "save_on_cpu", spy)
+    model = tiny_model("tiny/qwen3")
+    assert not offload.library_offload(model)  # on a CPU transformers' own path would need pinned memory
+    run_method("ckpt-offload", model, padded_batch(model, batch_size=1, seq_len=12), MethodSettings())
+    assert entered == [(False, "cpu")] * model.config.num_hidden_layers
+    assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+
+
+def test_liger_is_unsupported_on_cpu():
+    """liger on a CPU raises MethodUnsupported naming the reason, and the worker records the point
+    as status unsupported with that reason (not an error, not another method)."""
+    model = tiny_model("tiny/qwen3")
+    with pytest.raises(MethodUnsupported, match="CUDA"):
+        run_method("liger", model, padded_batch(model, batch_size=1, seq_len=8), MethodSettings())
+    row = measure_point(RunSpec(model="tiny/qwen3", method="liger", seq_len=16, repeats=0, warmup=0))
+    assert row.status == "unsupported" and "Triton kernels need a CUDA GPU" in row.error
