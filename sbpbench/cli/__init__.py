@@ -9,6 +9,7 @@ from .env_cmd import env
 from .estimate_cmd import estimate
 from .maxlen_cmd import maxlen
 from .models_cmd import models
+from .peers_cmd import peers
 from .plot_cmd import plot
 from .report_cmd import report
 from .run_cmd import run
@@ -30,6 +31,7 @@ app.command()(env)
 app.command()(models)
 app.command()(plot)
 app.command()(report)
+app.add_typer(peers, name="peers")
 
 
 def main() -> None:

@@ -134,8 +134,6 @@ def compare_methods(
 ) -> list[MethodComparison]:
     """Run the reference and each method on the same model and batch and compare."""
     ref_loss, ref_grads = step_gradients(reference, model, batch, settings)
-    dtypes = _judging_dtypes(model)
-    loss_tolerance = TOLERANCE.get(model.dtype)
     results = []
     for method in methods:
         try:
@@ -144,12 +142,18 @@ def compare_methods(
             model.zero_grad(set_to_none=True)
             results.append(MethodComparison(method, reference, None, [], unsupported=str(error)))
             continue
-        results.append(
-            MethodComparison(
-                method=method,
-                reference=reference,
-                loss=tensor_diff("loss", loss, ref_loss, loss_tolerance),
-                grads=_grad_diffs(grads, ref_grads, dtypes),
-            )
-        )
+        results.append(compare_step(method, reference, model, (loss, grads), (ref_loss, ref_grads)))
     return results
+
+
+def compare_step(method: str, reference: str, model, ours: tuple, ref: tuple) -> MethodComparison:
+    """A comparison of (loss, {name: grad}) computed elsewhere (an external worker) with the
+    reference's; a parameter without a gradient there counts as zeros."""
+    (loss, grads), (ref_loss, ref_grads) = ours, ref
+    grads = {name: grads[name] if name in grads else torch.zeros_like(g) for name, g in ref_grads.items()}
+    return MethodComparison(
+        method=method,
+        reference=reference,
+        loss=tensor_diff("loss", loss, ref_loss, TOLERANCE.get(model.dtype)),
+        grads=_grad_diffs(grads, ref_grads, _judging_dtypes(model)),
+    )

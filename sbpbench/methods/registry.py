@@ -22,6 +22,7 @@ from .chunked_ce import ckpt_chunked_ce
 from .hf_baseline import bp, ckpt
 from .liger import liger
 from .offload import ckpt_offload
+from .official import official
 from .settings import MethodSettings
 from .streambp import streambp
 from .tiled import tiled
@@ -34,6 +35,7 @@ class Method(NamedTuple):
     uses: tuple[str, ...]  # MethodSettings fields it reads; the rest stay None in its spec and row
     summary: str
     attn_implementation: str = "sdpa"  # what its rows record: transformers' name for the attention it runs
+    external: bool = False  # runs in an environment of its own (runner/official.py), never in this process
 
 
 METHODS: dict[str, Method] = {
@@ -63,6 +65,12 @@ METHODS: dict[str, Method] = {
         liger,
         (),
         "ckpt + liger-kernel's LigerFusedLinearCrossEntropyLoss (Triton, CUDA only; pip install -e .[peers])",
+    ),
+    "official": Method(
+        official,
+        ("chunk_size", "logits_chunk_size"),
+        "the official StreamBP code (streambp 1.0, transformers 4.51.3) in its own virtualenv",
+        external=True,
     ),
 }
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from ..config import RunSpec
 from ..config.rows import spec_fields
 from ..measure.environment import Environment, capture_environment
+from ..methods import METHODS
 from ..records import ResultRow, upsert_rows
 
 _ROW_FIELDS = {f.name for f in fields(ResultRow)}
@@ -42,6 +43,12 @@ def _last_error_line(stderr: str) -> str:
 def run_isolated(spec: RunSpec, env: Environment | None = None) -> ResultRow:
     """Measure one point in a worker process and return its row, provenance filled."""
     env = env or capture_environment(spec.device)
+    if METHODS[spec.method].external:  # its own environment and driver, the same protocol
+        from .official import run_official
+
+        row = run_official(spec, env)
+        row.timestamp_utc = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        return row
     with tempfile.TemporaryDirectory(prefix="sbp-point-") as tmp:
         result_path = Path(tmp) / "result.json"
         worker = subprocess.Popen(
