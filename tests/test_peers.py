@@ -178,3 +178,32 @@ def test_official_is_exact_but_for_its_normalisation():
     assert worst < 1e-6
     ratio, scale, worst = run(64, 3, 16)
     assert worst > 1e-3  # not a rescaling any more: per-chunk counts are wrong with several rows
+
+
+def _peer_rows():
+    from sbpbench.records import ResultRow
+
+    common = {"model": "small/qwen3", "num_layers": 4, "objective": "sft", "step": "bp", "lora_rank": 0,
+              "dtype": "fp32", "protocol": "steady", "device": "cpu", "device_name": "AMD EPYC", "batch_size": 1,
+              "memory_limit_bytes": 2**30, "source": "measured", "git_commit": "test"}  # fmt: skip
+    rows = []
+    for i, (method, time_s, max_t, oom_t) in enumerate(
+        [("ckpt", 4.0, 2048, 2560), ("streambp", 4.5, 4096, None), ("tiled", 5.0, 3072, 3840)]
+    ):
+        stamp = f"2026-01-01T00:00:{i:02d}+00:00"
+        rows.append(ResultRow(**common, method=method, kind="point", seq_len=1024, status="ok", time_median_s=time_s, timestamp_utc=stamp))
+        rows.append(ResultRow(**common, method=method, kind="maxlen", status="ok", max_seq_len=max_t, oom_seq_len=oom_t, timestamp_utc=stamp))  # fmt: skip
+    rows.append(ResultRow(**common, method="liger", kind="point", seq_len=1024, status="unsupported",
+                          error="liger-kernel's Triton kernels need a CUDA GPU; this point runs on cpu"))  # fmt: skip
+    return rows
+
+
+def test_plot_draws_max_len_vs_time_per_token(tmp_path):
+    """`sbp plot` draws one "max T vs time per token" figure per model and setting that has both
+    max-length answers and timed points."""
+    from sbpbench.plot import max_len_vs_time_per_token
+    from sbpbench.records import load_results, upsert_rows
+
+    upsert_rows(tmp_path / "r.csv", _peer_rows())
+    paths = max_len_vs_time_per_token(load_results(tmp_path / "r.csv"), tmp_path / "plots", formats=("png",))
+    assert [p.name for p in paths] == ["max_len_vs_time_per_token__small-qwen3__fp32__AMD-EPYC-limit1GiB__steady.png"]
