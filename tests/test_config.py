@@ -36,7 +36,7 @@ EXPECTED_OPTIONS = {
     "check": {
         "--method", "--model", "--seq", "--batch", "--objective", "--prompt-len", "--lora-rank", "--dtype",
         "--chunk-size", "--logits-chunk-size", "--fp32-grad-accumulation", "--mlp-tile-size", "--offload-checkpoints",
-        "--device", "--num-layers", "--seed",
+        "--device", "--num-layers", "--seed", "--out",
     },
     "sweep": {"--device", "--out", "--resume"},
 }  # fmt: skip

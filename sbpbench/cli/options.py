@@ -58,6 +58,11 @@ MoreMethodsArg = Annotated[
     typer.Argument(metavar="[METHOD]...", help="More methods after --method: `--method bp ckpt streambp`."),
 ]
 OutOpt = Annotated[Path | None, typer.Option("--out", "-o", help="Results CSV (rows upserted by point).")]
+# `sbp check` (here: a point command's own options resolve in this module)
+ExactnessOutOpt = Annotated[
+    Path | None,
+    typer.Option("--out", "-o", help="Append the comparison to this exactness CSV (read by `sbp report --exactness`)."),
+]
 # `sbp plot` and `sbp report`
 ResultsArg = Annotated[
     Path, typer.Argument(help="Results CSV, or a directory whose CSVs are read together (written by `sbp run --out`).")
