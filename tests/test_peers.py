@@ -207,3 +207,26 @@ def test_plot_draws_max_len_vs_time_per_token(tmp_path):
     upsert_rows(tmp_path / "r.csv", _peer_rows())
     paths = max_len_vs_time_per_token(load_results(tmp_path / "r.csv"), tmp_path / "plots", formats=("png",))
     assert [p.name for p in paths] == ["max_len_vs_time_per_token__small-qwen3__fp32__AMD-EPYC-limit1GiB__steady.png"]
+
+
+def test_a_max_length_search_of_an_unsupported_method_answers_unsupported(tmp_path):
+    """A search whose first probe is unsupported stops there: its answer row is kind maxlen, status
+    unsupported, with the probe's reason (no error, no guessed length)."""
+    from sbpbench.config import MaxlenSpec, Resolution
+    from sbpbench.config.rows import spec_fields
+    from sbpbench.measure.environment import capture_environment
+    from sbpbench.records import ResultRow, read_rows
+    from sbpbench.runner.maxlen import find_max_len
+
+    calls = []
+
+    def measure(spec, env):
+        calls.append(spec.seq_len)
+        return ResultRow(**spec_fields(spec), status="unsupported", error="needs a CUDA GPU", device_name=env.device_name)
+
+    base = RunSpec(model="tiny/qwen3", method="liger", seq_len=256, repeats=0, warmup=0)
+    search = MaxlenSpec(base=base, resolution=Resolution.parse("1%"), seq_len_ceiling=1 << 12)
+    answer = find_max_len(search, tmp_path / "m.csv", measure=measure, env=capture_environment("cpu"))
+    assert calls == [256]
+    assert (answer.kind, answer.status, answer.error, answer.max_seq_len) == ("maxlen", "unsupported", "needs a CUDA GPU", None)
+    assert [r["status"] for r in read_rows(tmp_path / "m.csv")] == ["unsupported", "unsupported"]
