@@ -71,7 +71,8 @@ def hf_gradient_checkpointing(model, *, offload: bool = False):
     }
     enabled_before = any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
     input_grad_hooks_before = bool(getattr(model, "_require_grads_hooks", None))
-    if offload or not enabled_before:  # offload re-enables: it replaces the checkpoint function
+    assert not (offload and enabled_before), "offload through transformers only where checkpointing was off"
+    if not enabled_before:
         _enable_checkpointing(model, offload)
     model.train()
     try:

@@ -7,8 +7,9 @@ What moves: the tensors the checkpoint saves for its recompute, i.e. each decode
 layer's recompute in the backward. Everything else, the full (B, T, V) logits included, is as in
 `ckpt`. The same operations on the same values: gradients identical to `ckpt`'s.
 
-Where transformers has no `offload` (before 5.20) or pinned memory cannot exist (no accelerator,
-as on a CPU-only machine, where transformers' own path fails), the same wrap is installed here:
+Where transformers has no `offload` (before 5.20), pinned memory cannot exist (no accelerator,
+as on a CPU-only machine, where transformers' own path fails) or the caller enabled checkpointing
+already, the same wrap is installed here:
 each module's checkpoint function inside `save_on_cpu(pin_memory=<accelerator present>)`. On a CPU
 the "host copy" is another tensor in the same memory: the live-tensor tracker counts it, so a CPU
 row shows what the copies cost, not what they save.
@@ -40,8 +41,11 @@ def library_offload(model) -> bool:
 
 @contextmanager
 def offloaded_checkpointing(model):
-    """hf_gradient_checkpointing with every checkpoint's saved tensors in host memory."""
-    if library_offload(model):
+    """hf_gradient_checkpointing with every checkpoint's saved tensors in host memory. Where the
+    caller already enabled checkpointing, re-enabling it through transformers would add a second
+    input-grad hook, so the same wrap is installed over the caller's checkpoint function instead."""
+    enabled = any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+    if library_offload(model) and not enabled:
         with hf_gradient_checkpointing(model, offload=True):
             yield
         return
