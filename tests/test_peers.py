@@ -9,8 +9,7 @@ import torch
 from sbpbench.config import RunSpec
 from sbpbench.data import make_batch
 from sbpbench.measure.tensor_tracker import LiveTensorTracker
-from sbpbench.methods import MethodSettings, MethodUnsupported, run_method
-from sbpbench.methods import offload, tiled
+from sbpbench.methods import MethodSettings, MethodUnsupported, offload, run_method, tiled
 from sbpbench.methods.exactness import compare_methods
 from sbpbench.runner.point import measure_point
 
@@ -163,7 +162,12 @@ def test_official_is_exact_but_for_its_normalisation():
     from sbpbench.runner.official import official_gradients
 
     def run(seq_len, batch_size, logits_chunk):
-        values = {"model": "tiny/qwen3", "seq_len": seq_len, "batch_size": batch_size, "logits_chunk_size": logits_chunk}
+        values = {
+            "model": "tiny/qwen3",
+            "seq_len": seq_len,
+            "batch_size": batch_size,
+            "logits_chunk_size": logits_chunk,
+        }
         bp, official = point_specs(values, ("bp", "official"), defaults=EXACTNESS_DEFAULTS)
         model, batch = build_model_and_batch(official)
         ref_loss, ref = step_gradients("bp", model, batch, bp.settings)
@@ -191,7 +195,17 @@ def _peer_rows():
         [("ckpt", 4.0, 2048, 2560), ("streambp", 4.5, 4096, None), ("tiled", 5.0, 3072, 3840)]
     ):
         stamp = f"2026-01-01T00:00:{i:02d}+00:00"
-        rows.append(ResultRow(**common, method=method, kind="point", seq_len=1024, status="ok", time_median_s=time_s, timestamp_utc=stamp))
+        rows.append(
+            ResultRow(
+                **common,
+                method=method,
+                kind="point",
+                seq_len=1024,
+                status="ok",
+                time_median_s=time_s,
+                timestamp_utc=stamp,
+            )
+        )
         rows.append(ResultRow(**common, method=method, kind="maxlen", status="ok", max_seq_len=max_t, oom_seq_len=oom_t, timestamp_utc=stamp))  # fmt: skip
     rows.append(ResultRow(**common, method="liger", kind="point", seq_len=1024, status="unsupported",
                           error="liger-kernel's Triton kernels need a CUDA GPU; this point runs on cpu"))  # fmt: skip
@@ -222,11 +236,18 @@ def test_a_max_length_search_of_an_unsupported_method_answers_unsupported(tmp_pa
 
     def measure(spec, env):
         calls.append(spec.seq_len)
-        return ResultRow(**spec_fields(spec), status="unsupported", error="needs a CUDA GPU", device_name=env.device_name)
+        return ResultRow(
+            **spec_fields(spec), status="unsupported", error="needs a CUDA GPU", device_name=env.device_name
+        )
 
     base = RunSpec(model="tiny/qwen3", method="liger", seq_len=256, repeats=0, warmup=0)
     search = MaxlenSpec(base=base, resolution=Resolution.parse("1%"), seq_len_ceiling=1 << 12)
     answer = find_max_len(search, tmp_path / "m.csv", measure=measure, env=capture_environment("cpu"))
     assert calls == [256]
-    assert (answer.kind, answer.status, answer.error, answer.max_seq_len) == ("maxlen", "unsupported", "needs a CUDA GPU", None)
+    assert (answer.kind, answer.status, answer.error, answer.max_seq_len) == (
+        "maxlen",
+        "unsupported",
+        "needs a CUDA GPU",
+        None,
+    )
     assert [r["status"] for r in read_rows(tmp_path / "m.csv")] == ["unsupported", "unsupported"]

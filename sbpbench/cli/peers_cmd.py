@@ -22,14 +22,17 @@ class Peer(str, Enum):
 def setup(
     name: Annotated[Peer, typer.Argument(help="The peer: official (streambp 1.0, transformers 4.51.3).")],
     path: Annotated[
-        Path | None, typer.Option("--path", help=f"Where to create it (default: ${VENV_VARIABLE} or ~/.cache/sbpbench/peers/official).")
+        Path | None,
+        typer.Option(
+            "--path", help=f"Where to create it (default: ${VENV_VARIABLE} or ~/.cache/sbpbench/peers/official)."
+        ),
     ] = None,
 ) -> None:
     """Create the peer's virtualenv from the package index (the same torch as here)."""
     target = (path or venv_dir()).expanduser()
     for command in setup_commands(target):
         typer.echo("$ " + " ".join(command))
-        if subprocess.run(command).returncode:
+        if subprocess.run(command, check=False).returncode:
             typer.echo(f"error: the command above failed; {target} is incomplete", err=True)
             raise typer.Exit(1)
     if path is not None:

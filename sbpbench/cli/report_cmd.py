@@ -23,7 +23,9 @@ def report(
     reference: ReferenceOpt = None,
     exactness: Annotated[
         Path | None,
-        typer.Option("--exactness", help="An exactness CSV written by `sbp check --out`: its table, and the peers' column."),
+        typer.Option(
+            "--exactness", help="An exactness CSV written by `sbp check --out`: its table, and the peers' column."
+        ),
     ] = None,
 ) -> None:
     """Compare measured rows with the paper's (ratio ours / paper, on comparable devices), list the

@@ -54,9 +54,7 @@ SETTINGS: dict[str, Setting] = {
     "seed": Setting(int, "Seed for weights and batch (default: 0)."),
     "timeout_s": Setting((int, float), "Seconds per point before it is recorded as timeout (default: 3600)."),
     "chunk_size": Setting((int, str), 'StreamBP positions per layer chunk: tokens, or "T/k" for T/k (default: 500).'),
-    "logits_chunk_size": Setting(
-        int, "StreamBP, ckpt-chunked-ce, tiled: positions per logits chunk (default: 100)."
-    ),
+    "logits_chunk_size": Setting(int, "StreamBP, ckpt-chunked-ce, tiled: positions per logits chunk (default: 100)."),
     "fp32_grad_accumulation": Setting(bool, "StreamBP: sum bf16 chunk gradients in fp32 (default: on)."),
     "mlp_tile_size": Setting(int, "tiled (ALST): positions per MLP tile (default: 2048)."),
     "offload_checkpoints": Setting(bool, "tiled (ALST): layer checkpoints in host memory (default: on)."),

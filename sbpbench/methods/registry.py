@@ -21,8 +21,8 @@ from ..data import Batch
 from .chunked_ce import ckpt_chunked_ce
 from .hf_baseline import bp, ckpt
 from .liger import liger
-from .offload import ckpt_offload
 from .official import official
+from .offload import ckpt_offload
 from .settings import MethodSettings
 from .streambp import streambp
 from .tiled import tiled

@@ -58,7 +58,9 @@ def _latest(rows):
 
 
 def _figure(rows, out_dir: Path, formats) -> list[Path]:
-    answers = _latest(rows[(rows["kind"] == "maxlen") & (rows["status"] == "ok")]).drop_duplicates("method", keep="last")
+    answers = _latest(rows[(rows["kind"] == "maxlen") & (rows["status"] == "ok")]).drop_duplicates(
+        "method", keep="last"
+    )
     timed = rows[(rows["kind"] == "point") & (rows["status"] == "ok") & rows["time_median_s"].map(present)]
     if answers.empty or timed.empty:
         return []

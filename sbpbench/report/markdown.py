@@ -102,11 +102,25 @@ def exactness_section(rows: list[dict]) -> list[str]:
     """Every comparison of the exactness CSV, as `sbp check` recorded it."""
     lines = ["", "## Exactness vs bp (`sbp check --out`)", ""]
     lines += [
-        "Relative errors max|method - bp| / max|bp| of the loss and of the worst parameter gradient; "
-        "tolerance fp64 1e-10, fp32 1e-5.",
+        (
+            "Relative errors max|method - bp| / max|bp| of the loss and of the worst parameter gradient; "
+            "tolerance fp64 1e-10, fp32 1e-5."
+        ),
         "",
     ]
-    headers = ("method", "result", "loss err", "grad err", "worst gradient", "model", "dtype", "B", "T", "settings", "note")
+    headers = (
+        "method",
+        "result",
+        "loss err",
+        "grad err",
+        "worst gradient",
+        "model",
+        "dtype",
+        "B",
+        "T",
+        "settings",
+        "note",
+    )
     cells = [
         [
             r["method"],

@@ -10,8 +10,7 @@ from dataclasses import dataclass
 
 from ..config import RunSpec
 from ..config.build import build_model_and_batch
-from ..methods import MethodSettings
-from ..methods import METHODS
+from ..methods import METHODS, MethodSettings
 from ..methods.exactness import MethodComparison, compare_methods, compare_step, step_gradients
 from ..methods.settings import SETTING_NAMES
 

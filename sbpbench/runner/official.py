@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 
 from ..config import RunSpec
-from ..config.run import DTYPES
 from ..config.build import make_spec_batch
 from ..config.rows import spec_fields
+from ..config.run import DTYPES
 from ..measure.environment import Environment
 from ..records import ResultRow
 
@@ -112,6 +112,7 @@ def run_driver(job: dict, tmp: Path, timeout_s: float) -> dict:
             text=True,
             timeout=timeout_s,
             env=env,
+            check=False,
         )
     except subprocess.TimeoutExpired:
         return {"status": "timeout", "error": f"no result after {timeout_s:g} s (--timeout)"}
