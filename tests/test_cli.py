@@ -16,10 +16,14 @@ runner = CliRunner()
 
 
 def test_check_reports_exact_methods():
-    """`sbp check` on a tiny model prints both methods as exact and exits 0."""
-    result = runner.invoke(app, ["check", "--model", "tiny/gemma3", "--seq", "30", "--chunk-size", "7"])
+    """`sbp check` on a tiny model prints every method that runs on a CPU as exact (liger as
+    unsupported) and exits 0."""
+    methods = ["ckpt", "streambp", "ckpt-offload", "ckpt-chunked-ce", "tiled", "liger"]
+    args = ["check", "--model", "tiny/gemma3", "--seq", "30", "--chunk-size", "7", "--mlp-tile-size", "7"]
+    result = runner.invoke(app, [*args, "--method", *methods])
     assert result.exit_code == 0, result.output
-    assert result.output.count("exact") == 2 and "DIFFERS" not in result.output
+    assert result.output.count("exact") == 5 and "DIFFERS" not in result.output
+    assert "unsupported" in result.output
 
 
 def test_check_unknown_model_is_a_one_line_error():
@@ -54,9 +58,11 @@ def test_console_script_is_installed():
 
 
 def test_check_grpo_and_dpo_with_lora():
-    """`sbp check --objective grpo|dpo --lora-rank 4`: every method exact on a tiny model."""
+    """`sbp check --objective grpo|dpo --lora-rank 4`: ckpt and streambp exact on a tiny model (the
+    peers: tests/test_peers.py)."""
     for objective in ("grpo", "dpo"):
         args = ["check", "--model", "tiny/llama", "--seq", "30", "--chunk-size", "7", "--objective", objective]
+        args += ["--method", "ckpt", "streambp"]
         result = runner.invoke(app, [*args, "--lora-rank", "4", "--batch", "4"])
         assert result.exit_code == 0, result.output
         assert result.output.count("exact") == 2 and "DIFFERS" not in result.output

@@ -29,7 +29,7 @@ def _snapshot(model, batch):
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "hf_checkpointing_on"])
-@pytest.mark.parametrize("method", ["ckpt", "streambp"])
+@pytest.mark.parametrize("method", ["ckpt", "streambp", "ckpt-offload", "ckpt-chunked-ce", "tiled"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_step_leaves_model_as_found(family, method, checkpointing):
     """state_dict keys, attention implementation, checkpointing flags, training flags, hooks,

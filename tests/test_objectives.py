@@ -6,9 +6,9 @@ import math
 
 import pytest
 import torch
-from sbpbench.core.sft import shift_labels
 
 from sbpbench.core import DPO, GRPO, SFT, stream_backward
+from sbpbench.core.labels import shift_labels
 from sbpbench.core.objectives import token_logps
 from sbpbench.data import DPOBatch, GRPOBatch, make_dpo_batch, make_grpo_batch
 from sbpbench.methods import MethodSettings

@@ -19,6 +19,8 @@ from tests.fixtures.make_results import fixture_rows
 FIXTURE = Path(__file__).parent / "fixtures" / "results.csv"
 PIXELS = (600, 800)  # style.FIGSIZE_IN (8 x 6 in) at style.DPI (100)
 EXPECTED_STEMS = {
+    # (e) max T vs time per token, one point per method: the capped H200 has both kinds of rows
+    "max_len_vs_time_per_token__Qwen3-8B__NVIDIA-H200-limit80GiB__steady",
     # (a) peak memory vs T: the capped H200 series (paper Figure 3 faint) and the CPU series
     "memory_vs_seq__Qwen3-8B__NVIDIA-H200-limit80GiB__steady",
     "memory_vs_seq__small-qwen3__AMD-EPYC__steady__fp32",

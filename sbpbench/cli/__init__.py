@@ -11,6 +11,7 @@ from .env_cmd import env
 from .estimate_cmd import estimate
 from .maxlen_cmd import maxlen
 from .models_cmd import models
+from .peers_cmd import peers
 from .plot_cmd import plot
 from .report_cmd import report
 from .run_cmd import run
@@ -35,6 +36,7 @@ app.command()(env)
 app.command()(models)
 app.command()(plot)
 app.command()(report)
+app.add_typer(peers, name="peers")
 
 
 def _one_line_warning(message, category, filename, lineno, line=None) -> str:

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
+
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from ..config import METHODS, point_specs
 from ..config.run import EXACTNESS_DEFAULTS
+from ..measure.environment import capture_environment
+from ..records.exactness import ExactnessRow, write_exactness
 from ..runner import ExactnessSpec, check_exactness
 from .errors import user_errors
-from .options import point_command, run_fields_but
+from .options import ExactnessOutOpt, point_command, run_fields_but
 
 # bp is the reference; lora_alpha is 2 x rank (with seeded non-zero B); nothing is timed
 CHECK_FIELDS = run_fields_but(
@@ -33,7 +37,7 @@ CHECK_FIELDS = run_fields_but(
         "device": "cpu (default), cuda or cuda:N.",
     },
 )
-def check(settings: dict, methods: tuple[str, ...]) -> None:
+def check(settings: dict, methods: tuple[str, ...], out: ExactnessOutOpt = None) -> None:
     """Check that every method gives standard BP's loss and gradients (exit 1 if one does not)."""
     compared = tuple(m for m in methods if m != "bp") or tuple(name for name in METHODS if name != "bp")
     with user_errors():
@@ -55,6 +59,9 @@ def check(settings: dict, methods: tuple[str, ...]) -> None:
         table.add_column(column, no_wrap=column != "worst gradient", overflow="fold")
     for result in results:
         worst = result.worst
+        if result.loss is None:
+            table.add_row(result.method, "[yellow]unsupported[/]", "", "", "", result.unsupported)
+            continue
         cells = [
             result.method,
             ("[green]exact[/]" if result.ok else "[red]DIFFERS[/]")
@@ -73,6 +80,11 @@ def check(settings: dict, methods: tuple[str, ...]) -> None:
     if judged:
         for line in error_ratios(results):
             console.print(line, highlight=False)
+    if out is not None:
+        by_method = {spec.method: spec for spec in specs}
+        compared_results = [r for r in results if not (judged and r is results[0])]  # fp32: bp's own row first
+        write_exactness(out, [_exactness_row(by_method[r.method], r) for r in compared_results])
+        console.print(f"{len(compared_results)} comparison(s) appended to {out}", highlight=False)
     failed = [d for r in results for d in r.failures()]
     for diff in failed:
         console.print(f"[red]{diff.describe()}[/]", highlight=False)
@@ -86,6 +98,8 @@ def error_ratios(results) -> list[str]:
     baseline = {d.name: d for d in results[0].grads}
     lines = []
     for result in results[1:]:
+        if result.loss is None:  # unsupported here
+            continue
         ratios = sorted(
             (d.rel_error / baseline[d.name].rel_error, d.name) for d in result.grads if baseline[d.name].rel_error > 0
         )
@@ -97,3 +111,40 @@ def error_ratios(results) -> list[str]:
                 f"({name}: {baseline[name].rel_error:.2e} for bp)"
             )
     return lines
+
+
+_EXTERNAL_NOTE = "ran in its own virtualenv (runner/official.py: streambp 1.0, transformers 4.51.3)"
+
+
+def _exactness_row(spec, result) -> ExactnessRow:
+    env = capture_environment(spec.device)
+    worst = result.worst
+    settings = " ".join(f"{k}={v}" for k, v in spec.settings.as_dict().items() if v is not None)
+    if result.loss is None:
+        outcome = "unsupported"
+    else:
+        outcome = "exact" if result.ok else "differs"
+    return ExactnessRow(
+        timestamp_utc=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        method=result.method,
+        reference=result.reference,
+        result=outcome,
+        loss_rel_error=None if result.loss is None else result.loss.rel_error,
+        grad_rel_error=None if worst is None else worst.rel_error,
+        worst_tensor="" if worst is None else worst.name,
+        tolerance=None if worst is None else worst.tolerance,
+        note=result.unsupported or (_EXTERNAL_NOTE if METHODS[result.method].external else ""),
+        model=spec.model,
+        num_layers=spec.num_layers,
+        objective=spec.objective,
+        lora_rank=spec.lora_rank,
+        dtype=spec.dtype,
+        batch_size=spec.batch_size,
+        seq_len=spec.seq_len,
+        settings=settings,
+        device=spec.device,
+        torch_version=env.torch_version,
+        transformers_version=env.transformers_version,
+        git_commit=env.git_commit,
+        git_dirty=env.git_dirty,
+    )

@@ -28,6 +28,7 @@ FLAG_NAMES: dict[str, tuple[str, ...]] = {
     "timeout_s": ("--timeout",),
     "seq_len_ceiling": ("--max-seq",),
     "fp32_grad_accumulation": ("--fp32-grad-accumulation/--no-fp32-grad-accumulation",),
+    "offload_checkpoints": ("--offload-checkpoints/--no-offload-checkpoints",),
 }
 
 
@@ -58,6 +59,11 @@ MoreMethodsArg = Annotated[
     typer.Argument(metavar="[METHOD]...", help="More methods after --method: `--method bp ckpt streambp`."),
 ]
 OutOpt = Annotated[Path | None, typer.Option("--out", "-o", help="Results CSV (rows upserted by point).")]
+# `sbp check` (here: a point command's own options resolve in this module)
+ExactnessOutOpt = Annotated[
+    Path | None,
+    typer.Option("--out", "-o", help="Append the comparison to this exactness CSV (read by `sbp report --exactness`)."),
+]
 # `sbp plot` and `sbp report`
 ResultsArg = Annotated[
     Path, typer.Argument(help="Results CSV, or a directory whose CSVs are read together (written by `sbp run --out`).")
@@ -85,6 +91,8 @@ RUN_FIELDS = (
     "chunk_size",
     "logits_chunk_size",
     "fp32_grad_accumulation",
+    "mlp_tile_size",
+    "offload_checkpoints",
     "device",
     "num_layers",
     "protocol",

@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from ..models import full_depth
+from ..records.exactness import read_exactness
 from ..report import markdown_report
 from ..report.inputs import load_paper, load_table
 from .errors import user_errors
@@ -20,13 +21,20 @@ def report(
         Path | None, typer.Option("--out", "-o", help="Write the Markdown to this file (default: print it).")
     ] = None,
     reference: ReferenceOpt = None,
+    exactness: Annotated[
+        Path | None,
+        typer.Option(
+            "--exactness", help="An exactness CSV written by `sbp check --out`: its table, and the peers' column."
+        ),
+    ] = None,
 ) -> None:
     """Compare measured rows with the paper's (ratio ours / paper, on comparable devices), list the
     rows the paper has no counterpart for, and put estimates beside measurements, in Markdown."""
     with user_errors():
         table = load_table(results)
         paper, note = load_paper(reference)
-        text = markdown_report(table, paper, full_depth=full_depth)
+        checked = read_exactness(exactness) if exactness is not None else None
+        text = markdown_report(table, paper, full_depth=full_depth, exactness=checked)
         if out is not None:
             try:
                 out.parent.mkdir(parents=True, exist_ok=True)

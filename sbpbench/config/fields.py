@@ -57,8 +57,10 @@ SETTINGS: dict[str, Setting] = {
     ),
     "timeout_s": Setting((int, float), "Seconds per point before it is recorded as timeout (default: 3600)."),
     "chunk_size": Setting((int, str), 'StreamBP positions per layer chunk: tokens, or "T/k" for T/k (default: 500).'),
-    "logits_chunk_size": Setting(int, "StreamBP positions per logits chunk (default: 100)."),
+    "logits_chunk_size": Setting(int, "StreamBP, ckpt-chunked-ce, tiled: positions per logits chunk (default: 100)."),
     "fp32_grad_accumulation": Setting(bool, "StreamBP: sum bf16 chunk gradients in fp32 (default: on)."),
+    "mlp_tile_size": Setting(int, "tiled (ALST): positions per MLP tile (default: 2048)."),
+    "offload_checkpoints": Setting(bool, "tiled (ALST): layer checkpoints in host memory (default: on)."),
     # a max-length search's own settings (MaxlenSpec); its first probe is seq_len
     "seq_len_ceiling": Setting(int, "Longest length a search tries (default: 262144 cuda, 16384 cpu)."),
     "resolution": Setting(

@@ -116,13 +116,14 @@ class RunSpec:
             raise ConfigError("memory_limit", f"must be a positive number of bytes, got {self.memory_limit!r}")
         if not isinstance(self.timeout_s, (int, float)) or isinstance(self.timeout_s, bool) or self.timeout_s <= 0:
             raise ConfigError("timeout_s", f"must be a positive number of seconds, got {self.timeout_s!r}")
-        for name in ("chunk_size", "logits_chunk_size"):
+        for name in ("chunk_size", "logits_chunk_size", "mlp_tile_size"):
             value = getattr(self.settings, name)
             if value is not None and (not _is_int(value) or value < 1):
                 raise ConfigError(name, f"must be a positive integer, got {value!r}")
-        accumulate = self.settings.fp32_grad_accumulation
-        if accumulate is not None and not isinstance(accumulate, bool):
-            raise ConfigError("fp32_grad_accumulation", f"must be true or false, got {accumulate!r}")
+        for name in ("fp32_grad_accumulation", "offload_checkpoints"):
+            value = getattr(self.settings, name)
+            if value is not None and not isinstance(value, bool):
+                raise ConfigError(name, f"must be true or false, got {value!r}")
         # one resolution, here: every later torch.cuda call gets an indexed device
         object.__setattr__(self, "device", resolve_device(self.device))
         object.__setattr__(self, "settings", self.settings.for_method(METHODS[self.method].uses))

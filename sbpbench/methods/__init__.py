@@ -6,6 +6,7 @@ from __future__ import annotations
 from .registry import METHODS, Method, MethodFn, get_method, run_method
 from .settings import MethodSettings
 from .training import STEPS, make_optimizer, run_step
+from .unsupported import MethodUnsupported
 
 __all__ = [
     "METHODS",
@@ -13,6 +14,7 @@ __all__ = [
     "Method",
     "MethodFn",
     "MethodSettings",
+    "MethodUnsupported",
     "get_method",
     "make_optimizer",
     "run_method",

@@ -28,6 +28,7 @@ import torch
 from ..data import SFTBatch
 from .registry import run_method
 from .settings import MethodSettings
+from .unsupported import MethodUnsupported
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
 ROUNDING_UNITS = 4
@@ -104,23 +105,30 @@ def tensor_diff(
 class MethodComparison:
     method: str
     reference: str
-    loss: TensorDiff
+    loss: TensorDiff | None  # None: the method cannot run here (unsupported says why)
     grads: list[TensorDiff]
     # judge_against_fp64 only: the worst per-tensor error against the baseline's fp32 gradients
     # (the old fixed-tolerance rule's number), for reports
     versus_baseline: float | None = None
+    unsupported: str = ""
 
     @property
-    def worst(self) -> TensorDiff:
-        """The failing tensor, else the one nearest its tolerance (the largest error if unjudged)."""
-        return max(self.grads, key=lambda d: (not d.ok, d.rel_error / d.tolerance if d.tolerance else d.rel_error))
+    def worst(self) -> TensorDiff | None:
+        """The failing tensor, else the one nearest its tolerance (the largest error if unjudged);
+        None for a method that did not run."""
+        return max(
+            self.grads,
+            key=lambda d: (not d.ok, d.rel_error / d.tolerance if d.tolerance else d.rel_error),
+            default=None,
+        )
 
     @property
     def ok(self) -> bool:
-        return self.loss.ok and all(d.ok for d in self.grads)
+        """Exact, or not run here: an unsupported method is reported, not a failure."""
+        return self.loss is None or (self.loss.ok and all(d.ok for d in self.grads))
 
     def failures(self) -> list[TensorDiff]:
-        return [d for d in [self.loss, *self.grads] if not d.ok]
+        return [] if self.loss is None else [d for d in [self.loss, *self.grads] if not d.ok]
 
 
 def step_gradients(method, model, batch: SFTBatch, settings: MethodSettings):
@@ -163,19 +171,15 @@ def compare_methods(
 ) -> list[MethodComparison]:
     """Run the reference and each method on the same model and batch and compare."""
     ref_loss, ref_grads = step_gradients(reference, model, batch, settings)
-    dtypes = _judging_dtypes(model)
-    loss_tolerance = TOLERANCE.get(model.dtype)
     results = []
     for method in methods:
-        loss, grads = step_gradients(method, model, batch, settings)
-        results.append(
-            MethodComparison(
-                method=method,
-                reference=reference,
-                loss=tensor_diff("loss", loss, ref_loss, loss_tolerance),
-                grads=_grad_diffs(grads, ref_grads, dtypes),
-            )
-        )
+        try:
+            loss, grads = step_gradients(method, model, batch, settings)
+        except MethodUnsupported as error:
+            model.zero_grad(set_to_none=True)
+            results.append(MethodComparison(method, reference, None, [], unsupported=str(error)))
+            continue
+        results.append(compare_step(method, reference, model, (loss, grads), (ref_loss, ref_grads)))
     return results
 
 
@@ -223,7 +227,11 @@ def judge_against_fp64(
         )
     ]
     for name in dict.fromkeys(m for m in methods if m != baseline):
-        loss, grads = step_gradients(name, model, batch, settings)
+        try:
+            loss, grads = step_gradients(name, model, batch, settings)
+        except MethodUnsupported as error:  # reported, not a failure (as in compare_methods)
+            results.append(MethodComparison(name, reference, None, [], unsupported=str(error)))
+            continue
         diffs = [
             tensor_diff(n, grads[n], r, FP32_ERROR_FACTOR * base_diffs[n].rel_error + FP32_RELATIVE_FLOOR, floor)
             for n, r in ref_grads.items()
@@ -234,3 +242,16 @@ def judge_against_fp64(
         results.append(MethodComparison(name, reference, loss_diff, diffs, _same_precision_diffs(grads, base_grads)))
         del grads
     return results
+
+
+def compare_step(method: str, reference: str, model, ours: tuple, ref: tuple) -> MethodComparison:
+    """A comparison of (loss, {name: grad}) computed elsewhere (an external worker) with the
+    reference's; a parameter without a gradient there counts as zeros."""
+    (loss, grads), (ref_loss, ref_grads) = ours, ref
+    grads = {name: grads[name] if name in grads else torch.zeros_like(g) for name, g in ref_grads.items()}
+    return MethodComparison(
+        method=method,
+        reference=reference,
+        loss=tensor_diff("loss", loss, ref_loss, TOLERANCE.get(model.dtype)),
+        grads=_grad_diffs(grads, ref_grads, _judging_dtypes(model)),
+    )

@@ -29,13 +29,17 @@ def hf_forward_backward(model, batch: Batch) -> torch.Tensor:
     return loss.detach()
 
 
-def _enable_checkpointing(model) -> None:
+def _enable_checkpointing(model, offload: bool = False) -> None:
     """Non-reentrant checkpointing of every decoder layer. transformers >= 5.20 renamed
-    gradient_checkpointing_* to activation_checkpointing_* (the old names warn); 5.17 has only the old."""
+    gradient_checkpointing_* to activation_checkpointing_* (the old names warn); 5.17 has only the
+    old. offload: transformers' own `offload=True` (the checkpoints in pinned host memory); the
+    caller checks that this transformers has it (offload.library_offload)."""
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        extra = {"offload": True} if offload else {}
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, **extra)
     else:
+        assert not offload, "transformers' offload kwarg needs activation_checkpointing_enable"
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
@@ -57,17 +61,19 @@ _CHECKPOINTING_ATTRS = (
 
 
 @contextmanager
-def hf_gradient_checkpointing(model):
+def hf_gradient_checkpointing(model, *, offload: bool = False):
     """Enable transformers' gradient checkpointing (training mode, which it requires) and leave the
-    model as found: checkpointing state and attributes, input-grad hooks, per-module training flags."""
+    model as found: checkpointing state and attributes, input-grad hooks, per-module training flags.
+    offload: with transformers' `offload=True` (pinned host memory for the checkpoints)."""
     modes = {module: module.training for module in model.modules()}
     attrs = {
         module: {a: vars(module)[a] for a in _CHECKPOINTING_ATTRS if a in vars(module)} for module in model.modules()
     }
     enabled_before = any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
     input_grad_hooks_before = bool(getattr(model, "_require_grads_hooks", None))
+    assert not (offload and enabled_before), "offload through transformers only where checkpointing was off"
     if not enabled_before:
-        _enable_checkpointing(model)
+        _enable_checkpointing(model, offload)
     model.train()
     try:
         yield

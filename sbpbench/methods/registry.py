@@ -18,9 +18,14 @@ import torch
 from ..core.attention import ATTENTION_NAME
 from ..core.labels import count_targets, shift_labels
 from ..data import Batch
+from .chunked_ce import ckpt_chunked_ce
 from .hf_baseline import bp, ckpt
-from .settings import SETTING_NAMES, MethodSettings
+from .liger import liger
+from .official import official
+from .offload import ckpt_offload
+from .settings import MethodSettings
 from .streambp import streambp
+from .tiled import tiled
 
 MethodFn = Callable[[torch.nn.Module, Batch, MethodSettings], torch.Tensor]
 
@@ -30,12 +35,43 @@ class Method(NamedTuple):
     uses: tuple[str, ...]  # MethodSettings fields it reads; the rest stay None in its spec and row
     summary: str
     attn_implementation: str = "sdpa"  # what its rows record: transformers' name for the attention it runs
+    external: bool = False  # runs in an environment of its own (runner/official.py), never in this process
 
 
 METHODS: dict[str, Method] = {
     "bp": Method(bp, (), "standard backpropagation: HF forward with full logits, no checkpointing"),
     "ckpt": Method(ckpt, (), "the same with HF gradient checkpointing of every decoder layer"),
-    "streambp": Method(streambp, SETTING_NAMES, "exact StreamBP (sbpbench.core)", ATTENTION_NAME),
+    "streambp": Method(
+        streambp,
+        ("chunk_size", "logits_chunk_size", "fp32_grad_accumulation"),
+        "exact StreamBP (sbpbench.core)",
+        ATTENTION_NAME,
+    ),
+    # peers: what users reach for instead (issue 16)
+    "ckpt-offload": Method(
+        ckpt_offload, (), "ckpt with the layer checkpoints in host memory (transformers' offload=True)"
+    ),
+    "ckpt-chunked-ce": Method(
+        ckpt_chunked_ce,
+        ("logits_chunk_size",),
+        "ckpt + a chunked linear+loss head recomputed in backward (no B x T x V logits)",
+    ),
+    "tiled": Method(
+        tiled,
+        ("logits_chunk_size", "mlp_tile_size", "offload_checkpoints"),
+        "ALST: offloaded ckpt + chunked loss head + tiled MLP (DeepSpeed TiledMLP), in PyTorch",
+    ),
+    "liger": Method(
+        liger,
+        (),
+        "ckpt + liger-kernel's LigerFusedLinearCrossEntropyLoss (Triton, CUDA only; pip install -e .[peers])",
+    ),
+    "official": Method(
+        official,
+        ("chunk_size", "logits_chunk_size"),
+        "the official StreamBP code (streambp 1.0, transformers 4.51.3) in its own virtualenv",
+        external=True,
+    ),
 }
 
 

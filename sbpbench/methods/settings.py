@@ -12,6 +12,10 @@ DEFAULTS = {
     "chunk_size": DEFAULT_CHUNK_SIZE,  # positions per chunk in the layer backward
     "logits_chunk_size": DEFAULT_LOGITS_CHUNK_SIZE,  # positions per chunk in the head and loss
     "fp32_grad_accumulation": True,  # sum bf16 chunk gradients in fp32
+    # tiled (ALST): positions per MLP tile; DeepSpeed's TiledMLP example uses tiles of about
+    # hidden_size positions (2560 for Qwen3-4B, 4096 for Qwen3-8B), 2048 is that order
+    "mlp_tile_size": 2048,
+    "offload_checkpoints": True,  # tiled: layer checkpoints in host memory, as ALST does
 }
 
 
@@ -23,6 +27,8 @@ class MethodSettings:
     chunk_size: int | None = None
     logits_chunk_size: int | None = None
     fp32_grad_accumulation: bool | None = None
+    mlp_tile_size: int | None = None
+    offload_checkpoints: bool | None = None
 
     def for_method(self, uses: tuple[str, ...]) -> MethodSettings:
         """The knobs in `uses` set (given or default), every other one None."""

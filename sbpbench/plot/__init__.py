@@ -15,9 +15,10 @@ from ..records.select import complete_columns, with_full_depth
 from .common import FORMATS
 from .maxlen import max_seq_len_bars
 from .memory import memory_vs_seq
+from .peers import max_len_vs_time_per_token
 from .timing import time_per_sample_vs_batch, time_vs_seq
 
-FIGURES = (memory_vs_seq, time_vs_seq, max_seq_len_bars, time_per_sample_vs_batch)
+FIGURES = (memory_vs_seq, time_vs_seq, max_seq_len_bars, time_per_sample_vs_batch, max_len_vs_time_per_token)
 
 
 def plot_all(
@@ -40,6 +41,7 @@ def plot_all(
 __all__ = [
     "FIGURES",
     "FORMATS",
+    "max_len_vs_time_per_token",
     "max_seq_len_bars",
     "memory_vs_seq",
     "plot_all",

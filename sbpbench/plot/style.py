@@ -10,10 +10,37 @@ from __future__ import annotations
 
 import re
 
-METHOD_ORDER = ("bp", "ckpt", "mst", "streambp")
-METHOD_LABELS = {"bp": "bp (w/o ckpt)", "ckpt": "ckpt (w/ ckpt)", "mst": "MsT (paper only)", "streambp": "StreamBP"}
-METHOD_COLOURS = {"bp": "#D55E00", "ckpt": "#0072B2", "mst": "#CC79A7", "streambp": "#009E73"}
-METHOD_MARKERS = {"bp": "o", "ckpt": "s", "mst": "^", "streambp": "D"}
+METHOD_ORDER = ("bp", "ckpt", "mst", "streambp", "ckpt-offload", "ckpt-chunked-ce", "tiled", "liger", "official")
+METHOD_LABELS = {
+    "bp": "bp (w/o ckpt)",
+    "ckpt": "ckpt (w/ ckpt)",
+    "mst": "MsT (paper only)",
+    "streambp": "StreamBP",
+    "tiled": "tiled (ALST)",
+    "official": "official StreamBP 1.0",
+}
+METHOD_COLOURS = {
+    "bp": "#D55E00",
+    "ckpt": "#0072B2",
+    "mst": "#CC79A7",
+    "streambp": "#009E73",
+    "ckpt-offload": "#56B4E9",
+    "ckpt-chunked-ce": "#E69F00",
+    "tiled": "#000000",
+    "liger": "#F0E442",
+    "official": "#7F7F7F",
+}
+METHOD_MARKERS = {
+    "bp": "o",
+    "ckpt": "s",
+    "mst": "^",
+    "streambp": "D",
+    "ckpt-offload": "P",
+    "ckpt-chunked-ce": "X",
+    "tiled": "*",
+    "liger": "h",
+    "official": "d",
+}
 OTHER_COLOUR, OTHER_MARKER = "#7F7F7F", "v"  # a method added later, until it gets its own
 
 ESTIMATE_LINESTYLE, ESTIMATE_HATCH = "--", "//"

@@ -21,7 +21,8 @@ read back with the new columns empty):
   5  num_threads (torch intra-op threads of the worker) and load_avg_1m (the machine's 1-minute load
      average as the point started): what a CPU time depends on besides the point. Not key columns
      (a rerun with another thread count replaces the row). Older rows read back with them empty
-     (not recorded).
+     (not recorded). Also mlp_tile_size and offload_checkpoints (the `tiled` peer's settings; empty
+     for every other method, so older rows read back unchanged) and status unsupported.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ SCHEMA_VERSION = 5
 
 # skipped: not run because a shorter sequence of the same point already ran out of memory
 # (certain OOM); plots and reports draw it as an OOM, and a resumed sweep does not retry it.
-STATUSES = ("ok", "oom", "error", "timeout", "skipped")
+# unsupported: the method cannot run this point here (its library or hardware is missing, or it
+# does not implement the objective: methods.MethodUnsupported); the error says why. Not retried.
+STATUSES = ("ok", "oom", "error", "timeout", "skipped", "unsupported")
 KINDS = ("point", "maxlen")  # one step at one seq_len | the answer of a max-length search
 # measured: a real step on a real device; simulated: the same code under fake tensors (an estimate
 # of a GPU that may not be here). No plot or report may mix the two without saying so.
@@ -43,7 +46,7 @@ SOURCES = ("measured", "simulated")
 class ResultRow:
     schema_version: int = SCHEMA_VERSION
     timestamp_utc: str = ""  # ISO 8601, when the point finished
-    status: str = ""  # ok | oom | error | timeout | skipped
+    status: str = ""  # ok | oom | error | timeout | skipped | unsupported
     error: str = ""  # one line, for oom / error / timeout / skipped
     kind: str = "point"  # point | maxlen
     source: str = "measured"  # measured | simulated
@@ -66,6 +69,8 @@ class ResultRow:
     chunk_size: int | None = None  # streambp positions per layer chunk (empty for methods that ignore it)
     logits_chunk_size: int | None = None
     fp32_grad_accumulation: bool | None = None
+    mlp_tile_size: int | None = None  # tiled: positions per MLP tile
+    offload_checkpoints: bool | None = None  # tiled: layer checkpoints in host memory
     attn_implementation: str = ""
     attention_kernel: str = ""  # simulated: the CUDA SDPA kernel modelled (flash | efficient | math)
     memory_limit_bytes: int | None = None  # cap applied to the process (None: the device's own)
@@ -148,6 +153,8 @@ KEY_COLUMNS: tuple[str, ...] = (
     "chunk_size",
     "logits_chunk_size",
     "fp32_grad_accumulation",
+    "mlp_tile_size",
+    "offload_checkpoints",
     "attn_implementation",
     "memory_limit_bytes",
     "seed",
@@ -184,7 +191,13 @@ UPGRADES: dict[str, dict[str, str]] = {
 }
 # Schema 4: the settings a method does not read are empty. Methods of the older schemas that read
 # none of them (every method before version 4 but streambp).
-METHOD_SETTING_COLUMNS = ("chunk_size", "logits_chunk_size", "fp32_grad_accumulation")
+METHOD_SETTING_COLUMNS = (
+    "chunk_size",
+    "logits_chunk_size",
+    "fp32_grad_accumulation",
+    "mlp_tile_size",
+    "offload_checkpoints",
+)
 SETTINGLESS_BEFORE_4 = ("bp", "ckpt")
 
 

@@ -24,12 +24,131 @@ METRIC_TITLES = {
 }
 COMPARE_HEADERS = ("model", "method", "setting", "ours ran on", "paper", "ours", "ours/paper")
 METHOD_ORDER = {"bp": 0, "ckpt": 1, "mst": 2, "streambp": 3}
+PAPER_METHODS = ("bp", "ckpt", "mst", "streambp")
+PEERS_GROUP = ("model", "num_layers", "device_name", "memory_limit_bytes", "protocol", "dtype", "objective", "lora_rank", "step", "batch_size")  # fmt: skip
 
 
-def markdown_report(table, reference=None, full_depth: Callable[[str], int | None] | None = None) -> str:
+def peers_section(table, exactness: list[dict]) -> list[str]:
+    """One table per model and setting whose measured rows include a peer (a method beyond the
+    paper's): per method its peak memory and time per token at each T, its max T, and how exact it
+    was in the exactness CSV (the latest fp64 check, else fp32)."""
+    measured = table[(table["source"] == "measured")]
+    if not (~measured["method"].isin(PAPER_METHODS)).any():
+        return []
+    lines = ["", "## Peers (issue 16)", ""]
+    lines += [
+        (
+            "Peak memory (GiB) and time per token (ms, median step / (B x T)) at each measured T; max T from the "
+            "max-length search (≥: no OOM up to its ceiling); exact: `sbp check` vs bp (relative error of the worst "
+            "gradient), from the exactness CSV given with --exactness."
+        ),
+    ]
+    groups = {}
+    for index, row in measured.iterrows():
+        groups.setdefault(tuple(str(row[c]) for c in PEERS_GROUP), []).append(index)
+    for key in sorted(groups, key=lambda k: tuple(natural_key(p) for p in k)):
+        rows = measured.loc[groups[key]].sort_values("timestamp_utc", kind="stable")
+        if rows["method"].isin(PAPER_METHODS).all():
+            continue
+        like = rows.iloc[-1]
+        seqs = sorted({int(number(t)) for t in rows.loc[rows["kind"] == "point", "seq_len"] if present(t)})
+        headers = ["method", *(f"T={t}" for t in seqs), "max T", "exact vs bp"]
+        cells = []
+        for method in sorted(rows["method"].unique(), key=_method_rank):
+            mine = rows[rows["method"] == method]
+            row_cells = [method]
+            for t in seqs:
+                at = mine[(mine["kind"] == "point") & (mine["seq_len"].map(number) == t)]
+                row_cells.append(_peer_cell(at.iloc[-1]) if len(at) else "")
+            answers = mine[mine["kind"] == "maxlen"]
+            row_cells.append(_max_t_cell(answers.iloc[-1]) if len(answers) else "")
+            row_cells.append(_exact_cell(method, exactness))
+            cells.append(row_cells)
+        lines += ["", f"### {like['model']}: {setting(like, seq_len=False)}, {run(like)}", ""]
+        lines += _markdown_table(tuple(headers), cells)
+    return lines
+
+
+def _peer_cell(row) -> str:
+    if row["status"] != "ok":
+        return row["status"]
+    peak = number(row["peak_allocated_bytes"])
+    time = number(row["time_median_s"])
+    tokens = number(row["batch_size"]) * number(row["seq_len"])
+    per_token = "" if time is None else f", {1e3 * time / tokens:.2f} ms/tok"
+    return ("" if peak is None else f"{peak / GIB:.2f} GiB") + per_token
+
+
+def _max_t_cell(row) -> str:
+    if row["status"] != "ok":
+        return row["status"]
+    value = number(row["max_seq_len"])
+    return ("" if present(row["oom_seq_len"]) else "≥") + f"{value:.0f}"
+
+
+def _exact_cell(method: str, exactness: list[dict]) -> str:
+    if method == "bp":
+        return "reference"
+    mine = [r for r in exactness if r["method"] == method]
+    for dtype in ("fp64", "fp32"):
+        checked = [r for r in mine if r["dtype"] == dtype]
+        if checked:
+            last = checked[-1]
+            if last["result"] == "unsupported":
+                return "unsupported here"
+            return f"{last['result']} ({dtype} {float(last['grad_rel_error']):.1e})"
+    return "not checked"
+
+
+def exactness_section(rows: list[dict]) -> list[str]:
+    """Every comparison of the exactness CSV, as `sbp check` recorded it."""
+    lines = ["", "## Exactness vs bp (`sbp check --out`)", ""]
+    lines += [
+        (
+            "Relative errors max|method - bp| / max|bp| of the loss and of the worst parameter gradient; "
+            "tolerance fp64 1e-10, fp32 1e-5."
+        ),
+        "",
+    ]
+    headers = (
+        "method",
+        "result",
+        "loss err",
+        "grad err",
+        "worst gradient",
+        "model",
+        "dtype",
+        "B",
+        "T",
+        "settings",
+        "note",
+    )
+    cells = [
+        [
+            r["method"],
+            r["result"],
+            f"{float(r['loss_rel_error']):.1e}" if r["loss_rel_error"] else "",
+            f"{float(r['grad_rel_error']):.1e}" if r["grad_rel_error"] else "",
+            r["worst_tensor"],
+            r["model"] + (f" ({r['num_layers']} layers)" if r["num_layers"] else ""),
+            r["dtype"],
+            r["batch_size"],
+            r["seq_len"],
+            r["settings"],
+            r["note"],
+        ]
+        for r in rows
+    ]
+    return lines + _markdown_table(headers, cells)
+
+
+def markdown_report(
+    table, reference=None, full_depth: Callable[[str], int | None] | None = None, exactness=None
+) -> str:
     """The report as Markdown; `reference`: `records.reference.load_reference()` or None; full_depth:
     a model name's decoder layers (`models.full_depth`), to mark and keep away from the paper's
-    numbers a model built with fewer; None: no row is called truncated."""
+    numbers a model built with fewer; None: no row is called truncated. exactness: rows of an
+    exactness CSV (`records.exactness.read_exactness`), or None."""
     table = with_full_depth(complete_columns(table), full_depth)
     paper = no_reference() if reference is None else reference
     lines = [
@@ -45,6 +164,9 @@ def markdown_report(table, reference=None, full_depth: Callable[[str], int | Non
     lines += _paper_section(comparisons, coverage)
     lines += _unmatched_section(table[(table["source"] == "measured") & ~table.index.isin(matched)])
     lines += _estimates_section(table, paper)
+    lines += peers_section(table, exactness or [])
+    if exactness:
+        lines += exactness_section(exactness)
     return "\n".join(lines) + "\n"
 
 
@@ -163,5 +285,6 @@ def _markdown_table(headers, rows: list[list[str]]) -> list[str]:
     if not rows:
         return []
     text = {"model", "method", "setting", "ours ran on", "ran on", "measured on", "estimated for", "status"}
+    text |= {"result", "worst gradient", "dtype", "settings", "note", "exact vs bp"}
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" if h in text else "---:" for h in headers) + "|"]
     return lines + ["| " + " | ".join(cell.replace("|", "/") for cell in row) + " |" for row in rows]

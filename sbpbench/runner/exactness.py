@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 from ..config import RunSpec
 from ..config.build import build_model_and_batch
-from ..methods import MethodSettings
-from ..methods.exactness import MethodComparison, compare_methods, judge_against_fp64
+from ..methods import METHODS, MethodSettings
+from ..methods.exactness import MethodComparison, compare_methods, compare_step, judge_against_fp64, step_gradients
 from ..methods.settings import SETTING_NAMES
 
 
@@ -43,5 +43,20 @@ def check_exactness(spec: ExactnessSpec) -> list[MethodComparison]:
     )
     methods = [s.method for s in spec.specs[1:]]
     if run.dtype == "fp32":
-        return judge_against_fp64(model, batch, methods, settings, baseline=run.method)
-    return compare_methods(model, batch, methods, settings, reference=run.method)
+        results = judge_against_fp64(model, batch, methods, settings, baseline=run.method)
+    else:
+        results = compare_methods(model, batch, methods, settings, reference=run.method)
+    external = {s.method: s for s in spec.specs[1:] if METHODS[s.method].external}
+    if external:  # official: the same weights and batch through its own environment
+        from .official import official_gradients
+
+        reference = step_gradients(run.method, model, batch, settings)
+        for i, result in enumerate(results):
+            if result.method in external:
+                try:
+                    ours = official_gradients(external[result.method], model)
+                except RuntimeError as error:
+                    results[i] = MethodComparison(result.method, run.method, None, [], unsupported=str(error))
+                    continue
+                results[i] = compare_step(result.method, run.method, model, ours, reference)
+    return results

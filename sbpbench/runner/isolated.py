@@ -29,6 +29,7 @@ from ..config import RunSpec
 from ..config.rows import spec_fields
 from ..measure.environment import Environment, capture_environment
 from ..measure.progress import PROGRESS_PREFIX
+from ..methods import METHODS
 from ..records import ResultRow, upsert_rows
 
 _ROW_FIELDS = {f.name for f in fields(ResultRow)}
@@ -98,6 +99,12 @@ def _read_stderr(pipe, lines: list[str]) -> None:
 def run_isolated(spec: RunSpec, env: Environment | None = None) -> ResultRow:
     """Measure one point in a worker process and return its row, provenance filled."""
     env = env or capture_environment(spec.device)
+    if METHODS[spec.method].external:  # its own environment and driver, the same protocol
+        from .official import run_official
+
+        row = run_official(spec, env)
+        row.timestamp_utc = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        return row
     remove_stale_point_dirs()
     with point_directory() as tmp:
         result_path = tmp / "result.json"

@@ -26,6 +26,14 @@ class ProbeFailed(RuntimeError):
     """A probe ended in error or timeout: memory says nothing about that length."""
 
 
+class _Unsupported(Exception):
+    """A probe's method cannot run here at all: the search's answer is that, at any length."""
+
+    def __init__(self, row: ResultRow):
+        super().__init__(row.error)
+        self.row = row
+
+
 def cached_probes(search: MaxlenSpec, out, *, device_name: str, source: str = "measured") -> dict[int, ResultRow]:
     """Probe rows already in the CSV for this search: the same key but for seq_len, with an answer."""
     if out is None:
@@ -95,19 +103,26 @@ def find_max_len(
         rows[seq_len] = row
         if on_probe:
             on_probe(row)
+        if row.status == "unsupported":
+            raise _Unsupported(row)
         if row.status not in _FITS:
             raise ProbeFailed(f"{search.method} at T={seq_len}: {row.status}: {row.error}")
         return _FITS[row.status]
 
-    result = search_max_len(
-        probe,
-        start=search.start,
-        ceiling=search.seq_len_ceiling,
-        resolution=search.resolution,
-        cached=cached,
-        multiple_of=search.multiple_of,
-    )
-    answer = maxlen_row(search, result, rows)
+    try:
+        result = search_max_len(
+            probe,
+            start=search.start,
+            ceiling=search.seq_len_ceiling,
+            resolution=search.resolution,
+            cached=cached,
+            multiple_of=search.multiple_of,
+        )
+    except _Unsupported as refused:  # the answer row says so, with the reason
+        answer = ResultRow(**{**refused.row.as_dict(), "kind": "maxlen", "seq_len": None, "num_probes": 1})
+        answer.search_resolution = str(search.resolution)
+    else:
+        answer = maxlen_row(search, result, rows)
     if out is not None:
         upsert_rows(out, [answer])
     return answer

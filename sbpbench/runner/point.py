@@ -36,6 +36,7 @@ from ..measure.progress import StepProgress
 from ..measure.tensor_tracker import LiveTensorTracker, TrackedOutOfMemoryError
 from ..measure.threads import load_average_1m, set_intra_op_threads
 from ..measure.timing import time_steps
+from ..methods import MethodUnsupported
 from ..methods.step import TrainingStep, storage_bytes
 from ..methods.streambp import reporting_progress
 from ..records import ResultRow, one_line
@@ -160,6 +161,9 @@ def measure_point(spec: RunSpec) -> ResultRow:
             if spec.repeats:
                 timing = time_steps(step.run, repeats=spec.repeats, synchronize=synchronize, before_each=prepare)
         row.optimizer_state_bytes = step.optimizer_state_bytes
+    except MethodUnsupported as error:  # the method cannot run here: a result, with the reason
+        row.status, row.error = "unsupported", one_line(error)
+        return row
     except Exception as error:  # noqa: BLE001 (any failure is the point's outcome, classified; the traceback goes to the worker's stderr)
         traceback.print_exc()
         row.status = "oom" if is_out_of_memory(error) else "error"

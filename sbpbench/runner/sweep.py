@@ -20,7 +20,7 @@ from .isolated import provenance, run_isolated
 from .maxlen import Measure, find_max_len
 
 # Rows a resumed sweep keeps; an error is retried (a fixed bug or a freed device may cure it).
-DONE_STATUSES = ("ok", "oom", "skipped", "timeout")
+DONE_STATUSES = ("ok", "oom", "skipped", "timeout", "unsupported")
 _OOM_STATUSES = ("oom", "skipped")
 
 

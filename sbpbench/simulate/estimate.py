@@ -22,7 +22,7 @@ from ..config import RunSpec
 from ..config.rows import spec_fields
 from ..measure.environment import capture_environment
 from ..measure.flops import training_flops
-from ..methods import MethodFn
+from ..methods import MethodFn, MethodUnsupported
 from ..methods.step import storage_bytes
 from ..records import ResultRow, one_line
 from .cuda_attention import CudaAttention, hidden_bytes, streambp_cuda_branch
@@ -145,6 +145,9 @@ def estimate_point(spec: RunSpec, *, target: str = "cuda", gpu_memory_bytes: int
     row.timestamp_utc = datetime.now(timezone.utc).isoformat(timespec="seconds")
     try:
         result = estimate(spec, target=target)
+    except MethodUnsupported as error:
+        row.status, row.error = "unsupported", one_line(error)
+        return row
     except Exception as error:  # noqa: BLE001 (a failed simulation is the row's outcome, as in measure_point)
         row.status, row.error = "error", one_line(error)
         return row
