@@ -148,3 +148,13 @@ def test_a_local_checkpoint_of_another_family_is_refused_before_anything_runs(tm
         "bp",
         "ckpt",
     ]
+
+
+def test_no_method_named_runs_the_papers_three_and_all_runs_every_one():
+    """Peers are asked for by name: the default is bp, ckpt, streambp; `all` expands to the registry."""
+    from sbpbench.config import METHODS
+
+    base = {"device": "cpu", "model": "tiny/qwen3"}
+    assert [s.method for s in point_specs(base)] == ["bp", "ckpt", "streambp"]
+    assert [s.method for s in point_specs(base, ["all"])] == list(METHODS)
+    assert [s.method for s in point_specs(base, ["tiled", "all"])][0] == "tiled"

@@ -8,7 +8,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from ..config import METHODS, point_specs
+from ..config import METHODS, method_names, point_specs
 from ..config.run import EXACTNESS_DEFAULTS
 from ..measure.environment import capture_environment
 from ..records.exactness import ExactnessRow, write_exactness
@@ -39,7 +39,7 @@ CHECK_FIELDS = run_fields_but(
 )
 def check(settings: dict, methods: tuple[str, ...], out: ExactnessOutOpt = None) -> None:
     """Check that every method gives standard BP's loss and gradients (exit 1 if one does not)."""
-    compared = tuple(m for m in methods if m != "bp") or tuple(name for name in METHODS if name != "bp")
+    compared = tuple(m for m in method_names(methods) if m != "bp")  # bp is the reference
     with user_errors():
         specs = point_specs(settings, ("bp", *compared), defaults=EXACTNESS_DEFAULTS)
         results = check_exactness(ExactnessSpec(tuple(specs)))

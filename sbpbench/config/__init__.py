@@ -15,6 +15,7 @@ from .run import (
     PROTOCOLS,
     STEPS,
     RunSpec,
+    method_names,
     point_specs,
 )
 
@@ -31,6 +32,7 @@ __all__ = [
     "MaxlenSpec",
     "Resolution",
     "RunSpec",
+    "method_names",
     "point_specs",
     "resolve_device",
 ]

@@ -29,7 +29,6 @@ from pathlib import Path
 
 import tomllib
 
-from ..methods import METHODS
 from ..models.registry import MODELS
 from .device import device_kind, resolve_device
 from .errors import ConfigError
@@ -126,7 +125,7 @@ def _as_list(value) -> list:
 def _expand(values: dict, kind: str, overrides: dict) -> list[RunSpec | MaxlenSpec]:
     settings = {k: v for k, v in values.items() if k not in ("kind", "method", *MAXLEN_ONLY)}
     settings.update(overrides)
-    methods = _as_list(values.get("method", list(METHODS)))
+    methods = _as_list(values.get("method", []))  # none named: the default methods (point_specs)
     if kind == "grid":
         if "seq_len" not in values:
             raise ConfigError("seq_len", "is needed by a grid point, e.g. seq_len = [2048, 4096]")

@@ -28,7 +28,12 @@ SETTINGS: dict[str, Setting] = {
         str,
         "Registry name (`sbp models`) or a local checkpoint directory (default: Qwen/Qwen3-4B on cuda, small/qwen3 on cpu).",
     ),
-    "method": Setting(str, "Methods; several allowed (default: all).", tuple(METHODS), may_list=True),
+    "method": Setting(
+        str,
+        "Methods; several allowed; all: every one (default: bp, ckpt, streambp).",
+        (*METHODS, "all"),
+        may_list=True,
+    ),
     "seq_len": Setting(int, "Tokens per row, prompt included (default: 9000 on cuda, 2048 on cpu).", may_list=True),
     "batch_size": Setting(int, "Rows per batch (default: sft 1, grpo 8 = a group, dpo 2 = a pair).", may_list=True),
     "objective": Setting(str, "Training objective (default: sft).", OBJECTIVES),

@@ -20,7 +20,7 @@ from ..core.adapters import SUPPORTED_MODEL_TYPES, UnsupportedModelError, suppor
 from ..data import DEFAULT_PROMPT_LEN, OBJECTIVES
 from ..measure.threads import physical_cores_available
 from ..measure.units import parse_bytes
-from ..methods import METHODS, STEPS, MethodSettings
+from ..methods import METHODS, STEPS, MethodSettings, method_names
 from ..methods.settings import SETTING_NAMES
 from ..records.select import DEFAULT_BATCH_SIZES
 from .device import device_kind, resolve_device
@@ -191,7 +191,7 @@ def point_specs(
     unknown = sorted(set(given) - set(FIELD_NAMES))
     if unknown:
         raise ConfigError(unknown[0], f"is not a setting; settings are {', '.join(FIELD_NAMES)}")
-    names = tuple(dict.fromkeys(methods)) if methods else tuple(METHODS)
+    names = method_names(methods)
     for name in names:
         if name not in METHODS:
             raise ConfigError("method", f"unknown {{field}} {name!r}; choose from {', '.join(METHODS)}")

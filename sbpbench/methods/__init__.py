@@ -3,12 +3,13 @@ forward and backward step; training.py adds the optimizer step, exactness.py com
 
 from __future__ import annotations
 
-from .registry import METHODS, Method, MethodFn, get_method, run_method
+from .registry import DEFAULT_METHODS, METHODS, Method, MethodFn, get_method, method_names, run_method
 from .settings import MethodSettings
 from .training import STEPS, make_optimizer, run_step
 from .unsupported import MethodUnsupported
 
 __all__ = [
+    "DEFAULT_METHODS",
     "METHODS",
     "STEPS",
     "Method",
@@ -17,6 +18,7 @@ __all__ = [
     "MethodUnsupported",
     "get_method",
     "make_optimizer",
+    "method_names",
     "run_method",
     "run_step",
 ]

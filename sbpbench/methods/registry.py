@@ -75,6 +75,20 @@ METHODS: dict[str, Method] = {
 }
 
 
+# What a command runs when no method is named: the paper's comparison. Peers are asked for by name
+# (`--method tiled`) or all at once (`--method all`).
+DEFAULT_METHODS = ("bp", "ckpt", "streambp")
+ALL = "all"  # stands for every registered method
+
+
+def method_names(names) -> tuple[str, ...]:
+    """The methods to run: DEFAULT_METHODS when none is named; "all" expands to every method."""
+    if not names:
+        return DEFAULT_METHODS
+    expanded = [m for name in names for m in (METHODS if name == ALL else (name,))]
+    return tuple(dict.fromkeys(expanded))
+
+
 def get_method(name: str) -> Method:
     try:
         return METHODS[name]
