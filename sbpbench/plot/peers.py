@@ -17,6 +17,7 @@ from ..records.select import number, present
 from . import style
 from .common import (
     FORMATS,
+    POINT_GROUP,
     device_part,
     finish,
     group_rows,
@@ -30,18 +31,7 @@ from .common import (
     where_title,
 )
 
-PEERS_GROUP = (
-    "model",
-    "num_layers",
-    "device_name",
-    "memory_limit_bytes",
-    "protocol",
-    "dtype",
-    "objective",
-    "lora_rank",
-    "step",
-    "batch_size",
-)
+PEERS_GROUP = POINT_GROUP  # a peers figure holds fixed what a memory-vs-T figure does
 
 
 def max_len_vs_time_per_token(table, out_dir: Path, reference=None, formats: Sequence[str] = FORMATS) -> list[Path]:
