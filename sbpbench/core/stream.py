@@ -22,6 +22,7 @@ from .adapters import DecoderParts, check_no_attention_dropout, resolve_parts, t
 from .attention import ATTENTION_NAME
 from .checkpoints import forward_checkpoints
 from .grad_accum import ChunkGradAccumulator
+from .grad_sync import for_model as grad_sync_for
 from .head import head_backward
 from .layer_backward import layer_backward
 from .objectives import SFT, Objective
@@ -62,8 +63,10 @@ def stream_backward(
     _check_batch(input_ids, objective.labels, attention_mask)
     parts = resolve_parts(model)
     check_no_attention_dropout(parts)
+    sync = grad_sync_for(model, parts.layers, [parts.embed, parts.norm, parts.lm_head])
 
     with _streaming_mode(parts):
+        sync.begin_step()
         saved = forward_checkpoints(parts, input_ids, chunk_size)
         head_grads = ChunkGradAccumulator(trainable(parts.norm) + trainable(parts.lm_head), fp32_grad_accumulation)
         loss, grad = head_backward(
@@ -77,6 +80,7 @@ def stream_backward(
         else:
             head_grads.finish()
         for index in reversed(range(len(parts.layers))):
+            sync.begin(parts.layers[index])
             layer_backward(
                 parts.layers[index],
                 saved.layer_inputs[index],
@@ -85,12 +89,15 @@ def stream_backward(
                 chunk_size=chunk_size,
                 need_input_grad=embed_trainable or index > 0,
                 fp32_grad_accumulation=fp32_grad_accumulation,
+                call=sync.call(parts.layers[index]),
             )
+            sync.end(parts.layers[index])  # the chunks' summed gradients, reduced once
             saved.layer_inputs[index] = None  # free X_l
         if embed_trainable:
             with torch.enable_grad():
                 parts.embed(input_ids).backward(grad)
         head_grads.finish()  # no-op unless tied
+        sync.end_step()
     return loss
 
 
