@@ -46,6 +46,8 @@ CASES = [
     _case("full_dpo", objective="dpo", tied=True),
     _case("full_lora", lora=True),
     # collective counts: plain FSDP2 backprop against 1, 3 and 12 chunks (SEQ / chunk)
+    _case("refused_layer_not_a_unit", wrap="root_only"),
+    _case("refused_head_in_own_unit", wrap="head_unit"),
     *[_case(f"{wrap}_bp", wrap=wrap, method="bp") for wrap in ("full", "zero2", "replicate")],
     *[
         _case(f"{wrap}_chunks{SEQ // chunk}", wrap=wrap, chunk=chunk)
@@ -100,8 +102,11 @@ def _wrap(case, model):
         def shard(module):
             return fully_shard(module, reshard_after_forward=reshard)
 
-    for layer in model.get_decoder().layers:
+    layers = model.get_decoder().layers
+    for layer in layers if case["wrap"] != "root_only" else layers[1:]:
         shard(layer)
+    if case["wrap"] == "head_unit":
+        fully_shard(model.get_decoder().norm)
     if case["wrap"] == "replicate":
         shard(model)
     else:
@@ -151,6 +156,12 @@ class _Counter:
 
 def _run_case(case, rank):
     model = _wrap(case, _model(case))
+    if case["name"].startswith("refused"):
+        try:
+            _step(case, model, _batch(case, model, rank, 0))
+        except ValueError as error:
+            return {}, {"error": str(error)}
+        return {}, {"error": None}
     with _Counter() as counter:
         for micro in range(case["micro"]):
             last = micro == case["micro"] - 1
@@ -236,7 +247,7 @@ def _assert_close(name, grads, reference, tolerance=1e-5):
         assert error <= tolerance, f"{name}: {key} relative error {error:.2e}"
 
 
-EXACT = [case for case in CASES if case["method"] == "stream" and "chunks" not in case["name"]]
+EXACT = [c for c in CASES if c["method"] == "stream" and "chunks" not in c["name"] and not c["name"].startswith("refused")]
 
 
 @pytest.mark.slow
@@ -255,3 +266,36 @@ def test_collectives_equal_plain_fsdp2(results, wrap):
         name = f"{wrap}_chunks{chunks}"
         assert results[name][1] == expected, f"{name}: {results[name][1]} != plain FSDP2 {expected}"
         _assert_close(name, results[name][0], results[f"{wrap}_bp"][0])
+
+
+@pytest.mark.slow
+def test_layout_refusals(results):
+    """A decoder layer that is not its own FSDP unit, or a final norm outside the root unit, is refused."""
+    assert "not FSDP units" in results["refused_layer_not_a_unit"][1]["error"]
+    assert "root FSDP unit" in results["refused_head_in_own_unit"][1]["error"]
+
+
+def test_sequence_parallel_attention_is_refused():
+    """An attention implementation named like Ulysses / ring attention is refused before any work."""
+    from types import SimpleNamespace
+
+    from sbpbench.core.grad_sync import check_no_sequence_parallel
+
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="sequence/context parallel"):
+        check_no_sequence_parallel(model, SimpleNamespace(_attn_implementation="ulysses"))
+    check_no_sequence_parallel(model, SimpleNamespace(_attn_implementation="sdpa"))
+
+
+def test_context_parallel_mesh_is_refused():
+    """A parameter on a device mesh with a context-parallel dimension ("dp_shard_cp") is refused."""
+    from types import SimpleNamespace
+
+    from sbpbench.core.grad_sync import check_no_sequence_parallel
+
+    model = torch.nn.Linear(2, 2)
+    model.weight.device_mesh = SimpleNamespace(mesh_dim_names=("dp_shard_cp",))  # what a DTensor carries
+    with pytest.raises(ValueError, match="context-parallel"):
+        check_no_sequence_parallel(model, SimpleNamespace(_attn_implementation="sdpa"))
+    model.weight.device_mesh = SimpleNamespace(mesh_dim_names=("dp_replicate", "dp_shard"))
+    check_no_sequence_parallel(model, SimpleNamespace(_attn_implementation="sdpa"))

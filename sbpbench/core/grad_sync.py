@@ -28,7 +28,11 @@ torch release that changes them fails CI instead of silently changing gradients.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from torch import nn
+
+from .adapters import DecoderParts
 
 # FSDP2 internals used (torch 2.13; older releases have one `_fsdp_param_group`, see _param_groups):
 #   FSDPModule._get_fsdp_state()                  the unit's FSDPState
@@ -56,14 +60,30 @@ class GradSync:
     def end_step(self) -> None:
         pass
 
+    def abort(self) -> None:
+        """After an exception mid-step: leave the engine ready for the next step."""
+
+    @contextmanager
+    def step(self):
+        """begin_step() on entry, end_step() after a body that finished, abort() after one that raised."""
+        self.begin_step()
+        try:
+            yield self
+        except BaseException:
+            self.abort()
+            raise
+        self.end_step()
+
 
 NoSync = GradSync
 
 
-def for_model(model: nn.Module, layers: nn.ModuleList, head_modules: list[nn.Module]) -> GradSync:
-    """The adapter for `model`: FSDP2 when any module is an FSDPModule, else `NoSync`.
-    layers: the decoder layers (each must be its own FSDP unit); head_modules: embedding, final
-    norm, lm_head (they must belong to the root unit)."""
+def for_model(model: nn.Module, parts: DecoderParts) -> GradSync:
+    """The adapter for `model`: FSDP2 when any module is an FSDPModule, else `NoSync`. Each decoder
+    layer must be its own FSDP unit; embedding, final norm and lm_head must belong to the root unit.
+    Sequence/context parallelism is refused (check_no_sequence_parallel)."""
+    check_no_sequence_parallel(model, parts.config)
+    layers, head_modules = parts.layers, [parts.embed, parts.norm, parts.lm_head]
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # a torch built without distributed
@@ -72,6 +92,37 @@ def for_model(model: nn.Module, layers: nn.ModuleList, head_modules: list[nn.Mod
     if root is None:
         return NoSync()
     return FSDP2Sync(root, layers, head_modules, FSDPModule)
+
+
+# Sequence/context parallelism splits T over ranks and exchanges keys/values inside attention
+# (Ulysses all-to-all, ring attention). StreamBP replaces the attention function with its own, which
+# splices a prefix of K/V held on this rank: under a sequence split it would silently attend to a
+# local slice only. Recognised by the attention implementation's name or a device-mesh dimension.
+_SEQUENCE_PARALLEL_ATTENTION = ("ulysses", "ring", "context", "sequence", "usp")
+_SEQUENCE_PARALLEL_MESH_DIMS = {"cp", "sp", "context", "sequence"}
+
+
+def check_no_sequence_parallel(model: nn.Module, config) -> None:
+    """Raise ValueError if the model looks sequence/context parallel (see above)."""
+    attention = str(getattr(config, "_attn_implementation", "") or "").lower()
+    if any(hint in attention for hint in _SEQUENCE_PARALLEL_ATTENTION):
+        raise ValueError(
+            f"attention implementation {attention!r} looks sequence/context parallel (Ulysses, ring attention): "
+            "StreamBP splices each chunk's prefix keys/values on one rank and cannot compose with a sequence "
+            "split; use data parallelism (FSDP2, DeepSpeed ZeRO) and StreamBP's own chunking for long sequences"
+        )
+    for name, param in model.named_parameters():
+        mesh = getattr(param, "device_mesh", None)  # DTensor parameters (FSDP2, tensor parallel)
+        dims = [] if mesh is None else (getattr(mesh, "mesh_dim_names", None) or [])
+        split = [dim for dim in dims if _SEQUENCE_PARALLEL_MESH_DIMS & set(str(dim).lower().split("_"))]
+        if split:
+            raise ValueError(
+                f"parameter {name} lives on a device mesh with sequence/context-parallel dimension(s) {split}: "
+                "StreamBP cannot compose with a sequence split (its chunks attend to a prefix held on one rank); "
+                "shard over data-parallel dimensions only"
+            )
+        if mesh is not None:
+            break  # one DTensor parameter tells the mesh of all
 
 
 def _param_groups(state) -> list:
@@ -90,11 +141,11 @@ class FSDP2Sync(GradSync):
     def __init__(self, root: nn.Module, layers: nn.ModuleList, head_modules: list[nn.Module], fsdp_module):
         self.root = root
         self.root_state = root._get_fsdp_state()
-        missing = [n for n in _FSDP_PRIVATE[1::3] if not hasattr(self.root_state, n)]
-        if missing or not _param_groups(self.root_state) or not hasattr(_param_groups(self.root_state)[0], "post_backward"):
-            raise RuntimeError(
-                f"this torch's FSDP2 lacks {missing or 'post_backward'}: StreamBP's FSDP2 sync is tested on torch 2.13"
-            )
+        groups = _param_groups(self.root_state)
+        missing = [n for n in ("_lazy_init", "_root_post_backward_final_callback") if not hasattr(self.root_state, n)]
+        missing += [] if groups and hasattr(groups[0], "post_backward") else ["FSDPParamGroup.post_backward"]
+        if missing:
+            raise RuntimeError(f"this torch's FSDP2 lacks {missing}: StreamBP's FSDP2 sync is tested on torch 2.13")
         unwrapped = [i for i, layer in enumerate(layers) if not isinstance(layer, fsdp_module)]
         if unwrapped:
             raise ValueError(
@@ -130,6 +181,11 @@ class FSDP2Sync(GradSync):
         # Runs post_backward for the root unit (its gradients: head and embedding) and resets every
         # unit's training state, as at the end of an ordinary backward.
         self.root_state._root_post_backward_final_callback()
+
+    def abort(self) -> None:
+        reset = getattr(self.root, "reset_iter_state", None)  # public FSDP2 API in torch 2.13
+        if reset is not None:
+            reset()
 
 
 def _owning_unit(root: nn.Module, target: nn.Module, fsdp_module) -> nn.Module | None:

@@ -63,10 +63,9 @@ def stream_backward(
     _check_batch(input_ids, objective.labels, attention_mask)
     parts = resolve_parts(model)
     check_no_attention_dropout(parts)
-    sync = grad_sync_for(model, parts.layers, [parts.embed, parts.norm, parts.lm_head])
+    sync = grad_sync_for(model, parts)  # FSDP2 or one process; refuses sequence parallelism
 
-    with _streaming_mode(parts):
-        sync.begin_step()
+    with _streaming_mode(parts), sync.step():
         saved = forward_checkpoints(parts, input_ids, chunk_size)
         head_grads = ChunkGradAccumulator(trainable(parts.norm) + trainable(parts.lm_head), fp32_grad_accumulation)
         loss, grad = head_backward(
@@ -97,7 +96,6 @@ def stream_backward(
             with torch.enable_grad():
                 parts.embed(input_ids).backward(grad)
         head_grads.finish()  # no-op unless tied
-        sync.end_step()
     return loss
 
 
