@@ -32,8 +32,12 @@ _COLLECTIVES = {
 }
 
 
-def _case(name, *, wrap="full", tied=False, objective="sft", method="stream", chunk=5, micro=1, lora=False):
-    return dict(name=name, wrap=wrap, tied=tied, objective=objective, method=method, chunk=chunk, micro=micro, lora=lora)
+def _case(name, *, wrap="full", tied=False, objective="sft", method="stream", chunk=5, micro=1, lora=False, bf16=None):
+    """bf16: None (fp32 throughout) or whether StreamBP sums chunk gradients in fp32, under FSDP2's
+    MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)."""
+    return dict(
+        name=name, wrap=wrap, tied=tied, objective=objective, method=method, chunk=chunk, micro=micro, lora=lora, bf16=bf16
+    )
 
 
 CASES = [
@@ -46,6 +50,10 @@ CASES = [
     _case("full_dpo", objective="dpo", tied=True),
     _case("full_lora", lora=True),
     # collective counts: plain FSDP2 backprop against 1, 3 and 12 chunks (SEQ / chunk)
+    # bf16 compute, fp32 master weights and reduction: errors against an fp64 reference
+    _case("bf16_bp", method="bp", bf16=True),
+    _case("bf16_stream_fp32_sums", chunk=2, bf16=True),
+    _case("bf16_stream_bf16_sums", chunk=2, bf16=False),
     _case("refused_layer_not_a_unit", wrap="root_only"),
     _case("refused_head_in_own_unit", wrap="head_unit"),
     *[_case(f"{wrap}_bp", wrap=wrap, method="bp") for wrap in ("full", "zero2", "replicate")],
@@ -88,19 +96,23 @@ def _step(case, model, batch):
             attention_mask=batch.attention_mask,
             chunk_size=case["chunk"],
             logits_chunk_size=case["chunk"],
+            fp32_grad_accumulation=case["bf16"] is not False,
         )
 
 
 def _wrap(case, model):
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    policy = MixedPrecisionPolicy()
+    if case["bf16"] is not None:
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if case["wrap"] == "replicate":
         from torch.distributed._composable.replicate_with_fsdp import replicate as shard
     else:
         reshard = case["wrap"] == "full"
 
         def shard(module):
-            return fully_shard(module, reshard_after_forward=reshard)
+            return fully_shard(module, reshard_after_forward=reshard, mp_policy=policy)
 
     layers = model.get_decoder().layers
     for layer in layers if case["wrap"] != "root_only" else layers[1:]:
@@ -110,13 +122,13 @@ def _wrap(case, model):
     if case["wrap"] == "replicate":
         shard(model)
     else:
-        fully_shard(model)  # the root's default: kept gathered from forward to backward
+        fully_shard(model, mp_policy=policy)  # the root's default: kept gathered from forward to backward
     return model
 
 
-def _reference(case):
+def _reference(case, dtype=torch.float32):
     """Standard BP in one process: rank-averaged, micro-batch-summed gradients."""
-    model = _model(case)
+    model = _model(case).to(dtype)
     for micro in range(case["micro"]):
         for rank in range(WORLD):
             batch = _batch(case, model, rank, micro)
@@ -247,7 +259,11 @@ def _assert_close(name, grads, reference, tolerance=1e-5):
         assert error <= tolerance, f"{name}: {key} relative error {error:.2e}"
 
 
-EXACT = [c for c in CASES if c["method"] == "stream" and "chunks" not in c["name"] and not c["name"].startswith("refused")]
+EXACT = [
+    c
+    for c in CASES
+    if c["method"] == "stream" and "chunks" not in c["name"] and not c["name"].startswith(("refused", "bf16"))
+]
 
 
 @pytest.mark.slow
@@ -299,3 +315,28 @@ def test_context_parallel_mesh_is_refused():
         check_no_sequence_parallel(model, SimpleNamespace(_attn_implementation="sdpa"))
     model.weight.device_mesh = SimpleNamespace(mesh_dim_names=("dp_replicate", "dp_shard"))
     check_no_sequence_parallel(model, SimpleNamespace(_attn_implementation="sdpa"))
+
+
+def _max_rel_error(grads, reference) -> float:
+    return max((grads[k].double() - ref).abs().max().item() / ref.abs().max().item() for k, ref in reference.items())
+
+
+@pytest.mark.slow
+def test_bf16_fp32_chunk_sums_no_worse_than_fsdp2_backprop(results):
+    """Under FSDP2 bf16 compute / fp32 reduce, StreamBP's fp32 chunk sums (12 chunks) stay within
+    plain FSDP2 backprop's bf16 error against an fp64 reference; bf16 sums are reported for contrast."""
+    reference = _reference(_case("bf16_ref"), torch.float64)
+    errors = {name: _max_rel_error(results[name][0], reference) for name in ("bf16_bp", "bf16_stream_fp32_sums", "bf16_stream_bf16_sums")}
+    print("max relative gradient error vs fp64:", errors)
+    assert errors["bf16_stream_fp32_sums"] <= 2 * errors["bf16_bp"], errors
+
+
+def test_deepspeed_zero_is_refused():
+    """A module under DeepSpeed ZeRO (parameters marked ds_id / _hp_mapping) is refused, not silently wrong."""
+    from sbpbench.core import stream_backward
+
+    model = tiny_model("tiny/qwen3", torch.float32)
+    batch = make_batch("sft", batch_size=1, seq_len=8, vocab_size=model.config.vocab_size)
+    next(model.parameters()).ds_id = 0  # what deepspeed.zero.Init leaves on a partitioned parameter
+    with pytest.raises(ValueError, match="DeepSpeed ZeRO"):
+        stream_backward(model, batch.input_ids, batch.labels)

@@ -125,6 +125,21 @@ def check_no_sequence_parallel(model: nn.Module, config) -> None:
             break  # one DTensor parameter tells the mesh of all
 
 
+def refuse_deepspeed(model: nn.Module) -> None:
+    """DeepSpeed ZeRO is not supported yet (core/README.md, "Several processes"): a DeepSpeedEngine
+    or a module under ZeRO would otherwise reduce the first chunk only (stage 2/3 assert "already
+    been reduced") or not at all (stage 1 reduces in engine.backward, which StreamBP does not call)."""
+    engine = type(model).__name__ == "DeepSpeedEngine"
+    # ZeRO-3 partitioned parameters carry ds_id; ZeRO-1/2 link each one to its fp32 copy (_hp_mapping).
+    zero = any(hasattr(p, "ds_id") or hasattr(p, "_hp_mapping") for p in model.parameters())
+    if engine or zero:
+        raise ValueError(
+            "StreamBP does not support DeepSpeed ZeRO yet (its gradient hooks expect one backward per module); "
+            "shard the model with PyTorch FSDP2 (torch.distributed.fsdp.fully_shard) instead: README.md, "
+            "'Several GPUs (FSDP2)'"
+        )
+
+
 def _param_groups(state) -> list:
     groups = getattr(state, "_fsdp_param_groups", None)
     if groups is not None:

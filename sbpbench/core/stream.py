@@ -23,6 +23,7 @@ from .attention import ATTENTION_NAME
 from .checkpoints import forward_checkpoints
 from .grad_accum import ChunkGradAccumulator
 from .grad_sync import for_model as grad_sync_for
+from .grad_sync import refuse_deepspeed
 from .head import head_backward
 from .layer_backward import layer_backward
 from .objectives import SFT, Objective
@@ -61,6 +62,7 @@ def stream_backward(
         raise ValueError("give either labels (the SFT objective) or objective=..., not both or neither")
     objective = objective if objective is not None else SFT(labels)
     _check_batch(input_ids, objective.labels, attention_mask)
+    refuse_deepspeed(model)
     parts = resolve_parts(model)
     check_no_attention_dropout(parts)
     sync = grad_sync_for(model, parts)  # FSDP2 or one process; refuses sequence parallelism
