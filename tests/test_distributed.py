@@ -35,9 +35,17 @@ _COLLECTIVES = {
 def _case(name, *, wrap="full", tied=False, objective="sft", method="stream", chunk=5, micro=1, lora=False, bf16=None):
     """bf16: None (fp32 throughout) or whether StreamBP sums chunk gradients in fp32, under FSDP2's
     MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)."""
-    return dict(
-        name=name, wrap=wrap, tied=tied, objective=objective, method=method, chunk=chunk, micro=micro, lora=lora, bf16=bf16
-    )
+    return {
+        "name": name,
+        "wrap": wrap,
+        "tied": tied,
+        "objective": objective,
+        "method": method,
+        "chunk": chunk,
+        "micro": micro,
+        "lora": lora,
+        "bf16": bf16,
+    }
 
 
 CASES = [
@@ -79,7 +87,9 @@ def _model(case):
 
 def _batch(case, model, rank, micro):
     vocab = model.config.vocab_size
-    return make_batch(case["objective"], batch_size=2, seq_len=SEQ, vocab_size=vocab, prompt_len=6, seed=100 * micro + rank)
+    return make_batch(
+        case["objective"], batch_size=2, seq_len=SEQ, vocab_size=vocab, prompt_len=6, seed=100 * micro + rank
+    )
 
 
 def _step(case, model, batch):
@@ -199,7 +209,7 @@ def _worker(rank, port, cases, queue):
             grads, counts = _run_case(case, rank)
             if rank == 0:
                 queue.put((case["name"], grads, counts, None))
-    except Exception:
+    except Exception:  # noqa: BLE001 - any failure goes back to the parent as the test's message
         queue.put((None, None, None, f"rank {rank}: {traceback.format_exc()}"))
     finally:
         dist.destroy_process_group()
@@ -326,7 +336,10 @@ def test_bf16_fp32_chunk_sums_no_worse_than_fsdp2_backprop(results):
     """Under FSDP2 bf16 compute / fp32 reduce, StreamBP's fp32 chunk sums (12 chunks) stay within
     plain FSDP2 backprop's bf16 error against an fp64 reference; bf16 sums are reported for contrast."""
     reference = _reference(_case("bf16_ref"), torch.float64)
-    errors = {name: _max_rel_error(results[name][0], reference) for name in ("bf16_bp", "bf16_stream_fp32_sums", "bf16_stream_bf16_sums")}
+    errors = {
+        name: _max_rel_error(results[name][0], reference)
+        for name in ("bf16_bp", "bf16_stream_fp32_sums", "bf16_stream_bf16_sums")
+    }
     print("max relative gradient error vs fp64:", errors)
     assert errors["bf16_stream_fp32_sums"] <= 2 * errors["bf16_bp"], errors
 

@@ -30,7 +30,9 @@ def _capture_keys_values(layer, layer_input: torch.Tensor, kwargs: dict, chunks)
                 layer(layer_input[:, start:end], **chunk_kwargs(kwargs, start, end), **{STATE_KWARG: capture})
             except KVCaptured:
                 continue
-            raise RuntimeError(f"{type(getattr(layer, '__self__', layer)).__name__} never called its attention function")
+            raise RuntimeError(
+                f"{type(getattr(layer, '__self__', layer)).__name__} never called its attention function"
+            )
     return capture
 
 

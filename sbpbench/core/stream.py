@@ -22,8 +22,7 @@ from .adapters import DecoderParts, check_no_attention_dropout, resolve_parts, t
 from .attention import ATTENTION_NAME
 from .checkpoints import forward_checkpoints
 from .grad_accum import ChunkGradAccumulator
-from .grad_sync import for_model as grad_sync_for
-from .grad_sync import refuse_deepspeed
+from .grad_sync import for_model as grad_sync_for, refuse_deepspeed
 from .head import head_backward
 from .layer_backward import layer_backward
 from .objectives import SFT, Objective
