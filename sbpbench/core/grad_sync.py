@@ -39,7 +39,7 @@ from .adapters import DecoderParts
 #   FSDPState._lazy_init()                        root initialisation, normally run by the root's forward
 #   FSDPParamGroup.post_backward()                accumulate, reshard, reduce-scatter / all-reduce the unit
 #   FSDPState._root_post_backward_final_callback  end of backward: waits on reductions, resets state
-_FSDP_PRIVATE = ("_get_fsdp_state", "_lazy_init", "post_backward", "_root_post_backward_final_callback")
+# FSDP2Sync.__init__ checks they exist and raises otherwise.
 
 
 class GradSync:
