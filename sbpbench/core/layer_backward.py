@@ -21,7 +21,7 @@ from .chunking import chunk_bounds, chunk_kwargs
 from .grad_accum import ChunkGradAccumulator
 
 
-def _capture_keys_values(layer: nn.Module, layer_input: torch.Tensor, kwargs: dict, chunks) -> KVBuffer:
+def _capture_keys_values(layer, layer_input: torch.Tensor, kwargs: dict, chunks) -> KVBuffer:
     capture = KVBuffer(seq_len=layer_input.shape[1], attend=False)
     with torch.no_grad():
         for start, end in chunks:
@@ -30,7 +30,9 @@ def _capture_keys_values(layer: nn.Module, layer_input: torch.Tensor, kwargs: di
                 layer(layer_input[:, start:end], **chunk_kwargs(kwargs, start, end), **{STATE_KWARG: capture})
             except KVCaptured:
                 continue
-            raise RuntimeError(f"{type(layer).__name__} never called its attention function")
+            raise RuntimeError(
+                f"{type(getattr(layer, '__self__', layer)).__name__} never called its attention function"
+            )
     return capture
 
 
@@ -43,12 +45,15 @@ def layer_backward(
     chunk_size: int,
     need_input_grad: bool,
     fp32_grad_accumulation: bool,
+    call=None,
 ) -> None:
     """layer_input X (B, T, d); grad dZ (B, T, d) is overwritten with dX when need_input_grad.
-    Leaves the layer's parameter gradients in .grad."""
+    Leaves the layer's parameter gradients in .grad. call: what runs a chunk, `layer` itself unless
+    a data-parallel engine needs its hook-free `forward` (grad_sync.py)."""
+    call = layer if call is None else call
     seq_len = layer_input.shape[1]
     chunks = chunk_bounds(seq_len, chunk_size)
-    capture = _capture_keys_values(layer, layer_input, kwargs, chunks)
+    capture = _capture_keys_values(call, layer_input, kwargs, chunks)
     keys, values, window = capture.keys, capture.values, capture.sliding_window
     acc_dtype = torch.promote_types(keys.dtype, torch.float32)  # dK/dV sum over later chunks
     grad_keys = torch.zeros_like(keys, dtype=acc_dtype)
@@ -64,7 +69,7 @@ def layer_backward(
         state = ChunkState(start, prefix_start, key_prefix, value_prefix)
         chunk_input = layer_input[:, start:end].detach().requires_grad_(need_input_grad)
         with torch.enable_grad():
-            output = layer(chunk_input, **chunk_kwargs(kwargs, start, end), **{STATE_KWARG: state})
+            output = call(chunk_input, **chunk_kwargs(kwargs, start, end), **{STATE_KWARG: state})
 
         roots, root_grads = [output], [grad[:, start:end]]
         if end < seq_len:  # later chunks attended to this chunk's keys/values

@@ -23,6 +23,8 @@ from .adapters import DecoderParts, check_no_attention_dropout, resolve_parts, t
 from .attention import ATTENTION_NAME
 from .checkpoints import forward_checkpoints
 from .grad_accum import ChunkGradAccumulator
+from .grad_sync import for_model as grad_sync_for
+from .grad_sync import refuse_deepspeed
 from .head import head_backward
 from .labels import IGNORE_INDEX
 from .layer_backward import layer_backward
@@ -68,10 +70,12 @@ def stream_backward(
         raise ValueError("give either labels (the SFT objective) or objective=..., not both or neither")
     objective = objective if objective is not None else SFT(labels)
     _check_batch(input_ids, objective.labels, attention_mask)
+    refuse_deepspeed(model)
     parts = resolve_parts(model)
     check_no_attention_dropout(parts)
+    sync = grad_sync_for(model, parts)  # FSDP2 or one process; refuses sequence parallelism
 
-    with _streaming_mode(parts):
+    with _streaming_mode(parts), sync.step():
         saved = forward_checkpoints(parts, input_ids, chunk_size)
         head_grads = ChunkGradAccumulator(trainable(parts.norm) + trainable(parts.lm_head), fp32_grad_accumulation)
         loss, grad = head_backward(
@@ -88,6 +92,7 @@ def stream_backward(
         if progress is not None:
             progress(0, num_layers)
         for index in reversed(range(num_layers)):
+            sync.begin(parts.layers[index])
             layer_backward(
                 parts.layers[index],
                 saved.layer_inputs[index],
@@ -96,7 +101,9 @@ def stream_backward(
                 chunk_size=chunk_size,
                 need_input_grad=embed_trainable or index > 0,
                 fp32_grad_accumulation=fp32_grad_accumulation,
+                call=sync.call(parts.layers[index]),
             )
+            sync.end(parts.layers[index])  # the chunks' summed gradients, reduced once
             saved.layer_inputs[index] = None  # free X_l
             if progress is not None:
                 progress(num_layers - index, num_layers)

@@ -1,0 +1,219 @@
+"""Gradient synchronisation for data-parallel engines: gather a unit's parameters once, run its
+chunks hook-free, reduce its gradients once (core/README.md, "Several processes").
+
+StreamBP runs each decoder layer many times per step (one K/V capture and one backward per chunk).
+An engine that gathers parameters in a forward hook and reduces gradients in a backward hook
+expects one call per layer: calling an FSDP2 layer through `__call__` once per chunk silently
+reduces only the first chunk's gradient (the later chunks take FSDP's activation-checkpointing
+shortcut, register no hook and are never reduced). So a `GradSync` owns the communication:
+
+    begin_step()     before the checkpoint pass: gather the root unit (embedding, final norm, lm_head)
+    call(layer)      what to call per chunk: the layer itself, or its hook-free `forward`
+    begin(layer)     before a layer's backward: gather its parameters (once)
+    end(layer)       after it, the chunks' gradients summed in the unsharded `.grad`: reduce (once)
+    end_step()       after the embedding's backward: reduce the root unit, finish the backward
+
+`for_model` picks the implementation by inspecting the model: `NoSync` for one process (calls go
+through `__call__` as before), `FSDP2Sync` for a model wrapped with `fully_shard` or FSDP2's
+`replicate`. The communication then equals plain FSDP2 backprop's whatever the chunk count: the
+checkpoint pass gathers each layer through the model's own hooks, the backward gathers each layer
+once more unless it was kept unsharded (`reshard_after_forward=False`), and each unit is reduced
+once (reduce-scatter, all-reduce under `replicate`/HSDP). `set_requires_gradient_sync(False)` for
+gradient accumulation is honoured: FSDP2's own post-backward keeps the unsharded gradient.
+
+FSDP2 has no public "reduce this unit now" call outside autograd hooks, so `FSDP2Sync` uses three
+private names, pinned here and nowhere else; tests/test_distributed.py counts the collectives, so a
+torch release that changes them fails CI instead of silently changing gradients.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from torch import nn
+
+from .adapters import DecoderParts
+
+# FSDP2 internals used (torch 2.13; older releases have one `_fsdp_param_group`, see _param_groups):
+#   FSDPModule._get_fsdp_state()                  the unit's FSDPState
+#   FSDPState._lazy_init()                        root initialisation, normally run by the root's forward
+#   FSDPParamGroup.post_backward()                accumulate, reshard, reduce-scatter / all-reduce the unit
+#   FSDPState._root_post_backward_final_callback  end of backward: waits on reductions, resets state
+# FSDP2Sync.__init__ checks they exist and raises otherwise.
+
+
+class GradSync:
+    """One process: nothing to gather or reduce; chunks go through `__call__` (hooks run)."""
+
+    def begin_step(self) -> None:
+        pass
+
+    def call(self, layer: nn.Module):
+        return layer
+
+    def begin(self, layer: nn.Module) -> None:
+        pass
+
+    def end(self, layer: nn.Module) -> None:
+        pass
+
+    def end_step(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        """After an exception mid-step: leave the engine ready for the next step."""
+
+    @contextmanager
+    def step(self):
+        """begin_step() on entry, end_step() after a body that finished, abort() after one that raised."""
+        self.begin_step()
+        try:
+            yield self
+        except BaseException:
+            self.abort()
+            raise
+        self.end_step()
+
+
+NoSync = GradSync
+
+
+def for_model(model: nn.Module, parts: DecoderParts) -> GradSync:
+    """The adapter for `model`: FSDP2 when any module is an FSDPModule, else `NoSync`. Each decoder
+    layer must be its own FSDP unit; embedding, final norm and lm_head must belong to the root unit.
+    Sequence/context parallelism is refused (check_no_sequence_parallel)."""
+    check_no_sequence_parallel(model, parts.config)
+    layers, head_modules = parts.layers, [parts.embed, parts.norm, parts.lm_head]
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch built without distributed
+        return NoSync()
+    root = next((m for m in model.modules() if isinstance(m, FSDPModule)), None)
+    if root is None:
+        return NoSync()
+    return FSDP2Sync(root, layers, head_modules, FSDPModule)
+
+
+# Sequence/context parallelism splits T over ranks and exchanges keys/values inside attention
+# (Ulysses all-to-all, ring attention). StreamBP replaces the attention function with its own, which
+# splices a prefix of K/V held on this rank: under a sequence split it would silently attend to a
+# local slice only. Recognised by the attention implementation's name or a device-mesh dimension.
+_SEQUENCE_PARALLEL_ATTENTION = ("ulysses", "ring", "context", "sequence", "usp")
+_SEQUENCE_PARALLEL_MESH_DIMS = {"cp", "sp", "context", "sequence"}
+
+
+def check_no_sequence_parallel(model: nn.Module, config) -> None:
+    """Raise ValueError if the model looks sequence/context parallel (see above)."""
+    attention = str(getattr(config, "_attn_implementation", "") or "").lower()
+    if any(hint in attention for hint in _SEQUENCE_PARALLEL_ATTENTION):
+        raise ValueError(
+            f"attention implementation {attention!r} looks sequence/context parallel (Ulysses, ring attention): "
+            "StreamBP splices each chunk's prefix keys/values on one rank and cannot compose with a sequence "
+            "split; use data parallelism (FSDP2, DeepSpeed ZeRO) and StreamBP's own chunking for long sequences"
+        )
+    for name, param in model.named_parameters():
+        mesh = getattr(param, "device_mesh", None)  # DTensor parameters (FSDP2, tensor parallel)
+        dims = [] if mesh is None else (getattr(mesh, "mesh_dim_names", None) or [])
+        split = [dim for dim in dims if _SEQUENCE_PARALLEL_MESH_DIMS & set(str(dim).lower().split("_"))]
+        if split:
+            raise ValueError(
+                f"parameter {name} lives on a device mesh with sequence/context-parallel dimension(s) {split}: "
+                "StreamBP cannot compose with a sequence split (its chunks attend to a prefix held on one rank); "
+                "shard over data-parallel dimensions only"
+            )
+        if mesh is not None:
+            break  # one DTensor parameter tells the mesh of all
+
+
+def refuse_deepspeed(model: nn.Module) -> None:
+    """DeepSpeed ZeRO is not supported yet (core/README.md, "Several processes"): a DeepSpeedEngine
+    or a module under ZeRO would otherwise reduce the first chunk only (stage 2/3 assert "already
+    been reduced") or not at all (stage 1 reduces in engine.backward, which StreamBP does not call)."""
+    engine = type(model).__name__ == "DeepSpeedEngine"
+    # ZeRO-3 partitioned parameters carry ds_id; ZeRO-1/2 link each one to its fp32 copy (_hp_mapping).
+    zero = any(hasattr(p, "ds_id") or hasattr(p, "_hp_mapping") for p in model.parameters())
+    if engine or zero:
+        raise ValueError(
+            "StreamBP does not support DeepSpeed ZeRO yet (its gradient hooks expect one backward per module); "
+            "shard the model with PyTorch FSDP2 (torch.distributed.fsdp.fully_shard) instead: README.md, "
+            "'Several GPUs (FSDP2)'"
+        )
+
+
+def _param_groups(state) -> list:
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)  # torch <= 2.9
+    return [] if group is None else [group]
+
+
+class FSDP2Sync(GradSync):
+    """FSDP2 (`fully_shard`, `replicate`, HSDP). The StreamBP unit must be the FSDP unit:
+    `fully_shard` each decoder layer, then the whole model (embedding, final norm and lm_head, tied
+    or not, in the root unit)."""
+
+    def __init__(self, root: nn.Module, layers: nn.ModuleList, head_modules: list[nn.Module], fsdp_module):
+        self.root = root
+        self.root_state = root._get_fsdp_state()
+        groups = _param_groups(self.root_state)
+        missing = [n for n in ("_lazy_init", "_root_post_backward_final_callback") if not hasattr(self.root_state, n)]
+        missing += [] if groups and hasattr(groups[0], "post_backward") else ["FSDPParamGroup.post_backward"]
+        if missing:
+            raise RuntimeError(f"this torch's FSDP2 lacks {missing}: StreamBP's FSDP2 sync is tested on torch 2.13")
+        unwrapped = [i for i, layer in enumerate(layers) if not isinstance(layer, fsdp_module)]
+        if unwrapped:
+            raise ValueError(
+                f"decoder layers {unwrapped} are not FSDP units: StreamBP gathers and reduces one decoder layer "
+                "at a time, so call fully_shard(layer) on every decoder layer, then fully_shard(model)"
+            )
+        for module in head_modules:
+            owner = _owning_unit(root, module, fsdp_module)
+            if owner is not root:
+                raise ValueError(
+                    f"{type(module).__name__} must be in the root FSDP unit (the one fully_shard(model) makes), "
+                    "not its own or an inner one: StreamBP runs embedding, final norm and lm_head outside the "
+                    "decoder's forward, so only the root's parameters stay gathered for the whole step"
+                )
+
+    def begin_step(self) -> None:
+        # The root's forward would initialise FSDP lazily; StreamBP never calls it (it would build
+        # full logits), so initialise here, before the first layer's hook could claim to be the root.
+        self.root_state._lazy_init()
+        self.root.unshard()  # embedding, final norm, lm_head: gathered for the whole step
+
+    def call(self, layer: nn.Module):
+        return layer.forward  # hook-free: no per-chunk gather, reshard or post-backward hook
+
+    def begin(self, layer: nn.Module) -> None:
+        layer.unshard()  # no collective if the checkpoint pass left it unsharded
+
+    def end(self, layer: nn.Module) -> None:
+        for group in _param_groups(layer._get_fsdp_state()):
+            group.post_backward()  # reshard, then reduce the chunks' summed gradient once
+
+    def end_step(self) -> None:
+        # Runs post_backward for the root unit (its gradients: head and embedding) and resets every
+        # unit's training state, as at the end of an ordinary backward.
+        self.root_state._root_post_backward_final_callback()
+
+    def abort(self) -> None:
+        reset = getattr(self.root, "reset_iter_state", None)  # public FSDP2 API in torch 2.13
+        if reset is not None:
+            reset()
+
+
+def _owning_unit(root: nn.Module, target: nn.Module, fsdp_module) -> nn.Module | None:
+    """The innermost FSDP unit whose subtree holds `target` (`target` itself if it is one)."""
+    owner = None
+
+    def visit(module: nn.Module, current):
+        nonlocal owner
+        current = module if isinstance(module, fsdp_module) else current
+        if module is target:
+            owner = current
+            return True
+        return any(visit(child, current) for child in module.children())
+
+    visit(root, None)
+    return owner
