@@ -20,11 +20,12 @@ import torch
 
 from .adapters import DecoderParts, check_no_attention_dropout, resolve_parts, trainable
 from .attention import ATTENTION_NAME
-from .checkpoints import forward_checkpoints
+from .checkpoints import Checkpoints, chunked_layer_forward, forward_checkpoints
 from .grad_accum import ChunkGradAccumulator
 from .head import head_backward
 from .layer_backward import layer_backward
 from .objectives import SFT, Objective
+from .placement import Placement
 from .labels import IGNORE_INDEX
 
 DEFAULT_CHUNK_SIZE = 500  # the paper's layer partition for its max-length runs (appendix D)
@@ -41,6 +42,7 @@ def stream_backward(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     logits_chunk_size: int = DEFAULT_LOGITS_CHUNK_SIZE,
     fp32_grad_accumulation: bool = True,
+    checkpoints: str | Placement = "gpu",
 ) -> torch.Tensor:
     """Forward + backward of a training objective with StreamBP.
 
@@ -53,9 +55,13 @@ def stream_backward(
     their own labels and inputs). attention_mask: (B, T) of 0/1 with right padding only; padded
     positions must not be the source of a counted prediction. chunk_size: positions per chunk in the layer backward;
     logits_chunk_size: positions per chunk in the head. fp32_grad_accumulation: sum per-chunk
-    gradients of bf16/fp16 parameters in fp32 and round once (see grad_accum.py).
+    gradients of bf16/fp16 parameters in fp32 and round once (see grad_accum.py). checkpoints:
+    where the layer inputs live between the checkpoint pass and their layer's backward, "gpu"
+    (the model's device), "cpu", "recompute:K" or "cpu+recompute:K" (placement.py); the same
+    operations whatever the placement, so the same gradients.
     """
     _check_sizes(chunk_size, logits_chunk_size)
+    placement = Placement.parse(checkpoints)
     if (labels is None) == (objective is None):
         raise ValueError("give either labels (the SFT objective) or objective=..., not both or neither")
     objective = objective if objective is not None else SFT(labels)
@@ -64,7 +70,9 @@ def stream_backward(
     check_no_attention_dropout(parts)
 
     with _streaming_mode(parts):
-        saved = forward_checkpoints(parts, input_ids, chunk_size)
+        saved = forward_checkpoints(parts, input_ids, chunk_size, placement)
+        store = saved.layer_inputs
+        store.rebuild = lambda index, x: _rebuild(parts, saved, index, x, chunk_size)
         head_grads = ChunkGradAccumulator(trainable(parts.norm) + trainable(parts.lm_head), fp32_grad_accumulation)
         loss, grad = head_backward(
             parts, saved.last_hidden, objective, chunk_size=logits_chunk_size, accumulator=head_grads
@@ -79,19 +87,25 @@ def stream_backward(
         for index in reversed(range(len(parts.layers))):
             layer_backward(
                 parts.layers[index],
-                saved.layer_inputs[index],
+                store.get(index, grad.device),
                 grad,
                 saved.layer_kwargs[index],
                 chunk_size=chunk_size,
                 need_input_grad=embed_trainable or index > 0,
                 fp32_grad_accumulation=fp32_grad_accumulation,
             )
-            saved.layer_inputs[index] = None  # free X_l
+            store.release(index)  # free X_l
         if embed_trainable:
             with torch.enable_grad():
                 parts.embed(input_ids).backward(grad)
         head_grads.finish()  # no-op unless tied
     return loss
+
+
+def _rebuild(parts: DecoderParts, saved: Checkpoints, index: int, layer_input: torch.Tensor, chunk_size: int):
+    """X_{index+1} from X_index, as the checkpoint pass made it (recompute placements)."""
+    with torch.no_grad():
+        return chunked_layer_forward(parts.layers[index], layer_input, saved.layer_kwargs[index], chunk_size)
 
 
 def _check_sizes(chunk_size: int, logits_chunk_size: int) -> None:
