@@ -14,28 +14,28 @@ from sbpbench.config.experiment import POINT_KEYS
 EXPECTED_FIELDS = (
     "model", "method", "seq_len", "batch_size", "objective", "prompt_len", "lora_rank", "lora_alpha", "step",
     "dtype", "device", "num_layers", "protocol", "warmup", "repeats", "memory_limit", "seed", "timeout_s",
-    "chunk_size", "logits_chunk_size", "fp32_grad_accumulation",
+    "chunk_size", "logits_chunk_size", "fp32_grad_accumulation", "checkpoints",
 )  # fmt: skip
 EXPECTED_OPTIONS = {
     "run": {
         "--method", "--model", "--seq", "--batch", "--objective", "--prompt-len", "--lora-rank", "--lora-alpha",
-        "--step", "--dtype", "--chunk-size", "--logits-chunk-size", "--fp32-grad-accumulation", "--device",
+        "--step", "--dtype", "--chunk-size", "--logits-chunk-size", "--fp32-grad-accumulation", "--checkpoints", "--device",
         "--num-layers", "--protocol", "--warmup", "--repeats", "--memory-limit", "--timeout", "--seed", "--out",
     },
     "maxlen": {
         "--method", "--model", "--seq", "--start", "--batch", "--objective", "--prompt-len", "--lora-rank",
-        "--lora-alpha", "--step", "--dtype", "--chunk-size", "--logits-chunk-size", "--fp32-grad-accumulation",
+        "--lora-alpha", "--step", "--dtype", "--chunk-size", "--logits-chunk-size", "--fp32-grad-accumulation", "--checkpoints",
         "--device", "--num-layers", "--protocol", "--warmup", "--memory-limit", "--timeout", "--seed", "--max-seq",
         "--resolution", "--multiple-of", "--resume", "--simulate", "--gpu-memory", "--out",
     },
     "estimate": {
         "--method", "--model", "--seq", "--batch", "--objective", "--prompt-len", "--lora-rank", "--lora-alpha",
-        "--step", "--dtype", "--chunk-size", "--logits-chunk-size", "--fp32-grad-accumulation", "--num-layers",
+        "--step", "--dtype", "--chunk-size", "--logits-chunk-size", "--fp32-grad-accumulation", "--checkpoints", "--num-layers",
         "--protocol", "--seed", "--gpu-memory", "--target", "--out",
     },
     "check": {
         "--method", "--model", "--seq", "--batch", "--objective", "--prompt-len", "--lora-rank", "--dtype",
-        "--chunk-size", "--logits-chunk-size", "--fp32-grad-accumulation", "--device", "--num-layers", "--seed",
+        "--chunk-size", "--logits-chunk-size", "--fp32-grad-accumulation", "--checkpoints", "--device", "--num-layers", "--seed",
     },
     "sweep": {"--device", "--out", "--resume"},
 }  # fmt: skip

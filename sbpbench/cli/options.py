@@ -84,6 +84,7 @@ RUN_FIELDS = (
     "chunk_size",
     "logits_chunk_size",
     "fp32_grad_accumulation",
+    "checkpoints",
     "device",
     "num_layers",
     "protocol",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..core.placement import PLACEMENTS
 from ..data import OBJECTIVES
 from ..methods import METHODS, STEPS
 from .maxlen import SEARCH_FIELDS as SEARCH_SETTINGS
@@ -56,6 +57,12 @@ SETTINGS: dict[str, Setting] = {
     "chunk_size": Setting((int, str), 'StreamBP positions per layer chunk: tokens, or "T/k" for T/k (default: 500).'),
     "logits_chunk_size": Setting(int, "StreamBP positions per logits chunk (default: 100)."),
     "fp32_grad_accumulation": Setting(bool, "StreamBP: sum bf16 chunk gradients in fp32 (default: on)."),
+    "checkpoints": Setting(
+        str,
+        "StreamBP: where the layer inputs live until their backward: gpu (default), cpu (pinned host memory, "
+        "prefetched a layer ahead), recompute:K (keep every K-th, rebuild the rest) or cpu+recompute:K.",
+        PLACEMENTS,
+    ),
     # a max-length search's own settings (MaxlenSpec); its first probe is seq_len
     "seq_len_ceiling": Setting(int, "Longest length a search tries (default: 262144 cuda, 16384 cpu)."),
     "resolution": Setting(

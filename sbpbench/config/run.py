@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ..core.placement import Placement
 from ..data import DEFAULT_PROMPT_LEN, OBJECTIVES
 from ..measure.units import parse_bytes
 from ..methods import METHODS, STEPS, MethodSettings
@@ -111,6 +112,12 @@ class RunSpec:
         accumulate = self.settings.fp32_grad_accumulation
         if accumulate is not None and not isinstance(accumulate, bool):
             raise ConfigError("fp32_grad_accumulation", f"must be true or false, got {accumulate!r}")
+        if self.settings.checkpoints is not None:
+            try:  # stored by its canonical name, so "recompute:2+cpu" and "cpu+recompute:2" are one key
+                name = Placement.parse(self.settings.checkpoints).name
+            except ValueError as error:
+                raise ConfigError("checkpoints", str(error).removeprefix("checkpoints ")) from None
+            object.__setattr__(self, "settings", replace(self.settings, checkpoints=name))
         # one resolution, here: every later torch.cuda call gets an indexed device
         object.__setattr__(self, "device", resolve_device(self.device))
         object.__setattr__(self, "settings", self.settings.for_method(METHODS[self.method].uses))

@@ -12,6 +12,7 @@ DEFAULTS = {
     "chunk_size": DEFAULT_CHUNK_SIZE,  # positions per chunk in the layer backward
     "logits_chunk_size": DEFAULT_LOGITS_CHUNK_SIZE,  # positions per chunk in the head and loss
     "fp32_grad_accumulation": True,  # sum bf16 chunk gradients in fp32
+    "checkpoints": "gpu",  # where the layer inputs live: gpu | cpu | recompute:K | cpu+recompute:K
 }
 
 
@@ -23,6 +24,7 @@ class MethodSettings:
     chunk_size: int | None = None
     logits_chunk_size: int | None = None
     fp32_grad_accumulation: bool | None = None
+    checkpoints: str | None = None  # a checkpoint placement's name (core/placement.py)
 
     def for_method(self, uses: tuple[str, ...]) -> MethodSettings:
         """The knobs in `uses` set (given or default), every other one None."""

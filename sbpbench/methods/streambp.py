@@ -17,4 +17,5 @@ def streambp(model, batch: Batch, settings) -> torch.Tensor:
         chunk_size=settings.chunk_size,
         logits_chunk_size=settings.logits_chunk_size,
         fp32_grad_accumulation=settings.fp32_grad_accumulation,
+        checkpoints=settings.checkpoints,
     )

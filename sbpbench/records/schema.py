@@ -18,13 +18,17 @@ read back with the new columns empty):
      method that does not read them (bp, ckpt), so they are not part of its key; older rows of
      those methods read back with them emptied (two such rows differing only there become one
      point: the later one is kept).
+  5  checkpoints (the StreamBP checkpoint placement: gpu | cpu | recompute:K | cpu+recompute:K, a
+     method setting and part of the key), host_pinned_peak_bytes and transfer_bytes (host copies of
+     the checkpoints and the bytes moved between host and device); older streambp rows read back
+     with checkpoints gpu, the only placement they had.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 # skipped: not run because a shorter sequence of the same point already ran out of memory
 # (certain OOM); plots and reports draw it as an OOM, and a resumed sweep does not retry it.
@@ -62,6 +66,7 @@ class ResultRow:
     chunk_size: int | None = None  # streambp positions per layer chunk (empty for methods that ignore it)
     logits_chunk_size: int | None = None
     fp32_grad_accumulation: bool | None = None
+    checkpoints: str = ""  # streambp: where the layer inputs live (core/placement.py); empty for other methods
     attn_implementation: str = ""
     attention_kernel: str = ""  # simulated: the CUDA SDPA kernel modelled (flash | efficient | math)
     memory_limit_bytes: int | None = None  # cap applied to the process (None: the device's own)
@@ -86,6 +91,8 @@ class ResultRow:
     nvml_idle_used_bytes: int | None = None  # the same before this process initialised CUDA
     cuda_context_bytes: int | None = None  # device memory of the CUDA context outside the allocator
     cpu_peak_rss_bytes: int | None = None  # process peak resident set over the measured step
+    host_pinned_peak_bytes: int | None = None  # checkpoints held in host memory (pinned on CUDA), peak of one step
+    transfer_bytes: int | None = None  # checkpoint bytes moved host <-> device in one step (both directions)
     peak_phase: str = ""  # simulated: where in the step the peak happens (e.g. "backward, layer 3")
     margin_bytes: int | None = None  # simulated: CUDA context + allocator fragmentation, not in the peak
     # time: warm-up discarded, synchronised, `repeats` timed steps
@@ -138,6 +145,7 @@ KEY_COLUMNS: tuple[str, ...] = (
     "chunk_size",
     "logits_chunk_size",
     "fp32_grad_accumulation",
+    "checkpoints",
     "attn_implementation",
     "memory_limit_bytes",
     "seed",
@@ -174,7 +182,7 @@ UPGRADES: dict[str, dict[str, str]] = {
 }
 # Schema 4: the settings a method does not read are empty. Methods of the older schemas that read
 # none of them (every method before version 4 but streambp).
-METHOD_SETTING_COLUMNS = ("chunk_size", "logits_chunk_size", "fp32_grad_accumulation")
+METHOD_SETTING_COLUMNS = ("chunk_size", "logits_chunk_size", "fp32_grad_accumulation", "checkpoints")
 SETTINGLESS_BEFORE_4 = ("bp", "ckpt")
 
 
@@ -187,4 +195,6 @@ def upgrade(row: dict[str, str]) -> dict[str, str]:
     if version in ("1", "2", "3") and row.get("method") in SETTINGLESS_BEFORE_4:
         for column in METHOD_SETTING_COLUMNS:
             row[column] = ""
+    if version in ("1", "2", "3", "4") and row.get("method") == "streambp" and not row.get("checkpoints"):
+        row["checkpoints"] = "gpu"  # schema 5: the placement every earlier streambp row used
     return row
