@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sbpbench.core import checkpoints as checkpoints_module
+from sbpbench.core import stream as stream_module
 from sbpbench.core import stream_backward
 from sbpbench.core.placement import CheckpointStore, Placement
 from sbpbench.data import make_batch
@@ -99,7 +99,7 @@ class _Recording(CheckpointStore):
 
 def _recorded_step(monkeypatch, checkpoints: str) -> _Recording:
     _Recording.instances = []
-    monkeypatch.setattr(checkpoints_module, "CheckpointStore", _Recording)
+    monkeypatch.setattr(stream_module, "CheckpointStore", _Recording)
     model = _deep_model("tiny/qwen3")
     batch = make_batch("sft", batch_size=1, seq_len=20, vocab_size=model.config.vocab_size)
     _step(model, batch, checkpoints)
@@ -160,3 +160,17 @@ def test_a_bad_placement_is_refused(text):
     """A name outside gpu / cpu / recompute:K / cpu+recompute:K raises, naming the choices."""
     with pytest.raises(ValueError, match="recompute:K"):
         Placement.parse(text)
+
+
+def test_observed_stores_report_what_a_step_held_and_moved():
+    """observe_stores hands out each step's store: its counters are what a row records."""
+    from sbpbench.core.placement import observe_stores
+
+    model = _deep_model("tiny/llama")
+    batch = make_batch("sft", batch_size=1, seq_len=20, vocab_size=model.config.vocab_size)
+    with observe_stores() as stores:
+        _step(model, batch, "cpu+recompute:2")
+    (store,) = stores
+    kept = 3  # X_0, X_2, X_4 of 5 layers
+    assert store.max_host_bytes == kept * 20 * 64 * 8 and store.transfer_bytes == 2 * store.max_host_bytes
+    assert store.host_bytes == 0 and store.device_inputs == 0  # all released (closed) after the step

@@ -35,10 +35,12 @@ class Checkpoints:
 
 
 def forward_checkpoints(
-    parts: DecoderParts, input_ids: torch.Tensor, chunk_size: int, placement: Placement = Placement()
+    parts: DecoderParts, input_ids: torch.Tensor, chunk_size: int, store: CheckpointStore | None = None
 ) -> Checkpoints:
+    """store: where the layer inputs go (default: all kept on their device, the gpu placement)."""
     num_layers = len(parts.layers)
-    saved = Checkpoints(layer_inputs=CheckpointStore(placement, num_layers), layer_kwargs=[{}] * num_layers)
+    store = store if store is not None else CheckpointStore(Placement(), num_layers)
+    saved = Checkpoints(layer_inputs=store, layer_kwargs=[{}] * num_layers)
 
     def norm_hook(module, args):
         saved.last_hidden = args[0]

@@ -20,7 +20,8 @@ different result: every placement runs the same operations on the same values.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -63,25 +64,40 @@ class Placement:
 Rebuild = Callable[[int, torch.Tensor], torch.Tensor]  # (layer index l, X_l) -> X_{l+1}, no grad
 
 
+def _pinned_empty(like: torch.Tensor) -> torch.Tensor:
+    """Page-locked host memory of exactly like's size. torch's pinned allocator (pin_memory=True)
+    rounds every block up to a power of two, up to 2x the host memory for large checkpoints, so the
+    pages are registered with CUDA instead (as torch.cuda._pin_memory_utils does)."""
+    host = torch.empty(like.shape, dtype=like.dtype)
+    error = int(torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.nbytes, 0))
+    if error:
+        raise RuntimeError(f"cudaHostRegister of {host.nbytes} bytes failed (cudaError {error}): not enough host memory to pin?")
+    return host
+
+
 class CheckpointStore:
     """The layer inputs of one step. put(l, X_l) during the checkpoint pass, layers first to last;
-    then get(l) / release(l) for l = L-1 down to 0, each get before its release.
+    then get(l) / release(l) for l = L-1 down to 0, each get before its release; close() at the end
+    (also after an error).
 
-    Counters for tests and rows: `device_inputs` (layer inputs the store holds on the device now),
-    `max_device_inputs`, `host_bytes` / `max_host_bytes` (host copies held), `transfer_bytes`
-    (both directions)."""
+    Counters, for tests, rows and the estimator: `device_inputs` (layer inputs the store holds on
+    the device now) and `max_device_inputs`; `host_bytes` / `max_host_bytes` (host copies held);
+    `transfer_bytes` (moved host <-> device, both directions)."""
 
     def __init__(self, placement: Placement, num_layers: int):
         self.placement = placement
         self.num_layers = num_layers
         self.rebuild: Rebuild | None = None  # set before the first get that needs one (stream.py)
         self._device: dict[int, torch.Tensor] = {}  # kept or rebuilt inputs on the device
-        self._host: dict[int, torch.Tensor] = {}  # offloaded inputs
-        self._arrived: dict[int, torch.cuda.Event] = {}  # prefetches in flight (CUDA)
+        self._host: dict[int, torch.Tensor] = {}  # offloaded inputs, until their layer is done
+        self._pinned: set[int] = set()  # host copies registered with CUDA
+        self._arrived: dict[int, torch.cuda.Event] = {}  # CUDA: the copy back to the device is done
         self._side: torch.cuda.Stream | None = None
         self.max_device_inputs = 0
         self.host_bytes = self.max_host_bytes = 0
         self.transfer_bytes = 0
+        for observer in _observers:
+            observer(self)
 
     @property
     def device_inputs(self) -> int:
@@ -100,14 +116,17 @@ class CheckpointStore:
 
     def put(self, index: int, layer_input: torch.Tensor) -> None:
         """X_l as the checkpoint pass made it: kept on the device, copied to the host, or dropped
-        (recomputed later)."""
+        (rebuilt later)."""
         if not self.placement.kept(index):
             return
         if not self.placement.offload:
             self._device[index] = layer_input
+        elif _shapes_only:
+            self._host[index] = _HostShape(layer_input.shape, layer_input.dtype, layer_input.nbytes)
         elif layer_input.is_cuda:
             side = self._side_stream(layer_input.device)
-            host = torch.empty(layer_input.shape, dtype=layer_input.dtype, pin_memory=True)
+            host = _pinned_empty(layer_input)
+            self._pinned.add(index)
             side.wait_stream(torch.cuda.current_stream(layer_input.device))  # X_l is written
             with torch.cuda.stream(side):
                 host.copy_(layer_input, non_blocking=True)
@@ -129,12 +148,13 @@ class CheckpointStore:
         """Start bringing kept X_index back to the device (a no-op unless it is on the host)."""
         if index < 0 or index in self._device or index not in self._host:
             return
-        host = self._host.pop(index)
-        self.host_bytes -= host.nbytes
+        host = self._host[index]
         self.transfer_bytes += host.nbytes
-        if device.type == "cuda":
-            # allocated on the compute stream; the side stream waits for the work queued so far
-            # (which may still use this memory's previous owner), then copies while the current
+        if _shapes_only:
+            target = torch.empty(host.shape, dtype=host.dtype, device=device)
+        elif device.type == "cuda":
+            # allocated on the compute stream; the side stream first waits for the work queued so
+            # far (it may still use this memory's previous owner), then copies while the current
             # layer's backward runs
             target = torch.empty(host.shape, dtype=host.dtype, device=device)
             side = self._side_stream(device)
@@ -168,10 +188,60 @@ class CheckpointStore:
         return self._device[index]
 
     def _wait(self, index: int, device: torch.device) -> None:
-        event = self._arrived.pop(index, None)
+        event = self._arrived.get(index)
         if event is not None:
             torch.cuda.current_stream(device).wait_event(event)
 
     def release(self, index: int) -> None:
-        """X_index is no longer needed (its layer's backward is done)."""
+        """X_index is no longer needed (its layer's backward is done): free it, and its host copy."""
         self._device.pop(index, None)
+        host = self._host.pop(index, None)
+        if host is None:
+            return
+        self.host_bytes -= host.nbytes
+        if index in self._pinned:
+            self._pinned.discard(index)
+            event = self._arrived.pop(index, None)
+            if event is not None:
+                event.synchronize()  # the copy from these pages is done (long since: a layer ago)
+            torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
+
+    def close(self) -> None:
+        """Free everything still held (all of it after an error), unpinning host pages once no copy
+        uses them."""
+        if self._side is not None:
+            self._side.synchronize()
+        for index in list(self._host) + list(self._device):
+            self.release(index)
+
+
+@dataclass(frozen=True)
+class _HostShape:
+    """A host copy under observe_stores(shapes_only=True): what it would hold, not the values."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    nbytes: int
+
+
+_observers: list[Callable[[CheckpointStore], None]] = []
+_shapes_only = False
+
+
+@contextmanager
+def observe_stores(*, shapes_only: bool = False) -> Iterator[list[CheckpointStore]]:
+    """Within the block, every CheckpointStore made is appended to the yielded list (its counters
+    say what the step held where: a measured row's host_pinned_peak_bytes and transfer_bytes).
+    shapes_only: host copies keep only shape and dtype, for the memory simulator, whose fake
+    tensors have no values to copy and whose count must not charge host copies to the device.
+    Nests; restores the previous setting on exit, whatever happens."""
+    global _shapes_only
+    stores: list[CheckpointStore] = []
+    previous = _shapes_only
+    _observers.append(stores.append)
+    _shapes_only = shapes_only or previous
+    try:
+        yield stores
+    finally:
+        _observers.remove(stores.append)
+        _shapes_only = previous

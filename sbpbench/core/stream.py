@@ -14,7 +14,7 @@ order section by section; "Memory per phase" gives what is resident when.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 
 import torch
 
@@ -25,7 +25,7 @@ from .grad_accum import ChunkGradAccumulator
 from .head import head_backward
 from .layer_backward import layer_backward
 from .objectives import SFT, Objective
-from .placement import Placement
+from .placement import CheckpointStore, Placement
 from .labels import IGNORE_INDEX
 
 DEFAULT_CHUNK_SIZE = 500  # the paper's layer partition for its max-length runs (appendix D)
@@ -69,9 +69,9 @@ def stream_backward(
     parts = resolve_parts(model)
     check_no_attention_dropout(parts)
 
-    with _streaming_mode(parts):
-        saved = forward_checkpoints(parts, input_ids, chunk_size, placement)
-        store = saved.layer_inputs
+    store = CheckpointStore(placement, len(parts.layers))
+    with _streaming_mode(parts), closing(store):  # close: frees (and unpins) what an error left
+        saved = forward_checkpoints(parts, input_ids, chunk_size, store)
         store.rebuild = lambda index, x: _rebuild(parts, saved, index, x, chunk_size)
         head_grads = ChunkGradAccumulator(trainable(parts.norm) + trainable(parts.lm_head), fp32_grad_accumulation)
         loss, grad = head_backward(
