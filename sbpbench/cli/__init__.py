@@ -9,6 +9,7 @@ from .env_cmd import env
 from .estimate_cmd import estimate
 from .maxlen_cmd import maxlen
 from .models_cmd import models
+from .plan_cmd import plan_command
 from .plot_cmd import plot
 from .report_cmd import report
 from .run_cmd import run
@@ -25,6 +26,7 @@ app.command()(run)
 app.command()(maxlen)
 app.command()(sweep)
 app.command()(estimate)
+app.command("plan")(plan_command)
 app.command()(check)
 app.command()(env)
 app.command()(models)

@@ -47,13 +47,30 @@ def forward_checkpoints(
 
     handle = parts.norm.register_forward_pre_hook(norm_hook)
     try:
-        with _chunked_layers(parts.layers, saved, chunk_size), torch.no_grad():
+        with _chunked_layers(parts.layers, saved, chunk_size), _skipped(parts.norm), torch.no_grad():
             parts.decoder(input_ids=input_ids, use_cache=False)  # its normed output is not needed
     finally:
         handle.remove()
     if saved.last_hidden is None or len(saved.seen) != num_layers:
         raise RuntimeError("the model's forward did not call every decoder layer and the final norm")
     return saved
+
+
+@contextmanager
+def _skipped(norm: nn.Module):
+    """The decoder's final norm returns its input for the duration of the pass (its pre-hook has
+    kept Z_L; the head applies the norm chunk by chunk). Run on the whole sequence, transformers'
+    RMSNorm would upcast it, briefly holding two fp32 (B, T, d) tensors: 8 x d bytes per token, more
+    than four bf16 checkpoints."""
+    previous = norm.__dict__.get("forward")
+    norm.forward = lambda hidden_states, *args, **kwargs: hidden_states
+    try:
+        yield
+    finally:
+        if previous is None:
+            del norm.forward
+        else:
+            norm.forward = previous
 
 
 @contextmanager
