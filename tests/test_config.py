@@ -26,7 +26,7 @@ EXPECTED_OPTIONS = {
         "--method", "--model", "--seq", "--start", "--batch", "--objective", "--prompt-len", "--lora-rank",
         "--lora-alpha", "--step", "--dtype", "--chunk-size", "--logits-chunk-size", "--fp32-grad-accumulation", "--checkpoints",
         "--device", "--num-layers", "--protocol", "--warmup", "--memory-limit", "--timeout", "--seed", "--max-seq",
-        "--resolution", "--multiple-of", "--resume", "--simulate", "--gpu-memory", "--out",
+        "--resolution", "--multiple-of", "--resume", "--simulate", "--gpu-memory", "--host-memory", "--out",
     },
     "estimate": {
         "--method", "--model", "--seq", "--batch", "--objective", "--prompt-len", "--lora-rank", "--lora-alpha",
@@ -36,6 +36,11 @@ EXPECTED_OPTIONS = {
     "check": {
         "--method", "--model", "--seq", "--batch", "--objective", "--prompt-len", "--lora-rank", "--dtype",
         "--chunk-size", "--logits-chunk-size", "--fp32-grad-accumulation", "--checkpoints", "--device", "--num-layers", "--seed",
+    },
+    "plan": {
+        "--model", "--seq", "--batch", "--objective", "--prompt-len", "--lora-rank", "--lora-alpha", "--step",
+        "--dtype", "--logits-chunk-size", "--fp32-grad-accumulation", "--num-layers", "--protocol", "--seed",
+        "--gpu-memory", "--host-memory",
     },
     "sweep": {"--device", "--out", "--resume"},
 }  # fmt: skip
