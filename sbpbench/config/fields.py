@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..core.placement import PLACEMENTS
 from ..data import OBJECTIVES
 from ..methods import METHODS, STEPS
 from .maxlen import SEARCH_FIELDS as SEARCH_SETTINGS
@@ -61,8 +60,7 @@ SETTINGS: dict[str, Setting] = {
         str,
         "StreamBP: where the layer inputs live until their backward: gpu (default), cpu (pinned host memory, "
         "prefetched a layer ahead), recompute:K (keep every K-th, rebuild the rest) or cpu+recompute:K.",
-        PLACEMENTS,
-    ),
+    ),  # no `choices`: K is open; RunSpec checks the name (core.placement.Placement.parse)
     # a max-length search's own settings (MaxlenSpec); its first probe is seq_len
     "seq_len_ceiling": Setting(int, "Longest length a search tries (default: 262144 cuda, 16384 cpu)."),
     "resolution": Setting(
