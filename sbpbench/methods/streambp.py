@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..core import stream_backward
+from ..core.placement import observe_stores  # noqa: F401 (for the runner, which does not import core)
 from ..data import Batch
 
 
