@@ -129,3 +129,15 @@ def test_missing_results_is_a_one_line_error(tmp_path):
     assert result.exit_code == 2
     assert len(result.output.strip().splitlines()) == 1, result.output
     assert result.output.startswith("error:") and "sbp run" in result.output and "Traceback" not in result.output
+
+
+def test_streambp_placements_are_separate_series():
+    """Rows of several checkpoint placements draw one series each, labelled by the placement."""
+    import pandas as pd
+
+    from sbpbench.plot.common import series
+
+    base = {"method": "streambp", "source": "simulated", "kind": "point", "seq_len": 1024, "batch_size": 1,
+            "chunk_size": 500, "timestamp_utc": "2026-01-01", "model": "m", "num_layers": 2}  # fmt: skip
+    rows = pd.DataFrame([{**base, "checkpoints": p} for p in ("gpu", "cpu", "recompute:4")])
+    assert sorted(extra for _, _, extra, _ in series(rows)) == ["cpu", "gpu", "recompute:4"]
