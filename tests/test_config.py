@@ -15,30 +15,37 @@ EXPECTED_FIELDS = (
     "model", "method", "seq_len", "batch_size", "objective", "prompt_len", "lora_rank", "lora_alpha", "step",
     "dtype", "device", "num_layers", "protocol", "warmup", "repeats", "memory_limit", "seed", "timeout_s",
     "threads", "chunk_size", "logits_chunk_size", "fp32_grad_accumulation", "mlp_tile_size", "offload_checkpoints",
+    "checkpoints",
 )  # fmt: skip
 EXPECTED_OPTIONS = {
     "run": {
         "--method", "--model", "--seq", "--batch", "--objective", "--prompt-len", "--lora-rank", "--lora-alpha",
         "--step", "--dtype", "--chunk-size", "--logits-chunk-size", "--fp32-grad-accumulation", "--mlp-tile-size",
-        "--offload-checkpoints", "--device", "--num-layers", "--protocol", "--warmup", "--repeats", "--memory-limit",
-        "--timeout", "--seed", "--threads", "--out",
+        "--offload-checkpoints", "--checkpoints", "--device", "--num-layers", "--protocol", "--warmup", "--repeats",
+        "--memory-limit", "--timeout", "--seed", "--threads", "--out",
     },
     "maxlen": {
         "--method", "--model", "--seq", "--start", "--batch", "--objective", "--prompt-len", "--lora-rank",
         "--lora-alpha", "--step", "--dtype", "--chunk-size", "--logits-chunk-size", "--fp32-grad-accumulation",
-        "--mlp-tile-size", "--offload-checkpoints", "--device", "--num-layers", "--protocol", "--warmup",
-        "--memory-limit", "--timeout", "--seed", "--threads", "--max-seq",
-        "--resolution", "--multiple-of", "--resume", "--simulate", "--gpu-memory", "--out",
+        "--mlp-tile-size", "--offload-checkpoints", "--checkpoints", "--device", "--num-layers", "--protocol",
+        "--warmup", "--memory-limit", "--timeout", "--seed", "--threads", "--max-seq",
+        "--resolution", "--multiple-of", "--resume", "--simulate", "--gpu-memory", "--host-memory", "--out",
     },
     "estimate": {
         "--method", "--model", "--seq", "--batch", "--objective", "--prompt-len", "--lora-rank", "--lora-alpha",
         "--step", "--dtype", "--chunk-size", "--logits-chunk-size", "--fp32-grad-accumulation", "--mlp-tile-size",
-        "--offload-checkpoints", "--num-layers", "--protocol", "--seed", "--gpu-memory", "--target", "--out",
+        "--offload-checkpoints", "--checkpoints", "--num-layers", "--protocol", "--seed", "--gpu-memory", "--target",
+        "--out",
     },
     "check": {
         "--method", "--model", "--seq", "--batch", "--objective", "--prompt-len", "--lora-rank", "--dtype",
         "--chunk-size", "--logits-chunk-size", "--fp32-grad-accumulation", "--mlp-tile-size", "--offload-checkpoints",
-        "--device", "--num-layers", "--seed", "--out",
+        "--checkpoints", "--device", "--num-layers", "--seed", "--out",
+    },
+    "plan": {
+        "--model", "--seq", "--batch", "--objective", "--prompt-len", "--lora-rank", "--lora-alpha", "--step",
+        "--dtype", "--logits-chunk-size", "--fp32-grad-accumulation", "--num-layers", "--protocol", "--seed",
+        "--gpu-memory", "--host-memory",
     },
     "sweep": {"--device", "--threads", "--out", "--resume"},
 }  # fmt: skip

@@ -145,3 +145,15 @@ def test_time_plot_ooms_sit_on_the_axis_and_bars_are_named_only_when_drawn(tmp_p
     table["time_min_s"] = table["time_max_s"] = table["time_median_s"]
     (without,) = [p for p in time_vs_seq(table, tmp_path / "b", formats=("svg",)) if "Qwen3-8B" in p.name]
     assert "bars min-max" not in without.read_text() and "median" in without.read_text()
+
+
+def test_streambp_placements_are_separate_series():
+    """Rows of several checkpoint placements draw one series each, labelled by the placement."""
+    import pandas as pd
+
+    from sbpbench.plot.common import series
+
+    base = {"method": "streambp", "source": "simulated", "kind": "point", "seq_len": 1024, "batch_size": 1,
+            "chunk_size": 500, "timestamp_utc": "2026-01-01", "model": "m", "num_layers": 2}  # fmt: skip
+    rows = pd.DataFrame([{**base, "checkpoints": p} for p in ("gpu", "cpu", "recompute:4")])
+    assert sorted(extra for _, _, extra, _ in series(rows)) == ["cpu", "gpu", "recompute:4"]

@@ -156,3 +156,19 @@ def test_schema_3_rows_migrate_to_keys_without_unread_settings(tmp_path):
     upsert_rows(path, [new])
     assert [(r["method"], r["peak_allocated_bytes"]) for r in read_rows(path)] == [("bp", "300"), ("streambp", "50")]
     assert SCHEMA_VERSION == 5
+    assert SCHEMA_VERSION >= 4
+
+
+def test_old_streambp_rows_read_back_with_gpu_checkpoints(tmp_path):
+    """Schema 5: a streambp row written before placements existed kept its checkpoints on the
+    device, so it reads back as checkpoints gpu (one key with a new gpu row); bp rows stay empty."""
+    path = tmp_path / "old.csv"
+    rows = [
+        _v3_row("streambp", "128", "2026-01-01T00:00:00+00:00", "50"),
+        _v3_row("bp", "", "2026-01-01T00:00:00+00:00", "9"),
+    ]
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    assert [(r["method"], r["checkpoints"]) for r in read_rows(path)] == [("streambp", "gpu"), ("bp", "")]

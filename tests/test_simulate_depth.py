@@ -12,34 +12,38 @@ from sbpbench.simulate import estimate_point
 from sbpbench.simulate.depth import estimate_point_by_depth, uniform_layers
 
 CASES = [
-    ("tiny/qwen3", 1024, 8, "bp"),
-    ("tiny/qwen3", 1024, 8, "ckpt"),
-    ("tiny/qwen3", 1024, 8, "streambp"),  # peak in the top layer's backward
-    ("tiny/llama", 512, 7, "streambp"),
-    ("tiny/llama", 512, 7, "ckpt"),
-    ("Qwen/Qwen3-0.6B", 2048, None, "bp"),  # the real shape, full depth 28, peak in the head
-    ("Qwen/Qwen3-0.6B", 2048, None, "ckpt"),
+    ("tiny/qwen3", 1024, 8, "bp", None),
+    ("tiny/qwen3", 1024, 8, "ckpt", None),
+    ("tiny/qwen3", 1024, 8, "streambp", None),  # peak in the top layer's backward
+    ("tiny/llama", 512, 7, "streambp", None),
+    ("tiny/llama", 512, 7, "ckpt", None),
+    ("Qwen/Qwen3-0.6B", 2048, None, "bp", None),  # the real shape, full depth 28, peak in the head
+    ("Qwen/Qwen3-0.6B", 2048, None, "ckpt", None),
+    ("tiny/qwen3", 1024, 8, "streambp", "cpu"),  # checkpoints on the host: the device holds two
+    ("tiny/qwen3", 1024, 11, "streambp", "recompute:3"),  # from 5 and 8 layers; a partial top segment
+    ("tiny/llama", 512, 12, "streambp", "cpu+recompute:2"),  # from 4 and 6 layers
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("model", "seq_len", "num_layers", "method"), CASES)
-def test_two_shallow_runs_predict_the_full_depth_to_the_byte(model, seq_len, num_layers, method):
-    """Extrapolated from 2- and 3-layer fake runs: the full-depth fake run's byte columns and peak phase."""
+@pytest.mark.parametrize(("model", "seq_len", "num_layers", "method", "checkpoints"), CASES)
+def test_two_shallow_runs_predict_the_full_depth_to_the_byte(model, seq_len, num_layers, method, checkpoints):
+    """Every memory column, the peak phase and the key of the extrapolated row equal the full run's."""
     spec = RunSpec(
         model=model,
         method=method,
         seq_len=seq_len,
         dtype="bf16",
         num_layers=num_layers,
-        settings=MethodSettings(chunk_size=128, logits_chunk_size=64),
+        settings=MethodSettings(chunk_size=128, logits_chunk_size=64, checkpoints=checkpoints),
         memory_limit=80 << 30,
     )
     full = estimate_point(spec, gpu_memory_bytes=80 << 30)
     extrapolated = estimate_point_by_depth(spec, gpu_memory_bytes=80 << 30)
     assert full.status == extrapolated.status == "ok"
     for column in ("weights_bytes", "grads_bytes", "baseline_bytes", "peak_allocated_bytes", "activation_peak_bytes",
-                   "margin_bytes", "num_params", "num_layers", "peak_phase", "attention_kernel"):  # fmt: skip
+                   "margin_bytes", "num_params", "num_layers", "peak_phase", "attention_kernel",
+                   "host_pinned_peak_bytes", "transfer_bytes"):  # fmt: skip
         assert getattr(extrapolated, column) == getattr(full, column), column
     assert row_key(extrapolated) == row_key(full)  # the same point in a results file
 

@@ -12,6 +12,7 @@ from .estimate_cmd import estimate
 from .maxlen_cmd import maxlen
 from .models_cmd import models
 from .peers_cmd import peers
+from .plan_cmd import plan_command
 from .plot_cmd import plot
 from .report_cmd import report
 from .run_cmd import run
@@ -30,6 +31,7 @@ app.command()(run)
 app.command()(maxlen)
 app.command()(sweep)
 app.command()(estimate)
+app.command("plan")(plan_command)
 app.command()(check)
 app.command()(selftest)
 app.command()(env)

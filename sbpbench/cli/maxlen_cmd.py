@@ -12,6 +12,8 @@ from rich.markup import escape
 from ..config import MaxlenSpec, point_specs
 from ..config.device import device_kind, resolve_device
 from ..config.maxlen import SEARCH_DEFAULTS, SEARCH_FIELDS
+from ..measure.host_memory import total_ram_bytes
+from ..measure.units import parse_bytes
 from ..records import ResultRow, check_writable
 from ..runner.maxlen import ProbeFailed, find_max_len
 from .errors import user_errors
@@ -51,6 +53,13 @@ def maxlen(
     gpu_memory: Annotated[
         str | None, typer.Option(help="--simulate: the GPU's memory, e.g. 80GiB (default: --memory-limit, or 80GiB).")
     ] = None,
+    host_memory: Annotated[
+        str | None,
+        typer.Option(
+            help="--simulate: host memory for checkpoints a placement keeps there, e.g. 100GiB (default: this "
+            "machine's RAM)."
+        ),
+    ] = None,
     out: Annotated[
         Path | None,
         typer.Option(
@@ -71,6 +80,9 @@ def maxlen(
     with user_errors():
         if gpu_memory and not simulate:
             raise ValueError("--gpu-memory is the simulated GPU's size: add --simulate, or use --memory-limit")
+        if host_memory and not simulate:
+            raise ValueError("--host-memory is the simulated host's size: add --simulate")
+        host_bytes = parse_bytes(host_memory) if host_memory else total_ram_bytes()
         kind = "cuda" if simulate else device_kind(resolve_device(settings.get("device", "auto")))
         search = {name: settings.pop(name) for name in SEARCH_FIELDS if name in settings}
         defaults = {**SEARCH_DEFAULTS[kind], "repeats": 0}  # probes measure memory only
@@ -90,7 +102,7 @@ def maxlen(
         ]
         out = out or (SIMULATED_OUT if simulate else DEFAULT_OUT)
         check_writable(out)
-        probing = _simulated_probe(specs[0].memory_limit) if simulate else {}
+        probing = _simulated_probe(specs[0].memory_limit, host_bytes) if simulate else {}
         console = Console()
         answers = []
         with Progress(console, len(searches)) as progress:
@@ -111,11 +123,13 @@ def maxlen(
     console.print(f"{len(answers)} max-length row(s) written to {out}", highlight=False, soft_wrap=True)
 
 
-def _simulated_probe(gpu_memory_bytes: int) -> dict:
+def _simulated_probe(gpu_memory_bytes: int, host_memory_bytes: int) -> dict:
     """find_max_len's arguments for probes that are predictions (sbpbench.simulate)."""
     from ..simulate.depth import estimate_point_by_depth
 
     def measure(spec, env) -> ResultRow:
-        return estimate_point_by_depth(spec, target="cuda", gpu_memory_bytes=gpu_memory_bytes)
+        return estimate_point_by_depth(
+            spec, target="cuda", gpu_memory_bytes=gpu_memory_bytes, host_memory_bytes=host_memory_bytes
+        )
 
     return {"measure": measure, "device_name": SIMULATED_DEVICE, "source": "simulated"}

@@ -93,6 +93,7 @@ RUN_FIELDS = (
     "fp32_grad_accumulation",
     "mlp_tile_size",
     "offload_checkpoints",
+    "checkpoints",
     "device",
     "num_layers",
     "protocol",

@@ -66,6 +66,11 @@ SETTINGS: dict[str, Setting] = {
     "fp32_grad_accumulation": Setting(bool, "StreamBP: sum bf16 chunk gradients in fp32 (default: on)."),
     "mlp_tile_size": Setting(int, "tiled (ALST): positions per MLP tile (default: 2048)."),
     "offload_checkpoints": Setting(bool, "tiled (ALST): layer checkpoints in host memory (default: on)."),
+    "checkpoints": Setting(
+        str,
+        "StreamBP: where the layer inputs live until their backward: gpu (default), cpu (pinned host memory, "
+        "prefetched a layer ahead), recompute:K (keep every K-th, rebuild the rest) or cpu+recompute:K.",
+    ),  # no `choices`: K is open; RunSpec checks the name (core.placement.Placement.parse)
     # a max-length search's own settings (MaxlenSpec); its first probe is seq_len
     "seq_len_ceiling": Setting(int, "Longest length a search tries (default: 262144 cuda, 16384 cpu)."),
     "resolution": Setting(

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ..core.adapters import SUPPORTED_MODEL_TYPES, UnsupportedModelError, supported_families
+from ..core.placement import Placement
 from ..data import DEFAULT_PROMPT_LEN, OBJECTIVES
 from ..measure.threads import physical_cores_available
 from ..measure.units import parse_bytes
@@ -124,6 +125,12 @@ class RunSpec:
             value = getattr(self.settings, name)
             if value is not None and not isinstance(value, bool):
                 raise ConfigError(name, f"must be true or false, got {value!r}")
+        if self.settings.checkpoints is not None:
+            try:  # stored by its canonical name, so "recompute:2+cpu" and "cpu+recompute:2" are one key
+                name = Placement.parse(self.settings.checkpoints).name
+            except ValueError as error:
+                raise ConfigError("checkpoints", str(error).removeprefix("checkpoints ")) from None
+            object.__setattr__(self, "settings", replace(self.settings, checkpoints=name))
         # one resolution, here: every later torch.cuda call gets an indexed device
         object.__setattr__(self, "device", resolve_device(self.device))
         object.__setattr__(self, "settings", self.settings.for_method(METHODS[self.method].uses))

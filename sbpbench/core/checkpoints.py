@@ -1,5 +1,6 @@
 """The checkpoint pass: the model's own forward without an autograd graph, keeping each decoder
-layer's input X_l (B, T, d) and the keyword arguments the model passed to it.
+layer's input X_l (B, T, d), where the placement keeps it (placement.py), and the keyword arguments
+the model passed to it.
 
 The decoder runs as usual (its embedding, Gemma-3's per-layer-type RoPE, everything model
 specific stays the model's), but while it runs each layer's `forward` is wrapped, on the
@@ -22,31 +23,54 @@ from torch import nn
 from .adapters import DecoderParts
 from .attention import STATE_KWARG, KVBuffer
 from .chunking import chunk_bounds, chunk_kwargs
+from .placement import CheckpointStore, Placement
 
 
 @dataclass
 class Checkpoints:
-    layer_inputs: list[torch.Tensor | None]  # X_l, (B, T, d) each
+    layer_inputs: CheckpointStore  # X_l, (B, T, d) each, where the placement keeps them
     layer_kwargs: list[dict] = field(default_factory=list)
     last_hidden: torch.Tensor | None = None  # last layer output, input of the final norm
+    seen: set[int] = field(default_factory=set)  # layers the forward called
 
 
-def forward_checkpoints(parts: DecoderParts, input_ids: torch.Tensor, chunk_size: int) -> Checkpoints:
+def forward_checkpoints(
+    parts: DecoderParts, input_ids: torch.Tensor, chunk_size: int, store: CheckpointStore | None = None
+) -> Checkpoints:
+    """store: where the layer inputs go (default: all kept on their device, the gpu placement)."""
     num_layers = len(parts.layers)
-    saved = Checkpoints(layer_inputs=[None] * num_layers, layer_kwargs=[{}] * num_layers)
+    store = store if store is not None else CheckpointStore(Placement(), num_layers)
+    saved = Checkpoints(layer_inputs=store, layer_kwargs=[{}] * num_layers)
 
     def norm_hook(module, args):
         saved.last_hidden = args[0]
 
     handle = parts.norm.register_forward_pre_hook(norm_hook)
     try:
-        with _chunked_layers(parts.layers, saved, chunk_size), torch.no_grad():
+        with _chunked_layers(parts.layers, saved, chunk_size), _skipped(parts.norm), torch.no_grad():
             parts.decoder(input_ids=input_ids, use_cache=False)  # its normed output is not needed
     finally:
         handle.remove()
-    if saved.last_hidden is None or any(x is None for x in saved.layer_inputs):
+    if saved.last_hidden is None or len(saved.seen) != num_layers:
         raise RuntimeError("the model's forward did not call every decoder layer and the final norm")
     return saved
+
+
+@contextmanager
+def _skipped(norm: nn.Module):
+    """The decoder's final norm returns its input for the duration of the pass (its pre-hook has
+    kept Z_L; the head applies the norm chunk by chunk). Run on the whole sequence, transformers'
+    RMSNorm would upcast it, briefly holding two fp32 (B, T, d) tensors: 8 x d bytes per token, more
+    than four bf16 checkpoints."""
+    previous = norm.__dict__.get("forward")
+    norm.forward = lambda hidden_states, *args, **kwargs: hidden_states
+    try:
+        yield
+    finally:
+        if previous is None:
+            del norm.forward
+        else:
+            norm.forward = previous
 
 
 @contextmanager
@@ -70,15 +94,24 @@ def _chunked_forward(forward, index: int, saved: Checkpoints, chunk_size: int):
     def chunked(hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if args:
             raise NotImplementedError("StreamBP expects decoder layers called as layer(hidden_states, **kwargs)")
-        saved.layer_inputs[index] = hidden_states
+        saved.layer_inputs.put(index, hidden_states)
         saved.layer_kwargs[index] = kwargs
-        seq_len = hidden_states.shape[1]
-        buffer = KVBuffer(seq_len=seq_len, attend=True)
-        output = torch.empty_like(hidden_states)  # becomes X_{l+1}
-        for start, end in chunk_bounds(seq_len, chunk_size):
-            buffer.start = start
-            chunk = forward(hidden_states[:, start:end], **chunk_kwargs(kwargs, start, end), **{STATE_KWARG: buffer})
-            output[:, start:end] = chunk
-        return output
+        saved.seen.add(index)
+        return chunked_layer_forward(forward, hidden_states, kwargs, chunk_size)
 
     return chunked
+
+
+def chunked_layer_forward(forward, hidden_states: torch.Tensor, kwargs: dict, chunk_size: int) -> torch.Tensor:
+    """X_{l+1} from X_l (B, T, d), chunk_size positions at a time through `forward` (a layer or
+    its forward method), attending over a key/value buffer of the positions before. The checkpoint
+    pass and the recompute placement (placement.py) both run it, so a rebuilt input is the one
+    the pass made. Call it without grad."""
+    seq_len = hidden_states.shape[1]
+    buffer = KVBuffer(seq_len=seq_len, attend=True)
+    output = torch.empty_like(hidden_states)  # becomes X_{l+1}
+    for start, end in chunk_bounds(seq_len, chunk_size):
+        buffer.start = start
+        chunk = forward(hidden_states[:, start:end], **chunk_kwargs(kwargs, start, end), **{STATE_KWARG: buffer})
+        output[:, start:end] = chunk
+    return output

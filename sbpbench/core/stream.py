@@ -15,13 +15,13 @@ order section by section; "Memory per phase" gives what is resident when.
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 
 import torch
 
 from .adapters import DecoderParts, check_no_attention_dropout, resolve_parts, trainable
 from .attention import ATTENTION_NAME
-from .checkpoints import forward_checkpoints
+from .checkpoints import Checkpoints, chunked_layer_forward, forward_checkpoints
 from .grad_accum import ChunkGradAccumulator
 from .grad_sync import for_model as grad_sync_for
 from .grad_sync import refuse_deepspeed
@@ -29,6 +29,7 @@ from .head import head_backward
 from .labels import IGNORE_INDEX
 from .layer_backward import layer_backward
 from .objectives import SFT, Objective
+from .placement import CheckpointStore, Placement
 
 DEFAULT_CHUNK_SIZE = 500  # the paper's layer partition for its max-length runs (appendix D)
 DEFAULT_LOGITS_CHUNK_SIZE = 100  # the paper's logits partition
@@ -49,6 +50,7 @@ def stream_backward(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     logits_chunk_size: int = DEFAULT_LOGITS_CHUNK_SIZE,
     fp32_grad_accumulation: bool = True,
+    checkpoints: str | Placement = "gpu",
     progress: LayerProgress | None = None,
 ) -> torch.Tensor:
     """Forward + backward of a training objective with StreamBP.
@@ -62,10 +64,14 @@ def stream_backward(
     their own labels and inputs). attention_mask: (B, T) of 0/1 with right padding only; padded
     positions must not be the source of a counted prediction. chunk_size: positions per chunk in the layer backward;
     logits_chunk_size: positions per chunk in the head. fp32_grad_accumulation: sum per-chunk
-    gradients of bf16/fp16 parameters in fp32 and round once (see grad_accum.py). progress: see
-    LayerProgress (per layer of the backward, for long steps).
+    gradients of bf16/fp16 parameters in fp32 and round once (see grad_accum.py). checkpoints:
+    where the layer inputs live between the checkpoint pass and their layer's backward, "gpu"
+    (the model's device), "cpu", "recompute:K" or "cpu+recompute:K" (placement.py); the same
+    operations whatever the placement, so the same gradients. progress: see LayerProgress (per
+    layer of the backward, for long steps).
     """
     _check_sizes(chunk_size, logits_chunk_size)
+    placement = Placement.parse(checkpoints)
     if (labels is None) == (objective is None):
         raise ValueError("give either labels (the SFT objective) or objective=..., not both or neither")
     objective = objective if objective is not None else SFT(labels)
@@ -75,8 +81,10 @@ def stream_backward(
     check_no_attention_dropout(parts)
     sync = grad_sync_for(model, parts)  # FSDP2 or one process; refuses sequence parallelism
 
-    with _streaming_mode(parts), sync.step():
-        saved = forward_checkpoints(parts, input_ids, chunk_size)
+    store = CheckpointStore(placement, len(parts.layers))
+    with _streaming_mode(parts), sync.step(), closing(store):  # close: frees (and unpins) what an error left
+        saved = forward_checkpoints(parts, input_ids, chunk_size, store)
+        store.rebuild = lambda index, x: _rebuild(parts, saved, index, x, chunk_size)
         head_grads = ChunkGradAccumulator(trainable(parts.norm) + trainable(parts.lm_head), fp32_grad_accumulation)
         loss, grad = head_backward(
             parts, saved.last_hidden, objective, chunk_size=logits_chunk_size, accumulator=head_grads
@@ -95,7 +103,7 @@ def stream_backward(
             sync.begin(parts.layers[index])
             layer_backward(
                 parts.layers[index],
-                saved.layer_inputs[index],
+                store.get(index, grad.device),
                 grad,
                 saved.layer_kwargs[index],
                 chunk_size=chunk_size,
@@ -104,7 +112,7 @@ def stream_backward(
                 call=sync.call(parts.layers[index]),
             )
             sync.end(parts.layers[index])  # the chunks' summed gradients, reduced once
-            saved.layer_inputs[index] = None  # free X_l
+            store.release(index)  # free X_l
             if progress is not None:
                 progress(num_layers - index, num_layers)
         if embed_trainable:
@@ -112,6 +120,12 @@ def stream_backward(
                 parts.embed(input_ids).backward(grad)
         head_grads.finish()  # no-op unless tied
     return loss
+
+
+def _rebuild(parts: DecoderParts, saved: Checkpoints, index: int, layer_input: torch.Tensor, chunk_size: int):
+    """X_{index+1} from X_index, as the checkpoint pass made it (recompute placements)."""
+    with torch.no_grad():
+        return chunked_layer_forward(parts.layers[index], layer_input, saved.layer_kwargs[index], chunk_size)
 
 
 def _check_sizes(chunk_size: int, logits_chunk_size: int) -> None:

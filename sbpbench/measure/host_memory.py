@@ -40,3 +40,10 @@ def peak_rss_bytes() -> int:
         return hwm
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, kB on Linux
+
+
+def total_ram_bytes() -> int:
+    """Physical memory of this machine (the default host limit of a simulated placement)."""
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

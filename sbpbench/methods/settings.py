@@ -16,6 +16,7 @@ DEFAULTS = {
     # hidden_size positions (2560 for Qwen3-4B, 4096 for Qwen3-8B), 2048 is that order
     "mlp_tile_size": 2048,
     "offload_checkpoints": True,  # tiled: layer checkpoints in host memory, as ALST does
+    "checkpoints": "gpu",  # where the layer inputs live: gpu | cpu | recompute:K | cpu+recompute:K
 }
 
 
@@ -29,6 +30,7 @@ class MethodSettings:
     fp32_grad_accumulation: bool | None = None
     mlp_tile_size: int | None = None
     offload_checkpoints: bool | None = None
+    checkpoints: str | None = None  # a checkpoint placement's name (core/placement.py)
 
     def for_method(self, uses: tuple[str, ...]) -> MethodSettings:
         """The knobs in `uses` set (given or default), every other one None."""

@@ -15,6 +15,7 @@ from contextvars import ContextVar
 import torch
 
 from ..core import stream_backward
+from ..core.placement import observe_stores  # noqa: F401 (for the runner, which does not import core)
 from ..core.stream import LayerProgress
 from ..data import Batch
 
@@ -41,4 +42,5 @@ def streambp(model, batch: Batch, settings) -> torch.Tensor:
         logits_chunk_size=settings.logits_chunk_size,
         fp32_grad_accumulation=settings.fp32_grad_accumulation,
         progress=_PROGRESS.get(),
+        checkpoints=settings.checkpoints,
     )

@@ -56,22 +56,36 @@ def keys_of(rows, keys: Sequence[str]) -> list[tuple[str, ...]]:
 
 def series(rows) -> Iterator[tuple[str, bool, str, object]]:
     """(method, simulated, extra label, rows) per line or bar set: one per method and source, and
-    per StreamBP chunk size where a group holds several. Reruns of a point: the latest row wins."""
-    chunks = rows.loc[rows["method"] == "streambp", "chunk_size"].dropna().unique()
+    per StreamBP checkpoint placement and chunk size where a group holds several. Reruns of a
+    point: the latest row wins."""
+    streambp = rows["method"] == "streambp"
+    chunks = rows.loc[streambp, "chunk_size"].dropna().unique()
+    placement_of = (
+        rows["checkpoints"].fillna("").astype(str).replace("", "gpu")
+        if "checkpoints" in rows
+        else rows["method"].map(lambda _: "gpu")
+    )
+    placements = sorted(placement_of[streambp].unique())
     for method in sorted(rows["method"].unique(), key=style.method_sort_key):
         for source in ("measured", "simulated"):
             mine = rows[(rows["method"] == method) & (rows["source"] == source)]
             by_chunk = method == "streambp" and len(chunks) > 1
-            for chunk in sorted(mine["chunk_size"].dropna().unique()) if by_chunk else [None]:
-                part = mine if chunk is None else mine[mine["chunk_size"] == chunk]
-                if part.empty:
-                    continue
-                part = part.sort_values("timestamp_utc", kind="stable")
-                point = part["kind"].iloc[0] == "point"
-                part = part.drop_duplicates(
-                    subset=["seq_len", "batch_size"] if point else ["model", "num_layers"], keep="last"
-                )
-                yield method, source == "simulated", "" if chunk is None else f"chunk {int(chunk)}", part
+            by_placement = method == "streambp" and len(placements) > 1
+            for placement in placements if by_placement else [None]:
+                placed = mine if placement is None else mine[placement_of[mine.index] == placement]
+                for chunk in sorted(placed["chunk_size"].dropna().unique()) if by_chunk else [None]:
+                    part = placed if chunk is None else placed[placed["chunk_size"] == chunk]
+                    if part.empty:
+                        continue
+                    part = part.sort_values("timestamp_utc", kind="stable")
+                    point = part["kind"].iloc[0] == "point"
+                    part = part.drop_duplicates(
+                        subset=["seq_len", "batch_size"] if point else ["model", "num_layers"], keep="last"
+                    )
+                    labels = ([] if placement is None else [placement]) + (
+                        [] if chunk is None else [f"chunk {int(chunk)}"]
+                    )
+                    yield method, source == "simulated", ", ".join(labels), part
 
 
 def setting_parts(like, *, always: bool = False) -> list[str]:

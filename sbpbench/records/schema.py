@@ -22,7 +22,11 @@ read back with the new columns empty):
      average as the point started): what a CPU time depends on besides the point. Not key columns
      (a rerun with another thread count replaces the row). Older rows read back with them empty
      (not recorded). Also mlp_tile_size and offload_checkpoints (the `tiled` peer's settings; empty
-     for every other method, so older rows read back unchanged) and status unsupported.
+     for every other method, so older rows read back unchanged) and status unsupported. Also
+     checkpoints (the StreamBP checkpoint placement: gpu | cpu | recompute:K | cpu+recompute:K, a
+     method setting and part of the key), host_pinned_peak_bytes and transfer_bytes (host copies of
+     the checkpoints and the bytes moved between host and device); older streambp rows read back
+     with checkpoints gpu, the only placement they had.
 """
 
 from __future__ import annotations
@@ -71,6 +75,7 @@ class ResultRow:
     fp32_grad_accumulation: bool | None = None
     mlp_tile_size: int | None = None  # tiled: positions per MLP tile
     offload_checkpoints: bool | None = None  # tiled: layer checkpoints in host memory
+    checkpoints: str = ""  # streambp: where the layer inputs live (core/placement.py); empty for other methods
     attn_implementation: str = ""
     attention_kernel: str = ""  # simulated: the CUDA SDPA kernel modelled (flash | efficient | math)
     memory_limit_bytes: int | None = None  # cap applied to the process (None: the device's own)
@@ -95,6 +100,8 @@ class ResultRow:
     nvml_idle_used_bytes: int | None = None  # the same before this process initialised CUDA
     cuda_context_bytes: int | None = None  # device memory of the CUDA context outside the allocator
     cpu_peak_rss_bytes: int | None = None  # process peak resident set over the measured step
+    host_pinned_peak_bytes: int | None = None  # checkpoints held in host memory (pinned on CUDA), peak of one step
+    transfer_bytes: int | None = None  # checkpoint bytes moved host <-> device in one step (both directions)
     peak_phase: str = ""  # simulated: where in the step the peak happens (e.g. "backward, layer 3")
     margin_bytes: int | None = None  # simulated: CUDA context + allocator fragmentation, not in the peak
     # time: warm-up discarded, synchronised, `repeats` timed steps
@@ -155,6 +162,7 @@ KEY_COLUMNS: tuple[str, ...] = (
     "fp32_grad_accumulation",
     "mlp_tile_size",
     "offload_checkpoints",
+    "checkpoints",
     "attn_implementation",
     "memory_limit_bytes",
     "seed",
@@ -197,6 +205,7 @@ METHOD_SETTING_COLUMNS = (
     "fp32_grad_accumulation",
     "mlp_tile_size",
     "offload_checkpoints",
+    "checkpoints",
 )
 SETTINGLESS_BEFORE_4 = ("bp", "ckpt")
 
@@ -210,4 +219,6 @@ def upgrade(row: dict[str, str]) -> dict[str, str]:
     if version in ("1", "2", "3") and row.get("method") in SETTINGLESS_BEFORE_4:
         for column in METHOD_SETTING_COLUMNS:
             row[column] = ""
+    if version in ("1", "2", "3", "4") and row.get("method") == "streambp" and not row.get("checkpoints"):
+        row["checkpoints"] = "gpu"  # schema 5: the placement every earlier streambp row used
     return row

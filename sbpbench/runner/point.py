@@ -38,7 +38,7 @@ from ..measure.threads import load_average_1m, set_intra_op_threads
 from ..measure.timing import time_steps
 from ..methods import MethodUnsupported
 from ..methods.step import TrainingStep, storage_bytes
-from ..methods.streambp import reporting_progress
+from ..methods.streambp import observe_stores, reporting_progress
 from ..records import ResultRow, one_line
 
 _HOST_OOM_MESSAGES = ("can't allocate memory", "out of memory")
@@ -77,10 +77,12 @@ def _measure_cpu(spec: RunSpec, step: TrainingStep, row: ResultRow, prepare: Cal
     row.baseline_bytes = resident
     tracker = LiveTensorTracker(limit_bytes=limit)
     reset_peak_rss()
+    stores = []
     try:
-        with tracker:
+        with tracker, observe_stores() as stores:
             row.loss = float(step.run())
     finally:  # an OOM row still says how far the step got
+        _record_stores(row, stores)
         row.cpu_peak_rss_bytes = peak_rss_bytes()
         row.peak_allocated_bytes = resident + tracker.peak_bytes
         row.activation_peak_bytes = tracker.peak_bytes
@@ -88,6 +90,13 @@ def _measure_cpu(spec: RunSpec, step: TrainingStep, row: ResultRow, prepare: Cal
         prepare()
         step.run()
     return lambda: None
+
+
+def _record_stores(row: ResultRow, stores) -> None:
+    """A streambp step's checkpoint store: host copies (pinned on CUDA) at their peak, bytes moved."""
+    if stores:
+        row.host_pinned_peak_bytes = max(s.max_host_bytes for s in stores)
+        row.transfer_bytes = sum(s.transfer_bytes for s in stores)
 
 
 def _measure_cuda(
@@ -113,11 +122,13 @@ def _measure_cuda(
     row.baseline_bytes = torch.cuda.memory_allocated(device)
     reset_peak_rss()
     sampler = NvmlPeakSampler(nvml_handle(device))
+    stores = []
     try:
-        with sampler:
+        with sampler, observe_stores() as stores:
             row.loss = float(step.run())
             synchronize()
     finally:  # an OOM row still says how far the step got
+        _record_stores(row, stores)
         row.peak_allocated_bytes = torch.cuda.max_memory_allocated(device)
         row.peak_reserved_bytes = torch.cuda.max_memory_reserved(device)
         row.activation_peak_bytes = row.peak_allocated_bytes - row.baseline_bytes

@@ -5,8 +5,9 @@ When every decoder layer has the same shape and attention type, each memory term
 affine in the depth L: weights, gradients and optimizer moments per layer, plus per layer what
 stays alive at the peak (bp: its saved activations; ckpt and streambp: its input checkpoint),
 while the peak itself happens in a phase that does not depend on L (the head, or the top layer's
-backward). So the full-depth value is v(2) + (L - 2) * (v(3) - v(2)). tests/test_simulate_depth.py
-checks this against full-depth runs to the byte; models whose layers differ (Gemma 3's sliding
+backward). So the full-depth value is v(2) + (L - 2) * (v(3) - v(2)); with recompute:K, along depths of one
+remainder mod K (`probe_depths`). tests/test_simulate_depth.py checks this against full-depth runs
+to the byte; models whose layers differ (Gemma 3's sliding
 and global layers) are always run at full depth.
 """
 
@@ -16,9 +17,10 @@ import re
 from dataclasses import replace
 
 from ..config import RunSpec
+from ..core.placement import Placement
 from ..models import load_config
 from ..records import ResultRow
-from .estimate import GIB, estimate_point, margin_bytes
+from .estimate import estimate_point, judge, margin_bytes
 
 AFFINE_COLUMNS = (
     "num_params",
@@ -30,6 +32,8 @@ AFFINE_COLUMNS = (
     "peak_allocated_bytes",
     "activation_peak_bytes",
     "model_flops",
+    "host_pinned_peak_bytes",
+    "transfer_bytes",
 )
 MIN_DEPTH = 6  # below this a full-depth run costs about as much as the two shallow ones
 
@@ -43,29 +47,42 @@ def uniform_layers(model: str) -> bool:
     return not getattr(config, "sliding_window_pattern", None)
 
 
-def estimate_point_by_depth(spec: RunSpec, *, target: str = "cuda", gpu_memory_bytes: int | None = None) -> ResultRow:
-    """estimate_point's row, from the 2- and 3-layer models when that is exact (see above)."""
+def probe_depths(depth: int, recompute_every: int = 1) -> tuple[int, int] | None:
+    """The two shallow depths whose estimates give the full one, or None to run at full depth.
+
+    Without recompute the terms are affine in L (2 and 3 layers). With recompute:K the device holds
+    ceil(L/K) kept inputs and the top segments' rebuilt ones, so the terms are affine along depths
+    of the same remainder mod K: the first with two segments, and one more segment."""
+    k = recompute_every
+    low = max(2, k + 1)
+    low += (depth - low) % k  # low = depth (mod k)
+    high = low + k
+    return (low, high) if high < depth and depth >= MIN_DEPTH else None
+
+
+def estimate_point_by_depth(
+    spec: RunSpec, *, target: str = "cuda", gpu_memory_bytes: int | None = None, host_memory_bytes: int | None = None
+) -> ResultRow:
+    """estimate_point's row, from two shallower models when that is exact (see above)."""
     depth = spec.num_layers or load_config(spec.model).num_hidden_layers
-    if depth < MIN_DEPTH or not uniform_layers(spec.model):
-        return estimate_point(spec, target=target, gpu_memory_bytes=gpu_memory_bytes)
-    two = estimate_point(replace(spec, num_layers=2), target=target)
-    three = estimate_point(replace(spec, num_layers=3), target=target)
-    if "error" in (two.status, three.status):
-        return three
-    row = three
+    every = Placement.parse(spec.settings.checkpoints).recompute_every if spec.settings.checkpoints else 1
+    depths = probe_depths(depth, every)
+    if depths is None or not uniform_layers(spec.model):
+        return estimate_point(
+            spec, target=target, gpu_memory_bytes=gpu_memory_bytes, host_memory_bytes=host_memory_bytes
+        )
+    low, high = depths
+    shallow = estimate_point(replace(spec, num_layers=low), target=target)
+    row = estimate_point(replace(spec, num_layers=high), target=target)
+    if "error" in (shallow.status, row.status):
+        return row
+    steps = (depth - low) // (high - low)  # whole segments: depth = low (mod high - low)
     for column in AFFINE_COLUMNS:
-        low, high = getattr(two, column), getattr(three, column)
-        if low is not None and high is not None:
-            setattr(row, column, type(high)(low + (depth - 2) * (high - low)))
+        a, b = getattr(shallow, column), getattr(row, column)
+        if a is not None and b is not None:
+            setattr(row, column, type(b)(a + steps * (b - a)))
     row.num_layers = depth  # as spec_fields records the full model, so the row keys as the full run's
     row.margin_bytes = margin_bytes(row.activation_peak_bytes)
-    # the top layer of the 3-layer model is layer depth-1 of the full one
-    row.peak_phase = re.sub(r"layer (\d+)", lambda m: f"layer {int(m.group(1)) + depth - 3}", row.peak_phase)
-    row.device_total_memory_bytes = gpu_memory_bytes
-    row.error = ""
-    row.status = "ok"
-    if gpu_memory_bytes is not None and row.peak_allocated_bytes + row.margin_bytes > gpu_memory_bytes:
-        need = (row.peak_allocated_bytes + row.margin_bytes) / GIB
-        row.status = "oom"
-        row.error = f"needs {need:.2f} GiB (peak + margin) of {gpu_memory_bytes / GIB:.2f} GiB"
-    return row
+    # a layer counted from the top of the `high`-layer model is the same layer from the top of the full one
+    row.peak_phase = re.sub(r"layer (\d+)", lambda m: f"layer {int(m.group(1)) + depth - high}", row.peak_phase)
+    return judge(row, gpu_memory_bytes, host_memory_bytes)

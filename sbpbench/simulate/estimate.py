@@ -10,6 +10,10 @@ target "cuda" predicts torch.cuda.max_memory_allocated of the same point on a GP
 - StreamBP's attention takes its CUDA branch (core.attention.force_cuda_branch);
 - AdamW's multi-tensor (foreach) implementation, PyTorch's default for CUDA parameters.
 What a GPU needs beyond the allocated peak is the margin, reported separately (MARGIN_NOTE).
+
+Host memory is counted apart (core.placement.observe_stores): the checkpoint copies a placement
+keeps on the host (`host_pinned_bytes`, their peak) plus HOST_PROCESS_BYTES for the process
+itself; a point fits when both the device and the host side fit.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from datetime import datetime, timezone
 
 from ..config import RunSpec
 from ..config.rows import spec_fields
+from ..core.placement import observe_stores
 from ..measure.environment import capture_environment
 from ..measure.flops import training_flops
 from ..methods import MethodFn, MethodUnsupported
@@ -47,6 +52,10 @@ GIB = 2**30
 CUDA_CONTEXT_BYTES = 3 * GIB // 4
 FRAGMENTATION_FRACTION = 0.05
 MARGIN_NOTE = "CUDA context 0.75 GiB + 5% of the activation peak for allocator fragmentation"
+# The host side of a GPU run besides the pinned checkpoints: the Python process with torch, the CUDA
+# runtime and its libraries (cuBLAS, cuDNN) mapped, typically 3-5 GiB of RSS; the model is built on
+# the GPU (models/build.py initialises on the target device), so its weights never sit on the host.
+HOST_PROCESS_BYTES = 5 * GIB
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,6 +74,12 @@ class Estimate:
     trainable_params: int
     num_tokens: int
     model_flops: float
+    host_pinned_bytes: int = 0  # peak of the checkpoint copies in host memory
+    transfer_bytes: int = 0  # checkpoint bytes moved host <-> device in the step
+
+    @property
+    def host_peak_bytes(self) -> int:
+        return HOST_PROCESS_BYTES + self.host_pinned_bytes
 
     @property
     def peak_allocated_bytes(self) -> int:
@@ -103,6 +118,7 @@ def estimate(spec: RunSpec, *, target: str = "cuda", method: MethodFn | None = N
     with ExitStack() as stack:
         attention = stack.enter_context(_cuda_attention()) if cuda else None
         stack.enter_context(phases.attached(model, step.optimizer))
+        stores = stack.enter_context(observe_stores(shapes_only=True))
         stack.enter_context(fake.mode)
         stack.enter_context(counter)
         if method is None:
@@ -127,12 +143,17 @@ def estimate(spec: RunSpec, *, target: str = "cuda", method: MethodFn | None = N
         trainable_params=sum(p.numel() for p in trainable),
         num_tokens=step.batch.num_tokens,
         model_flops=training_flops(model, batch_size=spec.batch_size, seq_len=spec.seq_len),
+        host_pinned_bytes=max((s.max_host_bytes for s in stores), default=0),
+        transfer_bytes=sum(s.transfer_bytes for s in stores),
     )
 
 
-def estimate_point(spec: RunSpec, *, target: str = "cuda", gpu_memory_bytes: int | None = None) -> ResultRow:
-    """A results row for the point: status ok, or oom when peak + margin exceeds gpu_memory_bytes,
-    or error (the row says why). Provenance is this machine's software, not a GPU's."""
+def estimate_point(
+    spec: RunSpec, *, target: str = "cuda", gpu_memory_bytes: int | None = None, host_memory_bytes: int | None = None
+) -> ResultRow:
+    """A results row for the point: status ok, or oom when peak + margin exceeds gpu_memory_bytes
+    or the host side exceeds host_memory_bytes, or error (the row says why). Provenance is this
+    machine's software, not a GPU's."""
     row = ResultRow(**spec_fields(spec))
     row.source, row.memory_source = "simulated", "fake-tensor"
     row.device = target
@@ -166,11 +187,32 @@ def estimate_point(spec: RunSpec, *, target: str = "cuda", gpu_memory_bytes: int
         "trainable_params",
         "num_tokens",
         "model_flops",
+        "transfer_bytes",
     ):
         setattr(row, name, getattr(result, name))
-    row.status = "ok"
-    if gpu_memory_bytes is not None and not result.fits(gpu_memory_bytes):
-        need = (result.peak_allocated_bytes + result.margin_bytes) / GIB
+    row.host_pinned_peak_bytes = result.host_pinned_bytes
+    return judge(row, gpu_memory_bytes, host_memory_bytes)
+
+
+def host_peak_bytes(row: ResultRow) -> int:
+    """The host side of a simulated row: the process and the pinned checkpoint copies."""
+    return HOST_PROCESS_BYTES + (row.host_pinned_peak_bytes or 0)
+
+
+def judge(row: ResultRow, gpu_memory_bytes: int | None, host_memory_bytes: int | None) -> ResultRow:
+    """status ok or oom from the row's device peak + margin and its host peak; error rows stay."""
+    if row.status == "error":
+        return row
+    row.status, row.error = "ok", ""
+    row.device_total_memory_bytes = gpu_memory_bytes
+    need = row.peak_allocated_bytes + row.margin_bytes
+    if gpu_memory_bytes is not None and need > gpu_memory_bytes:
         row.status = "oom"
-        row.error = f"needs {need:.2f} GiB (peak + margin) of {gpu_memory_bytes / GIB:.2f} GiB"
+        row.error = f"needs {need / GIB:.2f} GiB (peak + margin) of {gpu_memory_bytes / GIB:.2f} GiB"
+    elif host_memory_bytes is not None and host_peak_bytes(row) > host_memory_bytes:
+        row.status = "oom"
+        row.error = (
+            f"host: needs {host_peak_bytes(row) / GIB:.2f} GiB (pinned checkpoints + process) "
+            f"of {host_memory_bytes / GIB:.2f} GiB"
+        )
     return row

@@ -1,0 +1,253 @@
+"""Where StreamBP keeps its checkpoints, the layer inputs X_l (B, T, d): core/README.md, "Where the
+checkpoints live".
+
+At long T the checkpoints are nearly all of StreamBP's memory ((L+1) x d x s bytes per token), while
+the step is attention-bound. A placement trades them for host memory or compute, never for a
+different result: every placement runs the same operations on the same values.
+
+    gpu                every X_l on the device from the checkpoint pass until its layer is done (default)
+    cpu                every X_l copied to host memory (pinned on CUDA, on a side stream) as the
+                       checkpoint pass makes it; brought back one layer ahead of its backward, so at
+                       most two layer inputs are on the device at a time
+    recompute:K        keep X_l for l = 0, K, 2K, ...; when the backward reaches a segment
+                       [s, s + K), rebuild X_{s+1} .. from X_s with the checkpoint pass's chunked
+                       no-grad layer forward (one more forward of those layers)
+    cpu+recompute:K    the kept inputs on the host, each segment rebuilt on the device
+
+`CheckpointStore` is what the checkpoint pass `put`s every layer input into and the layer loop
+`get`s and `release`s them from, last layer first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+PLACEMENTS = ("gpu", "cpu", "recompute:K", "cpu+recompute:K")  # K: a positive integer
+
+
+@dataclass(frozen=True)
+class Placement:
+    offload: bool = False  # kept inputs live in host memory
+    recompute_every: int = 1  # keep X_l when l % recompute_every == 0; 1 keeps every one
+
+    @classmethod
+    def parse(cls, text: str | Placement) -> Placement:
+        """ "gpu", "cpu", "recompute:K", "cpu+recompute:K" (K >= 1; recompute:1 is gpu)."""
+        if isinstance(text, Placement):
+            return text
+        words = str(text).strip().lower().split("+")
+        offload, every = False, 1
+        for word in words:
+            if word == "cpu" and not offload:
+                offload = True
+            elif word == "gpu" and len(words) == 1:
+                pass
+            elif word.startswith("recompute:") and every == 1 and word[10:].isdigit() and int(word[10:]) >= 1:
+                every = int(word[10:])
+            else:
+                raise ValueError(
+                    f"checkpoints must be one of {', '.join(PLACEMENTS)} (K a positive integer), got {text!r}"
+                )
+        return cls(offload, every)
+
+    @property
+    def name(self) -> str:
+        parts = (["cpu"] if self.offload else []) + (
+            [f"recompute:{self.recompute_every}"] if self.recompute_every > 1 else []
+        )
+        return "+".join(parts) or "gpu"
+
+    def kept(self, index: int) -> bool:
+        return index % self.recompute_every == 0
+
+
+Rebuild = Callable[[int, torch.Tensor], torch.Tensor]  # (layer index l, X_l) -> X_{l+1}, no grad
+
+
+def _pinned_empty(like: torch.Tensor) -> torch.Tensor:
+    """Page-locked host memory of exactly like's size. torch's pinned allocator (pin_memory=True)
+    rounds every block up to a power of two, up to 2x the host memory for large checkpoints, so the
+    pages are registered with CUDA instead (as torch.cuda._pin_memory_utils does)."""
+    host = torch.empty(like.shape, dtype=like.dtype)
+    error = int(torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.nbytes, 0))
+    if error:
+        raise RuntimeError(
+            f"cudaHostRegister of {host.nbytes} bytes failed (cudaError {error}): not enough host memory to pin?"
+        )
+    return host
+
+
+class CheckpointStore:
+    """The layer inputs of one step. put(l, X_l) during the checkpoint pass, layers first to last;
+    then get(l) / release(l) for l = L-1 down to 0, each get before its release; close() at the end
+    (also after an error).
+
+    Counters, for tests, rows and the estimator: `device_inputs` (layer inputs the store holds on
+    the device now) and `max_device_inputs`; `host_bytes` / `max_host_bytes` (host copies held);
+    `transfer_bytes` (moved host <-> device, both directions)."""
+
+    def __init__(self, placement: Placement, num_layers: int):
+        self.placement = placement
+        self.num_layers = num_layers
+        self.rebuild: Rebuild | None = None  # set before the first get that needs one (stream.py)
+        self._device: dict[int, torch.Tensor] = {}  # kept or rebuilt inputs on the device
+        self._host: dict[int, torch.Tensor] = {}  # offloaded inputs, until their layer is done
+        self._pinned: set[int] = set()  # host copies registered with CUDA
+        self._arrived: dict[int, torch.cuda.Event] = {}  # CUDA: the copy back to the device is done
+        self._side: torch.cuda.Stream | None = None
+        self.max_device_inputs = 0
+        self.host_bytes = self.max_host_bytes = 0
+        self.transfer_bytes = 0
+        for observer in _observers:
+            observer(self)
+
+    @property
+    def device_inputs(self) -> int:
+        return len(self._device)
+
+    def _count(self) -> None:
+        self.max_device_inputs = max(self.max_device_inputs, len(self._device))
+        self.max_host_bytes = max(self.max_host_bytes, self.host_bytes)
+
+    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        if self._side is None:
+            self._side = torch.cuda.Stream(device)
+        return self._side
+
+    # -- checkpoint pass -------------------------------------------------------------------------
+
+    def put(self, index: int, layer_input: torch.Tensor) -> None:
+        """X_l as the checkpoint pass made it: kept on the device, copied to the host, or dropped
+        (rebuilt later)."""
+        if not self.placement.kept(index):
+            return
+        if not self.placement.offload:
+            self._device[index] = layer_input
+        elif _shapes_only:
+            self._host[index] = _HostShape(layer_input.shape, layer_input.dtype, layer_input.nbytes)
+        elif layer_input.is_cuda:
+            side = self._side_stream(layer_input.device)
+            host = _pinned_empty(layer_input)
+            self._pinned.add(index)
+            side.wait_stream(torch.cuda.current_stream(layer_input.device))  # X_l is written
+            with torch.cuda.stream(side):
+                host.copy_(layer_input, non_blocking=True)
+            layer_input.record_stream(side)  # its memory is not reused before the copy is done
+            self._host[index] = host
+        else:
+            self._host[index] = layer_input.to("cpu", copy=True)  # an ordinary copy off a GPU
+        if self.placement.offload:
+            self.host_bytes += layer_input.nbytes
+            self.transfer_bytes += layer_input.nbytes
+        self._count()
+
+    # -- layer loop ------------------------------------------------------------------------------
+
+    def _segment_start(self, index: int) -> int:
+        return index - index % self.placement.recompute_every
+
+    def _prefetch(self, index: int, device: torch.device) -> None:
+        """Start bringing kept X_index back to the device (a no-op unless it is on the host)."""
+        if index < 0 or index in self._device or index not in self._host:
+            return
+        host = self._host[index]
+        self.transfer_bytes += host.nbytes
+        if _shapes_only:
+            target = torch.empty(host.shape, dtype=host.dtype, device=device)
+        elif device.type == "cuda":
+            # allocated on the compute stream; the side stream first waits for the work queued so
+            # far (it may still use this memory's previous owner), then copies while the current
+            # layer's backward runs
+            target = torch.empty(host.shape, dtype=host.dtype, device=device)
+            side = self._side_stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                target.copy_(host, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(side)
+            self._arrived[index] = event
+        else:
+            target = host.to(device, copy=True)
+        self._device[index] = target
+        self._count()
+
+    def get(self, index: int, device: torch.device) -> torch.Tensor:
+        """X_index on `device`. The first get of a segment [s, s + K) (its last layer) brings X_s
+        and rebuilds the rest; the get of X_s sets the previous segment's kept input on its way,
+        to arrive while layer s's backward runs."""
+        start = self._segment_start(index)
+        if index not in self._device:
+            self._prefetch(start, device)
+            self._wait(start, device)
+            if index != start:
+                assert self.rebuild is not None, "a recomputing store needs its rebuild function"
+                for layer in range(start, index):
+                    self._device[layer + 1] = self.rebuild(layer, self._device[layer])
+                    self._count()
+        self._wait(index, device)
+        if index == start:
+            self._prefetch(start - self.placement.recompute_every, device)
+        return self._device[index]
+
+    def _wait(self, index: int, device: torch.device) -> None:
+        event = self._arrived.get(index)
+        if event is not None:
+            torch.cuda.current_stream(device).wait_event(event)
+
+    def release(self, index: int) -> None:
+        """X_index is no longer needed (its layer's backward is done): free it, and its host copy."""
+        self._device.pop(index, None)
+        host = self._host.pop(index, None)
+        if host is None:
+            return
+        self.host_bytes -= host.nbytes
+        if index in self._pinned:
+            self._pinned.discard(index)
+            event = self._arrived.pop(index, None)
+            if event is not None:
+                event.synchronize()  # the copy from these pages is done (long since: a layer ago)
+            torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
+
+    def close(self) -> None:
+        """Free everything still held (all of it after an error), unpinning host pages once no copy
+        uses them."""
+        if self._side is not None:
+            self._side.synchronize()
+        for index in list(self._host) + list(self._device):
+            self.release(index)
+
+
+@dataclass(frozen=True)
+class _HostShape:
+    """A host copy under observe_stores(shapes_only=True): what it would hold, not the values."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    nbytes: int
+
+
+_observers: list[Callable[[CheckpointStore], None]] = []
+_shapes_only = False
+
+
+@contextmanager
+def observe_stores(*, shapes_only: bool = False) -> Iterator[list[CheckpointStore]]:
+    """Within the block, every CheckpointStore made is appended to the yielded list (its counters
+    say what the step held where: a measured row's host_pinned_peak_bytes and transfer_bytes).
+    shapes_only: host copies keep only shape and dtype, for the memory simulator, whose fake
+    tensors have no values to copy and whose count must not charge host copies to the device.
+    Nests; restores the previous setting on exit, whatever happens."""
+    global _shapes_only
+    stores: list[CheckpointStore] = []
+    previous = _shapes_only
+    _observers.append(stores.append)
+    _shapes_only = shapes_only or previous
+    try:
+        yield stores
+    finally:
+        _observers.remove(stores.append)
+        _shapes_only = previous

@@ -1,0 +1,176 @@
+"""Checkpoint placements (core/placement.py): gpu, cpu, recompute:K and cpu+recompute:K run the same
+operations, so they give gpu's loss and gradients to the bit; the offload path's ordering and
+freeing, checked on CPU where its copies are ordinary tensor copies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sbpbench.core import stream as stream_module
+from sbpbench.core import stream_backward
+from sbpbench.core.placement import CheckpointStore, Placement
+from sbpbench.data import make_batch
+from sbpbench.models import apply_lora
+
+from .conftest import FAMILIES, tiny_model
+
+NUM_LAYERS = 5  # K = 2, 3 do not divide it, K = 5 does, K = 7 is deeper than the model
+PLACEMENTS = ("cpu", "recompute:2", "recompute:3", "recompute:5", "cpu+recompute:2", "cpu+recompute:7")
+
+
+def _deep_model(family: str, lora: bool = False):
+    overrides = {"num_hidden_layers": NUM_LAYERS}
+    if family == "tiny/gemma3":
+        overrides["layer_types"] = ["sliding_attention", "full_attention"] * 2 + ["sliding_attention"]
+    model = tiny_model(family, torch.float64, **overrides)
+    return apply_lora(model, rank=4, alpha=8, init_nonzero_seed=0) if lora else model
+
+
+def _step(model, batch, checkpoints: str):
+    model.zero_grad(set_to_none=True)
+    loss = stream_backward(
+        model,
+        batch.input_ids,
+        objective=batch.objective(),
+        attention_mask=batch.attention_mask,
+        chunk_size=7,
+        logits_chunk_size=9,
+        checkpoints=checkpoints,
+    )
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss, grads
+
+
+def _assert_same_as_gpu(model, batch):
+    ref_loss, ref_grads = _step(model, batch, "gpu")
+    assert ref_grads, "no gradients"
+    for placement in PLACEMENTS:
+        loss, grads = _step(model, batch, placement)
+        assert torch.equal(loss, ref_loss), f"{placement}: loss {loss.item()!r} != {ref_loss.item()!r}"
+        assert grads.keys() == ref_grads.keys(), placement
+        for name, ref in ref_grads.items():
+            diff = (grads[name] - ref).abs().max().item()
+            assert diff <= 1e-12 * max(ref.abs().max().item(), 1.0), f"{placement}: {name} differs by {diff:.3g}"
+
+
+@pytest.mark.parametrize(
+    "objective", ["sft", pytest.param("grpo", marks=pytest.mark.slow), pytest.param("dpo", marks=pytest.mark.slow)]
+)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_placement_gives_gpu_gradients(family, objective):
+    """fp64, 5 layers, chunks that do not divide T: every placement equals gpu's loss and gradients."""
+    model = _deep_model(family)
+    batch = make_batch(objective, batch_size=2, seq_len=30, vocab_size=model.config.vocab_size, prompt_len=8)
+    _assert_same_as_gpu(model, batch)
+
+
+@pytest.mark.parametrize("family", ["tiny/qwen3", "tiny/gemma3"])
+def test_every_placement_gives_gpu_gradients_with_lora(family):
+    """LoRA (frozen base, adapters trained, frozen embedding: layer 0 needs no input gradient)."""
+    model = _deep_model(family, lora=True)
+    batch = make_batch("sft", batch_size=2, seq_len=30, vocab_size=model.config.vocab_size)
+    _assert_same_as_gpu(model, batch)
+
+
+class _Recording(CheckpointStore):
+    """A store that logs every put/get/release and the inputs it holds on the device."""
+
+    instances: list[_Recording] = []
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.log: list[tuple[str, int, int]] = []
+        _Recording.instances.append(self)
+
+    def put(self, index, layer_input):
+        super().put(index, layer_input)
+        self.log.append(("put", index, self.device_inputs))
+
+    def get(self, index, device):
+        out = super().get(index, device)
+        self.log.append(("get", index, self.device_inputs))
+        return out
+
+    def release(self, index):
+        super().release(index)
+        self.log.append(("release", index, self.device_inputs))
+
+
+def _recorded_step(monkeypatch, checkpoints: str) -> _Recording:
+    _Recording.instances = []
+    monkeypatch.setattr(stream_module, "CheckpointStore", _Recording)
+    model = _deep_model("tiny/qwen3")
+    batch = make_batch("sft", batch_size=1, seq_len=20, vocab_size=model.config.vocab_size)
+    _step(model, batch, checkpoints)
+    (store,) = _Recording.instances
+    return store
+
+
+def test_cpu_placement_holds_at_most_two_inputs_on_the_device(monkeypatch):
+    """cpu: every input goes to the host during the pass, none stays on the device; the backward
+    holds the current layer's input and the next one's prefetch, and frees each after its layer."""
+    store = _recorded_step(monkeypatch, "cpu")
+    assert [e for e in store.log if e[0] == "put"] == [("put", i, 0) for i in range(NUM_LAYERS)]
+    loop = [e for e in store.log if e[0] != "put"]
+    expected = []
+    for index in reversed(range(NUM_LAYERS)):
+        expected += [("get", index, 2 if index > 0 else 1), ("release", index, 1 if index > 0 else 0)]
+    assert loop == expected
+    assert store.max_device_inputs == 2
+    d = 64 * 8  # hidden 64 in fp64, per position
+    assert store.transfer_bytes == 2 * NUM_LAYERS * 20 * d  # each input out and back once
+    assert store.max_host_bytes == NUM_LAYERS * 20 * d and store.host_bytes == 0
+
+
+def test_recompute_keeps_every_kth_input_and_rebuilds_a_segment_at_its_start(monkeypatch):
+    """recompute:2 on 5 layers keeps X_0, X_2, X_4; layer 3's get rebuilds X_3 from X_2; nothing
+    goes to the host."""
+    store = _recorded_step(monkeypatch, "recompute:2")
+    assert [e[2] for e in store.log if e[0] == "put"] == [1, 1, 2, 2, 3]
+    assert store.max_device_inputs == 3  # X_4 released before layer 3's get: X_0, X_2 and X_3
+    assert store.transfer_bytes == 0 and store.max_host_bytes == 0
+
+
+def test_cpu_recompute_holds_a_segment_and_one_prefetch(monkeypatch):
+    """cpu+recompute:3 on 5 layers: the host holds X_0 and X_3; the device at most a segment (3)."""
+    store = _recorded_step(monkeypatch, "cpu+recompute:3")
+    assert store.max_device_inputs == 3
+    assert store.device_inputs == 0
+
+
+@pytest.mark.parametrize(
+    ("text", "placement"),
+    [
+        ("gpu", Placement()),
+        ("cpu", Placement(offload=True)),
+        ("recompute:4", Placement(recompute_every=4)),
+        ("cpu+recompute:2", Placement(offload=True, recompute_every=2)),
+        ("recompute:3+cpu", Placement(offload=True, recompute_every=3)),
+    ],
+)
+def test_placement_names_parse_and_round_trip(text, placement):
+    """The names the CLI and rows use parse to a Placement and back (canonical order cpu first)."""
+    assert Placement.parse(text) == placement
+    assert Placement.parse(placement.name) == placement
+
+
+@pytest.mark.parametrize("text", ["host", "recompute", "recompute:0", "recompute:x", "cpu+cpu", "gpu+cpu"])
+def test_a_bad_placement_is_refused(text):
+    """A name outside gpu / cpu / recompute:K / cpu+recompute:K raises, naming the choices."""
+    with pytest.raises(ValueError, match="recompute:K"):
+        Placement.parse(text)
+
+
+def test_observed_stores_report_what_a_step_held_and_moved():
+    """observe_stores hands out each step's store: its counters are what a row records."""
+    from sbpbench.core.placement import observe_stores
+
+    model = _deep_model("tiny/llama")
+    batch = make_batch("sft", batch_size=1, seq_len=20, vocab_size=model.config.vocab_size)
+    with observe_stores() as stores:
+        _step(model, batch, "cpu+recompute:2")
+    (store,) = stores
+    kept = 3  # X_0, X_2, X_4 of 5 layers
+    assert store.max_host_bytes == kept * 20 * 64 * 8 and store.transfer_bytes == 2 * store.max_host_bytes
+    assert store.host_bytes == 0 and store.device_inputs == 0  # all released (closed) after the step
