@@ -16,8 +16,19 @@ from .errors import user_errors
 from .options import point_command, run_fields_but
 
 GIB = 2**30
+# the planner chooses method settings for streambp itself; nothing is measured (no threads)
 PLAN_FIELDS = run_fields_but(
-    "method", "chunk_size", "checkpoints", "device", "warmup", "repeats", "memory_limit", "timeout_s"
+    "method",
+    "chunk_size",
+    "checkpoints",
+    "device",
+    "warmup",
+    "repeats",
+    "memory_limit",
+    "timeout_s",
+    "threads",
+    "mlp_tile_size",
+    "offload_checkpoints",
 )
 
 

@@ -43,7 +43,7 @@ METHODS: dict[str, Method] = {
     "ckpt": Method(ckpt, (), "the same with HF gradient checkpointing of every decoder layer"),
     "streambp": Method(
         streambp,
-        ("chunk_size", "logits_chunk_size", "fp32_grad_accumulation"),
+        ("chunk_size", "logits_chunk_size", "fp32_grad_accumulation", "checkpoints"),
         "exact StreamBP (sbpbench.core)",
         ATTENTION_NAME,
     ),
