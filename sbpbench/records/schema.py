@@ -140,6 +140,16 @@ COLUMNS: tuple[str, ...] = tuple(f.name for f in fields(ResultRow))
 # and a row with one of them empty is skipped when read (a torn or hand-damaged line).
 REQUIRED_COLUMNS: tuple[str, ...] = ("schema_version", "status", "model", "method")
 
+# The method settings (methods/settings.py): empty in a row whose method does not read them (schema 4).
+METHOD_SETTING_COLUMNS = (
+    "chunk_size",
+    "logits_chunk_size",
+    "fp32_grad_accumulation",
+    "mlp_tile_size",
+    "offload_checkpoints",
+    "checkpoints",
+)
+
 # The settings that define a point: same key, same measurement (a rerun replaces it).
 KEY_COLUMNS: tuple[str, ...] = (
     "kind",
@@ -157,12 +167,7 @@ KEY_COLUMNS: tuple[str, ...] = (
     "dtype",
     "device_name",
     "protocol",
-    "chunk_size",
-    "logits_chunk_size",
-    "fp32_grad_accumulation",
-    "mlp_tile_size",
-    "offload_checkpoints",
-    "checkpoints",
+    *METHOD_SETTING_COLUMNS,
     "attn_implementation",
     "memory_limit_bytes",
     "seed",
@@ -197,16 +202,7 @@ UPGRADES: dict[str, dict[str, str]] = {
     "1": {"objective": "sft", "step": "bp", "lora_rank": "0", "kind": "point", "source": "measured"},
     "2": {"kind": "point", "source": "measured"},
 }
-# Schema 4: the settings a method does not read are empty. Methods of the older schemas that read
-# none of them (every method before version 4 but streambp).
-METHOD_SETTING_COLUMNS = (
-    "chunk_size",
-    "logits_chunk_size",
-    "fp32_grad_accumulation",
-    "mlp_tile_size",
-    "offload_checkpoints",
-    "checkpoints",
-)
+# Methods of the older schemas that read none of them (every method before version 4 but streambp).
 SETTINGLESS_BEFORE_4 = ("bp", "ckpt")
 
 
