@@ -129,9 +129,9 @@ def _dominated(candidate: Candidate, tried: list[PlanOutcome]) -> bool:
             continue
         done = outcome.candidate
         host_short = outcome.row.error.startswith("host")
-        if host_short and done.placement.offload and candidate.placement.offload:
-            if candidate.placement.recompute_every <= done.placement.recompute_every:
-                return True
+        offloads = done.placement.offload and candidate.placement.offload
+        if host_short and offloads and candidate.placement.recompute_every <= done.placement.recompute_every:
+            return True
         if not host_short and done.placement == candidate.placement and candidate.chunk_size >= done.chunk_size:
             return True
     return False
