@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -123,9 +125,10 @@ def test_bad_specs_say_what_is_allowed(values, message):
 
 
 INTERRUPTED_PARENT = """
-import sys
+import signal
 from sbpbench.config import RunSpec
 from sbpbench.runner import run_isolated
+signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C raises, even if started with SIGINT ignored
 spec = RunSpec(model="tiny/qwen3", method="streambp", seq_len=2048, repeats=1000, warmup=0,
                settings=__import__("sbpbench.methods", fromlist=["MethodSettings"]).MethodSettings(chunk_size=1))
 print("started", flush=True)
@@ -134,8 +137,9 @@ run_isolated(spec)
 
 
 def _workers(parent: int | None = None) -> set[int]:
-    """pids of the live (not zombie) point workers on the machine; with parent, only its children."""
-    out = subprocess.run(["ps", "-eo", "pid,ppid,stat,args"], capture_output=True, text=True, check=True).stdout
+    """pids of the live (not zombie) point workers on the machine; with parent, only its children
+    (-ww: whole command lines, which ps otherwise cuts to the terminal width)."""
+    out = subprocess.run(["ps", "-ww", "-eo", "pid,ppid,stat,args"], capture_output=True, text=True, check=True).stdout
     pids = set()
     for line in out.splitlines()[1:]:
         pid, ppid, stat, args = line.split(None, 3)
@@ -153,13 +157,21 @@ def _workers(parent: int | None = None) -> set[int]:
 def test_ctrl_c_in_the_parent_kills_the_worker():
     """SIGINT to the process running a point: it exits and its worker process is gone with it."""
     parent = subprocess.Popen([sys.executable, "-c", INTERRUPTED_PARENT], stdout=subprocess.PIPE, text=True)
-    assert parent.stdout.readline().strip() == "started"
-    deadline = time.monotonic() + 60
-    # only this parent's worker is watched: other test runs on the same machine start workers too
-    while not (mine := _workers(parent.pid)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert mine, "the worker never started"
-    parent.send_signal(signal.SIGINT)
-    parent.wait(timeout=60)
-    time.sleep(0.5)
-    assert not (mine & _workers())
+    mine: set[int] = set()
+    try:
+        assert parent.stdout.readline().strip() == "started"
+        deadline = time.monotonic() + 60
+        # only this parent's worker is watched: other test runs on the same machine start workers too
+        while not (mine := _workers(parent.pid)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert mine, "the worker never started"
+        parent.send_signal(signal.SIGINT)
+        parent.wait(timeout=60)
+        time.sleep(0.5)
+        assert not (mine & _workers())
+    finally:  # a failed run leaves neither process behind (the worker leads its own process group)
+        parent.kill()
+        parent.wait()
+        for pid in mine & _workers():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
