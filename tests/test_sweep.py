@@ -89,6 +89,27 @@ def test_errored_points_are_retried_and_duplicates_run_once(tmp_path):
     assert [job.done for job in jobs] == [True, False]
 
 
+def test_a_search_stopped_at_its_ceiling_runs_again_under_a_higher_one(tmp_path):
+    """A max-T answer "at least the ceiling" is done only for that ceiling: raising the ceiling in the
+    file re-plans it (its probes are cached), while an answer bracketed by an OOM stays done."""
+    search = '[[points]]\nkind = "maxlen"\nmethod = ["bp", "streambp"]\nseq_len = 64\nseq_len_ceiling = {}\n'
+    out, env, calls = tmp_path / "exp.csv", capture_environment("cpu"), []
+    low = _experiment(tmp_path, search.format(256))
+
+    def measure(spec, env):  # bp runs out of memory from 200 tokens, streambp never
+        return _fake(calls, oom_from=200 if spec.method == "bp" else 10**9)(spec, env)
+
+    run_sweep(plan(low.points, out, device_name=env.device_name), out, measure=measure, env=env)
+    answers = {r["method"]: r for r in read_rows(out) if r["kind"] == "maxlen"}
+    assert answers["bp"]["oom_seq_len"] and not answers["streambp"]["oom_seq_len"]  # streambp: no OOM by 256
+    assert all(job.done for job in plan(low.points, out, device_name=env.device_name))
+    high = _experiment(tmp_path, search.format(1024))
+    assert [job.done for job in plan(high.points, out, device_name=env.device_name)] == [True, False]
+    calls.clear()
+    run_sweep(plan(high.points, out, device_name=env.device_name), out, measure=measure, env=env)
+    assert calls == [("streambp", 512, 1), ("streambp", 1024, 1)]  # 64..256 came from the cache
+
+
 def test_a_bad_experiment_file_is_one_line_and_exit_2(tmp_path):
     """`sbp sweep` on a bad experiment file: exit 2, a one-line message naming file, table and key, no CSV."""
     path = tmp_path / "bad.toml"

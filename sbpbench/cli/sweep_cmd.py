@@ -20,7 +20,7 @@ from .errors import user_errors
 from .options import point_command
 from .progress import Progress
 from .run_cmd import point_line, warn_if_busy
-from .tables import maxlen_table, print_table
+from .tables import maxlen_table, print_table, seq_bound
 
 
 @point_command(
@@ -89,7 +89,7 @@ def sweep(
 
 def _outcome(row: ResultRow) -> str:
     if row.kind == "maxlen":
-        return f"{row.status}, max T {row.max_seq_len}" + ("" if row.oom_seq_len else " (ceiling)")
+        return f"max T {seq_bound(row)}" if row.status == "ok" else row.status + (f": {row.error}" if row.error else "")
     return point_line(row).split(": ", 1)[1]
 
 

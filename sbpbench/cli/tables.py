@@ -183,6 +183,9 @@ def estimate_table(rows: list[ResultRow], gpu_memory_bytes: int) -> Table:
 
 
 def seq_bound(row: ResultRow) -> str:
+    """A search's answer in words: its status where it has no length (unsupported, error)."""
+    if row.status != "ok" or (row.max_seq_len is None and row.oom_seq_len is None):
+        return row.status
     if row.max_seq_len is None:
         return f"< {row.oom_seq_len:,}"
     return f"{row.max_seq_len:,}" if row.oom_seq_len is not None else f">= {row.max_seq_len:,} (ceiling)"

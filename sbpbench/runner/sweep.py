@@ -54,18 +54,30 @@ def _oom_group(key: tuple[str, ...]) -> tuple[str, ...]:
 
 def plan(points, out, *, device_name: str, resume: bool = True) -> list[Job]:
     """The sweep's jobs in file order, duplicates (same key) dropped, those in the CSV marked done."""
-    done = {row_key(r) for r in read_rows(out) if r.get("status") in DONE_STATUSES} if resume and out else set()
+    rows = [r for r in read_rows(out) if r.get("status") in DONE_STATUSES] if resume and out else []
+    done = {row_key(r): r for r in rows}
     jobs, seen = [], set()
     for point in points:
         if isinstance(point, MaxlenSpec):
             key = spec_key(point.base, device_name=device_name, kind="maxlen")
+            finished = key in done and not _below_new_ceiling(done[key], point.seq_len_ceiling)
         else:
             key = spec_key(point, device_name=device_name)
+            finished = key in done
         if key in seen:
             continue
         seen.add(key)
-        jobs.append(Job(point, key, done=key in done))
+        jobs.append(Job(point, key, done=finished))
     return jobs
+
+
+def _below_new_ceiling(answer: dict, ceiling: int) -> bool:
+    """A search that stopped at its ceiling without an OOM answered "at least max T": with a higher
+    ceiling now, it is not done (its probes are cached, so only the longer ones run)."""
+    if answer.get("status") != "ok" or answer.get("oom_seq_len") not in (None, ""):
+        return False
+    reached = answer.get("max_seq_len")
+    return reached not in (None, "") and int(reached) < ceiling
 
 
 class _OomMemory:
