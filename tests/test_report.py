@@ -170,3 +170,61 @@ def test_bad_input_is_a_one_line_error(tmp_path):
         assert result.exit_code == 2, (args, result.output)
         assert len(result.output.strip().splitlines()) == 1 and result.output.startswith("error:"), result.output
     assert "sbp run" in runner.invoke(app, ["report", str(empty)]).output
+
+
+def test_peers_verdict_judges_the_issue_16_target_from_the_rows():
+    """StreamBP's max T over the best other method's, and its step time at the longest common T."""
+    import pandas as pd
+
+    from sbpbench.report.markdown import _verdict
+
+    def row(method, kind, seq, status="ok", time=None, max_t=None, oom=None):
+        return {"method": method, "kind": kind, "seq_len": seq, "status": status, "time_median_s": time,
+                "max_seq_len": max_t, "oom_seq_len": oom}  # fmt: skip
+
+    rows = pd.DataFrame(
+        [
+            row("ckpt", "point", 1024, time=2.0),
+            row("streambp", "point", 1024, time=3.0),
+            row("ckpt-chunked-ce", "point", 1024, time=1.0),
+            row("ckpt", "maxlen", 1024, max_t=2000, oom=2100),
+            row("ckpt-chunked-ce", "maxlen", 1024, max_t=3000, oom=3100),
+            row("streambp", "maxlen", 1024, max_t=4096),  # no OOM up to the ceiling
+        ]
+    )
+    text = " ".join(_verdict(rows))
+    assert "≥1.37x the best other method's (ckpt-chunked-ce: 3000)" in text
+    assert "3.00x ckpt-chunked-ce's at T=1024" in text and "not met" in text
+    rows.loc[rows["method"] == "streambp", "time_median_s"] = 0.9
+    assert "): met." in " ".join(_verdict(rows))
+    assert _verdict(rows[rows["method"] != "streambp"]) == []
+
+
+def test_placements_section_compares_streambp_placements(tmp_path):
+    """Issue 15: one table per setting with several placements: device / host peaks, copies, TFLOP/s, max T."""
+    from sbpbench.records import ResultRow
+    from sbpbench.report.markdown import _markdown_table
+    from sbpbench.report.placements import placements_section
+
+    common = {"model": "Qwen/Qwen3-8B", "num_layers": 36, "method": "streambp", "objective": "sft", "step": "bp",
+              "lora_rank": 0, "dtype": "bf16", "protocol": "steady", "batch_size": 1, "device": "cuda:0",
+              "device_name": "NVIDIA H100", "chunk_size": 2000, "logits_chunk_size": 500, "git_commit": "x", "status": "ok",
+              "source": "measured"}  # fmt: skip
+    gib = 2**30
+    rows = [
+        ResultRow(timestamp_utc="2026-01-01T00:00:01+00:00", kind="point", seq_len=65536, checkpoints="gpu",
+                  peak_allocated_bytes=60 * gib, host_pinned_peak_bytes=0, tflops_per_s=400.0, **common),
+        ResultRow(timestamp_utc="2026-01-01T00:00:02+00:00", kind="point", seq_len=65536, checkpoints="cpu",
+                  peak_allocated_bytes=40 * gib, host_pinned_peak_bytes=19 * gib, transfer_bytes=38 * gib,
+                  tflops_per_s=380.0, **common),
+        ResultRow(timestamp_utc="2026-01-01T00:00:03+00:00", kind="maxlen", seq_len=32768, checkpoints="cpu",
+                  max_seq_len=262144, **common),
+    ]  # fmt: skip
+    upsert_rows(tmp_path / "r.csv", rows)
+    text = "\n".join(placements_section(load_results(tmp_path / "r.csv"), _markdown_table))
+    assert "## Checkpoint placements (issue 15)" in text
+    assert "| gpu | 60.0 / 0.0, 400 TFLOP/s |  |" in text
+    assert "| cpu | 40.0 / 19.0, moved 38.0, 380 TFLOP/s | ≥262144 |" in text
+    one_placement = [r for r in rows if r.checkpoints == "gpu"]
+    upsert_rows(tmp_path / "one.csv", one_placement)
+    assert placements_section(load_results(tmp_path / "one.csv"), _markdown_table) == []

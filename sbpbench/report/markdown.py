@@ -14,6 +14,7 @@ from ..records.reference import PAPER_DEVICE
 from ..records.select import complete_columns, natural_key, no_reference, number, present, with_full_depth
 from ..records.select import is_truncated as truncated
 from .compare import Comparison, estimate_comparisons, estimates_vs_paper, paper_comparisons, run, setting
+from .placements import placements_section
 
 METRIC_TITLES = {
     "max_seq_len": "max T (tokens)",
@@ -25,6 +26,7 @@ METRIC_TITLES = {
 COMPARE_HEADERS = ("model", "method", "setting", "ours ran on", "paper", "ours", "ours/paper")
 METHOD_ORDER = {"bp": 0, "ckpt": 1, "mst": 2, "streambp": 3}
 PAPER_METHODS = ("bp", "ckpt", "mst", "streambp")
+TARGET_RATIO = 1.3  # issue 16: StreamBP's max T over the best peer's, at equal or lower step time
 PEERS_GROUP = ("model", "num_layers", "device_name", "memory_limit_bytes", "protocol", "dtype", "objective", "lora_rank", "step", "batch_size")  # fmt: skip
 
 
@@ -66,7 +68,38 @@ def peers_section(table, exactness: list[dict]) -> list[str]:
             cells.append(row_cells)
         lines += ["", f"### {like['model']}: {setting(like, seq_len=False)}, {run(like)}", ""]
         lines += _markdown_table(tuple(headers), cells)
+        lines += _verdict(rows)
     return lines
+
+
+def _verdict(rows) -> list[str]:
+    """Issue 16's target, judged from the rows: StreamBP's max T at least TARGET_RATIO x the best
+    other method's, at equal or lower time per token (compared at the longest T both ran). Says
+    which method wins where it is not met; nothing when a side lacks an answer."""
+    answers = {}
+    for method in rows["method"].unique():
+        found = rows[(rows["method"] == method) & (rows["kind"] == "maxlen") & (rows["status"] == "ok")]
+        if len(found):
+            last = found.iloc[-1]
+            answers[method] = (int(number(last["max_seq_len"])), not present(last["oom_seq_len"]))
+    if "streambp" not in answers or len(answers) < 2:
+        return []
+    rival = max((m for m in answers if m != "streambp"), key=lambda m: answers[m][0])
+    (ours, ours_capped), (theirs, _) = answers["streambp"], answers[rival]
+    ratio = f"{'≥' if ours_capped else ''}{ours / theirs:.2f}x"
+    text = f"StreamBP's max T is {ratio} the best other method's ({rival}: {theirs})"
+    points = rows[(rows["kind"] == "point") & (rows["status"] == "ok") & rows["time_median_s"].map(present)]
+    both = points[points["method"].isin(["streambp", rival])]
+    common = [t for t, g in both.groupby(both["seq_len"].map(number)) if set(g["method"]) == {"streambp", rival}]
+    if common:
+        t = max(common)
+        times = {m: number(both[(both["method"] == m) & (both["seq_len"].map(number) == t)].iloc[-1]["time_median_s"]) for m in ("streambp", rival)}  # fmt: skip
+        text += f"; its step takes {times['streambp'] / times[rival]:.2f}x {rival}'s at T={t:.0f}"
+        met = ours >= TARGET_RATIO * theirs and times["streambp"] <= times[rival]
+        text += f". Target ({TARGET_RATIO}x at equal or lower step time): {'met' if met else 'not met'}."
+    else:
+        text += f"; no T where both were timed, so the step-time half of the target ({TARGET_RATIO}x) is not judged."
+    return ["", text]
 
 
 def _peer_cell(row) -> str:
@@ -165,6 +198,7 @@ def markdown_report(
     lines += _unmatched_section(table[(table["source"] == "measured") & ~table.index.isin(matched)])
     lines += _estimates_section(table, paper)
     lines += peers_section(table, exactness or [])
+    lines += placements_section(table, _markdown_table)
     if exactness:
         lines += exactness_section(exactness)
     return "\n".join(lines) + "\n"
