@@ -12,16 +12,16 @@ from sbpbench.simulate import estimate_point
 from sbpbench.simulate.depth import estimate_point_by_depth, uniform_layers
 
 CASES = [
-    ("tiny/qwen3", 1024, 8, "bp", None),
-    ("tiny/qwen3", 1024, 8, "ckpt", None),
-    ("tiny/qwen3", 1024, 8, "streambp", None),  # peak in the top layer's backward
+    ("tiny/qwen3", 512, 8, "bp", None),
+    ("tiny/qwen3", 512, 8, "ckpt", None),
+    ("tiny/qwen3", 512, 8, "streambp", None),  # peak in the top layer's backward
     ("tiny/llama", 512, 7, "streambp", None),
     ("tiny/llama", 512, 7, "ckpt", None),
-    ("Qwen/Qwen3-0.6B", 2048, None, "bp", None),  # the real shape, full depth 28, peak in the head
-    ("Qwen/Qwen3-0.6B", 2048, None, "ckpt", None),
-    ("tiny/qwen3", 1024, 8, "streambp", "cpu"),  # checkpoints on the host: the device holds two
-    ("tiny/qwen3", 1024, 11, "streambp", "recompute:3"),  # from 5 and 8 layers; a partial top segment
-    ("tiny/llama", 512, 12, "streambp", "cpu+recompute:2"),  # from 4 and 6 layers
+    ("Qwen/Qwen3-0.6B", 1024, None, "bp", None),  # the real shape, full depth 28, peak in the head
+    ("Qwen/Qwen3-0.6B", 1024, None, "ckpt", None),
+    ("tiny/qwen3", 512, 8, "streambp", "cpu"),  # checkpoints on the host: the device holds two
+    ("tiny/qwen3", 512, 11, "streambp", "recompute:3"),  # from 5 and 8 layers; a partial top segment
+    ("tiny/llama", 384, 12, "streambp", "cpu+recompute:2"),  # from 4 and 6 layers
 ]
 
 

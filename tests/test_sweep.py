@@ -120,9 +120,18 @@ def test_a_bad_experiment_file_is_one_line_and_exit_2(tmp_path):
     assert not (tmp_path / "x.csv").exists()
 
 
-def _sweep(out: Path) -> subprocess.Popen:
+# experiments/smoke_cpu.toml in miniature (same model, methods and kinds of point; T and the cap
+# scaled down 4x so the slow tier stays within CI's budget): under 300 MiB of tracked tensors bp
+# fits at T=256 only, ckpt to 512, streambp to the 1024 ceiling.
+MINI_SMOKE = SMOKE.read_text().replace('name = "smoke_cpu"', 'name = "mini_smoke"')
+MINI_SMOKE = MINI_SMOKE.replace('memory_limit = "1GiB"', 'memory_limit = "300MiB"').replace("chunk_size = 500", "chunk_size = 128")
+MINI_SMOKE = MINI_SMOKE.replace("[1024, 2048, 4096]", "[256, 512, 1024]").replace("seq_len = [1024]", "seq_len = [256]")
+MINI_SMOKE = MINI_SMOKE.replace("seq_len = 1024\nseq_len_ceiling = 4096", "seq_len = 256\nseq_len_ceiling = 1024")
+
+
+def _sweep(experiment: Path, out: Path) -> subprocess.Popen:
     return subprocess.Popen(
-        [_sbp(), "sweep", str(SMOKE), "--out", str(out)],
+        [_sbp(), "sweep", str(experiment), "--out", str(out)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -135,9 +144,11 @@ def _sweep(out: Path) -> subprocess.Popen:
 def test_smoke_sweep_killed_mid_way_then_resumed_has_every_point_once(tmp_path):
     """The acceptance run: SIGKILL the sweep (its whole process group) once three rows are in,
     check the CSV is whole, resume, and find every point of the experiment exactly once."""
-    out = tmp_path / "smoke.csv"
+    experiment, out = tmp_path / "mini_smoke.toml", tmp_path / "smoke.csv"
+    experiment.write_text(MINI_SMOKE)
+    assert "1024, 2048" not in MINI_SMOKE and "300MiB" in MINI_SMOKE and "seq_len_ceiling = 1024" in MINI_SMOKE
     started = time.monotonic()
-    first = _sweep(out)
+    first = _sweep(experiment, out)
     while len(read_rows(out)) < 3:
         assert first.poll() is None, first.communicate()
         time.sleep(0.2)
@@ -147,7 +158,7 @@ def test_smoke_sweep_killed_mid_way_then_resumed_has_every_point_once(tmp_path):
     assert len(killed) >= 3 and all(set(row) == set(COLUMNS) for row in killed)
     assert all(row["status"] for row in killed)
 
-    second = _sweep(out)
+    second = _sweep(experiment, out)
     stdout, stderr = second.communicate(timeout=900)
     assert second.returncode == 0, stderr
     print(f"smoke sweep, killed and resumed: {time.monotonic() - started:.0f} s")
@@ -158,11 +169,11 @@ def test_smoke_sweep_killed_mid_way_then_resumed_has_every_point_once(tmp_path):
     points = [r for r in rows if r["kind"] == "point"]
     grid = {(r["method"], r["seq_len"], r["batch_size"]) for r in points}
     for method in ("bp", "ckpt", "streambp"):
-        assert {(method, t, "1") for t in ("1024", "2048", "4096")} <= grid
-    assert {("ckpt", "1024", "2"), ("streambp", "1024", "2")} <= grid
+        assert {(method, t, "1") for t in ("256", "512", "1024")} <= grid
+    assert {("ckpt", "256", "2"), ("streambp", "256", "2")} <= grid
     status = {(r["method"], r["seq_len"], r["batch_size"]): r["status"] for r in points}
-    assert status[("bp", "2048", "1")] == "oom" and status[("bp", "4096", "1")] == "skipped"
-    assert status[("streambp", "4096", "1")] == "ok"
+    assert status[("bp", "512", "1")] == "oom" and status[("bp", "1024", "1")] == "skipped"
+    assert status[("streambp", "1024", "1")] == "ok"
     answers = {r["method"]: r for r in rows if r["kind"] == "maxlen"}
     assert set(answers) == {"bp", "ckpt", "streambp"}
     best = {m: int(r["max_seq_len"]) for m, r in answers.items()}
