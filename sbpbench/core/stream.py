@@ -24,7 +24,7 @@ from .attention import ATTENTION_NAME
 from .checkpoints import Checkpoints, chunked_layer_forward, forward_checkpoints
 from .grad_accum import ChunkGradAccumulator
 from .grad_sync import for_model as grad_sync_for
-from .grad_sync import refuse_deepspeed
+from .grad_sync import unwrap
 from .head import head_backward
 from .labels import IGNORE_INDEX
 from .layer_backward import layer_backward
@@ -76,14 +76,15 @@ def stream_backward(
         raise ValueError("give either labels (the SFT objective) or objective=..., not both or neither")
     objective = objective if objective is not None else SFT(labels)
     _check_batch(input_ids, objective.labels, attention_mask)
-    refuse_deepspeed(model)
-    parts = resolve_parts(model)
+    parts = resolve_parts(unwrap(model))  # a DeepSpeedEngine: its module
     check_no_attention_dropout(parts)
-    sync = grad_sync_for(model, parts)  # FSDP2 or one process; refuses sequence parallelism
+    sync = grad_sync_for(model, parts)  # FSDP2, DeepSpeed or one process; refuses sequence parallelism
+    objective = sync.objective(objective)  # DeepSpeed: each chunk's gradient / accumulation steps
 
     store = CheckpointStore(placement, len(parts.layers))
     with _streaming_mode(parts), sync.step(), closing(store):  # close: frees (and unpins) what an error left
-        saved = forward_checkpoints(parts, input_ids, chunk_size, store)
+        with sync.forward_pass():
+            saved = forward_checkpoints(parts, input_ids, chunk_size, store)
         store.rebuild = lambda index, x: _rebuild(parts, saved, index, x, chunk_size)
         head_grads = ChunkGradAccumulator(trainable(parts.norm) + trainable(parts.lm_head), fp32_grad_accumulation)
         loss, grad = head_backward(
