@@ -60,11 +60,6 @@ class GradSync:
     def end_step(self) -> None:
         pass
 
-    @contextmanager
-    def forward_pass(self):
-        """Around the checkpoint pass (DeepSpeed ZeRO-3: gather each layer once for all its chunks)."""
-        yield
-
     def objective(self, objective):
         """The objective as the engine's backward would see it (DeepSpeed: gradient / accumulation steps)."""
         return objective

@@ -23,7 +23,7 @@ gradient, no collective and no extra memory (the zero is an expanded scalar).
 
 from __future__ import annotations
 
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 
 import torch
 from torch import nn
@@ -100,8 +100,15 @@ class DeepSpeedSync(GradSync):
             )
         self.engine = engine
         self.zero3 = engine.zero_optimization_stage() == 3
+        if self.zero3 and engine.zero_prefetch_bucket_size() > 0:
+            # Prefetching follows the module order traced from an ordinary step and all-gathers
+            # asynchronously; StreamBP's order differs, and a parameter still in flight when the
+            # sync gathers it was read unfinished (wrong gradients, varying from run to run).
+            raise ValueError(
+                "StreamBP under ZeRO-3 needs parameter prefetching off: set "
+                '"zero_optimization": {"stage3_prefetch_bucket_size": 0} in the DeepSpeed config'
+            )
         self.root = [parts.embed, parts.norm, parts.lm_head]
-        self.layers = list(parts.layers)
         self.divisor = engine.gradient_accumulation_steps()
         self._gathers: dict[int, ExitStack] = {}
 
@@ -115,34 +122,6 @@ class DeepSpeedSync(GradSync):
         engine._running_engine_backward = True  # the epilogue is ours (end_step), as in engine.backward
         engine._backward_prologue()
         self._begin_unit(self.root)
-
-    @contextmanager
-    def forward_pass(self):
-        """ZeRO-3: each layer gathered once around its call (its chunks run inside it), not per chunk by
-        the hooks of its submodules (attention and MLP projections)."""
-        if not self.zero3:
-            yield
-            return
-        gathers: dict[int, ExitStack] = {}
-
-        def gather(layer, args):
-            gathers[id(layer)] = _gather(list(layer.parameters()))
-
-        def release(layer, args, output):
-            gathers.pop(id(layer)).close()
-
-        handles = [
-            h
-            for layer in self.layers
-            for h in (layer.register_forward_pre_hook(gather), layer.register_forward_hook(release))
-        ]
-        try:
-            yield
-        finally:
-            for handle in handles:
-                handle.remove()
-            for stack in gathers.values():
-                stack.close()
 
     def call(self, layer: nn.Module):
         return layer.forward  # hook-free: ZeRO-3 would gather and release per chunk

@@ -55,6 +55,9 @@ def stream_backward(
 ) -> torch.Tensor:
     """Forward + backward of a training objective with StreamBP.
 
+    model: a causal LM, one wrapped with FSDP2, or a DeepSpeedEngine (ZeRO 0-3; then in place of
+    `engine.backward(loss)`, gradients divided by its gradient_accumulation_steps, before `engine.step()`).
+
     Returns the loss (0-dim, detached) and accumulates into every trainable parameter's .grad what
     `objective.full_loss(model(input_ids=..., attention_mask=...).logits).backward()` would, to
     rounding; for SFT that is `model(..., labels=labels).loss.backward()`.
@@ -83,8 +86,7 @@ def stream_backward(
 
     store = CheckpointStore(placement, len(parts.layers))
     with _streaming_mode(parts), sync.step(), closing(store):  # close: frees (and unpins) what an error left
-        with sync.forward_pass():
-            saved = forward_checkpoints(parts, input_ids, chunk_size, store)
+        saved = forward_checkpoints(parts, input_ids, chunk_size, store)
         store.rebuild = lambda index, x: _rebuild(parts, saved, index, x, chunk_size)
         head_grads = ChunkGradAccumulator(trainable(parts.norm) + trainable(parts.lm_head), fp32_grad_accumulation)
         loss, grad = head_backward(
