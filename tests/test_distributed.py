@@ -344,12 +344,13 @@ def test_bf16_fp32_chunk_sums_no_worse_than_fsdp2_backprop(results):
     assert errors["bf16_stream_fp32_sums"] <= 2 * errors["bf16_bp"], errors
 
 
-def test_deepspeed_zero_is_refused():
-    """A module under DeepSpeed ZeRO (parameters marked ds_id / _hp_mapping) is refused, not silently wrong."""
+def test_zero_module_without_its_engine_is_refused():
+    """A module under DeepSpeed ZeRO (parameters marked ds_id) given without its DeepSpeedEngine is
+    refused with what to pass instead, not run with no reduction at all."""
     from sbpbench.core import stream_backward
 
     model = tiny_model("tiny/qwen3", torch.float32)
     batch = make_batch("sft", batch_size=1, seq_len=8, vocab_size=model.config.vocab_size)
     next(model.parameters()).ds_id = 0  # what deepspeed.zero.Init leaves on a partitioned parameter
-    with pytest.raises(ValueError, match="DeepSpeed ZeRO"):
+    with pytest.raises(ValueError, match="pass the DeepSpeedEngine"):
         stream_backward(model, batch.input_ids, batch.labels)

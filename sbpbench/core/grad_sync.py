@@ -15,7 +15,7 @@ shortcut, register no hook and are never reduced). So a `GradSync` owns the comm
 
 `for_model` picks the implementation by inspecting the model: `NoSync` for one process (calls go
 through `__call__` as before), `FSDP2Sync` for a model wrapped with `fully_shard` or FSDP2's
-`replicate`. The communication then equals plain FSDP2 backprop's whatever the chunk count: the
+`replicate`, `DeepSpeedSync` (grad_sync_deepspeed.py) for a DeepSpeedEngine at any ZeRO stage. The communication then equals plain FSDP2 backprop's whatever the chunk count: the
 checkpoint pass gathers each layer through the model's own hooks, the backward gathers each layer
 once more unless it was kept unsharded (`reshard_after_forward=False`), and each unit is reduced
 once (reduce-scatter, all-reduce under `replicate`/HSDP). `set_requires_gradient_sync(False)` for
@@ -60,6 +60,10 @@ class GradSync:
     def end_step(self) -> None:
         pass
 
+    def objective(self, objective):
+        """The objective as the engine's backward would see it (DeepSpeed: gradient / accumulation steps)."""
+        return objective
+
     def abort(self) -> None:
         """After an exception mid-step: leave the engine ready for the next step."""
 
@@ -78,11 +82,29 @@ class GradSync:
 NoSync = GradSync
 
 
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model a DeepSpeedEngine wraps (engine.module), else `model` itself."""
+    from .grad_sync_deepspeed import is_engine
+
+    return model.module if is_engine(model) else model
+
+
 def for_model(model: nn.Module, parts: DecoderParts) -> GradSync:
-    """The adapter for `model`: FSDP2 when any module is an FSDPModule, else `NoSync`. Each decoder
-    layer must be its own FSDP unit; embedding, final norm and lm_head must belong to the root unit.
-    Sequence/context parallelism is refused (check_no_sequence_parallel)."""
+    """The adapter for `model`: `DeepSpeedSync` for a DeepSpeedEngine, FSDP2 when any module is an
+    FSDPModule, else `NoSync`. FSDP2: each decoder layer must be its own FSDP unit; embedding, final
+    norm and lm_head must belong to the root unit. A module under ZeRO given without its engine is
+    refused, and so is sequence/context parallelism (check_no_sequence_parallel)."""
+    from .grad_sync_deepspeed import DeepSpeedSync, is_engine, under_zero
+
     check_no_sequence_parallel(model, parts.config)
+    if is_engine(model):
+        return DeepSpeedSync(model, parts)
+    if under_zero(model):
+        raise ValueError(
+            "this model's parameters are managed by DeepSpeed ZeRO: pass the DeepSpeedEngine that "
+            "deepspeed.initialize returned, stream_backward(engine, ...), not engine.module, so that "
+            "StreamBP can run the engine's backward prologue and reductions (README.md, 'Several GPUs')"
+        )
     layers, head_modules = parts.layers, [parts.embed, parts.norm, parts.lm_head]
     try:
         from torch.distributed.fsdp import FSDPModule
@@ -123,21 +145,6 @@ def check_no_sequence_parallel(model: nn.Module, config) -> None:
             )
         if mesh is not None:
             break  # one DTensor parameter tells the mesh of all
-
-
-def refuse_deepspeed(model: nn.Module) -> None:
-    """DeepSpeed ZeRO is not supported yet (core/README.md, "Several processes"): a DeepSpeedEngine
-    or a module under ZeRO would otherwise reduce the first chunk only (stage 2/3 assert "already
-    been reduced") or not at all (stage 1 reduces in engine.backward, which StreamBP does not call)."""
-    engine = type(model).__name__ == "DeepSpeedEngine"
-    # ZeRO-3 partitioned parameters carry ds_id; ZeRO-1/2 link each one to its fp32 copy (_hp_mapping).
-    zero = any(hasattr(p, "ds_id") or hasattr(p, "_hp_mapping") for p in model.parameters())
-    if engine or zero:
-        raise ValueError(
-            "StreamBP does not support DeepSpeed ZeRO yet (its gradient hooks expect one backward per module); "
-            "shard the model with PyTorch FSDP2 (torch.distributed.fsdp.fully_shard) instead: README.md, "
-            "'Several GPUs (FSDP2)'"
-        )
 
 
 def _param_groups(state) -> list:

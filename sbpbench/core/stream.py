@@ -24,7 +24,7 @@ from .attention import ATTENTION_NAME
 from .checkpoints import Checkpoints, chunked_layer_forward, forward_checkpoints
 from .grad_accum import ChunkGradAccumulator
 from .grad_sync import for_model as grad_sync_for
-from .grad_sync import refuse_deepspeed
+from .grad_sync import unwrap
 from .head import head_backward
 from .labels import IGNORE_INDEX
 from .layer_backward import layer_backward
@@ -55,6 +55,9 @@ def stream_backward(
 ) -> torch.Tensor:
     """Forward + backward of a training objective with StreamBP.
 
+    model: a causal LM, one wrapped with FSDP2, or a DeepSpeedEngine (ZeRO 0-3; then in place of
+    `engine.backward(loss)`, gradients divided by its gradient_accumulation_steps, before `engine.step()`).
+
     Returns the loss (0-dim, detached) and accumulates into every trainable parameter's .grad what
     `objective.full_loss(model(input_ids=..., attention_mask=...).logits).backward()` would, to
     rounding; for SFT that is `model(..., labels=labels).loss.backward()`.
@@ -76,10 +79,10 @@ def stream_backward(
         raise ValueError("give either labels (the SFT objective) or objective=..., not both or neither")
     objective = objective if objective is not None else SFT(labels)
     _check_batch(input_ids, objective.labels, attention_mask)
-    refuse_deepspeed(model)
-    parts = resolve_parts(model)
+    parts = resolve_parts(unwrap(model))  # a DeepSpeedEngine: its module
     check_no_attention_dropout(parts)
-    sync = grad_sync_for(model, parts)  # FSDP2 or one process; refuses sequence parallelism
+    sync = grad_sync_for(model, parts)  # FSDP2, DeepSpeed or one process; refuses sequence parallelism
+    objective = sync.objective(objective)  # DeepSpeed: each chunk's gradient / accumulation steps
 
     store = CheckpointStore(placement, len(parts.layers))
     with _streaming_mode(parts), sync.step(), closing(store):  # close: frees (and unpins) what an error left
