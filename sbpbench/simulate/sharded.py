@@ -69,7 +69,7 @@ def _full_bytes(params, granularity: int) -> int:
 @dataclass(frozen=True)
 class ShardedTerms:
     baseline_bytes: int  # sharded weights + gradients + moments, plus the batch
-    weights_bytes: int  # this rank's shards
+    weights_bytes: int  # this rank's shards (unrounded, as the row's column)
     grads_bytes: int
     optimizer_state_bytes: int | None
     root_bytes: int  # the root unit's parameters, gathered (embedding, final norm, lm_head)
@@ -106,7 +106,7 @@ def sharded_terms(step, nproc: int, granularity: int = 1) -> ShardedTerms:
     largest = max(per_layer, key=lambda ps: _full_bytes(ps, granularity))
     return ShardedTerms(
         baseline_bytes=weights + grads + (moments or 0) + batch_bytes,
-        weights_bytes=weights,
+        weights_bytes=sum(shard_bytes(p, nproc) for p in params),
         grads_bytes=sum(shard_bytes(p, nproc) for p in step.trainable),
         optimizer_state_bytes=None
         if moments is None
