@@ -14,7 +14,7 @@ from sbpbench.config.experiment import POINT_KEYS
 EXPECTED_FIELDS = (
     "model", "method", "seq_len", "batch_size", "objective", "prompt_len", "lora_rank", "lora_alpha", "step",
     "dtype", "device", "num_layers", "protocol", "warmup", "repeats", "memory_limit", "seed", "timeout_s",
-    "threads", "chunk_size", "logits_chunk_size", "fp32_grad_accumulation", "mlp_tile_size", "offload_checkpoints",
+    "threads", "nproc", "chunk_size", "logits_chunk_size", "fp32_grad_accumulation", "mlp_tile_size", "offload_checkpoints",
     "checkpoints",
 )  # fmt: skip
 EXPECTED_OPTIONS = {
@@ -22,19 +22,20 @@ EXPECTED_OPTIONS = {
         "--method", "--model", "--seq", "--batch", "--objective", "--prompt-len", "--lora-rank", "--lora-alpha",
         "--step", "--dtype", "--chunk-size", "--logits-chunk-size", "--fp32-grad-accumulation", "--mlp-tile-size",
         "--offload-checkpoints", "--checkpoints", "--device", "--num-layers", "--protocol", "--warmup", "--repeats",
-        "--memory-limit", "--timeout", "--seed", "--threads", "--out",
+        "--memory-limit", "--timeout", "--seed", "--threads", "--nproc", "--out",
     },
     "maxlen": {
         "--method", "--model", "--seq", "--start", "--batch", "--objective", "--prompt-len", "--lora-rank",
         "--lora-alpha", "--step", "--dtype", "--chunk-size", "--logits-chunk-size", "--fp32-grad-accumulation",
         "--mlp-tile-size", "--offload-checkpoints", "--checkpoints", "--device", "--num-layers", "--protocol",
-        "--warmup", "--memory-limit", "--timeout", "--seed", "--threads", "--max-seq",
+        "--warmup", "--memory-limit", "--timeout", "--seed", "--threads", "--nproc", "--max-seq",
         "--resolution", "--multiple-of", "--resume", "--simulate", "--gpu-memory", "--host-memory", "--out",
     },
     "estimate": {
         "--method", "--model", "--seq", "--batch", "--objective", "--prompt-len", "--lora-rank", "--lora-alpha",
         "--step", "--dtype", "--chunk-size", "--logits-chunk-size", "--fp32-grad-accumulation", "--mlp-tile-size",
-        "--offload-checkpoints", "--checkpoints", "--num-layers", "--protocol", "--seed", "--gpu-memory", "--target",
+        "--offload-checkpoints", "--checkpoints", "--num-layers", "--protocol", "--seed", "--nproc", "--gpu-memory",
+        "--target",
         "--out",
     },
     "check": {

@@ -155,7 +155,7 @@ def test_schema_3_rows_migrate_to_keys_without_unread_settings(tmp_path):
     new = decode_row({**migrated[0], "schema_version": str(SCHEMA_VERSION), "peak_allocated_bytes": "300"})
     upsert_rows(path, [new])
     assert [(r["method"], r["peak_allocated_bytes"]) for r in read_rows(path)] == [("bp", "300"), ("streambp", "50")]
-    assert SCHEMA_VERSION == 5
+    assert SCHEMA_VERSION == 6
     assert SCHEMA_VERSION >= 4
 
 
@@ -172,3 +172,21 @@ def test_old_streambp_rows_read_back_with_gpu_checkpoints(tmp_path):
         writer.writeheader()
         writer.writerows(rows)
     assert [(r["method"], r["checkpoints"]) for r in read_rows(path)] == [("streambp", "gpu"), ("bp", "")]
+
+
+def test_rows_before_schema_6_read_back_as_one_process(tmp_path):
+    """Schema 6: a row written before --nproc existed ran in one process, so it reads back with
+    nproc 1 and keys as a new one-process row of the same point (which replaces it)."""
+    path = tmp_path / "old.csv"
+    old = {**_v3_row("bp", "", "2026-01-01T00:00:00+00:00", "9"), "schema_version": "5"}
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(old))
+        writer.writeheader()
+        writer.writerow(old)
+    (migrated,) = read_rows(path)
+    assert migrated["nproc"] == "1" and not migrated.get("rank_peak_bytes")
+    upsert_rows(path, [decode_row({**migrated, "schema_version": str(SCHEMA_VERSION), "peak_allocated_bytes": "7"})])
+    assert [(r["nproc"], r["peak_allocated_bytes"]) for r in read_rows(path)] == [("1", "7")]
+    two = decode_row({**migrated, "schema_version": str(SCHEMA_VERSION), "nproc": "2", "rank_peak_bytes": "5;6"})
+    upsert_rows(path, [two])
+    assert sorted((r["nproc"], r["rank_peak_bytes"]) for r in read_rows(path)) == [("1", ""), ("2", "5;6")]

@@ -18,7 +18,7 @@ from .options import ExactnessOutOpt, point_command, run_fields_but
 
 # bp is the reference; lora_alpha is 2 x rank (with seeded non-zero B); nothing is timed
 CHECK_FIELDS = run_fields_but(
-    "lora_alpha", "step", "protocol", "warmup", "repeats", "memory_limit", "timeout_s", "threads"
+    "lora_alpha", "step", "protocol", "warmup", "repeats", "memory_limit", "timeout_s", "threads", "nproc"
 )
 
 

@@ -103,6 +103,7 @@ RUN_FIELDS = (
     "timeout_s",
     "seed",
     "threads",
+    "nproc",
 )
 
 

@@ -27,6 +27,7 @@ PLAN_FIELDS = run_fields_but(
     "memory_limit",
     "timeout_s",
     "threads",
+    "nproc",
     "mlp_tile_size",
     "offload_checkpoints",
 )

@@ -7,24 +7,33 @@ from ..methods.step import TrainingStep
 from .run import DTYPES, RunSpec
 
 
-def build_model_and_batch(spec: RunSpec, *, lora_alpha: int | None = None, lora_init_seed: int | None = None):
-    """The model and its batch on spec.device. lora_alpha overrides spec.lora_alpha;
-    lora_init_seed gives LoRA's B matrices seeded non-zero values (gradients everywhere)."""
+def build_model_and_batch(
+    spec: RunSpec,
+    *,
+    lora_alpha: int | None = None,
+    lora_init_seed: int | None = None,
+    device: str | None = None,
+    batch_seed: int | None = None,
+):
+    """The model and its batch on spec.device (or `device`: a rank's own GPU). lora_alpha
+    overrides spec.lora_alpha; lora_init_seed gives LoRA's B matrices seeded non-zero values
+    (gradients everywhere); batch_seed overrides spec.seed for the batch only (a rank's own batch)."""
     from ..models import build_model
 
+    device = device or spec.device
     overrides = {"num_hidden_layers": spec.num_layers} if spec.num_layers else {}
-    model = build_model(spec.model, dtype=DTYPES[spec.dtype], device=spec.device, seed=spec.seed, **overrides)
+    model = build_model(spec.model, dtype=DTYPES[spec.dtype], device=device, seed=spec.seed, **overrides)
     if spec.lora_rank:
         from ..models.lora import apply_lora
 
         alpha = spec.lora_alpha if lora_alpha is None else lora_alpha
         model = apply_lora(model, rank=spec.lora_rank, alpha=alpha, init_nonzero_seed=lora_init_seed)
-    return model, make_spec_batch(spec, model.config, device=spec.device)
+    return model, make_spec_batch(spec, model.config, device=device, seed=batch_seed)
 
 
-def make_spec_batch(spec: RunSpec, config, *, device: str = "cpu"):
-    """The objective's synthetic batch for a model of this config. Real tensors: the simulated
-    step builds the same batch."""
+def make_spec_batch(spec: RunSpec, config, *, device: str = "cpu", seed: int | None = None):
+    """The objective's synthetic batch for a model of this config (seed: spec.seed unless given).
+    Real tensors: the simulated step builds the same batch."""
     from ..data import make_batch
 
     return make_batch(
@@ -33,7 +42,7 @@ def make_spec_batch(spec: RunSpec, config, *, device: str = "cpu"):
         seq_len=spec.seq_len,
         vocab_size=config.vocab_size,
         prompt_len=spec.prompt_len,
-        seed=spec.seed,
+        seed=spec.seed if seed is None else seed,
         pad_token_id=config.pad_token_id or 0,
         device=device,
     )

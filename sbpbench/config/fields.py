@@ -60,6 +60,11 @@ SETTINGS: dict[str, Setting] = {
     "threads": Setting(
         int, "CPU threads for torch's intra-op work in each point (default: the physical cores this process may use)."
     ),
+    "nproc": Setting(
+        int,
+        "Data-parallel processes for the step, the model sharded with FSDP2 (FULL_SHARD): gloo on cpu, one GPU "
+        "per rank on cuda; bp, ckpt and streambp (default: 1).",
+    ),
     "timeout_s": Setting((int, float), "Seconds per point before it is recorded as timeout (default: 3600)."),
     "chunk_size": Setting((int, str), 'StreamBP positions per layer chunk: tokens, or "T/k" for T/k (default: 500).'),
     "logits_chunk_size": Setting(int, "StreamBP, ckpt-chunked-ce, tiled: positions per logits chunk (default: 100)."),

@@ -34,6 +34,7 @@ def spec_fields(spec: RunSpec) -> dict:
         "prompt_len": prompt_length(spec.seq_len, spec.prompt_len) if spec.objective != "sft" else None,
         "seq_len": spec.seq_len,
         "batch_size": spec.batch_size,
+        "nproc": spec.nproc,
         "dtype": spec.dtype,
         "device": spec.device,
         "protocol": spec.protocol,

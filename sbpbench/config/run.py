@@ -83,6 +83,10 @@ class RunSpec:
     # of a row's key: it changes time, not memory or the work done, like the host's load; each row
     # records it (num_threads), and a rerun with another count replaces the point's row.
     threads: int | None = None
+    # data-parallel processes (ranks) the step runs on, the model sharded with FSDP2 (FULL_SHARD, one
+    # unit per decoder layer plus the root); each rank its own batch of batch_size rows. On CUDA
+    # rank r uses the device's index + r. Part of a row's key: it changes the per-GPU memory.
+    nproc: int = 1
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -91,7 +95,7 @@ class RunSpec:
             if getattr(self, name) not in choices:
                 raise ConfigError(name, f"unknown {{field}} {getattr(self, name)!r}; choose from {', '.join(choices)}")
         minimums = {"seq_len": 2, "batch_size": 1, "prompt_len": 1, "lora_rank": 0, "lora_alpha": 1}
-        minimums |= {"warmup": 0, "repeats": 0, "seed": 0}
+        minimums |= {"warmup": 0, "repeats": 0, "seed": 0, "nproc": 1}
         for name, least in minimums.items():
             value = getattr(self, name)
             if not _is_int(value):
@@ -133,6 +137,8 @@ class RunSpec:
             object.__setattr__(self, "settings", replace(self.settings, checkpoints=name))
         # one resolution, here: every later torch.cuda call gets an indexed device
         object.__setattr__(self, "device", resolve_device(self.device))
+        if self.nproc > 1:
+            check_nproc(self.nproc, self.device)
         object.__setattr__(self, "settings", self.settings.for_method(METHODS[self.method].uses))
 
     @property
@@ -157,6 +163,19 @@ class RunSpec:
 # RunSpec's fields, with MethodSettings' fields in place of `settings`.
 SPEC_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(RunSpec) if f.name != "settings")
 FIELD_NAMES: tuple[str, ...] = SPEC_FIELDS + SETTING_NAMES
+
+
+def check_nproc(nproc: int, device: str) -> None:
+    """Refuse an nproc this machine cannot run: on CUDA each rank needs a GPU of its own."""
+    if not device.startswith("cuda"):
+        return
+    first, count = int(device.split(":")[1]), torch.cuda.device_count()
+    if first + nproc > count:
+        raise ConfigError(
+            "nproc",
+            f"{nproc} needs {nproc} GPUs (one per rank, from {device}) but {count - first} are visible from "
+            f"{device}; give --nproc {max(1, count - first)} or fewer, or make more GPUs visible (CUDA_VISIBLE_DEVICES)",
+        )
 
 
 def chunk_size_for(value, seq_len: int) -> int:

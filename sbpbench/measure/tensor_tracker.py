@@ -9,16 +9,27 @@ Deterministic for a given program, which is why tests may assert ratios of it.
 
 With `limit_bytes`, an op that takes the live bytes over the limit raises TrackedOutOfMemoryError
 right after it runs: the CPU stand-in for a CUDA out-of-memory error on a smaller device.
+
+A storage resized in place (`untyped_storage().resize_()`, which FSDP2 uses to free and re-allocate
+an unsharded parameter between uses) bypasses the dispatcher; `resized(storage)` counts its new size,
+and `counting_fsdp_resizes(tracker)` reports FSDP2's resizes to the tracker while it is active.
 """
 
 from __future__ import annotations
 
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage holds the bytes: a DTensor's (FSDP2's sharded parameters and
+    gradients) local shard; any other tensor itself."""
+    return getattr(t, "_local_tensor", t)
 
 
 class TrackedOutOfMemoryError(RuntimeError):
@@ -45,6 +56,7 @@ class LiveTensorTracker(TorchDispatchMode):
         self.peak_bytes = 0
         self.largest = Allocation(0, 0, "")
         self._refs: dict[int, weakref.ref] = {}
+        self._counted: dict[int, int] = {}  # storage id -> bytes counted for it now
 
     def reset_peak(self) -> None:
         """Start a new peak from the bytes live now (as torch.cuda.reset_peak_memory_stats)."""
@@ -55,9 +67,18 @@ class LiveTensorTracker(TorchDispatchMode):
         g = self.granularity_bytes
         return -(-nbytes // g) * g
 
-    def _forget(self, key: int, nbytes: int, _ref=None) -> None:
+    def _forget(self, key: int, _ref=None) -> None:
         if self._refs.pop(key, None) is not None:
-            self.live_bytes -= nbytes
+            self.live_bytes -= self._counted.pop(key)
+
+    def _count(self, storage, key: int, nbytes: int) -> None:
+        rounded = self._rounded(nbytes)
+        if key not in self._refs:
+            self._refs[key] = weakref.ref(storage, lambda ref, k=key: self._forget(k, ref))
+            self._counted[key] = 0
+        self.live_bytes += rounded - self._counted[key]
+        self._counted[key] = rounded
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
 
     def _track(self, tensor: torch.Tensor, op: str) -> None:
         storage = tensor.untyped_storage()
@@ -65,13 +86,24 @@ class LiveTensorTracker(TorchDispatchMode):
         nbytes = storage.nbytes()
         if key in self._refs or nbytes == 0:
             return
-        rounded = self._rounded(nbytes)
-        self._refs[key] = weakref.ref(storage, lambda ref, k=key, n=rounded: self._forget(k, n, ref))
-        self.live_bytes += rounded
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        self._count(storage, key, nbytes)
         numel = nbytes // tensor.element_size()
         if numel > self.largest.numel:
             self.largest = Allocation(numel, nbytes, op)
+
+    def resized(self, storage) -> None:
+        """A storage changed size in place: count it at its new size (from now on, if it was not
+        counted before: a storage made before the tracker and freed in it is not subtracted)."""
+        key = id(storage)
+        if key in self._refs or storage.nbytes() > 0:
+            self._count(storage, key, storage.nbytes())
+        self._check_limit("storage resize_")
+
+    def _check_limit(self, op: str) -> None:
+        if self.limit_bytes is not None and self.live_bytes > self.limit_bytes:
+            raise TrackedOutOfMemoryError(
+                f"tracked live tensors reached {self.live_bytes:,} B, over the limit of {self.limit_bytes:,} B ({op})"
+            )
 
     def _run(self, func, args, kwargs):
         """Run one op. A subclass may run it elsewhere (the simulator runs ops on real tensors
@@ -82,15 +114,39 @@ class LiveTensorTracker(TorchDispatchMode):
         kwargs = kwargs or {}
         out = self._run(func, args, kwargs)
         inputs = {
-            id(t.untyped_storage())
+            id(_plain(t).untyped_storage())
             for t in tree_leaves((args, kwargs))
             if isinstance(t, torch.Tensor) and not t.is_meta
         }
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and not t.is_meta and id(t.untyped_storage()) not in inputs:
-                self._track(t, str(func))
-        if self.limit_bytes is not None and self.live_bytes > self.limit_bytes:
-            raise TrackedOutOfMemoryError(
-                f"tracked live tensors reached {self.live_bytes:,} B, over the limit of {self.limit_bytes:,} B ({func})"
-            )
+            if isinstance(t, torch.Tensor) and not t.is_meta and id(_plain(t).untyped_storage()) not in inputs:
+                self._track(_plain(t), str(func))
+        self._check_limit(str(func))
         return out
+
+
+@contextmanager
+def counting_fsdp_resizes(tracker: LiveTensorTracker):
+    """Report FSDP2's in-place storage resizes (its `alloc_storage` / `free_storage`, torch 2.4-2.13,
+    looked up as module globals by FSDP2's parameter and parameter-group modules) to `tracker`."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+
+    modules = [m for m in (_fsdp_param, _fsdp_param_group) if hasattr(m, "alloc_storage")]
+    saved = {
+        (m, name): getattr(m, name) for m in modules for name in ("alloc_storage", "free_storage") if hasattr(m, name)
+    }
+
+    def reporting(original):
+        def resize(tensor: torch.Tensor) -> None:
+            original(tensor)
+            tracker.resized(tensor.untyped_storage())
+
+        return resize
+
+    for (module, name), original in saved.items():
+        setattr(module, name, reporting(original))
+    try:
+        yield tracker
+    finally:
+        for (module, name), original in saved.items():
+            setattr(module, name, original)

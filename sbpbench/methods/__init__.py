@@ -3,7 +3,16 @@ forward and backward step; training.py adds the optimizer step, exactness.py com
 
 from __future__ import annotations
 
-from .registry import DEFAULT_METHODS, METHODS, Method, MethodFn, get_method, method_names, run_method
+from .registry import (
+    DEFAULT_METHODS,
+    METHODS,
+    Method,
+    MethodFn,
+    data_parallel_unsupported,
+    get_method,
+    method_names,
+    run_method,
+)
 from .settings import MethodSettings
 from .training import STEPS, make_optimizer, run_step
 from .unsupported import MethodUnsupported
@@ -16,6 +25,7 @@ __all__ = [
     "MethodFn",
     "MethodSettings",
     "MethodUnsupported",
+    "data_parallel_unsupported",
     "get_method",
     "make_optimizer",
     "method_names",

@@ -36,16 +36,18 @@ class Method(NamedTuple):
     summary: str
     attn_implementation: str = "sdpa"  # what its rows record: transformers' name for the attention it runs
     external: bool = False  # runs in an environment of its own (runner/official.py), never in this process
+    data_parallel: bool = False  # runs on several ranks with the model sharded by FSDP2 (--nproc > 1)
 
 
 METHODS: dict[str, Method] = {
-    "bp": Method(bp, (), "standard backpropagation: HF forward with full logits, no checkpointing"),
-    "ckpt": Method(ckpt, (), "the same with HF gradient checkpointing of every decoder layer"),
+    "bp": Method(bp, (), "standard backpropagation: HF forward with full logits, no checkpointing", data_parallel=True),
+    "ckpt": Method(ckpt, (), "the same with HF gradient checkpointing of every decoder layer", data_parallel=True),
     "streambp": Method(
         streambp,
         ("chunk_size", "logits_chunk_size", "fp32_grad_accumulation", "checkpoints"),
         "exact StreamBP (sbpbench.core)",
         ATTENTION_NAME,
+        data_parallel=True,
     ),
     # peers: what users reach for instead (issue 16)
     "ckpt-offload": Method(
@@ -87,6 +89,14 @@ def method_names(names) -> tuple[str, ...]:
         return DEFAULT_METHODS
     expanded = [m for name in names for m in (METHODS if name == ALL else (name,))]
     return tuple(dict.fromkeys(expanded))
+
+
+def data_parallel_unsupported(name: str, nproc: int) -> str | None:
+    """Why `name` cannot run on `nproc` ranks, or None when it can (one rank: every method)."""
+    if nproc == 1 or METHODS[name].data_parallel:
+        return None
+    runs = ", ".join(n for n, m in METHODS.items() if m.data_parallel)
+    return f"{name} does not run data-parallel under FSDP2 here (--nproc {nproc}); methods that do: {runs}"
 
 
 def get_method(name: str) -> Method:

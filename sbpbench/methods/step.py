@@ -31,8 +31,9 @@ from .training import (
 def storage_bytes(tensors, granularity_bytes: int = 1) -> int:
     """Bytes of the distinct storages behind `tensors` (None skipped), each rounded up to
     granularity_bytes. Keyed by storage identity, which also holds for fake tensors (whose
-    storages all report data_ptr 0)."""
-    sizes = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors if t is not None}
+    storages all report data_ptr 0). A DTensor (FSDP2's sharded parameters) counts its local shard."""
+    tensors = [getattr(t, "_local_tensor", t) for t in tensors if t is not None]
+    sizes = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}
     return sum(-(-n // granularity_bytes) * granularity_bytes for n in sizes.values())
 
 
@@ -71,8 +72,9 @@ class TrainingStep:
 
     @property
     def grads_bytes(self) -> int:
-        """Trainable parameters' gradients, resident or not (per protocol)."""
-        return sum(p.numel() * p.element_size() for p in self.trainable)
+        """Trainable parameters' gradients, resident or not (per protocol); this rank's shards
+        under FSDP2."""
+        return sum(getattr(p, "_local_tensor", p).numel() * p.element_size() for p in self.trainable)
 
     @property
     def optimizer_state_bytes(self) -> int | None:

@@ -41,7 +41,8 @@ def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tens
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    return sum(t.untyped_storage().nbytes() for t in optimizer_state_tensors(optimizer))
+    tensors = [getattr(t, "_local_tensor", t) for t in optimizer_state_tensors(optimizer)]  # FSDP2: the shard
+    return sum(t.untyped_storage().nbytes() for t in tensors)
 
 
 def run_step(

@@ -27,13 +27,17 @@ read back with the new columns empty):
      method setting and part of the key), host_pinned_peak_bytes and transfer_bytes (host copies of
      the checkpoints and the bytes moved between host and device); older streambp rows read back
      with checkpoints gpu, the only placement they had.
+  6  nproc (data-parallel ranks, the model sharded with FSDP2; part of the key) and rank_peak_bytes
+     (each rank's peak_allocated_bytes, ';'-joined in rank order; the memory columns of a several-rank
+     row are the max over ranks, its times the max over ranks of each step's time). Older rows read
+     back with nproc 1 (one process, the only way they ran) and rank_peak_bytes empty.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 # skipped: not run because a shorter sequence of the same point already ran out of memory
 # (certain OOM); plots and reports draw it as an OOM, and a resumed sweep does not retry it.
@@ -68,7 +72,8 @@ class ResultRow:
     seq_len: int | None = None  # tokens per row, prompt included (empty in a maxlen row)
     batch_size: int | None = None
     dtype: str = ""
-    device: str = ""  # cpu | cuda | cuda:N
+    device: str = ""  # cpu | cuda | cuda:N (several ranks: rank 0's; rank r runs on cuda:N+r)
+    nproc: int | None = None  # data-parallel ranks (FSDP2 FULL_SHARD); 1: one process
     protocol: str = ""  # steady (gradient buffers resident before the step) | first (allocated in it)
     chunk_size: int | None = None  # streambp positions per layer chunk (empty for methods that ignore it)
     logits_chunk_size: int | None = None
@@ -100,6 +105,7 @@ class ResultRow:
     nvml_idle_used_bytes: int | None = None  # the same before this process initialised CUDA
     cuda_context_bytes: int | None = None  # device memory of the CUDA context outside the allocator
     cpu_peak_rss_bytes: int | None = None  # process peak resident set over the measured step
+    rank_peak_bytes: str = ""  # nproc > 1: each rank's peak_allocated_bytes, ';'-joined in rank order
     host_pinned_peak_bytes: int | None = None  # checkpoints held in host memory (pinned on CUDA), peak of one step
     transfer_bytes: int | None = None  # checkpoint bytes moved host <-> device in one step (both directions)
     peak_phase: str = ""  # simulated: where in the step the peak happens (e.g. "backward, layer 3")
@@ -164,6 +170,7 @@ KEY_COLUMNS: tuple[str, ...] = (
     "prompt_len",
     "seq_len",
     "batch_size",
+    "nproc",
     "dtype",
     "device_name",
     "protocol",
@@ -217,4 +224,6 @@ def upgrade(row: dict[str, str]) -> dict[str, str]:
             row[column] = ""
     if version in ("1", "2", "3", "4") and row.get("method") == "streambp" and not row.get("checkpoints"):
         row["checkpoints"] = "gpu"  # schema 5: the placement every earlier streambp row used
+    if version in ("1", "2", "3", "4", "5") and not row.get("nproc"):
+        row["nproc"] = "1"  # schema 6: every earlier row ran in one process
     return row

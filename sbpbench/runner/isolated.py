@@ -29,8 +29,9 @@ from ..config import RunSpec
 from ..config.rows import spec_fields
 from ..measure.environment import Environment, capture_environment
 from ..measure.progress import PROGRESS_PREFIX
-from ..methods import METHODS
+from ..methods import METHODS, data_parallel_unsupported
 from ..records import ResultRow, upsert_rows
+from .ranks import INIT_METHOD_ENV, merge_rank_rows
 
 _ROW_FIELDS = {f.name for f in fields(ResultRow)}
 _STDERR_TAIL_LINES = 20
@@ -38,6 +39,9 @@ POINT_DIR_PREFIX = "sbp-point-"
 _HELD = ".held"  # flocked by the process that owns a point's directory, for as long as it runs
 _HELD_GRACE_S = 60  # an unheld directory younger than this may be one whose owner has not locked it yet
 _UNMARKED_STALE_S = 3600  # a directory without the mark (an older sbpbench's) is stale after an hour
+# After one rank exits without an ok result, how long the others may take to finish on their own
+# (a rank blocked in a collective with the failed one never would): then they are killed.
+RANK_GRACE_S = 30.0
 
 
 def provenance(env: Environment) -> dict:
@@ -99,61 +103,127 @@ def _read_stderr(pipe, lines: list[str]) -> None:
 def run_isolated(spec: RunSpec, env: Environment | None = None) -> ResultRow:
     """Measure one point in a worker process and return its row, provenance filled."""
     env = env or capture_environment(spec.device)
-    if METHODS[spec.method].external:  # its own environment and driver, the same protocol
+    reason = data_parallel_unsupported(spec.method, spec.nproc)
+    if METHODS[spec.method].external and reason is None:  # its own environment and driver, the same protocol
         from .official import run_official
 
         row = run_official(spec, env)
         row.timestamp_utc = datetime.now(timezone.utc).isoformat(timespec="seconds")
         return row
     remove_stale_point_dirs()
-    with point_directory() as tmp:
-        result_path = tmp / "result.json"
-        worker = subprocess.Popen(
-            [sys.executable, "-m", "sbpbench.runner.worker", str(result_path)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,  # its own process group: a timeout kills all of it
-        )
-        lines: list[str] = []
-        reader = threading.Thread(target=_read_stderr, args=(worker.stderr, lines), daemon=True)
-        reader.start()
-        try:
-            try:
-                worker.stdin.write(spec.to_json())
-                worker.stdin.close()
-            except BrokenPipeError:  # the worker died at start; its stderr says why
-                pass
-            worker.wait(timeout=spec.timeout_s)
-            timed_out = False
-        except subprocess.TimeoutExpired:
-            os.killpg(worker.pid, signal.SIGKILL)
-            worker.wait()
-            timed_out = True
-        except BaseException:  # Ctrl-C or a kill of this process: the worker must not outlive it
-            os.killpg(worker.pid, signal.SIGKILL)
-            worker.wait()
-            raise
-        reader.join()
-        stderr = "".join(lines)
-        if result_path.exists():
-            row = ResultRow(**json.loads(result_path.read_text()))
-        else:
-            row = ResultRow(**spec_fields(spec))
-            if timed_out:
-                row.status, row.error = "timeout", f"no result after {spec.timeout_s:g} s (--timeout)"
-            elif worker.returncode == -signal.SIGKILL:
-                row.status, row.error = "error", "worker killed by SIGKILL (out of host memory?)"
-            else:
-                reason = _last_error_line(stderr) or "no output"
-                row.status, row.error = "error", f"worker exited with code {worker.returncode}: {reason}"
+    stderr = ""
+    if reason is not None:  # not launched: the method has no sharded path
+        row = ResultRow(**spec_fields(spec))
+        row.status, row.error = "unsupported", reason
+    else:
+        with point_directory() as tmp:
+            row, stderr = _run_workers(spec, tmp)
     if row.status == "error" and os.environ.get("SBP_DEBUG"):
         print("\n".join(stderr.splitlines()[-_STDERR_TAIL_LINES:]), file=sys.stderr)
     for name, value in provenance(env).items():
         setattr(row, name, value)
     row.timestamp_utc = datetime.now(timezone.utc).isoformat(timespec="seconds")
     return row
+
+
+def _start_worker(spec: RunSpec, result_path: Path, env: dict | None, group: int | None) -> subprocess.Popen:
+    """One worker. A point's only worker gets a session of its own; several ranks share a process
+    group (the first rank's: group 0 makes it), so a timeout or Ctrl-C kills all of them at once."""
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "sbpbench.runner.worker", str(result_path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=spec.nproc == 1,
+        # one syscall, no lock taken (Popen's process_group= needs Python 3.11)
+        preexec_fn=None if spec.nproc == 1 else functools.partial(os.setpgid, 0, group or 0),  # noqa: PLW1509
+    )
+    try:
+        worker.stdin.write(spec.to_json())
+        worker.stdin.close()
+    except BrokenPipeError:  # the worker died at start; its stderr says why
+        pass
+    return worker
+
+
+def _wait(workers: list[subprocess.Popen], results: list[Path], timeout_s: float) -> bool:
+    """Wait for every worker; True if the timeout came first. When a rank has exited without an ok
+    result, the others (blocked in a collective with it, perhaps) get RANK_GRACE_S to finish."""
+    deadline = time.monotonic() + timeout_s
+    while any(w.poll() is None for w in workers):
+        now = time.monotonic()
+        if now > deadline:
+            return True
+        failed = [i for i, w in enumerate(workers) if w.poll() is not None and not _ok_result(results[i])]
+        if failed and len(workers) > 1:
+            deadline = min(deadline, now + RANK_GRACE_S)
+        time.sleep(0.05)
+    return False
+
+
+def _ok_result(path: Path) -> bool:
+    try:
+        return json.loads(path.read_text()).get("status") == "ok"
+    except (OSError, ValueError):
+        return False
+
+
+def _run_workers(spec: RunSpec, tmp: Path) -> tuple[ResultRow, str]:
+    """spec.nproc worker processes (ranks of one process group when several: runner/ranks.py), their
+    merged row and stderr."""
+    results = [tmp / (f"result.rank{r}.json" if spec.nproc > 1 else "result.json") for r in range(spec.nproc)]
+    workers: list[subprocess.Popen] = []
+    lines: list[str] = []
+    readers = []
+    try:
+        for r, result_path in enumerate(results):
+            env = None
+            if spec.nproc > 1:
+                env = {**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(spec.nproc)}
+                env[INIT_METHOD_ENV] = f"file://{tmp / 'rendezvous'}"
+            workers.append(_start_worker(spec, result_path, env, workers[0].pid if workers else None))
+            reader = threading.Thread(target=_read_stderr, args=(workers[-1].stderr, lines), daemon=True)
+            reader.start()
+            readers.append(reader)
+        timed_out = _wait(workers, results, spec.timeout_s)
+    except BaseException:  # Ctrl-C or a kill of this process: the workers must not outlive it
+        if workers:
+            _kill_group(workers)
+        raise
+    if timed_out or any(w.poll() is None for w in workers):
+        _kill_group(workers)
+    for reader in readers:
+        reader.join()
+    stderr = "".join(lines)
+    rows = []
+    for r, (worker, result_path) in enumerate(zip(workers, results)):
+        if result_path.exists():
+            rows.append(ResultRow(**json.loads(result_path.read_text())))
+            continue
+        row = ResultRow(**spec_fields(spec))
+        if timed_out:
+            row.status, row.error = "timeout", f"no result after {spec.timeout_s:g} s (--timeout)"
+        elif worker.returncode == -signal.SIGKILL:
+            why = "out of host memory?" if spec.nproc == 1 else "another rank failed, or out of host memory?"
+            row.status, row.error = "error", f"worker killed by SIGKILL ({why})"
+        else:
+            reason = _last_error_line(stderr) or "no output"
+            row.status, row.error = "error", f"worker exited with code {worker.returncode}: {reason}"
+        rows.append(row)
+    return (rows[0] if spec.nproc == 1 else merge_rank_rows(rows)), stderr
+
+
+def _kill_group(workers: list[subprocess.Popen]) -> None:
+    try:
+        os.killpg(workers[0].pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for worker in workers:
+        if worker.poll() is None:
+            worker.kill()
+        worker.wait()
 
 
 def run_points(

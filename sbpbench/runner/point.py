@@ -17,12 +17,16 @@ Gradients before each step follow the protocol: steady = resident and zeroed in 
 None. An out-of-memory error anywhere is the point's result (status oom), not a crash.
 A step that runs past a few seconds prints "layer i of L" lines to stderr (measure/progress.py;
 StreamBP steps only: bp and ckpt are transformers' own backward, with no per-layer callback).
+With spec.nproc > 1 this process is one rank (runner/ranks.py): the model is sharded with FSDP2,
+the batch is the rank's own, and on the CPU the tracker also counts FSDP2's in-place resizes of
+the gathered parameters' storages; the parent merges the ranks' rows.
 """
 
 from __future__ import annotations
 
 import traceback
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 
@@ -33,13 +37,14 @@ from ..measure.cuda_memory import NvmlPeakSampler, nvml_handle, start_cuda
 from ..measure.flops import training_flops
 from ..measure.host_memory import peak_rss_bytes, reset_peak_rss
 from ..measure.progress import StepProgress
-from ..measure.tensor_tracker import LiveTensorTracker, TrackedOutOfMemoryError
+from ..measure.tensor_tracker import LiveTensorTracker, TrackedOutOfMemoryError, counting_fsdp_resizes
 from ..measure.threads import load_average_1m, set_intra_op_threads
 from ..measure.timing import time_steps
 from ..methods import MethodUnsupported
 from ..methods.step import TrainingStep, storage_bytes
 from ..methods.streambp import observe_stores, reporting_progress
 from ..records import ResultRow, one_line
+from . import ranks
 
 _HOST_OOM_MESSAGES = ("can't allocate memory", "out of memory")
 
@@ -52,16 +57,21 @@ def is_out_of_memory(error: BaseException) -> bool:
     return TrackedOutOfMemoryError.__name__ in message or any(m in message for m in _HOST_OOM_MESSAGES)
 
 
-def build_step(spec: RunSpec, row: ResultRow) -> TrainingStep:
-    """The point's step on spec.device, and the row columns that building it fixes."""
-    model, batch = build_model_and_batch(spec)
-    step = training_step(spec, model, batch)
+def build_step(spec: RunSpec, row: ResultRow, device: torch.device, rank: ranks.Rank | None = None) -> TrainingStep:
+    """The point's step on `device` (FSDP2-sharded on one of several ranks), and the row columns
+    that building it fixes."""
+    if rank is None:
+        model, batch = build_model_and_batch(spec)
+        step = training_step(spec, model, batch)
+    else:
+        step, model = ranks.build_sharded_step(spec, device, rank)
+        batch = step.batch
     row.num_layers = model.config.num_hidden_layers
     row.num_params = sum(p.numel() for p in model.parameters())
     row.trainable_params = sum(p.numel() for p in step.trainable)
     row.num_tokens = batch.num_tokens
     row.model_flops = training_flops(model, batch_size=spec.batch_size, seq_len=spec.seq_len)
-    row.weights_bytes = storage_bytes(model.parameters())
+    row.weights_bytes = storage_bytes(model.parameters())  # this rank's shards under FSDP2
     row.grads_bytes = step.grads_bytes
     return step
 
@@ -79,7 +89,8 @@ def _measure_cpu(spec: RunSpec, step: TrainingStep, row: ResultRow, prepare: Cal
     reset_peak_rss()
     stores = []
     try:
-        with tracker, observe_stores() as stores:
+        resizes = counting_fsdp_resizes(tracker) if spec.nproc > 1 else nullcontext()
+        with tracker, resizes, observe_stores() as stores:
             row.loss = float(step.run())
     finally:  # an OOM row still says how far the step got
         _record_stores(row, stores)
@@ -143,7 +154,11 @@ def measure_point(spec: RunSpec) -> ResultRow:
     row.load_avg_1m = load_average_1m()  # before this point adds its own threads to it
     row.num_threads = set_intra_op_threads(spec.threads)
     device = torch.device(spec.device)
+    rank = ranks.rank_from_env() if spec.nproc > 1 else None
     try:
+        if rank is not None:
+            device = ranks.join(spec, rank)
+            row.device = str(device)
         if device.type == "cuda":
             startup = start_cuda(device)
             row.nvml_idle_used_bytes, row.cuda_context_bytes = startup.idle_used_bytes, startup.context_bytes
@@ -152,7 +167,7 @@ def measure_point(spec: RunSpec) -> ResultRow:
                 if spec.memory_limit > total:
                     raise ValueError(f"memory_limit {spec.memory_limit:,} B exceeds the GPU's {total:,} B")
                 torch.cuda.set_per_process_memory_fraction(spec.memory_limit / total, device)
-        step = build_step(spec, row)
+        step = build_step(spec, row, device, rank)
         row.optimizer_state_bytes = step.optimizer_state_bytes
         progress = StepProgress(
             f"{spec.method} {spec.model} T={spec.seq_len}",

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from ..config import RunSpec
+from . import ranks
 from .point import measure_point
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -39,10 +40,18 @@ def main(argv: list[str]) -> int:
         print("usage: python -m sbpbench.runner.worker RESULT.json < SPEC.json", file=sys.stderr)
         return 2
     result_path = Path(argv[0])
-    row = measure_point(RunSpec.from_json(sys.stdin.read()))
+    spec = RunSpec.from_json(sys.stdin.read())
+    row = measure_point(spec)
     tmp = result_path.with_name(result_path.name + ".tmp")
     tmp.write_text(json.dumps(row.as_dict()))
     os.replace(tmp, result_path)
+    if spec.nproc > 1:  # one rank of several (runner/ranks.py)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        try:
+            ranks.leave()
+        finally:
+            os._exit(0)  # gloo can abort at interpreter exit ("terminate called without an active exception")
     return 0
 
 

@@ -11,6 +11,9 @@ target "cuda" predicts torch.cuda.max_memory_allocated of the same point on a GP
 - AdamW's multi-tensor (foreach) implementation, PyTorch's default for CUDA parameters.
 What a GPU needs beyond the allocated peak is the margin, reported separately (MARGIN_NOTE).
 
+With spec.nproc > 1 the prediction is one rank's under FSDP2 FULL_SHARD (sharded.py): the same
+step on the rank's batch, with sharded resident terms and FSDP2's gathered copies added.
+
 Host memory is counted apart (core.placement.observe_stores): the checkpoint copies a placement
 keeps on the host (`host_pinned_bytes`, their peak) plus HOST_PROCESS_BYTES for the process
 itself; a point fits when both the device and the host side fit.
@@ -19,7 +22,7 @@ itself; a point fits when both the device and the host side fit.
 from __future__ import annotations
 
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 
 from ..config import RunSpec
@@ -34,6 +37,7 @@ from .cuda_attention import CudaAttention, hidden_bytes, streambp_cuda_branch
 from .fake_mode import build_fake_step
 from .memory_counter import CUDA_ALLOCATOR_ROUNDING, SimulatedMemory
 from .phases import PhaseLabels
+from .sharded import check_sharded_spec, per_rank, sharded_terms
 
 TARGETS = ("cuda", "cpu")
 GIB = 2**30
@@ -109,6 +113,7 @@ def estimate(spec: RunSpec, *, target: str = "cuda", method: MethodFn | None = N
         raise ValueError(f"unknown target {target!r}; choose from {', '.join(TARGETS)}")
     cuda = target == "cuda"
     granularity = CUDA_ALLOCATOR_ROUNDING if cuda else 1
+    check_sharded_spec(spec)
     fake = build_fake_step(spec, foreach_optimizer=cuda)
     step = fake.step
     model = step.model
@@ -128,7 +133,7 @@ def estimate(spec: RunSpec, *, target: str = "cuda", method: MethodFn | None = N
             if step.optimizer is not None:
                 step.optimizer.step()
     trainable = step.trainable
-    return Estimate(
+    result = Estimate(
         target=target,
         weights_bytes=storage_bytes(model.parameters()),
         grads_bytes=step.grads_bytes,
@@ -146,6 +151,10 @@ def estimate(spec: RunSpec, *, target: str = "cuda", method: MethodFn | None = N
         host_pinned_bytes=max((s.max_host_bytes for s in stores), default=0),
         transfer_bytes=sum(s.transfer_bytes for s in stores),
     )
+    if spec.nproc == 1:
+        return result
+    result = per_rank(result, sharded_terms(step, spec.nproc, granularity))
+    return replace(result, margin_bytes=margin_bytes(result.activation_peak_bytes) if cuda else 0)
 
 
 def estimate_point(
