@@ -28,6 +28,18 @@ def _spec(method: str, **values):
     return spec
 
 
+def test_recompute_placements_are_refused_sharded():
+    """A segment rebuild under FSDP2 would gather per chunk (untested): refused by the config and by the core."""
+    with pytest.raises(ConfigError, match="recompute placements do not run sharded yet"):
+        _spec("streambp", nproc=2, checkpoints="recompute:2")
+    assert _spec("streambp", nproc=2, checkpoints="cpu").settings.checkpoints == "cpu"
+    result = runner.invoke(app, ["run", "--device", "cpu", "--model", "tiny/qwen3", "--nproc", "2", "--method",
+                                 "streambp", "--checkpoints", "cpu+recompute:2"])  # fmt: skip
+    assert (
+        result.exit_code == 2 and "--checkpoints" in result.output and "use --checkpoints gpu or cpu" in result.output
+    )
+
+
 @pytest.mark.parametrize(
     ("flag", "words"),
     [("0", "--nproc must be at least 1"), ("abc", "--nproc must be an integer"), ("-2", "at least 1")],

@@ -174,3 +174,20 @@ def test_observed_stores_report_what_a_step_held_and_moved():
     kept = 3  # X_0, X_2, X_4 of 5 layers
     assert store.max_host_bytes == kept * 20 * 64 * 8 and store.transfer_bytes == 2 * store.max_host_bytes
     assert store.host_bytes == 0 and store.device_inputs == 0  # all released (closed) after the step
+
+
+def test_recompute_on_a_sharded_model_is_refused(monkeypatch):
+    """Under a data-parallel sync (FSDP2, DeepSpeed) a segment rebuild would gather per chunk: refused
+    before anything runs; the gpu and cpu placements go on."""
+    from sbpbench.core.grad_sync import GradSync
+
+    class ShardedSync(GradSync):  # stands in for FSDP2Sync / DeepSpeedSync: any sync but the one-process one
+        pass
+
+    monkeypatch.setattr(stream_module, "grad_sync_for", lambda model, parts: ShardedSync())
+    model = _deep_model("tiny/qwen3")
+    batch = make_batch("sft", batch_size=1, seq_len=16, vocab_size=model.config.vocab_size)
+    with pytest.raises(ValueError, match="does not run on a sharded model yet"):
+        _step(model, batch, "cpu+recompute:2")
+    assert all(p.grad is None for p in model.parameters())
+    _step(model, batch, "cpu")

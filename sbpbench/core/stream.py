@@ -23,6 +23,7 @@ from .adapters import DecoderParts, check_no_attention_dropout, resolve_parts, t
 from .attention import ATTENTION_NAME
 from .checkpoints import Checkpoints, chunked_layer_forward, forward_checkpoints
 from .grad_accum import ChunkGradAccumulator
+from .grad_sync import GradSync
 from .grad_sync import for_model as grad_sync_for
 from .grad_sync import unwrap
 from .head import head_backward
@@ -85,6 +86,11 @@ def stream_backward(
     objective = sync.objective(objective)  # DeepSpeed: each chunk's gradient / accumulation steps
 
     store = CheckpointStore(placement, len(parts.layers))
+    if store.placement.recompute_every > 1 and type(sync) is not GradSync:
+        raise ValueError(
+            f"checkpoints={store.placement.name!r} does not run on a sharded model yet: the segment rebuild calls "
+            "each rebuilt layer once per chunk, which FSDP2 / DeepSpeed ZeRO-3 would gather per chunk; use 'gpu' or 'cpu'"
+        )
     with _streaming_mode(parts), sync.step(), closing(store):  # close: frees (and unpins) what an error left
         saved = forward_checkpoints(parts, input_ids, chunk_size, store)
         store.rebuild = lambda index, x: _rebuild(parts, saved, index, x, chunk_size)
