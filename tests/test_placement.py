@@ -4,6 +4,8 @@ freeing, checked on CPU where its copies are ordinary tensor copies."""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import pytest
 import torch
 
@@ -76,7 +78,7 @@ def test_every_placement_gives_gpu_gradients_with_lora(family):
 class _Recording(CheckpointStore):
     """A store that logs every put/get/release and the inputs it holds on the device."""
 
-    instances: list[_Recording] = []
+    instances: ClassVar[list[_Recording]] = []
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -124,7 +124,9 @@ def test_a_bad_experiment_file_is_one_line_and_exit_2(tmp_path):
 # scaled down 4x so the slow tier stays within CI's budget): under 300 MiB of tracked tensors bp
 # fits at T=256 only, ckpt to 512, streambp to the 1024 ceiling.
 MINI_SMOKE = SMOKE.read_text().replace('name = "smoke_cpu"', 'name = "mini_smoke"')
-MINI_SMOKE = MINI_SMOKE.replace('memory_limit = "1GiB"', 'memory_limit = "300MiB"').replace("chunk_size = 500", "chunk_size = 128")
+MINI_SMOKE = MINI_SMOKE.replace('memory_limit = "1GiB"', 'memory_limit = "300MiB"').replace(
+    "chunk_size = 500", "chunk_size = 128"
+)
 MINI_SMOKE = MINI_SMOKE.replace("[1024, 2048, 4096]", "[256, 512, 1024]").replace("seq_len = [1024]", "seq_len = [256]")
 MINI_SMOKE = MINI_SMOKE.replace("seq_len = 1024\nseq_len_ceiling = 4096", "seq_len = 256\nseq_len_ceiling = 1024")
 

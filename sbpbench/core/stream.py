@@ -23,9 +23,8 @@ from .adapters import DecoderParts, check_no_attention_dropout, resolve_parts, t
 from .attention import ATTENTION_NAME
 from .checkpoints import Checkpoints, chunked_layer_forward, forward_checkpoints
 from .grad_accum import ChunkGradAccumulator
-from .grad_sync import GradSync
+from .grad_sync import GradSync, unwrap
 from .grad_sync import for_model as grad_sync_for
-from .grad_sync import unwrap
 from .head import head_backward
 from .labels import IGNORE_INDEX
 from .layer_backward import layer_backward
