@@ -47,20 +47,16 @@ def _case(name, *, stage, tied=False, objective="sft", method="stream", chunk=5,
 
 
 CASES = [
-    *[_case(f"zero{stage}_sft_untied", stage=stage) for stage in (1, 2, 3)],
-    *[_case(f"zero{stage}_sft_tied_two_micro_batches", stage=stage, tied=True, micro=2) for stage in (1, 2, 3)],
+    *[_case(f"zero{stage}_sft_untied", stage=stage) for stage in (1, 2)],
+    *[_case(f"zero{stage}_sft_tied_two_micro_batches", stage=stage, tied=True, micro=2) for stage in (1, 2)],
     _case("zero2_grpo", stage=2, objective="grpo"),
-    _case("zero3_dpo_tied", stage=3, objective="dpo", tied=True),
+    _case("zero1_dpo_tied", stage=1, objective="dpo", tied=True),
     _case("zero2_lora", stage=2, lora=True),
-    _case("zero3_lora", stage=3, lora=True),
     # collectives: engine.backward against 1, 3 and 12 chunks (SEQ / chunk)
-    *[_case(f"zero{stage}_bp", stage=stage, method="bp") for stage in (1, 2, 3)],
-    *[
-        _case(f"zero{stage}_chunks{24 // chunk}", stage=stage, chunk=chunk)
-        for stage in (1, 2, 3)
-        for chunk in (24, 8, 2)
-    ],
+    *[_case(f"zero{stage}_bp", stage=stage, method="bp") for stage in (1, 2)],
+    *[_case(f"zero{stage}_chunks{24 // chunk}", stage=stage, chunk=chunk) for stage in (1, 2) for chunk in (24, 8, 2)],
     _case("refused_module_without_engine", stage=2),
+    _case("refused_zero3", stage=3),
 ]
 
 
@@ -147,7 +143,8 @@ def _run_case(case, rank):
 
         batch = _batch(case, engine.module, rank, 0)
         try:
-            stream_backward(engine.module, batch.input_ids, batch.labels)
+            target = engine if case["stage"] == 3 else engine.module  # ZeRO-3: the engine itself is refused
+            stream_backward(target, batch.input_ids, batch.labels)
         except ValueError as error:
             return {}, {"error": str(error)}
         return {}, {"error": None}
@@ -253,10 +250,10 @@ def test_gradients_match_one_process(results, case):
 _REDUCTIONS = ("reduce", "reduce_numel", "reduce_scatter", "reduce_scatter_numel")
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [1, 2])
 def test_collectives_against_engine_backward(results, stage):
     """Reductions (calls and elements) equal engine.backward's for 1, 3, 12 chunks: each gradient is
-    reduced once. ZeRO-3's all-gathers are printed: they grow with the chunk count (checkpoint pass)."""
+    reduced once; all-gathers equal too."""
     expected = results[f"zero{stage}_bp"][1]
     counts = {chunks: results[f"zero{stage}_chunks{chunks}"][1] for chunks in (1, 3, 12)}
     print(f"ZeRO-{stage} collectives: engine.backward {expected}, StreamBP by chunk count {counts}")
@@ -264,10 +261,15 @@ def test_collectives_against_engine_backward(results, stage):
         name = f"zero{stage}_chunks{chunks}"
         _assert_close(name, results[name][0], results[f"zero{stage}_bp"][0])
         assert {k: got[k] for k in _REDUCTIONS} == {k: expected[k] for k in _REDUCTIONS}, f"{name}: {got} != {expected}"
-        if stage < 3:
-            assert got["all_gather"] == expected["all_gather"], f"{name}: {got} vs {expected}"
+        assert got["all_gather"] == expected["all_gather"], f"{name}: {got} vs {expected}"
 
 
 def test_module_without_engine_is_refused(results):
     """engine.module (parameters under ZeRO) given without its engine is refused with what to pass instead."""
     assert "pass the DeepSpeedEngine" in results["refused_module_without_engine"][1]["error"]
+
+
+def test_zero3_is_refused(results):
+    """ZeRO-3 is refused with what to use instead (its untied embedding gradient was not reliably exact)."""
+    error = results["refused_zero3"][1]["error"]
+    assert error and "does not support DeepSpeed ZeRO-3" in error and "FSDP2" in error

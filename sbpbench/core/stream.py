@@ -55,7 +55,7 @@ def stream_backward(
 ) -> torch.Tensor:
     """Forward + backward of a training objective with StreamBP.
 
-    model: a causal LM, one wrapped with FSDP2, or a DeepSpeedEngine (ZeRO 0-3; then in place of
+    model: a causal LM, one wrapped with FSDP2, or a DeepSpeedEngine (ZeRO 0-2; then in place of
     `engine.backward(loss)`, gradients divided by its gradient_accumulation_steps, before `engine.step()`).
 
     Returns the loss (0-dim, detached) and accumulates into every trainable parameter's .grad what
