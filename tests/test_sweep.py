@@ -66,6 +66,10 @@ def test_longer_and_larger_points_after_an_oom_are_skipped_as_certain_oom(tmp_pa
     assert run_sweep(jobs, out, measure=_fake(again, oom_from=128), env=env) == [] and again == []
     redo = plan(experiment.points, out, device_name=env.device_name, resume=False)
     assert not any(job.done for job in redo)
+    calls.clear()  # --no-resume: every point is measured again, its own old OOM row proves nothing
+    rerun = run_sweep(redo, out, measure=_fake(calls, oom_from=128), env=env)
+    assert ("bp", 128, 1) in calls and ("bp", 256, 1) not in calls  # 256: proven by the new 128 OOM
+    assert {(r.method, r.seq_len, r.batch_size): r.status for r in rerun} == status
 
 
 def test_errored_points_are_retried_and_duplicates_run_once(tmp_path):

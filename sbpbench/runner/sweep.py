@@ -126,7 +126,9 @@ def run_sweep(
     if not todo:
         return []
     env = env or capture_environment(todo[0].spec.device)
-    oom = _OomMemory(read_rows(out) if out else [])
+    # An earlier OOM proves a longer point OOMs, but a point being run again proves nothing about itself.
+    rerun = {job.key for job in todo}
+    oom = _OomMemory([r for r in read_rows(out) if row_key(r) not in rerun] if out else [])
     rows = []
     for job in todo:
         if on_start:
