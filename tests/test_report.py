@@ -194,9 +194,9 @@ def test_peers_verdict_judges_the_issue_16_target_from_the_rows():
     )
     text = " ".join(_verdict(rows))
     assert "≥1.37x the best other method's (ckpt-chunked-ce: 3000)" in text
-    assert "3.00x ckpt-chunked-ce's at T=1024" in text and "not met" in text
+    assert "over ckpt-chunked-ce's: 3.00x at T=1024 (median 3.00x" in text and "not met" in text
     rows.loc[rows["method"] == "streambp", "time_median_s"] = 0.9
-    assert "): met." in " ".join(_verdict(rows))
+    assert "median): met." in " ".join(_verdict(rows))
     assert _verdict(rows[rows["method"] != "streambp"]) == []
 
 

@@ -7,6 +7,7 @@ beside measurements of the same point and beside the paper's max T, never mixed 
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 
 from ..measure.units import GIB
@@ -74,7 +75,7 @@ def peers_section(table, exactness: list[dict]) -> list[str]:
 
 def _verdict(rows) -> list[str]:
     """Issue 16's target, judged from the rows: StreamBP's max T at least TARGET_RATIO x the best
-    other method's, at equal or lower time per token (compared at the longest T both ran). Says
+    other method's, at equal or lower step time (the median ratio over every T both ran, each listed). Says
     which method wins where it is not met; nothing when a side lacks an answer."""
     answers = {}
     for method in rows["method"].unique():
@@ -92,11 +93,15 @@ def _verdict(rows) -> list[str]:
     both = points[points["method"].isin(["streambp", rival])]
     common = [t for t, g in both.groupby(both["seq_len"].map(number)) if set(g["method"]) == {"streambp", rival}]
     if common:
-        t = max(common)
-        times = {m: number(both[(both["method"] == m) & (both["seq_len"].map(number) == t)].iloc[-1]["time_median_s"]) for m in ("streambp", rival)}  # fmt: skip
-        text += f"; its step takes {times['streambp'] / times[rival]:.2f}x {rival}'s at T={t:.0f}"
-        met = ours >= TARGET_RATIO * theirs and times["streambp"] <= times[rival]
-        text += f". Target ({TARGET_RATIO}x at equal or lower step time): {'met' if met else 'not met'}."
+        ratios = []
+        for t in common:
+            times = {m: number(both[(both["method"] == m) & (both["seq_len"].map(number) == t)].iloc[-1]["time_median_s"]) for m in ("streambp", rival)}  # fmt: skip
+            ratios.append(times["streambp"] / times[rival])
+        listed = ", ".join(f"{r:.2f}x at T={t:.0f}" for r, t in zip(ratios, common))
+        median = statistics.median(ratios)
+        text += f"; its step time over {rival}'s: {listed} (median {median:.2f}x; rows taken under load are noisier)"
+        met = ours >= TARGET_RATIO * theirs and median <= 1.0
+        text += f". Target ({TARGET_RATIO}x at equal or lower step time, median): {'met' if met else 'not met'}."
     else:
         text += f"; no T where both were timed, so the step-time half of the target ({TARGET_RATIO}x) is not judged."
     return ["", text]
