@@ -224,12 +224,13 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_distributed(cases, timeout_s: float = 240.0) -> dict:
-    """Run `cases` in one spawn of WORLD gloo workers; {name: (full grads, counts)} from rank 0."""
+def run_distributed(cases, timeout_s: float = 240.0, target=None) -> dict:
+    """Run `cases` in one spawn of WORLD gloo workers (`target(rank, port, cases, queue)`, default this
+    module's FSDP2 worker); {name: (full grads, counts)} from rank 0."""
     context = mp.get_context("spawn")
     queue = context.Queue()
     port = _free_port()
-    workers = [context.Process(target=_worker, args=(rank, port, cases, queue)) for rank in range(WORLD)]
+    workers = [context.Process(target=target or _worker, args=(rank, port, cases, queue)) for rank in range(WORLD)]
     for worker in workers:
         worker.start()
     results, waited = {}, 0.0

@@ -11,14 +11,12 @@ Skipped where DeepSpeed is not installed (`pip install -e ".[deepspeed]"`, run i
 from __future__ import annotations
 
 import os
-import queue as queue_module
 import traceback
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from .test_distributed import WORLD, _assert_close, _batch, _free_port, _model, _reference
+from .test_distributed import WORLD, _assert_close, _batch, _model, _reference, run_distributed
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is an optional extra: pip install -e '.[deepspeed]'")
 
@@ -198,41 +196,11 @@ def _worker(rank, port, cases, queue):
         os._exit(0)  # gloo can abort at interpreter exit ("terminate called without an active exception")
 
 
-def run_distributed(cases, timeout_s: float = 240.0) -> dict:
-    """Run `cases` in one spawn of WORLD gloo workers; {name: (full grads, counts)} from rank 0."""
-    context = mp.get_context("spawn")
-    queue = context.Queue()
-    port = _free_port()
-    workers = [context.Process(target=_worker, args=(rank, port, cases, queue)) for rank in range(WORLD)]
-    for worker in workers:
-        worker.start()
-    results, waited = {}, 0.0
-    try:
-        while len(results) < len(cases):
-            try:
-                name, grads, counts, error = queue.get(timeout=1.0)
-            except queue_module.Empty:
-                waited += 1.0
-                dead = [w.exitcode for w in workers if not w.is_alive()]
-                if dead or waited > timeout_s:
-                    raise AssertionError(f"workers exited ({dead}) or timed out after {len(results)} cases") from None
-                continue
-            if error is not None:
-                raise AssertionError(error)
-            results[name] = ({key: torch.from_numpy(value) for key, value in grads.items()}, counts)
-    finally:
-        for worker in workers:
-            worker.join(timeout=30)
-            if worker.is_alive():
-                worker.kill()
-    return results
-
-
 @pytest.fixture(scope="module")
 def results():
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("torch built without gloo")
-    return run_distributed(CASES)
+    return run_distributed(CASES, target=_worker)
 
 
 EXACT = [
