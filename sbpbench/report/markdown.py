@@ -15,7 +15,7 @@ from ..records.reference import PAPER_DEVICE
 from ..records.select import complete_columns, natural_key, no_reference, number, present, with_full_depth
 from ..records.select import is_truncated as truncated
 from .compare import Comparison, estimate_comparisons, estimates_vs_paper, paper_comparisons, run, setting
-from .placements import placements_section
+from .placements import max_t_cell, placements_section
 
 METRIC_TITLES = {
     "max_seq_len": "max T (tokens)",
@@ -64,7 +64,7 @@ def peers_section(table, exactness: list[dict]) -> list[str]:
                 at = mine[(mine["kind"] == "point") & (mine["seq_len"].map(number) == t)]
                 row_cells.append(_peer_cell(at.iloc[-1]) if len(at) else "")
             answers = mine[mine["kind"] == "maxlen"]
-            row_cells.append(_max_t_cell(answers.iloc[-1]) if len(answers) else "")
+            row_cells.append(max_t_cell(answers.iloc[-1]) if len(answers) else "")
             row_cells.append(_exact_cell(method, exactness))
             cells.append(row_cells)
         lines += ["", f"### {like['model']}: {setting(like, seq_len=False)}, {run(like)}", ""]
@@ -115,13 +115,6 @@ def _peer_cell(row) -> str:
     tokens = number(row["batch_size"]) * number(row["seq_len"])
     per_token = "" if time is None else f", {1e3 * time / tokens:.2f} ms/tok"
     return ("" if peak is None else f"{peak / GIB:.2f} GiB") + per_token
-
-
-def _max_t_cell(row) -> str:
-    if row["status"] != "ok":
-        return row["status"]
-    value = number(row["max_seq_len"])
-    return ("" if present(row["oom_seq_len"]) else "≥") + f"{value:.0f}"
 
 
 def _exact_cell(method: str, exactness: list[dict]) -> str:

@@ -59,7 +59,7 @@ def _group_table(rows, markdown_table) -> list[str]:
             at = own[(own["kind"] == "point") & (own["seq_len"].map(number) == t)]
             line.append(_point_cell(at.iloc[-1]) if len(at) else "")
         answers = own[own["kind"] == "maxlen"]
-        line.append(_max_t_cell(answers.iloc[-1]) if len(answers) else "")
+        line.append(max_t_cell(answers.iloc[-1]) if len(answers) else "")
         cells.append(line)
     simulated = " (simulated)" if like["source"] == "simulated" else ""
     heading = f"### {like['model']}{simulated}: {setting(like, seq_len=False, method_chunks=False)}, {run(like)}"
@@ -87,7 +87,8 @@ def _point_cell(row) -> str:
     return cell + ("" if tflops is None else f", {tflops:.0f} TFLOP/s")
 
 
-def _max_t_cell(row) -> str:
+def max_t_cell(row) -> str:
+    """A search's answer: its status, or max T ("≥": no OOM up to the ceiling). Also the peers table's."""
     if row["status"] != "ok":
         return str(row["status"])
     return ("" if present(row.get("oom_seq_len")) else "≥") + f"{number(row['max_seq_len']):.0f}"
