@@ -14,7 +14,8 @@ let the backward call the same layer the same way, sliced to a chunk's positions
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -35,9 +36,15 @@ class Checkpoints:
 
 
 def forward_checkpoints(
-    parts: DecoderParts, input_ids: torch.Tensor, chunk_size: int, store: CheckpointStore | None = None
+    parts: DecoderParts,
+    input_ids: torch.Tensor,
+    chunk_size: int,
+    store: CheckpointStore | None = None,
+    gathered: Callable[[nn.Module], AbstractContextManager] | None = None,
 ) -> Checkpoints:
-    """store: where the layer inputs go (default: all kept on their device, the gpu placement)."""
+    """store: where the layer inputs go (default: all kept on their device, the gpu placement).
+    gathered(layer): a context that holds the layer's parameters gathered while its chunks run (a
+    sharded engine whose hooks would otherwise gather per chunk: DeepSpeed ZeRO-3; grad_sync.py)."""
     num_layers = len(parts.layers)
     store = store if store is not None else CheckpointStore(Placement(), num_layers)
     saved = Checkpoints(layer_inputs=store, layer_kwargs=[{}] * num_layers)
@@ -47,7 +54,7 @@ def forward_checkpoints(
 
     handle = parts.norm.register_forward_pre_hook(norm_hook)
     try:
-        with _chunked_layers(parts.layers, saved, chunk_size), _skipped(parts.norm), torch.no_grad():
+        with _chunked_layers(parts.layers, saved, chunk_size, gathered), _skipped(parts.norm), torch.no_grad():
             parts.decoder(input_ids=input_ids, use_cache=False)  # its normed output is not needed
     finally:
         handle.remove()
@@ -74,12 +81,13 @@ def _skipped(norm: nn.Module):
 
 
 @contextmanager
-def _chunked_layers(layers: nn.ModuleList, saved: Checkpoints, chunk_size: int):
+def _chunked_layers(layers: nn.ModuleList, saved: Checkpoints, chunk_size: int, gathered=None):
     """Wrap each layer's forward on the instance (hooks and __call__ still run as usual); restore
     whatever was there before (a plain method, or another library's wrapper), whatever happens."""
     previous = [layer.__dict__.get("forward") for layer in layers]
     for index, layer in enumerate(layers):
-        layer.forward = _chunked_forward(layer.forward, index, saved, chunk_size)
+        context = (lambda layer=layer: gathered(layer)) if gathered is not None else nullcontext
+        layer.forward = _chunked_forward(layer.forward, index, saved, chunk_size, context)
     try:
         yield
     finally:
@@ -90,14 +98,15 @@ def _chunked_layers(layers: nn.ModuleList, saved: Checkpoints, chunk_size: int):
                 layer.forward = forward
 
 
-def _chunked_forward(forward, index: int, saved: Checkpoints, chunk_size: int):
+def _chunked_forward(forward, index: int, saved: Checkpoints, chunk_size: int, context=nullcontext):
     def chunked(hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if args:
             raise NotImplementedError("StreamBP expects decoder layers called as layer(hidden_states, **kwargs)")
         saved.layer_inputs.put(index, hidden_states)
         saved.layer_kwargs[index] = kwargs
         saved.seen.add(index)
-        return chunked_layer_forward(forward, hidden_states, kwargs, chunk_size)
+        with context():
+            return chunked_layer_forward(forward, hidden_states, kwargs, chunk_size)
 
     return chunked
 

@@ -28,7 +28,7 @@ torch release that changes them fails CI instead of silently changing gradients.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 from torch import nn
 
@@ -50,6 +50,11 @@ class GradSync:
 
     def call(self, layer: nn.Module):
         return layer
+
+    def gathered(self, layer: nn.Module):
+        """A context holding `layer`'s parameters gathered while the checkpoint pass runs its chunks
+        (nothing to do here; FSDP2's hooks on the layer's __call__ already gather once per call)."""
+        return nullcontext()
 
     def begin(self, layer: nn.Module) -> None:
         pass

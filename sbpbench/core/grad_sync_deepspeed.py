@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO-1/2 gradient sync (ZeRO-3 refused) for `stream_backward(engine, ...)` (core/README.md, "Several
+"""DeepSpeed ZeRO-1/2/3 gradient sync for `stream_backward(engine, ...)` (core/README.md, "Several
 processes"), built on DeepSpeed's own mechanism for tiled compute (`param.ds_grad_is_ready`, as
 ALST's TiledMLP in deepspeed/runtime/sequence_parallel/ulysses_sp.py uses it).
 
@@ -7,11 +7,15 @@ and assert "already been reduced" on the second; ZeRO-1 reduces in `engine.backw
 StreamBP accumulates each gradient over many chunk backwards, so per unit (a decoder layer; the
 root unit: embedding, final norm, lm_head):
 
-    begin   ds_grad_is_ready = False: the hooks leave every chunk's gradient alone
+    begin   ZeRO-3: gather the unit's parameters once and pin them (module hooks leave them gathered);
+            ds_grad_is_ready = False: the hooks leave every chunk's gradient alone
     chunks  hook-free layer.forward; gradients summed in .grad (bf16: the fp32 ChunkGradAccumulator,
             rounded once into .grad)
     end     ds_grad_is_ready = True, then one autograd backward that adds an exact zero to each
-            .grad: the hooks fire once, on the whole sum, and ZeRO reduces it once
+            .grad: the hooks fire once, on the whole sum, and ZeRO reduces it once; ZeRO-3: release
+
+The checkpoint pass gathers each layer once too (`gathered`), so ZeRO-3 issues one all-gather per
+parameter per pass, as engine.forward and engine.backward do, whatever the chunk count.
 
 The step is bracketed like `engine.backward(loss)`: its prologue, the gradient of each chunk's loss
 divided by gradient_accumulation_steps() (what engine.forward's output hook does), its epilogue
@@ -20,6 +24,8 @@ gradient, no collective and no extra memory (the zero is an expanded scalar).
 """
 
 from __future__ import annotations
+
+from contextlib import ExitStack
 
 import torch
 from torch import nn
@@ -34,7 +40,10 @@ from .grad_sync import GradSync
 #                                            epilogue to the caller, as during engine.backward
 #   ZeROOptimizer.clear_backward_seen_flag() what engine.forward runs first (resets the hook counters)
 #   param.ds_grad_is_ready                   False: ZeRO's gradient hook neither reduces nor asserts
+#   param.ds_active_sub_modules              ZeRO-3: the modules using a gathered parameter; while it is
+#                                            not empty, module hooks do not release the parameter
 _ENGINE_INTERNALS = ("_backward_prologue", "_backward_epilogue", "_running_engine_backward")
+_PIN = -1  # ZeRO-3: our entry in ds_active_sub_modules (module ids are >= 0)
 
 
 def is_engine(model: nn.Module) -> bool:
@@ -78,7 +87,7 @@ class _ScaledGradient:
 
 
 class DeepSpeedSync(GradSync):
-    """A DeepSpeedEngine at ZeRO stage 0-2 (3 refused) (bf16 or fp32; fp16 loss scaling is refused). Use as
+    """A DeepSpeedEngine at ZeRO stage 0-3 (bf16 or fp32; fp16 loss scaling is refused). Use as
     engine.backward: `stream_backward(engine, ...)` per micro-batch, then `engine.step()`."""
 
     def __init__(self, engine, parts: DecoderParts):
@@ -92,16 +101,16 @@ class DeepSpeedSync(GradSync):
                 '(DeepSpeed config "bf16": {"enabled": true})'
             )
         self.engine = engine
-        if engine.zero_optimization_stage() == 3:
-            # Tried (each unit gathered once with GatheredParameters and pinned, prefetch off): exact in
-            # one full test run, then in the next the untied embedding's gradient was 64-69% wrong
-            # (2 gloo ranks, untied SFT at 1 and 5 chunks). Refused until that is understood.
+        self.zero3 = engine.zero_optimization_stage() == 3
+        if self.zero3 and engine.zero_prefetch_bucket_size() > 0:
+            # Prefetching follows the module order traced from an ordinary step; StreamBP's differs.
             raise ValueError(
-                "StreamBP does not support DeepSpeed ZeRO-3 yet (its embedding gradient was not reliably exact): "
-                "use ZeRO stage 1 or 2, or PyTorch FSDP2 (fully_shard) to shard the parameters too"
+                "StreamBP under ZeRO-3 needs parameter prefetching off: set "
+                '"zero_optimization": {"stage3_prefetch_bucket_size": 0} in the DeepSpeed config'
             )
         self.root = [parts.embed, parts.norm, parts.lm_head]
         self.divisor = engine.gradient_accumulation_steps()
+        self._gathers: dict[int, ExitStack] = {}  # ZeRO-3: id(first module of a unit) -> its gather
 
     def objective(self, objective):
         return objective if self.divisor == 1 else _ScaledGradient(objective, self.divisor)
@@ -117,6 +126,9 @@ class DeepSpeedSync(GradSync):
     def call(self, layer: nn.Module):
         return layer.forward  # hook-free: ZeRO-3 would gather and release per chunk
 
+    def gathered(self, layer: nn.Module):
+        return _gather(_unique(layer.parameters())) if self.zero3 else ExitStack()
+
     def begin(self, layer: nn.Module) -> None:
         self._begin_unit([layer])
 
@@ -131,12 +143,17 @@ class DeepSpeedSync(GradSync):
             self.engine._running_engine_backward = False
 
     def abort(self) -> None:
+        for stack in self._gathers.values():
+            stack.close()
+        self._gathers.clear()
         for param in self.engine.module.parameters():
             _clear_ready(param)
         self.engine._running_engine_backward = False
 
     def _begin_unit(self, modules: list[nn.Module]) -> None:
         params = _unique(p for m in modules for p in m.parameters())
+        if self.zero3:
+            self._gathers[id(modules[0])] = _gather(params)
         for param in params:
             if param.requires_grad:
                 param.ds_grad_is_ready = False
@@ -150,6 +167,9 @@ class DeepSpeedSync(GradSync):
             # post-accumulate hook: the gradient is reduced once, whatever the chunk count.
             zeros = [torch.zeros((), dtype=p.dtype, device=p.device).expand_as(p) for p in params]
             torch.autograd.backward(params, zeros)
+        stack = self._gathers.pop(id(modules[0]), None)
+        if stack is not None:
+            stack.close()
 
 
 def _unique(params) -> list[nn.Parameter]:
@@ -159,3 +179,27 @@ def _unique(params) -> list[nn.Parameter]:
 def _clear_ready(param: nn.Parameter) -> None:
     if "ds_grad_is_ready" in param.__dict__:
         del param.ds_grad_is_ready
+
+
+def _gather(params: list[nn.Parameter]) -> ExitStack:
+    """ZeRO-3: all-gather `params` and keep them gathered until the stack closes: module hooks
+    (fetch on __call__, release after it) find them available and, pinned, leave them. Persistent
+    parameters (below stage3_param_persistence_threshold) are never partitioned: left alone.
+
+    One GatheredParameters per parameter: given a list, DeepSpeed 0.19 launches an async all-gather
+    per parameter and waits on the last one only (_allgather_params_coalesced), which orders them on
+    a CUDA stream but not on gloo, whose worker threads may still be writing the others (measured on
+    2 CPU ranks: wrong gradients in 5 of 52 ZeRO-3 cases, none in 64 after). Same collectives."""
+    import deepspeed
+
+    params = [p for p in params if not getattr(p, "ds_persist", False)]
+    stack = ExitStack()
+    for param in params:
+        stack.enter_context(deepspeed.zero.GatheredParameters([param], modifier_rank=None))
+        param.ds_active_sub_modules.add(_PIN)
+    # On close, before the release: the unit's backward is over, so no module still uses these
+    # parameters, but one called with inputs that need no gradient (the embedding) never ran its
+    # post-backward release and is still listed; DeepSpeed clears them the same way
+    # (PartitionedParameterCoordinator.release_and_reset_all).
+    stack.callback(lambda: [param.ds_active_sub_modules.clear() for param in params])
+    return stack

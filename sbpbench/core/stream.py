@@ -55,7 +55,7 @@ def stream_backward(
 ) -> torch.Tensor:
     """Forward + backward of a training objective with StreamBP.
 
-    model: a causal LM, one wrapped with FSDP2, or a DeepSpeedEngine (ZeRO 0-2; then in place of
+    model: a causal LM, one wrapped with FSDP2, or a DeepSpeedEngine (ZeRO 0-3; then in place of
     `engine.backward(loss)`, gradients divided by its gradient_accumulation_steps, before `engine.step()`).
 
     Returns the loss (0-dim, detached) and accumulates into every trainable parameter's .grad what
@@ -91,7 +91,7 @@ def stream_backward(
             "each rebuilt layer once per chunk, which FSDP2 / DeepSpeed ZeRO-3 would gather per chunk; use 'gpu' or 'cpu'"
         )
     with _streaming_mode(parts), sync.step(), closing(store):  # close: frees (and unpins) what an error left
-        saved = forward_checkpoints(parts, input_ids, chunk_size, store)
+        saved = forward_checkpoints(parts, input_ids, chunk_size, store, gathered=sync.gathered)
         store.rebuild = lambda index, x: _rebuild(parts, saved, index, x, chunk_size)
         head_grads = ChunkGradAccumulator(trainable(parts.norm) + trainable(parts.lm_head), fp32_grad_accumulation)
         loss, grad = head_backward(
