@@ -37,13 +37,18 @@ def _spec(model: str, method: str, **values) -> RunSpec:
     return RunSpec(model=model, method=method, **(base | values))
 
 
+def _placed(checkpoints: str) -> MethodSettings:
+    return MethodSettings(chunk_size=24, logits_chunk_size=20, checkpoints=checkpoints)
+
+
 def _slow(*values):
     """A CPU_CASES row that runs in the slow tier only."""
     return pytest.param(*values, marks=pytest.mark.slow)
 
 
-# Two families, every method, every objective, both protocols, a training step and LoRA. The fast
-# tier keeps each method once (one of them a DPO point under the first-step protocol).
+# Three families, every method, every objective, both protocols, a training step, LoRA and every
+# checkpoint placement. The fast tier keeps each method once (one of them a DPO point under the
+# first-step protocol) and two placements.
 CPU_CASES = [
     _slow("tiny/qwen3", "bp", {}),
     _slow("tiny/qwen3", "ckpt", {}),
@@ -58,6 +63,11 @@ CPU_CASES = [
     _slow("tiny/qwen3", "ckpt", {"step": "train"}),
     _slow("tiny/llama", "streambp", {"step": "train", "protocol": "first"}),
     _slow("tiny/qwen3", "streambp", {"lora_rank": 4, "step": "train"}),
+    # checkpoint placements: on the CPU the host copies are in the tracked memory too
+    ("tiny/llama", "streambp", {"settings": _placed("cpu")}),
+    ("tiny/qwen3", "streambp", {"settings": _placed("recompute:2")}),
+    _slow("tiny/qwen3", "streambp", {"settings": _placed("cpu+recompute:2")}),
+    _slow("tiny/gemma3", "streambp", {"settings": _placed("recompute:3")}),
 ]
 
 
@@ -76,6 +86,8 @@ def test_cpu_target_equals_the_cpu_tracker_to_the_byte(model, method, values):
     assert predicted.baseline_bytes == measured.baseline_bytes
     assert predicted.optimizer_state_bytes == measured.optimizer_state_bytes
     assert (predicted.weights_bytes, predicted.grads_bytes) == (measured.weights_bytes, measured.grads_bytes)
+    moved = (measured.host_pinned_peak_bytes or 0, measured.transfer_bytes or 0)  # None: no checkpoint store
+    assert (predicted.host_pinned_bytes, predicted.transfer_bytes) == moved
 
 
 def _meta(*shape, dtype=torch.bfloat16, layout=None):

@@ -123,7 +123,9 @@ def estimate(spec: RunSpec, *, target: str = "cuda", method: MethodFn | None = N
     with ExitStack() as stack:
         attention = stack.enter_context(_cuda_attention()) if cuda else None
         stack.enter_context(phases.attached(model, step.optimizer))
-        stores = stack.enter_context(observe_stores(shapes_only=True))
+        # On a GPU the host copies are another memory; on the CPU they are in the same one, as the
+        # tracker counts them: fake copies, so the counter sees them.
+        stores = stack.enter_context(observe_stores(shapes_only=cuda))
         stack.enter_context(fake.mode)
         stack.enter_context(counter)
         if method is None:
