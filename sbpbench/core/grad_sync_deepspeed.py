@@ -102,12 +102,6 @@ class DeepSpeedSync(GradSync):
             )
         self.engine = engine
         self.zero3 = engine.zero_optimization_stage() == 3
-        if self.zero3 and engine.zero_prefetch_bucket_size() > 0:
-            # Prefetching follows the module order traced from an ordinary step; StreamBP's differs.
-            raise ValueError(
-                "StreamBP under ZeRO-3 needs parameter prefetching off: set "
-                '"zero_optimization": {"stage3_prefetch_bucket_size": 0} in the DeepSpeed config'
-            )
         self.root = [parts.embed, parts.norm, parts.lm_head]
         self.divisor = engine.gradient_accumulation_steps()
         self._gathers: dict[int, ExitStack] = {}  # ZeRO-3: id(first module of a unit) -> its gather
@@ -185,6 +179,10 @@ def _gather(params: list[nn.Parameter]) -> ExitStack:
     """ZeRO-3: all-gather `params` and keep them gathered until the stack closes: module hooks
     (fetch on __call__, release after it) find them available and, pinned, leave them. Persistent
     parameters (below stage3_param_persistence_threshold) are never partitioned: left alone.
+
+    A parameter that ZeRO's prefetcher has in flight (it follows the module order traced from
+    engine.forward calls, an evaluation say) is left to it: the submodule's hook waits for it before
+    use, as in an ordinary step.
 
     One GatheredParameters per parameter: given a list, DeepSpeed 0.19 launches an async all-gather
     per parameter and waits on the last one only (_allgather_params_coalesced), which orders them on
