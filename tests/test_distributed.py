@@ -32,10 +32,23 @@ _COLLECTIVES = {
 }
 
 
-def _case(name, *, wrap="full", tied=False, objective="sft", method="stream", chunk=5, micro=1, lora=False, bf16=None):
+def _case(
+    name,
+    *,
+    wrap="full",
+    tied=False,
+    objective="sft",
+    method="stream",
+    chunk=5,
+    micro=1,
+    lora=False,
+    bf16=None,
+    checkpoints="gpu",
+):
     """bf16: None (fp32 throughout) or whether StreamBP sums chunk gradients in fp32, under FSDP2's
-    MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)."""
+    MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32). checkpoints: the placement."""
     return {
+        "checkpoints": checkpoints,
         "name": name,
         "wrap": wrap,
         "tied": tied,
@@ -57,6 +70,10 @@ CASES = [
     _case("full_grpo", objective="grpo"),
     _case("full_dpo", objective="dpo", tied=True),
     _case("full_lora", lora=True),
+    # recompute placements: tiny/qwen3's 2 layers, K = 2: layer 0 rebuilds X_1 (one more all-gather)
+    _case("full_cpu_recompute", checkpoints="cpu+recompute:2"),
+    _case("zero2_recompute_tied", wrap="zero2", tied=True, checkpoints="recompute:2"),
+    _case("full_recompute_chunks12", chunk=2, checkpoints="recompute:2"),
     # collective counts: plain FSDP2 backprop against 1, 3 and 12 chunks (SEQ / chunk)
     # bf16 compute, fp32 master weights and reduction: errors against an fp64 reference
     _case("bf16_bp", method="bp", bf16=True),
@@ -107,6 +124,7 @@ def _step(case, model, batch):
             chunk_size=case["chunk"],
             logits_chunk_size=case["chunk"],
             fp32_grad_accumulation=case["bf16"] is not False,
+            checkpoints=case["checkpoints"],
         )
 
 
@@ -293,6 +311,16 @@ def test_collectives_equal_plain_fsdp2(results, wrap):
         name = f"{wrap}_chunks{chunks}"
         assert results[name][1] == expected, f"{name}: {results[name][1]} != plain FSDP2 {expected}"
         _assert_close(name, results[name][0], results[f"{wrap}_bp"][0])
+
+
+@pytest.mark.slow
+def test_a_rebuild_adds_one_all_gather_per_rebuilt_layer(results):
+    """recompute:2 on 2 layers rebuilds X_1 once through layer 0, gathered once for all 12 chunks:
+    plain FSDP2's collectives plus one all-gather; the reductions are unchanged."""
+    expected = dict(results["full_bp"][1], all_gather=results["full_bp"][1]["all_gather"] + 1)
+    assert results["full_recompute_chunks12"][1] == expected
+    assert results["full_cpu_recompute"][1] == expected
+    _assert_close("full_recompute_chunks12", results["full_recompute_chunks12"][0], results["full_bp"][0])
 
 
 @pytest.mark.slow

@@ -32,8 +32,11 @@ _COLLECTIVES = {
 }
 
 
-def _case(name, *, stage, tied=False, objective="sft", method="stream", chunk=5, micro=1, lora=False):
+def _case(
+    name, *, stage, tied=False, objective="sft", method="stream", chunk=5, micro=1, lora=False, checkpoints="gpu"
+):
     return {
+        "checkpoints": checkpoints,
         "name": name,
         "stage": stage,
         "tied": tied,
@@ -55,6 +58,8 @@ CASES = [
     _case("zero3_dpo", stage=3, objective="dpo"),
     _case("zero2_lora", stage=2, lora=True),
     _case("zero3_lora", stage=3, lora=True),
+    _case("zero2_recompute", stage=2, checkpoints="recompute:2"),
+    _case("zero3_cpu_recompute_tied", stage=3, tied=True, checkpoints="cpu+recompute:2"),
     # collectives: engine.backward against 1, 3 and 12 chunks (SEQ / chunk)
     *[_case(f"zero{stage}_bp", stage=stage, method="bp") for stage in STAGES],
     *[_case(f"zero{stage}_chunks{24 // chunk}", stage=stage, chunk=chunk) for stage in STAGES for chunk in (24, 8, 2)],
@@ -107,6 +112,7 @@ def _step(case, engine, batch):
             attention_mask=batch.attention_mask,
             chunk_size=case["chunk"],
             logits_chunk_size=case["chunk"],
+            checkpoints=case["checkpoints"],
         )
 
 

@@ -4,6 +4,7 @@ freeing, checked on CPU where its copies are ordinary tensor copies."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import ClassVar
 
 import pytest
@@ -178,18 +179,34 @@ def test_observed_stores_report_what_a_step_held_and_moved():
     assert store.host_bytes == 0 and store.device_inputs == 0  # all released (closed) after the step
 
 
-def test_recompute_on_a_sharded_model_is_refused(monkeypatch):
-    """Under a data-parallel sync (FSDP2, DeepSpeed) a segment rebuild would gather per chunk: refused
-    before anything runs; the gpu and cpu placements go on."""
+def test_a_sharded_rebuild_gathers_each_layer_once_and_runs_it_hook_free(monkeypatch):
+    """Under a data-parallel sync (FSDP2, DeepSpeed) a segment rebuild holds each rebuilt layer
+    gathered once (sync.rebuilding) and runs its chunks through sync.call (hook-free): the gradients
+    are the gpu placement's, and no layer hook runs in the rebuild."""
     from sbpbench.core.grad_sync import GradSync
 
-    class ShardedSync(GradSync):  # stands in for FSDP2Sync / DeepSpeedSync: any sync but the one-process one
-        pass
+    rebuilt, hooked = [], []
 
-    monkeypatch.setattr(stream_module, "grad_sync_for", lambda model, parts: ShardedSync())
+    class ShardedSync(GradSync):  # stands in for FSDP2Sync / DeepSpeedSync
+        def call(self, layer):
+            return layer.forward
+
+        @contextmanager
+        def rebuilding(self, layer):
+            rebuilt.append(layer)
+            yield
+
     model = _deep_model("tiny/qwen3")
     batch = make_batch("sft", batch_size=1, seq_len=16, vocab_size=model.config.vocab_size)
-    with pytest.raises(ValueError, match="does not run on a sharded model yet"):
-        _step(model, batch, "cpu+recompute:2")
-    assert all(p.grad is None for p in model.parameters())
-    _step(model, batch, "cpu")
+    _step(model, batch, "gpu")
+    expected = {name: p.grad.clone() for name, p in model.named_parameters()}
+    monkeypatch.setattr(stream_module, "grad_sync_for", lambda model, parts: ShardedSync())
+    layers = model.model.layers
+    for layer in layers:
+        layer.register_forward_pre_hook(lambda module, args: hooked.append(module))
+    _step(model, batch, "cpu+recompute:2")
+    # NUM_LAYERS = 5, K = 2: inputs 0, 2, 4 kept; X_1 and X_3 rebuilt by layers 0 and 2
+    assert [list(layers).index(layer) for layer in rebuilt] == [2, 0]
+    assert len(hooked) == NUM_LAYERS  # the checkpoint pass's calls only
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, expected[name], rtol=0, atol=1e-12, msg=name)

@@ -139,8 +139,6 @@ class RunSpec:
         object.__setattr__(self, "device", resolve_device(self.device))
         if self.nproc > 1:
             check_nproc(self.nproc, self.device)
-            if self.method == "streambp" and Placement.parse(self.settings.checkpoints or "gpu").recompute_every > 1:
-                raise ConfigError("checkpoints", RECOMPUTE_SHARDED)
         object.__setattr__(self, "settings", self.settings.for_method(METHODS[self.method].uses))
 
     @property
@@ -165,14 +163,6 @@ class RunSpec:
 # RunSpec's fields, with MethodSettings' fields in place of `settings`.
 SPEC_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(RunSpec) if f.name != "settings")
 FIELD_NAMES: tuple[str, ...] = SPEC_FIELDS + SETTING_NAMES
-
-
-# core/grad_sync.py: a segment rebuild calls the kept layers' forward once per chunk, which under FSDP2
-# or DeepSpeed ZeRO-3 gathers per chunk and is untested; the sharded paths take gpu or cpu placements.
-RECOMPUTE_SHARDED = (
-    "recompute placements do not run sharded yet (--nproc > 1): the segment rebuild would gather each layer once "
-    "per chunk; use --checkpoints gpu or cpu"
-)
 
 
 def check_nproc(nproc: int, device: str) -> None:

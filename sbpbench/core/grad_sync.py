@@ -56,6 +56,11 @@ class GradSync:
         (nothing to do here; FSDP2's hooks on the layer's __call__ already gather once per call)."""
         return nullcontext()
 
+    def rebuilding(self, layer: nn.Module):
+        """A context holding `layer`'s parameters gathered while a recompute placement rebuilds its
+        output chunk by chunk through `call(layer)` (placement.py): one gather per rebuild."""
+        return nullcontext()
+
     def begin(self, layer: nn.Module) -> None:
         pass
 
@@ -196,6 +201,14 @@ class FSDP2Sync(GradSync):
 
     def call(self, layer: nn.Module):
         return layer.forward  # hook-free: no per-chunk gather, reshard or post-backward hook
+
+    @contextmanager
+    def rebuilding(self, layer: nn.Module):
+        layer.unshard()
+        try:
+            yield
+        finally:
+            layer.reshard()  # gathered again when its own backward begins
 
     def begin(self, layer: nn.Module) -> None:
         layer.unshard()  # no collective if the checkpoint pass left it unsharded

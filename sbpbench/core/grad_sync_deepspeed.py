@@ -123,6 +123,8 @@ class DeepSpeedSync(GradSync):
     def gathered(self, layer: nn.Module):
         return _gather(_unique(layer.parameters())) if self.zero3 else ExitStack()
 
+    rebuilding = gathered
+
     def begin(self, layer: nn.Module) -> None:
         self._begin_unit([layer])
 

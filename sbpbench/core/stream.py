@@ -85,14 +85,9 @@ def stream_backward(
     objective = sync.objective(objective)  # DeepSpeed: each chunk's gradient / accumulation steps
 
     store = CheckpointStore(placement, len(parts.layers))
-    if store.placement.recompute_every > 1 and type(sync) is not GradSync:
-        raise ValueError(
-            f"checkpoints={store.placement.name!r} does not run on a sharded model yet: the segment rebuild calls "
-            "each rebuilt layer once per chunk, which FSDP2 / DeepSpeed ZeRO-3 would gather per chunk; use 'gpu' or 'cpu'"
-        )
     with _streaming_mode(parts), sync.step(), closing(store):  # close: frees (and unpins) what an error left
         saved = forward_checkpoints(parts, input_ids, chunk_size, store, gathered=sync.gathered)
-        store.rebuild = lambda index, x: _rebuild(parts, saved, index, x, chunk_size)
+        store.rebuild = lambda index, x: _rebuild(parts, saved, index, x, chunk_size, sync)
         head_grads = ChunkGradAccumulator(trainable(parts.norm) + trainable(parts.lm_head), fp32_grad_accumulation)
         loss, grad = head_backward(
             parts, saved.last_hidden, objective, chunk_size=logits_chunk_size, accumulator=head_grads
@@ -130,10 +125,12 @@ def stream_backward(
     return loss
 
 
-def _rebuild(parts: DecoderParts, saved: Checkpoints, index: int, layer_input: torch.Tensor, chunk_size: int):
-    """X_{index+1} from X_index, as the checkpoint pass made it (recompute placements)."""
-    with torch.no_grad():
-        return chunked_layer_forward(parts.layers[index], layer_input, saved.layer_kwargs[index], chunk_size)
+def _rebuild(parts: DecoderParts, saved: Checkpoints, index: int, layer_input, chunk_size: int, sync: GradSync):
+    """X_{index+1} from X_index, as the checkpoint pass made it (recompute placements). A sharded
+    layer is gathered once for the whole rebuild, and its chunks run hook-free (grad_sync.py)."""
+    layer = parts.layers[index]
+    with torch.no_grad(), sync.rebuilding(layer):
+        return chunked_layer_forward(sync.call(layer), layer_input, saved.layer_kwargs[index], chunk_size)
 
 
 def _check_sizes(chunk_size: int, logits_chunk_size: int) -> None:
