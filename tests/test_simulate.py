@@ -17,7 +17,7 @@ from sbpbench.methods import MethodSettings
 from sbpbench.records import read_rows
 from sbpbench.runner.length_search import search_max_len
 from sbpbench.runner.point import measure_point
-from sbpbench.simulate import CUDA_CONTEXT_BYTES, FRAGMENTATION_FRACTION, estimate, estimate_point
+from sbpbench.simulate import CUDA_CONTEXT_BYTES, FRAGMENTATION_FRACTION, estimate, estimate_point, fake_mode
 from sbpbench.simulate.cuda_attention import EFFICIENT, FLASH, MATH, CudaAttention, choose_kernel, hidden_bytes
 from sbpbench.simulate.memory_counter import SimulatedMemory
 from sbpbench.simulate.paper_baseline import PAPER_METHODS
@@ -96,6 +96,29 @@ def _meta(*shape, dtype=torch.bfloat16, layout=None):
         b, h, t, d = shape
         return torch.empty(b, t, h, d, dtype=dtype, device="meta").transpose(1, 2)
     return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+@pytest.mark.parametrize(
+    ("model", "method", "values"),
+    [
+        (
+            "tiny/qwen3",
+            "streambp",
+            {
+                "dtype": "bf16",
+                "settings": MethodSettings(chunk_size=24, logits_chunk_size=20, checkpoints="cpu+recompute:2"),
+            },
+        ),
+        ("tiny/llama", "ckpt", {"lora_rank": 4, "step": "train"}),
+    ],
+)
+def test_cheaper_cache_key_changes_no_byte(monkeypatch, model, method, values):
+    """fake_mode.CheaperKeyFakeTensorMode predicts exactly what torch's own FakeTensorMode does."""
+    spec = _spec(model, method, num_layers=3, **values)
+    fast = estimate(spec, target="cuda")
+    monkeypatch.setattr(fake_mode, "CheaperKeyFakeTensorMode", FakeTensorMode)
+    assert fake_mode.build_fake_step(spec).mode.__class__ is FakeTensorMode
+    assert estimate(spec, target="cuda") == fast
 
 
 def test_kernel_choice_follows_cuda_dispatch():

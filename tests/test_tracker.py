@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._pytree import tree_leaves
 
-from sbpbench.measure.tensor_tracker import LiveTensorTracker
+from sbpbench.measure.tensor_tracker import LiveTensorTracker, _tensors
 
 
 def test_counts_new_storages_and_their_release():
@@ -48,3 +49,11 @@ def test_granularity_rounds_each_storage_up():
     del keep
     with pytest.raises(ValueError):
         LiveTensorTracker(granularity_bytes=0)
+
+
+def test_tensors_of_op_values_are_the_tree_leaves():
+    """_tensors (the tracker's per-op fast path) finds the tensors tree_leaves does, in order, nested too."""
+    a, b, c = torch.ones(1), torch.ones(2), torch.ones(3)
+    for values in [(a, 2, [b, None, c]), ((a, b), {"x": c}), ([a, [b, (c,)]],), (), (1.0, "s", None)]:
+        expected = [t for t in tree_leaves(values) if isinstance(t, torch.Tensor)]
+        assert [id(t) for t in _tensors(values)] == [id(t) for t in expected], values

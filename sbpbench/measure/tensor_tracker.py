@@ -26,6 +26,25 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 
+def _tensors(values) -> list[torch.Tensor]:
+    """The tensors among an aten op's arguments or results, in order. Aten values are flat (tensors,
+    scalars, lists of those), so two levels are read directly: tree_leaves costs more per op, and
+    is used only when something is nested deeper."""
+    found = []
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                if isinstance(item, torch.Tensor):
+                    found.append(item)
+                elif isinstance(item, (list, tuple, dict)):
+                    return [t for t in tree_leaves(values) if isinstance(t, torch.Tensor)]
+        elif isinstance(value, dict):
+            return [t for t in tree_leaves(values) if isinstance(t, torch.Tensor)]
+    return found
+
+
 def _plain(t: torch.Tensor) -> torch.Tensor:
     """The tensor whose storage holds the bytes: a DTensor's (FSDP2's sharded parameters and
     gradients) local shard; any other tensor itself."""
@@ -80,7 +99,9 @@ class LiveTensorTracker(TorchDispatchMode):
         self._counted[key] = rounded
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
 
-    def _track(self, tensor: torch.Tensor, op: str) -> None:
+    def _track(self, tensor: torch.Tensor, op) -> None:
+        """Count tensor's storage if new; op: the aten op that made it (named only when it is the
+        largest so far: str() of an op costs microseconds, paid on every op otherwise)."""
         storage = tensor.untyped_storage()
         key = id(storage)
         nbytes = storage.nbytes()
@@ -89,7 +110,7 @@ class LiveTensorTracker(TorchDispatchMode):
         self._count(storage, key, nbytes)
         numel = nbytes // tensor.element_size()
         if numel > self.largest.numel:
-            self.largest = Allocation(numel, nbytes, op)
+            self.largest = Allocation(numel, nbytes, str(op))
 
     def resized(self, storage) -> None:
         """A storage changed size in place: count it at its new size (from now on, if it was not
@@ -99,11 +120,16 @@ class LiveTensorTracker(TorchDispatchMode):
             self._count(storage, key, storage.nbytes())
         self._check_limit("storage resize_")
 
-    def _check_limit(self, op: str) -> None:
+    def _check_limit(self, op) -> None:
+        """op: the aten op (or a description) just run, named in the error."""
         if self.limit_bytes is not None and self.live_bytes > self.limit_bytes:
             raise TrackedOutOfMemoryError(
                 f"tracked live tensors reached {self.live_bytes:,} B, over the limit of {self.limit_bytes:,} B ({op})"
             )
+
+    def _is_meta(self, t: torch.Tensor) -> bool:
+        """Whether t lives on the meta device (no memory). A subclass may answer more cheaply."""
+        return t.is_meta
 
     def _run(self, func, args, kwargs):
         """Run one op. A subclass may run it elsewhere (the simulator runs ops on real tensors
@@ -113,15 +139,12 @@ class LiveTensorTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = self._run(func, args, kwargs)
-        inputs = {
-            id(_plain(t).untyped_storage())
-            for t in tree_leaves((args, kwargs))
-            if isinstance(t, torch.Tensor) and not t.is_meta
-        }
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and not t.is_meta and id(_plain(t).untyped_storage()) not in inputs:
-                self._track(_plain(t), str(func))
-        self._check_limit(str(func))
+        is_meta = self._is_meta
+        inputs = {id(_plain(t).untyped_storage()) for t in _tensors((*args, *kwargs.values())) if not is_meta(t)}
+        for t in _tensors((out,)):
+            if not is_meta(t) and id(_plain(t).untyped_storage()) not in inputs:
+                self._track(_plain(t), func)
+        self._check_limit(func)
         return out
 
 

@@ -16,13 +16,70 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from transformers import AutoModelForCausalLM
 
 from ..config import DTYPES, RunSpec
 from ..config.build import make_spec_batch, training_step
 from ..methods.step import TrainingStep
 from ..models import apply_lora, load_config
+
+
+class CheaperKeyFakeTensorMode(FakeTensorMode):
+    """FakeTensorMode whose dispatch-cache key describes a plain fake tensor in one tuple.
+
+    Every op under a FakeTensorMode (torch/_subclasses/fake_tensor.py, torch 2.13) looks up its
+    output metadata in a cache keyed by the op and its arguments' metadata; torch builds that key
+    field by field through `extract_tensor_metadata` and `TensorMetadata._flatten_into`, about half
+    of a fake op's cost here. For a dense fake tensor of this mode with static shapes, the tuple below
+    holds the same information: torch's other fields (layout strided, not sparse, memory format a
+    function of shape and strides, is_quantized a function of the dtype) are implied by it. Anything
+    else (symbolic shapes, sparse or constant tensors, real tensors, dicts) takes torch's own path,
+    which also decides when an op is not cached. Keys differ from torch's, so the cache entries are
+    made and read by this mode only; the outputs they give are torch's, so byte counts are unchanged."""
+
+    def _prep_args_for_hash(self, result, args, state, id_hashed_objects) -> None:
+        if type(args) not in (list, tuple):
+            super()._prep_args_for_hash(result, args, state, id_hashed_objects)
+            return
+        key = [type(args), f"length_{len(args)}"]
+        for arg in args:
+            if isinstance(arg, FakeTensor):
+                if (
+                    arg.fake_mode is not self
+                    or arg.constant is not None
+                    or arg.layout != torch.strided
+                    or arg._has_symbolic_sizes_strides
+                ):
+                    break
+                key.append(FakeTensor)  # a marker: no other argument adds this class to a key
+                key.append(
+                    (
+                        arg.dtype,
+                        tuple(arg.shape),
+                        arg.stride(),
+                        arg.fake_device,
+                        arg.storage_offset(),
+                        arg.untyped_storage().nbytes(),
+                        arg.requires_grad,
+                        arg.is_conj(),
+                        arg.is_neg(),
+                        arg.is_inference(),
+                    )
+                )
+            elif isinstance(arg, torch.Tensor) or type(arg) not in _PLAIN_ARGS:
+                break
+            else:
+                key.append(type(arg))
+                key.append(arg)
+        else:
+            result.extend(key)
+            return
+        super()._prep_args_for_hash(result, args, state, id_hashed_objects)  # lists, symbols, bypasses
+
+
+# argument types added to a key as (type, value), as torch does; lists and tuples recurse through torch's path
+_PLAIN_ARGS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
 
 
 @dataclass
@@ -70,7 +127,7 @@ def build_fake_step(spec: RunSpec, *, foreach_optimizer: bool = False) -> FakeSt
     parameters (CPU parameters get the per-tensor loop); it allocates whole-group temporaries."""
     if spec.device != "cpu":
         raise ValueError(f"a simulated point is built on fake CPU tensors; give device 'cpu', got {spec.device!r}")
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    mode = CheaperKeyFakeTensorMode(allow_non_fake_inputs=True)
     model = _fake_model(spec, mode)
     batch = make_spec_batch(spec, model.config)
     step = training_step(spec, model, batch, foreach_optimizer=foreach_optimizer, allocation=mode)
