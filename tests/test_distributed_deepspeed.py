@@ -66,6 +66,7 @@ CASES = [
     # prefetching on (DeepSpeed's default) and active: engine.forward calls (an evaluation) before
     # each step trace the module order the prefetcher follows
     _case("zero3_prefetch_after_eval_forwards", stage=3, micro=2),
+    _case("zero3_no_pf_after_eval_forwards", stage=3, micro=2),
     _case("refused_module_without_engine", stage=2),
 ]
 
@@ -260,6 +261,14 @@ def test_zero3_collectives_independent_of_chunks(results):
         _assert_close(name, results[name][0], results["zero3_bp"][0])
         assert {k: got[k] for k in _REDUCTIONS} == {k: expected[k] for k in _REDUCTIONS}, f"{name}: {got} != {expected}"
         assert got["all_gather"] == counts[1]["all_gather"] <= expected["all_gather"], f"{name}: {got} vs {expected}"
+
+
+def test_zero3_prefetching_was_active_and_changed_no_gradient(results):
+    """With evaluation forwards before each step, ZeRO-3's prefetcher runs (fewer, coalesced
+    all-gathers than with it off) and the gradients are the same."""
+    on, off = results["zero3_prefetch_after_eval_forwards"], results["zero3_no_pf_after_eval_forwards"]
+    assert on[1]["all_gather"] < off[1]["all_gather"], (on[1], off[1])
+    _assert_close("zero3_prefetch_after_eval_forwards", on[0], off[0])
 
 
 def test_module_without_engine_is_refused(results):
