@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch import nn
@@ -47,6 +48,7 @@ def forward_checkpoints(
     sharded engine whose hooks would otherwise gather per chunk: DeepSpeed ZeRO-3; grad_sync.py)."""
     num_layers = len(parts.layers)
     store = store if store is not None else CheckpointStore(Placement(), num_layers)
+    gathered = gathered if gathered is not None else _nothing_to_gather
     saved = Checkpoints(layer_inputs=store, layer_kwargs=[{}] * num_layers)
 
     def norm_hook(module, args):
@@ -61,6 +63,10 @@ def forward_checkpoints(
     if saved.last_hidden is None or len(saved.seen) != num_layers:
         raise RuntimeError("the model's forward did not call every decoder layer and the final norm")
     return saved
+
+
+def _nothing_to_gather(layer: nn.Module) -> AbstractContextManager:
+    return nullcontext()
 
 
 @contextmanager
@@ -81,13 +87,12 @@ def _skipped(norm: nn.Module):
 
 
 @contextmanager
-def _chunked_layers(layers: nn.ModuleList, saved: Checkpoints, chunk_size: int, gathered=None):
+def _chunked_layers(layers: nn.ModuleList, saved: Checkpoints, chunk_size: int, gathered):
     """Wrap each layer's forward on the instance (hooks and __call__ still run as usual); restore
     whatever was there before (a plain method, or another library's wrapper), whatever happens."""
     previous = [layer.__dict__.get("forward") for layer in layers]
     for index, layer in enumerate(layers):
-        context = (lambda layer=layer: gathered(layer)) if gathered is not None else nullcontext
-        layer.forward = _chunked_forward(layer.forward, index, saved, chunk_size, context)
+        layer.forward = _chunked_forward(layer.forward, index, saved, chunk_size, partial(gathered, layer))
     try:
         yield
     finally:
@@ -98,14 +103,14 @@ def _chunked_layers(layers: nn.ModuleList, saved: Checkpoints, chunk_size: int, 
                 layer.forward = forward
 
 
-def _chunked_forward(forward, index: int, saved: Checkpoints, chunk_size: int, context=nullcontext):
+def _chunked_forward(forward, index: int, saved: Checkpoints, chunk_size: int, gathered):
     def chunked(hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if args:
             raise NotImplementedError("StreamBP expects decoder layers called as layer(hidden_states, **kwargs)")
         saved.layer_inputs.put(index, hidden_states)
         saved.layer_kwargs[index] = kwargs
         saved.seen.add(index)
-        with context():
+        with gathered():
             return chunked_layer_forward(forward, hidden_states, kwargs, chunk_size)
 
     return chunked

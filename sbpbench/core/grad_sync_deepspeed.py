@@ -121,7 +121,7 @@ class DeepSpeedSync(GradSync):
         return layer.forward  # hook-free: ZeRO-3 would gather and release per chunk
 
     def gathered(self, layer: nn.Module):
-        return _gather(_unique(layer.parameters())) if self.zero3 else ExitStack()
+        return _gather(_unique(layer.parameters())) if self.zero3 else super().gathered(layer)
 
     rebuilding = gathered
 
