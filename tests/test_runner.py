@@ -16,7 +16,7 @@ from sbpbench.config import RunSpec
 from sbpbench.measure.environment import capture_environment
 from sbpbench.methods import MethodSettings
 from sbpbench.records import PROVENANCE_COLUMNS, read_rows
-from sbpbench.runner import run_isolated, run_points
+from sbpbench.runner import fork_server, run_isolated, run_points
 from sbpbench.runner.point import measure_point
 
 
@@ -82,9 +82,12 @@ def test_run_isolated_returns_a_row_with_provenance_and_oom_is_a_value(tmp_path)
         assert all(r[column] for r in saved), column
 
 
-def test_a_point_past_its_timeout_is_a_timeout_row():
-    """A worker still running at its timeout is killed and its point is a timeout row with provenance."""
-    row = run_isolated(_spec("bp", timeout_s=0.5))
+def test_a_point_past_its_timeout_is_a_timeout_row(monkeypatch):
+    """A worker still running at its timeout is killed and its point is a timeout row with provenance
+    (a fresh worker: starting the fork server costs this tier seconds; tests/test_fork_server.py
+    times a forked one out)."""
+    monkeypatch.setenv(fork_server.ENABLE_ENV, "0")
+    row = run_isolated(_spec("bp", timeout_s=0.5, repeats=1000))
     assert row.status == "timeout" and "--timeout" in row.error and row.host
 
 
@@ -136,21 +139,44 @@ run_isolated(spec)
 """
 
 
-def _workers(parent: int | None = None) -> set[int]:
-    """pids of the live (not zombie) point workers on the machine; with parent, only its children
-    (-ww: whole command lines, which ps otherwise cuts to the terminal width)."""
+def _processes() -> dict[int, tuple[int, str]]:
+    """pid -> (ppid, command line) of the live (not zombie) processes on the machine (-ww: whole
+    command lines, which ps otherwise cuts to the terminal width)."""
     out = subprocess.run(["ps", "-ww", "-eo", "pid,ppid,stat,args"], capture_output=True, text=True, check=True).stdout
-    pids = set()
+    table = {}
     for line in out.splitlines()[1:]:
         pid, ppid, stat, args = line.split(None, 3)
-        if "sbpbench.runner.worker" in args and "Z" not in stat and parent in (None, int(ppid)):
-            pids.add(int(pid))
-    return pids
+        if "Z" not in stat:
+            table[int(pid)] = (int(ppid), args)
+    return table
+
+
+def _workers(parent: int | None = None, *, servers: bool = False) -> set[int]:
+    """pids of the live point workers on the machine, fresh (`-m sbpbench.runner.worker`) or forked
+    by a fork server (the child of a process running runner/fork_server.py's `serve`); with
+    servers, the fork servers too; with parent, only those descending from it."""
+    table = _processes()
+
+    def descends(pid: int) -> bool:
+        while pid in table and pid != parent:
+            pid = table[pid][0]
+        return pid == parent
+
+    def server(pid: int) -> bool:
+        return pid in table and "sbpbench.runner.fork_server" in table[pid][1]
+
+    return {
+        pid
+        for pid, (ppid, args) in table.items()
+        if ("sbpbench.runner.worker" in args or (server(pid) and (servers or server(ppid))))
+        and (parent is None or descends(pid))
+    }
 
 
 @pytest.mark.slow
 def test_ctrl_c_in_the_parent_kills_the_worker():
-    """SIGINT to the process running a point: it exits and its worker process is gone with it."""
+    """SIGINT to the process running a point: it exits and its worker process (and the fork server
+    that forked it) is gone with it."""
     parent = subprocess.Popen([sys.executable, "-c", INTERRUPTED_PARENT], stdout=subprocess.PIPE, text=True)
     mine: set[int] = set()
     try:
@@ -160,13 +186,14 @@ def test_ctrl_c_in_the_parent_kills_the_worker():
         while not (mine := _workers(parent.pid)) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert mine, "the worker never started"
+        mine |= _workers(parent.pid, servers=True)
         parent.send_signal(signal.SIGINT)
         parent.wait(timeout=60)
         time.sleep(0.5)
-        assert not (mine & _workers())
-    finally:  # a failed run leaves neither process behind (the worker leads its own process group)
+        assert not (mine & _workers(servers=True))
+    finally:  # a failed run leaves no process behind (a worker leads its own process group)
         parent.kill()
         parent.wait()
-        for pid in mine & _workers():
+        for pid in mine & _workers(servers=True):
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)

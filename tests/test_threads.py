@@ -12,11 +12,17 @@ from sbpbench.measure import threads
 from sbpbench.runner.point import measure_point
 
 
-def test_default_threads_are_the_physical_cores_this_process_may_use():
-    """Unset threads resolve to the physical cores of the affinity mask, never more than its CPUs."""
+def test_default_threads_are_omp_num_threads_else_the_physical_cores(monkeypatch):
+    """Unset threads resolve to OMP_NUM_THREADS when it is a positive integer, else to the physical
+    cores of the affinity mask, never more than its CPUs."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
     (spec,) = point_specs({"device": "cpu", "model": "tiny/qwen3", "seq_len": 16}, ["bp"])
-    assert spec.threads == threads.physical_cores_available()
-    assert 1 <= spec.threads <= len(threads.available_cpus())
+    assert spec.threads == 3
+    for unusable in ("", "0", "two"):
+        monkeypatch.setenv("OMP_NUM_THREADS", unusable)
+        (spec,) = point_specs({"device": "cpu", "model": "tiny/qwen3", "seq_len": 16}, ["bp"])
+        assert spec.threads == threads.physical_cores_available()
+        assert 1 <= spec.threads <= len(threads.available_cpus())
 
 
 def test_threads_are_checked_and_travel_to_the_worker():

@@ -27,7 +27,7 @@ from .tables import maxlen_table, print_table, seq_bound
     ("device", "threads"),
     helps={
         "device": "Override every point's device (cpu, cuda, cuda:N).",
-        "threads": "Override every point's CPU threads (default: the file's, else the physical cores available).",
+        "threads": "Override every point's CPU threads (default: the file's, else OMP_NUM_THREADS, else the physical cores available).",
     },
 )
 def sweep(

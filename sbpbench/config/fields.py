@@ -58,7 +58,8 @@ SETTINGS: dict[str, Setting] = {
     ),
     "seed": Setting(int, "Seed for weights and batch (default: 0)."),
     "threads": Setting(
-        int, "CPU threads for torch's intra-op work in each point (default: the physical cores this process may use)."
+        int,
+        "CPU threads for torch's intra-op work in each point (default: OMP_NUM_THREADS if set, else the physical cores this process may use).",
     ),
     "nproc": Setting(
         int,

@@ -19,7 +19,7 @@ import torch
 from ..core.adapters import SUPPORTED_MODEL_TYPES, UnsupportedModelError, supported_families
 from ..core.placement import Placement
 from ..data import DEFAULT_PROMPT_LEN, OBJECTIVES
-from ..measure.threads import physical_cores_available
+from ..measure.threads import default_threads
 from ..measure.units import parse_bytes
 from ..methods import METHODS, STEPS, MethodSettings, method_names
 from ..methods.settings import SETTING_NAMES
@@ -79,7 +79,8 @@ class RunSpec:
     memory_limit: int | None = None  # bytes; CUDA: per-process cap; CPU: cap on tracked bytes
     seed: int = 0
     timeout_s: float = DEFAULT_TIMEOUT_S
-    # torch intra-op threads in the worker (None: the physical cores this process may use). Not part
+    # torch intra-op threads in the worker (None: OMP_NUM_THREADS if set, else the physical cores this
+    # process may use). Not part
     # of a row's key: it changes time, not memory or the work done, like the host's load; each row
     # records it (num_threads), and a rerun with another count replaces the point's row.
     threads: int | None = None
@@ -112,10 +113,11 @@ class RunSpec:
                 "batch_size", f"counts chosen + rejected rows for dpo: give an even number, got {self.batch_size}"
             )
         if self.threads is None:
-            object.__setattr__(self, "threads", physical_cores_available())
+            object.__setattr__(self, "threads", default_threads())
         elif not _is_int(self.threads) or self.threads < 1:
             raise ConfigError(
-                "threads", f"must be an integer >= 1 (or unset for the physical cores), got {self.threads!r}"
+                "threads",
+                f"must be an integer >= 1 (or unset for OMP_NUM_THREADS or the physical cores), got {self.threads!r}",
             )
         if self.memory_limit is not None and (not _is_int(self.memory_limit) or self.memory_limit <= 0):
             raise ConfigError("memory_limit", f"must be a positive number of bytes, got {self.memory_limit!r}")

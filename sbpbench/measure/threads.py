@@ -33,6 +33,15 @@ def physical_cores_available() -> int:
     return max(1, len(cores))
 
 
+def default_threads() -> int:
+    """A point's thread count when none is given: OMP_NUM_THREADS when it is set to a positive
+    integer (as torch itself honours it), else the physical cores this process may use."""
+    value = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if value.isdigit() and int(value) >= 1:
+        return int(value)
+    return physical_cores_available()
+
+
 def set_intra_op_threads(num_threads: int) -> int:
     """Set torch's intra-op thread count (OpenMP / MKL) for this process; returns what torch took."""
     import torch

@@ -1,6 +1,7 @@
-"""Each measured point in a fresh process, so a peak, a fragmented cache or an OOM never leaks
-into the next point. The parent never touches CUDA (provenance comes from NVML), so it takes no
-GPU memory from the point it measures.
+"""Each measured point in a process of its own, so a peak, a fragmented cache or an OOM never leaks
+into the next point: a fresh interpreter on a GPU, a fork of the fork server on the CPU
+(fork_server.py: the same start state without the imports). The parent never touches CUDA
+(provenance comes from NVML), so it takes no GPU memory from the point it measures.
 
 Outcome classes: ok | oom (CUDA OOM, host allocation failure, or the tracked peak over
 --memory-limit on the CPU) | error (anything else, with the worker's one-line reason) | timeout.
@@ -31,6 +32,7 @@ from ..measure.environment import Environment, capture_environment
 from ..measure.progress import PROGRESS_PREFIX
 from ..methods import METHODS, data_parallel_unsupported
 from ..records import ResultRow, upsert_rows
+from . import fork_server
 from .ranks import INIT_METHOD_ENV, merge_rank_rows
 
 _ROW_FIELDS = {f.name for f in fields(ResultRow)}
@@ -39,6 +41,7 @@ POINT_DIR_PREFIX = "sbp-point-"
 _HELD = ".held"  # flocked by the process that owns a point's directory, for as long as it runs
 _HELD_GRACE_S = 60  # an unheld directory younger than this may be one whose owner has not locked it yet
 _UNMARKED_STALE_S = 3600  # a directory without the mark (an older sbpbench's) is stale after an hour
+Worker = subprocess.Popen | fork_server.ForkedWorker  # what _start_worker returns
 # After one rank exits without an ok result, how long the others may take to finish on their own
 # (a rank blocked in a collective with the failed one never would): then they are killed.
 RANK_GRACE_S = 30.0
@@ -126,9 +129,18 @@ def run_isolated(spec: RunSpec, env: Environment | None = None) -> ResultRow:
     return row
 
 
-def _start_worker(spec: RunSpec, result_path: Path, env: dict | None, group: int | None) -> subprocess.Popen:
+def _start_worker(spec: RunSpec, result_path: Path, env: dict | None, group: int | None) -> Worker:
     """One worker. A point's only worker gets a session of its own; several ranks share a process
-    group (the first rank's: group 0 makes it), so a timeout or Ctrl-C kills all of them at once."""
+    group (the first rank's: group 0 makes it), so a timeout or Ctrl-C kills all of them at once.
+    CPU workers are forked from the fork server when it runs (fork_server.py: no import per point)."""
+    if spec.device == "cpu" and fork_server.enabled():
+        try:
+            return fork_server.shared_server().start(
+                spec.to_json(), result_path, env or dict(os.environ), None if spec.nproc == 1 else (group or 0)
+            )
+        except fork_server.ForkServerUnavailable as error:
+            if os.environ.get("SBP_DEBUG"):
+                print(f"fork server: {error}; starting a fresh worker", file=sys.stderr)
     worker = subprocess.Popen(
         [sys.executable, "-m", "sbpbench.runner.worker", str(result_path)],
         stdin=subprocess.PIPE,
@@ -148,7 +160,7 @@ def _start_worker(spec: RunSpec, result_path: Path, env: dict | None, group: int
     return worker
 
 
-def _wait(workers: list[subprocess.Popen], results: list[Path], timeout_s: float) -> bool:
+def _wait(workers: list[Worker], results: list[Path], timeout_s: float) -> bool:
     """Wait for every worker; True if the timeout came first. When a rank has exited without an ok
     result, the others (blocked in a collective with it, perhaps) get RANK_GRACE_S to finish."""
     deadline = time.monotonic() + timeout_s
@@ -174,7 +186,7 @@ def _run_workers(spec: RunSpec, tmp: Path) -> tuple[ResultRow, str]:
     """spec.nproc worker processes (ranks of one process group when several: runner/ranks.py), their
     merged row and stderr."""
     results = [tmp / (f"result.rank{r}.json" if spec.nproc > 1 else "result.json") for r in range(spec.nproc)]
-    workers: list[subprocess.Popen] = []
+    workers: list[Worker] = []
     lines: list[str] = []
     readers = []
     try:
@@ -215,7 +227,7 @@ def _run_workers(spec: RunSpec, tmp: Path) -> tuple[ResultRow, str]:
     return (rows[0] if spec.nproc == 1 else merge_rank_rows(rows)), stderr
 
 
-def _kill_group(workers: list[subprocess.Popen]) -> None:
+def _kill_group(workers: list[Worker]) -> None:
     try:
         os.killpg(workers[0].pid, signal.SIGKILL)
     except ProcessLookupError:

@@ -11,8 +11,8 @@ Protocol (recorded in every row):
      then the warm-up, which also keeps the tracker's first-run costs out of the timed steps;
   3. `repeats` timed steps, synchronised, with nothing else running (no tracker, no sampler);
      none for a memory-only point (repeats 0: a max-length probe).
-The worker runs spec.threads intra-op threads (default: the physical cores it may use); the row
-records them and the load average as the point started.
+The worker runs spec.threads intra-op threads (default: OMP_NUM_THREADS, else the physical cores it
+may use); the row records them and the load average as the point started.
 Gradients before each step follow the protocol: steady = resident and zeroed in place, first =
 None. An out-of-memory error anywhere is the point's result (status oom), not a crash.
 A step that runs past a few seconds prints "layer i of L" lines to stderr (measure/progress.py;

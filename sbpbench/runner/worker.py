@@ -1,4 +1,5 @@
-"""The worker process of one point: `python -m sbpbench.runner.worker RESULT.json < SPEC.json`.
+"""The worker process of one point: `python -m sbpbench.runner.worker RESULT.json < SPEC.json`, or
+`run_point` in a worker forked by the fork server (fork_server.py).
 
 Reads a RunSpec as JSON on stdin, measures it, and writes one JSON object (a ResultRow without
 provenance) to RESULT.json, atomically, so the parent never reads half a result. Model code may
@@ -35,12 +36,16 @@ def die_with_parent() -> None:
 
 
 def main(argv: list[str]) -> int:
-    die_with_parent()
     if len(argv) != 1:
         print("usage: python -m sbpbench.runner.worker RESULT.json < SPEC.json", file=sys.stderr)
         return 2
-    result_path = Path(argv[0])
-    spec = RunSpec.from_json(sys.stdin.read())
+    return run_point(sys.stdin.read(), Path(argv[0]))
+
+
+def run_point(spec_json: str, result_path: Path) -> int:
+    """Measure the point and write its result; in a fresh worker (main) or a forked one (fork_server.py)."""
+    die_with_parent()
+    spec = RunSpec.from_json(spec_json)
     row = measure_point(spec)
     tmp = result_path.with_name(result_path.name + ".tmp")
     tmp.write_text(json.dumps(row.as_dict()))
