@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import threading
 import time
 
@@ -16,6 +15,8 @@ from sbpbench.config import RunSpec
 from sbpbench.measure.environment import capture_environment
 from sbpbench.methods import MethodSettings
 from sbpbench.runner import fork_server, run_isolated
+
+from .test_runner import _processes
 
 # Each server start imports torch and transformers (about 10 s on a loaded 2-core machine): the
 # tests run in this order and start two servers in all.
@@ -31,9 +32,7 @@ def _spec(method: str, **values) -> RunSpec:
 
 
 def _alive(pid: int) -> bool:
-    ps = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], check=False, capture_output=True, text=True)
-    state = ps.stdout.strip()
-    return bool(state) and not state.startswith("Z")
+    return pid in _processes()  # live, not a zombie
 
 
 def test_a_forked_point_equals_a_fresh_one():

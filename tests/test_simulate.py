@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 
 import pytest
 import torch
@@ -15,14 +14,12 @@ from typer.testing import CliRunner
 from sbpbench.cli.estimate_cmd import estimate as estimate_command
 from sbpbench.config import Resolution, RunSpec
 from sbpbench.methods import MethodSettings
-from sbpbench.models import load_config
 from sbpbench.records import read_rows
 from sbpbench.runner.length_search import search_max_len
 from sbpbench.runner.point import measure_point
 from sbpbench.simulate import CUDA_CONTEXT_BYTES, FRAGMENTATION_FRACTION, estimate, estimate_point, fake_mode
 from sbpbench.simulate.cuda_attention import EFFICIENT, FLASH, MATH, CudaAttention, choose_kernel, hidden_bytes
-from sbpbench.simulate.depth import probe_depths
-from sbpbench.simulate.estimate import margin_bytes
+from sbpbench.simulate.depth import estimate_point_by_depth
 from sbpbench.simulate.memory_counter import SimulatedMemory
 from sbpbench.simulate.paper_baseline import PAPER_METHODS
 
@@ -249,16 +246,12 @@ FIGURE3 = [  # (model, method, the paper's longest T on one 80 GB GPU)
 
 
 def _paper_baseline_fits(model: str, method: str, seq_len: int) -> bool:
-    """Whether the paper's baseline fits 80 GiB, from two shallow models extrapolated to the full
-    depth as simulate/depth.py does for `sbp estimate` (exact for uniform layers: the depth tests)."""
+    """Whether the paper's baseline fits 80 GiB, predicted from two shallow models as `sbp estimate`
+    does (simulate/depth.py: exact for uniform layers, tests/test_simulate_depth.py)."""
     spec = RunSpec(model=model, method=method, seq_len=seq_len, dtype="bf16", repeats=1)
-    depth = load_config(model).num_hidden_layers
-    low, high = probe_depths(depth)
-    a, b = (estimate(replace(spec, num_layers=n), target="cuda", method=PAPER_METHODS[method]) for n in (low, high))
-    steps = depth - low
-    baseline = a.baseline_bytes + steps * (b.baseline_bytes - a.baseline_bytes)
-    activations = a.activation_peak_bytes + steps * (b.activation_peak_bytes - a.activation_peak_bytes)
-    return baseline + activations + margin_bytes(activations) <= GPU_80GIB
+    row = estimate_point_by_depth(spec, target="cuda", gpu_memory_bytes=GPU_80GIB, method=PAPER_METHODS[method])
+    assert row.status in ("ok", "oom"), row.error
+    return row.status == "ok"
 
 
 @pytest.mark.slow

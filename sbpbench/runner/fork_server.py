@@ -221,8 +221,13 @@ def shared_server() -> ForkServer:
             except ForkServerUnavailable:
                 _server_failed = True
                 raise
-            atexit.register(_server.close)
         return _server
+
+
+@atexit.register
+def _close_shared_server() -> None:
+    if _server is not None:
+        _server.close()
 
 
 # ---- the server process ----------------------------------------------------------------------

@@ -18,6 +18,7 @@ from dataclasses import replace
 
 from ..config import RunSpec
 from ..core.placement import Placement
+from ..methods import MethodFn
 from ..models import load_config
 from ..records import ResultRow
 from .estimate import estimate_point, judge, margin_bytes
@@ -61,7 +62,12 @@ def probe_depths(depth: int, recompute_every: int = 1) -> tuple[int, int] | None
 
 
 def estimate_point_by_depth(
-    spec: RunSpec, *, target: str = "cuda", gpu_memory_bytes: int | None = None, host_memory_bytes: int | None = None
+    spec: RunSpec,
+    *,
+    target: str = "cuda",
+    gpu_memory_bytes: int | None = None,
+    host_memory_bytes: int | None = None,
+    method: MethodFn | None = None,
 ) -> ResultRow:
     """estimate_point's row, from two shallower models when that is exact (see above)."""
     depth = spec.num_layers or load_config(spec.model).num_hidden_layers
@@ -69,11 +75,11 @@ def estimate_point_by_depth(
     depths = probe_depths(depth, every)
     if depths is None or not uniform_layers(spec.model):
         return estimate_point(
-            spec, target=target, gpu_memory_bytes=gpu_memory_bytes, host_memory_bytes=host_memory_bytes
+            spec, target=target, gpu_memory_bytes=gpu_memory_bytes, host_memory_bytes=host_memory_bytes, method=method
         )
     low, high = depths
-    shallow = estimate_point(replace(spec, num_layers=low), target=target)
-    row = estimate_point(replace(spec, num_layers=high), target=target)
+    shallow = estimate_point(replace(spec, num_layers=low), target=target, method=method)
+    row = estimate_point(replace(spec, num_layers=high), target=target, method=method)
     if "error" in (shallow.status, row.status):
         return row
     steps = (depth - low) // (high - low)  # whole segments: depth = low (mod high - low)

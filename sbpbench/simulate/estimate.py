@@ -160,11 +160,16 @@ def estimate(spec: RunSpec, *, target: str = "cuda", method: MethodFn | None = N
 
 
 def estimate_point(
-    spec: RunSpec, *, target: str = "cuda", gpu_memory_bytes: int | None = None, host_memory_bytes: int | None = None
+    spec: RunSpec,
+    *,
+    target: str = "cuda",
+    gpu_memory_bytes: int | None = None,
+    host_memory_bytes: int | None = None,
+    method: MethodFn | None = None,
 ) -> ResultRow:
     """A results row for the point: status ok, or oom when peak + margin exceeds gpu_memory_bytes
     or the host side exceeds host_memory_bytes, or error (the row says why). Provenance is this
-    machine's software, not a GPU's."""
+    machine's software, not a GPU's. method: as in `estimate`."""
     row = ResultRow(**spec_fields(spec))
     row.source, row.memory_source = "simulated", "fake-tensor"
     row.device = target
@@ -176,7 +181,7 @@ def estimate_point(
     row.git_commit, row.git_dirty = env.git_commit, env.git_dirty
     row.timestamp_utc = datetime.now(timezone.utc).isoformat(timespec="seconds")
     try:
-        result = estimate(spec, target=target)
+        result = estimate(spec, target=target, method=method)
     except MethodUnsupported as error:
         row.status, row.error = "unsupported", one_line(error)
         return row
