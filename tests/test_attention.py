@@ -92,3 +92,38 @@ def test_force_cuda_branch_uses_the_given_bias_and_restores():
     assert calls == [(3, 7)]
     run()
     assert calls == [(3, 7)]
+
+
+@pytest.mark.parametrize("family", ["tiny/qwen3", "tiny/gemma3"])
+def test_a_chunk_attends_through_a_view_of_the_buffers_not_a_copy(monkeypatch, family):
+    """In the layer backward every chunk with a prefix gets its keys/values as views of the layer's
+    whole-sequence buffers (_BufferedPrefix): concatenating would copy the prefix and hold its
+    gradient, 4 x h_kv x hd x s bytes per key position."""
+    from sbpbench.core import layer_backward, stream_backward
+    from sbpbench.data import make_batch
+
+    from .conftest import tiny_model
+
+    buffers, calls = [], []
+    capture = layer_backward._capture_keys_values
+
+    def recording_capture(*args, **kwargs):
+        buffer = capture(*args, **kwargs)
+        buffers.append(buffer)
+        return buffer
+
+    sdpa = F.scaled_dot_product_attention
+
+    def recording_sdpa(query, key, value, **kwargs):
+        if torch.is_grad_enabled() and key.shape[2] > query.shape[2]:  # a backward chunk with a prefix
+            calls.append((key.untyped_storage().data_ptr(), value.untyped_storage().data_ptr()))
+        return sdpa(query, key, value, **kwargs)
+
+    monkeypatch.setattr(layer_backward, "_capture_keys_values", recording_capture)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording_sdpa)
+    model = tiny_model(family, torch.float64)
+    batch = make_batch("sft", batch_size=1, seq_len=30, vocab_size=model.config.vocab_size)
+    stream_backward(model, batch.input_ids, objective=batch.objective(), chunk_size=7, logits_chunk_size=9)
+    storages = {(b.keys.untyped_storage().data_ptr(), b.values.untyped_storage().data_ptr()) for b in buffers}
+    assert calls, "no chunk attended to a prefix"
+    assert set(calls) <= storages

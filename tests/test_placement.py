@@ -1,5 +1,5 @@
-"""Checkpoint placements (core/placement.py): gpu, cpu, recompute:K and cpu+recompute:K run the same
-operations, so they give gpu's loss and gradients to the bit; the offload path's ordering and
+"""Checkpoint placements (core/placement.py): gpu, cpu, recompute:K, cpu+recompute:K and
+cpu+recompute:K+spill run the same operations, so they give gpu's loss and gradients to the bit; the offload path's ordering and
 freeing, checked on CPU where its copies are ordinary tensor copies."""
 
 from __future__ import annotations
@@ -19,7 +19,16 @@ from sbpbench.models import apply_lora
 from .conftest import FAMILIES, tiny_model
 
 NUM_LAYERS = 5  # K = 2, 3 do not divide it, K = 5 does, K = 7 is deeper than the model
-PLACEMENTS = ("cpu", "recompute:2", "recompute:3", "recompute:5", "cpu+recompute:2", "cpu+recompute:7")
+PLACEMENTS = (
+    "cpu",
+    "recompute:2",
+    "recompute:3",
+    "recompute:5",
+    "cpu+recompute:2",
+    "cpu+recompute:7",
+    "cpu+recompute:4+spill",  # segments [0, 4) (X_1 spilled) and [4, 5)
+    "cpu+recompute:5+spill",  # one segment, X_1 and X_2 spilled
+)
 
 
 def _deep_model(family: str, lora: bool = False):
@@ -142,6 +151,41 @@ def test_cpu_recompute_holds_a_segment_and_one_prefetch(monkeypatch):
     assert store.device_inputs == 0
 
 
+def test_spill_holds_at_most_two_inputs_on_the_device_and_streams_the_rebuilt_ones(monkeypatch):
+    """cpu+recompute:5+spill on 5 layers: layer 4's get rebuilds X_1 .. X_4 from X_0 holding two at
+    a time, sends X_1 and X_2 to the host and keeps X_3, X_4; every later get finds its input
+    prefetched and sets the next one on its way, as cpu does."""
+    store = _recorded_step(monkeypatch, "cpu+recompute:5+spill")
+    loop = [e for e in store.log if e[0] != "put"]
+    expected = []
+    for index in reversed(range(NUM_LAYERS)):
+        expected += [("get", index, 2 if index > 0 else 1), ("release", index, 1 if index > 0 else 0)]
+    assert loop == expected
+    assert store.max_device_inputs == 2
+    d = 64 * 8  # hidden 64 in fp64, per position
+    # X_0 out in the pass, back for the rebuild; X_1, X_2 out in the rebuild; X_2, X_1, X_0 back
+    assert store.transfer_bytes == 7 * 20 * d
+    assert store.max_host_bytes == 3 * 20 * d == Placement.parse("cpu+recompute:5+spill").host_inputs(5) * 20 * d
+    assert store.host_bytes == 0
+
+
+@pytest.mark.parametrize(
+    ("placement", "num_layers", "inputs"),
+    [
+        ("gpu", 36, 0),
+        ("cpu", 36, 36),
+        ("cpu+recompute:4", 36, 9),
+        ("cpu+recompute:4+spill", 36, 10),
+        ("cpu+recompute:6+spill", 36, 9),
+        ("cpu+recompute:6+spill", 4, 2),
+        ("cpu+recompute:2+spill", 36, 18),
+    ],
+)
+def test_host_inputs_counts_the_kept_and_the_spilled(placement, num_layers, inputs):
+    """The planner's host count: ceil(L/K) kept, plus K - 3 spilled for a segment of K layers."""
+    assert Placement.parse(placement).host_inputs(num_layers) == inputs
+
+
 @pytest.mark.parametrize(
     ("text", "placement"),
     [
@@ -150,6 +194,8 @@ def test_cpu_recompute_holds_a_segment_and_one_prefetch(monkeypatch):
         ("recompute:4", Placement(recompute_every=4)),
         ("cpu+recompute:2", Placement(offload=True, recompute_every=2)),
         ("recompute:3+cpu", Placement(offload=True, recompute_every=3)),
+        ("cpu+recompute:4+spill", Placement(offload=True, recompute_every=4, spill=True)),
+        ("spill+recompute:6+cpu", Placement(offload=True, recompute_every=6, spill=True)),
     ],
 )
 def test_placement_names_parse_and_round_trip(text, placement):
@@ -158,9 +204,23 @@ def test_placement_names_parse_and_round_trip(text, placement):
     assert Placement.parse(placement.name) == placement
 
 
-@pytest.mark.parametrize("text", ["host", "recompute", "recompute:0", "recompute:x", "cpu+cpu", "gpu+cpu"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "host",
+        "recompute",
+        "recompute:0",
+        "recompute:x",
+        "cpu+cpu",
+        "gpu+cpu",
+        "spill",
+        "cpu+spill",
+        "recompute:4+spill",
+        "cpu+recompute:4+spill+spill",
+    ],
+)
 def test_a_bad_placement_is_refused(text):
-    """A name outside gpu / cpu / recompute:K / cpu+recompute:K raises, naming the choices."""
+    """A name outside gpu / cpu / recompute:K / cpu+recompute:K[+spill] raises, naming the choices."""
     with pytest.raises(ValueError, match="recompute:K"):
         Placement.parse(text)
 

@@ -34,3 +34,17 @@ def test_candidates_come_fastest_first_with_gpu_first():
     order = [c.placement for c in found]
     for k in (2, 4):
         assert order.index(Placement(recompute_every=k)) < order.index(Placement(offload=True, recompute_every=k))
+
+
+def test_spill_costs_its_extra_copies_only_where_the_compute_does_not_hide_them():
+    """cpu+recompute:4+spill on 36 layers: the same compute as cpu+recompute:4; copy-bound, 45 copies
+    against 18 (per segment: the kept input out and back twice, X_{s+1} out and back)."""
+    layer_bytes, copy_s = 2**30, 2**30 / PCIE_BYTES_S
+    plain, spill = Placement(offload=True, recompute_every=4), Placement(offload=True, recompute_every=4, spill=True)
+    for flops, extra in ((3e18, 0.0), (0.0, (45 - 18) * copy_s)):
+        a = predicted_time_s(SPEC, plain, num_layers=36, model_flops=flops, layer_bytes=layer_bytes)
+        b = predicted_time_s(SPEC, spill, num_layers=36, model_flops=flops, layer_bytes=layer_bytes)
+        assert abs(b - a - extra) < 1e-9
+    order = [c.placement for c in candidates(SPEC, num_layers=36, model_flops=3e18, layer_bytes=layer_bytes)]
+    assert order.index(plain) < order.index(spill)
+    assert Placement(offload=True, recompute_every=3, spill=True) not in order  # nothing to spill

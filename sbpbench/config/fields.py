@@ -75,7 +75,8 @@ SETTINGS: dict[str, Setting] = {
     "checkpoints": Setting(
         str,
         "StreamBP: where the layer inputs live until their backward: gpu (default), cpu (pinned host memory, "
-        "prefetched a layer ahead), recompute:K (keep every K-th, rebuild the rest) or cpu+recompute:K.",
+        "prefetched a layer ahead), recompute:K (keep every K-th, rebuild the rest), cpu+recompute:K, or "
+        "cpu+recompute:K+spill (rebuilt inputs to the host too: two layer inputs on the GPU at most).",
     ),  # no `choices`: K is open; RunSpec checks the name (core.placement.Placement.parse)
     # a max-length search's own settings (MaxlenSpec); its first probe is seq_len
     "seq_len_ceiling": Setting(int, "Longest length a search tries (default: 262144 cuda, 16384 cpu)."),

@@ -9,8 +9,9 @@ unchanged (`STATE_KWARG`), which of three jobs it does for this call:
   chunk's keys/values and attend over the buffered prefix;
 - `KVBuffer(attend=False)`: store the chunk's keys/values into whole-sequence buffers, then stop
   the layer;
-- `ChunkState`: attention of a chunk's queries over the buffered prefix keys/values (leaves that
-  collect gradient) concatenated with the chunk's own keys/values (which stay in the graph).
+- `ChunkState`: attention of a chunk's queries over the buffered prefix keys/values followed by
+  the chunk's own (which stay in the graph), a view of the buffer (`_BufferedPrefix`) whose
+  backward adds the prefix's gradient to the layer's fp32 dK/dV sums.
 
 transformers' own `sdpa_attention_forward` cannot be reused: with no mask, `is_causal` and more
 keys than queries it silently cuts the keys to the query length. core/README.md, "The attention
@@ -76,14 +77,42 @@ def window_start(start: int, sliding_window: int | None) -> int:
 
 @dataclass
 class ChunkState:
-    """Queries of positions [start, start + c) attend to keys [prefix_start, start + c)."""
+    """Queries of positions [start, start + c) attend to keys [prefix_start, start + c): the
+    buffered ones before start, the chunk's own after. The gradient of the buffered ones is added
+    to grad_keys / grad_values (B, kv_heads, T, head_dim), fp32 sums over the later chunks."""
 
     start: int
     prefix_start: int
-    key_prefix: torch.Tensor | None  # leaf (B, kv_heads, start - prefix_start, head_dim)
-    value_prefix: torch.Tensor | None
+    buffer: KVBuffer  # the layer's keys/values of all T positions
+    grad_keys: torch.Tensor
+    grad_values: torch.Tensor
     key_chunk: torch.Tensor | None = None  # set by the call: the chunk's own keys, in the graph
     value_chunk: torch.Tensor | None = None
+
+
+class _BufferedPrefix(torch.autograd.Function):
+    """(B, kv_heads, n, hd) keys [prefix_start, start + c) for a chunk's attention, as a view of
+    the whole-sequence buffer: the chunk's own keys are written into it first (its rows hold the
+    same values already; writing keeps the result what concatenating would give), so the prefix
+    is not copied. Concatenating it would hold a copy and, in the backward, a prefix leaf's
+    gradient, 2 x h_kv x hd x s bytes per key position each, K and V: 8 GiB at T = 1M on
+    Qwen3-8B. Positions [start, start + c) of the buffer are not read again: the chunks run last
+    to first. backward: the prefix's gradient into the fp32 sum, the rest to the chunk's keys."""
+
+    @staticmethod
+    def forward(ctx, chunk: torch.Tensor, buffer: list, grad_sum: list, prefix_start: int, start: int):
+        (whole,) = buffer  # in a list: a tensor argument would be an input, its view a view of one
+        end = start + chunk.shape[2]
+        whole[:, :, start:end] = chunk
+        ctx.grad_sum, ctx.prefix_start, ctx.start = grad_sum, prefix_start, start
+        return whole[:, :, prefix_start:end]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        prefix = ctx.start - ctx.prefix_start
+        (grad_sum,) = ctx.grad_sum
+        grad_sum[:, :, ctx.prefix_start : ctx.start] += grad[:, :, :prefix]
+        return grad[:, :, prefix:], None, None, None, None
 
 
 CausalBiasFn = Callable[[int, int], torch.Tensor]  # (num_queries, num_keys) -> attn_mask for SDPA
@@ -195,9 +224,10 @@ def stream_attention(
         )
     elif isinstance(state, ChunkState):
         state.key_chunk, state.value_chunk = key, value
-        if state.key_prefix is not None:
-            key = torch.cat([state.key_prefix, key], dim=2)  # (B, kv_heads, n, hd)
-            value = torch.cat([state.value_prefix, value], dim=2)
+        if state.start > state.prefix_start:  # (B, kv_heads, n, hd), a view of the buffer
+            buffer = state.buffer
+            key = _BufferedPrefix.apply(key, [buffer.keys], [state.grad_keys], state.prefix_start, state.start)
+            value = _BufferedPrefix.apply(value, [buffer.values], [state.grad_values], state.prefix_start, state.start)
         out = offset_causal_attention(
             query,
             key,

@@ -3,8 +3,8 @@
 1. Keys/values of all T positions are recomputed from X_l once, without grad, into buffers
    (B, kv_heads, T, head_dim) - small under GQA.
 2. Chunks run last to first through the layer's own forward: the chunk's queries attend to the
-   buffered prefix (a leaf collecting dK/dV for earlier positions) and to the chunk's own keys and
-   values (in the graph). The backward roots are (output, dZ[chunk]) plus (chunk keys/values,
+   buffered prefix (a view of the buffers whose gradient is added to fp32 dK/dV sums for earlier
+   positions) and to the chunk's own keys and values (in the graph). The backward roots are (output, dZ[chunk]) plus (chunk keys/values,
    dK/dV accumulated from later chunks). Going last to first makes a chunk's dK/dV complete
    before it runs, so each position's K/V projections are recomputed once per layer backward,
    not once per later chunk as in the official code.
@@ -61,12 +61,7 @@ def layer_backward(
     accumulator = ChunkGradAccumulator(list(layer.parameters()), fp32_grad_accumulation)
 
     for start, end in reversed(chunks):
-        prefix_start = window_start(start, window)
-        key_prefix = value_prefix = None
-        if start > prefix_start:
-            key_prefix = keys[:, :, prefix_start:start].detach().requires_grad_()
-            value_prefix = values[:, :, prefix_start:start].detach().requires_grad_()
-        state = ChunkState(start, prefix_start, key_prefix, value_prefix)
+        state = ChunkState(start, window_start(start, window), capture, grad_keys, grad_values)
         chunk_input = layer_input[:, start:end].detach().requires_grad_(need_input_grad)
         with torch.enable_grad():
             output = call(chunk_input, **chunk_kwargs(kwargs, start, end), **{STATE_KWARG: state})
@@ -76,11 +71,8 @@ def layer_backward(
             roots += [state.key_chunk, state.value_chunk]
             root_grads += [grad_keys[:, :, start:end].to(keys.dtype), grad_values[:, :, start:end].to(values.dtype)]
         pairs = [(r, g) for r, g in zip(roots, root_grads) if r.requires_grad]
-        if pairs:
+        if pairs:  # the prefix's dK/dV go into grad_keys/grad_values on the way (_BufferedPrefix)
             torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs])
-        if key_prefix is not None and key_prefix.grad is not None:
-            grad_keys[:, :, prefix_start:start] += key_prefix.grad
-            grad_values[:, :, prefix_start:start] += value_prefix.grad
         if need_input_grad:
             grad[:, start:end] = chunk_input.grad
         accumulator.collect()

@@ -13,6 +13,11 @@ different result: every placement runs the same operations on the same values.
                        [s, s + K), rebuild X_{s+1} .. from X_s with the checkpoint pass's chunked
                        no-grad layer forward (one more forward of those layers)
     cpu+recompute:K    the kept inputs on the host, each segment rebuilt on the device
+    cpu+recompute:K+spill
+                       as cpu+recompute:K, but a segment's rebuilt inputs go to the host as they are
+                       made, except the top two; brought back one layer ahead like cpu's, so the
+                       device holds at most two layer inputs at a time (cpu's) for K - 3 more
+                       host copies than cpu+recompute:K
 
 `CheckpointStore` is what the checkpoint pass `put`s every layer input into and the layer loop
 `get`s and `release`s them from, last layer first.
@@ -26,43 +31,59 @@ from dataclasses import dataclass
 
 import torch
 
-PLACEMENTS = ("gpu", "cpu", "recompute:K", "cpu+recompute:K")  # K: a positive integer
+PLACEMENTS = ("gpu", "cpu", "recompute:K", "cpu+recompute:K", "cpu+recompute:K+spill")  # K: a positive integer
 
 
 @dataclass(frozen=True)
 class Placement:
     offload: bool = False  # kept inputs live in host memory
     recompute_every: int = 1  # keep X_l when l % recompute_every == 0; 1 keeps every one
+    spill: bool = False  # rebuilt inputs go to the host too (offload and recompute_every > 1 only)
 
     @classmethod
     def parse(cls, text: str | Placement) -> Placement:
-        """ "gpu", "cpu", "recompute:K", "cpu+recompute:K" (K >= 1; recompute:1 is gpu)."""
+        """ "gpu", "cpu", "recompute:K", "cpu+recompute:K", "cpu+recompute:K+spill" (K >= 1;
+        recompute:1 is gpu), words in any order."""
         if isinstance(text, Placement):
             return text
         words = str(text).strip().lower().split("+")
-        offload, every = False, 1
+        offload, every, spill = False, 1, False
         for word in words:
             if word == "cpu" and not offload:
                 offload = True
             elif word == "gpu" and len(words) == 1:
                 pass
+            elif word == "spill" and not spill:
+                spill = True
             elif word.startswith("recompute:") and every == 1 and word[10:].isdigit() and int(word[10:]) >= 1:
                 every = int(word[10:])
             else:
                 raise ValueError(
                     f"checkpoints must be one of {', '.join(PLACEMENTS)} (K a positive integer), got {text!r}"
                 )
-        return cls(offload, every)
+        if spill and not (offload and every > 1):
+            raise ValueError(
+                f"spill moves rebuilt inputs to the host: use it as cpu+recompute:K+spill with K >= 2, got {text!r}"
+            )
+        return cls(offload, every, spill)
 
     @property
     def name(self) -> str:
         parts = (["cpu"] if self.offload else []) + (
             [f"recompute:{self.recompute_every}"] if self.recompute_every > 1 else []
         )
-        return "+".join(parts) or "gpu"
+        return "+".join(parts + (["spill"] if self.spill else [])) or "gpu"
 
     def kept(self, index: int) -> bool:
         return index % self.recompute_every == 0
+
+    def host_inputs(self, num_layers: int) -> int:
+        """Most layer inputs the host holds at once: the kept ones, plus with spill a full segment's
+        rebuilt inputs below its top two."""
+        if not self.offload:
+            return 0
+        kept = -(-num_layers // self.recompute_every)
+        return kept + (max(0, min(self.recompute_every, num_layers) - 3) if self.spill else 0)
 
 
 Rebuild = Callable[[int, torch.Tensor], torch.Tensor]  # (layer index l, X_l) -> X_{l+1}, no grad
@@ -127,7 +148,13 @@ class CheckpointStore:
             return
         if not self.placement.offload:
             self._device[index] = layer_input
-        elif _shapes_only:
+        else:
+            self._copy_out(index, layer_input)
+        self._count()
+
+    def _copy_out(self, index: int, layer_input: torch.Tensor) -> None:
+        """Keep a host copy of X_index: pinned and copied on the side stream on CUDA."""
+        if _shapes_only:
             self._host[index] = _HostShape(layer_input.shape, layer_input.dtype, layer_input.nbytes)
         elif layer_input.is_cuda:
             side = self._side_stream(layer_input.device)
@@ -140,10 +167,8 @@ class CheckpointStore:
             self._host[index] = host
         else:
             self._host[index] = layer_input.to("cpu", copy=True)  # an ordinary copy off a GPU
-        if self.placement.offload:
-            self.host_bytes += layer_input.nbytes
-            self.transfer_bytes += layer_input.nbytes
-        self._count()
+        self.host_bytes += layer_input.nbytes
+        self.transfer_bytes += layer_input.nbytes
 
     # -- layer loop ------------------------------------------------------------------------------
 
@@ -151,7 +176,8 @@ class CheckpointStore:
         return index - index % self.placement.recompute_every
 
     def _prefetch(self, index: int, device: torch.device) -> None:
-        """Start bringing kept X_index back to the device (a no-op unless it is on the host)."""
+        """Start bringing X_index (kept or spilled) back to the device (a no-op unless it is on the
+        host and not on the device already)."""
         if index < 0 or index in self._device or index not in self._host:
             return
         host = self._host[index]
@@ -178,20 +204,34 @@ class CheckpointStore:
     def get(self, index: int, device: torch.device) -> torch.Tensor:
         """X_index on `device`. The first get of a segment [s, s + K) (its last layer) brings X_s
         and rebuilds the rest; the get of X_s sets the previous segment's kept input on its way,
-        to arrive while layer s's backward runs."""
+        to arrive while layer s's backward runs. With spill the rebuild sends each input below
+        X_{index-1} to the host once the next is made, and every get sets X_{index-1} on its way."""
         start = self._segment_start(index)
         if index not in self._device:
-            self._prefetch(start, device)
-            self._wait(start, device)
-            if index != start:
-                assert self.rebuild is not None, "a recomputing store needs its rebuild function"
-                for layer in range(start, index):
-                    self._device[layer + 1] = self.rebuild(layer, self._device[layer])
-                    self._count()
+            if index not in self._host:  # the top of a segment: rebuild it
+                self._prefetch(start, device)
+                self._wait(start, device)
+                self._rebuild_segment(start, index)
+            self._prefetch(index, device)  # a no-op unless it is a spilled input nobody prefetched
         self._wait(index, device)
         if index == start:
             self._prefetch(start - self.placement.recompute_every, device)
+        elif self.placement.spill:
+            self._prefetch(index - 1, device)
         return self._device[index]
+
+    def _rebuild_segment(self, start: int, top: int) -> None:
+        """X_{start+1} .. X_top from X_start. Spill: keep only X_{top-1} and X_top on the device;
+        X_start's device copy goes (its host copy stays), the others below X_{top-1} are copied out."""
+        assert self.rebuild is not None, "a recomputing store needs its rebuild function"
+        for layer in range(start, top):
+            self._device[layer + 1] = self.rebuild(layer, self._device[layer])
+            self._count()
+            if self.placement.spill and layer < top - 1:
+                made = self._device.pop(layer)
+                if layer != start:
+                    self._copy_out(layer, made)
+                    self._count()
 
     def _wait(self, index: int, device: torch.device) -> None:
         event = self._arrived.get(index)

@@ -69,7 +69,8 @@ def stream_backward(
     logits_chunk_size: positions per chunk in the head. fp32_grad_accumulation: sum per-chunk
     gradients of bf16/fp16 parameters in fp32 and round once (see grad_accum.py). checkpoints:
     where the layer inputs live between the checkpoint pass and their layer's backward, "gpu"
-    (the model's device), "cpu", "recompute:K" or "cpu+recompute:K" (placement.py); the same
+    (the model's device), "cpu", "recompute:K", "cpu+recompute:K" or "cpu+recompute:K+spill"
+    (placement.py); the same
     operations whatever the placement, so the same gradients. progress: see LayerProgress (per
     layer of the backward, for long steps).
     """

@@ -16,7 +16,7 @@ DEFAULTS = {
     # hidden_size positions (2560 for Qwen3-4B, 4096 for Qwen3-8B), 2048 is that order
     "mlp_tile_size": 2048,
     "offload_checkpoints": True,  # tiled: layer checkpoints in host memory, as ALST does
-    "checkpoints": "gpu",  # where the layer inputs live: gpu | cpu | recompute:K | cpu+recompute:K
+    "checkpoints": "gpu",  # where the layer inputs live: gpu | cpu | recompute:K | cpu+recompute:K[+spill]
 }
 
 

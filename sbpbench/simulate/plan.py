@@ -11,7 +11,8 @@ Time model (a ranking, not a measurement; its constants are assumptions stated h
 - cpu moves every kept input out and back over PCIe at PCIE_BYTES_S (Gen5 x16 in practice): each
   copy out overlaps the next layer's forward, each copy back the current layer's backward; only
   what a copy takes beyond the compute it overlaps is added, plus the first copy back, which
-  nothing overlaps.
+  nothing overlaps. spill adds its rebuilt inputs' copies out (overlapping the rebuild) and back,
+  and a second copy back of each rebuilt segment's kept input.
 Candidates run in order of predicted time through the estimator; the first that fits is the plan.
 """
 
@@ -56,13 +57,19 @@ def predicted_time_s(
     """The time model above for one step. layer_bytes: one layer input X_l (B x T x d x s)."""
     forward = model_flops / 3  # one forward of the whole model, attention included
     layer_forward_s = forward / num_layers / ACHIEVED_FLOP_S
-    kept = math.ceil(num_layers / placement.recompute_every)
+    every = placement.recompute_every
+    kept = math.ceil(num_layers / every)
     compute = (4 * forward + forward * (num_layers - kept) / num_layers) / ACHIEVED_FLOP_S
     if not placement.offload:
         return compute
+    spilled = refetched = 0
+    if placement.spill:  # segment [s, top]: X_{s+1} .. X_{top-2} spilled; X_s back twice if rebuilt
+        tops = [min(s + every, num_layers) - 1 for s in range(0, num_layers, every)]
+        spilled = sum(max(0, top - s - 2) for s, top in zip(range(0, num_layers, every), tops))
+        refetched = sum(top > s for s, top in zip(range(0, num_layers, every), tops))
     copy_s = layer_bytes / PCIE_BYTES_S
-    exposed_out = kept * max(0.0, copy_s - layer_forward_s)
-    exposed_back = (kept - 1) * max(0.0, copy_s - 3 * layer_forward_s) + copy_s
+    exposed_out = (kept + spilled) * max(0.0, copy_s - layer_forward_s)
+    exposed_back = (kept + spilled + refetched - 1) * max(0.0, copy_s - 3 * layer_forward_s) + copy_s
     return compute + exposed_out + exposed_back
 
 
@@ -72,6 +79,8 @@ def candidates(spec: RunSpec, *, num_layers: int, model_flops: float, layer_byte
     for k in RECOMPUTE_EVERY:
         if k < num_layers:
             placements += [Placement(recompute_every=k), Placement(offload=True, recompute_every=k)]
+            if k > 3:  # below 4 a segment has nothing to spill
+                placements.append(Placement(offload=True, recompute_every=k, spill=True))
     found = [
         Candidate(
             p, c, predicted_time_s(spec, p, num_layers=num_layers, model_flops=model_flops, layer_bytes=layer_bytes)
@@ -130,7 +139,8 @@ def _dominated(candidate: Candidate, tried: list[PlanOutcome]) -> bool:
         done = outcome.candidate
         host_short = outcome.row.error.startswith("host")
         offloads = done.placement.offload and candidate.placement.offload
-        if host_short and offloads and candidate.placement.recompute_every <= done.placement.recompute_every:
+        layers = outcome.row.num_layers
+        if host_short and offloads and candidate.placement.host_inputs(layers) >= done.placement.host_inputs(layers):
             return True
         if not host_short and done.placement == candidate.placement and candidate.chunk_size >= done.chunk_size:
             return True
