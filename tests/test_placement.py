@@ -270,3 +270,19 @@ def test_a_sharded_rebuild_gathers_each_layer_once_and_runs_it_hook_free(monkeyp
     assert len(hooked) == NUM_LAYERS  # the checkpoint pass's calls only
     for name, param in model.named_parameters():
         torch.testing.assert_close(param.grad, expected[name], rtol=0, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("checkpoints", ["cpu", "cpu+recompute:2", "cpu+recompute:4+spill", "cpu+recompute:5+spill"])
+def test_the_planner_counts_the_copies_the_store_makes(monkeypatch, checkpoints):
+    """simulate/plan.py's time model, copy-bound (no compute to hide a copy), is one copy time per
+    layer input the store moved in the step."""
+    from sbpbench.config import RunSpec
+    from sbpbench.simulate.plan import PCIE_BYTES_S, predicted_time_s
+
+    store = _recorded_step(monkeypatch, checkpoints)
+    layer_bytes = 20 * 64 * 8  # B=1, T=20, hidden 64, fp64
+    spec = RunSpec(model="tiny/qwen3", method="streambp", seq_len=20)
+    seconds = predicted_time_s(
+        spec, Placement.parse(checkpoints), num_layers=NUM_LAYERS, model_flops=0.0, layer_bytes=layer_bytes
+    )
+    assert round(seconds * PCIE_BYTES_S) == store.transfer_bytes

@@ -22,6 +22,7 @@ CASES = [
     ("tiny/qwen3", 512, 8, "streambp", "cpu"),  # checkpoints on the host: the device holds two
     ("tiny/qwen3", 512, 11, "streambp", "recompute:3"),  # from 5 and 8 layers; a partial top segment
     ("tiny/llama", 384, 12, "streambp", "cpu+recompute:2"),  # from 4 and 6 layers
+    ("tiny/qwen3", 512, 14, "streambp", "cpu+recompute:4+spill"),  # from 6 and 10; top segment [12, 14)
 ]
 
 

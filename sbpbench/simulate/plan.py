@@ -63,10 +63,10 @@ def predicted_time_s(
     if not placement.offload:
         return compute
     spilled = refetched = 0
-    if placement.spill:  # segment [s, top]: X_{s+1} .. X_{top-2} spilled; X_s back twice if rebuilt
-        tops = [min(s + every, num_layers) - 1 for s in range(0, num_layers, every)]
-        spilled = sum(max(0, top - s - 2) for s, top in zip(range(0, num_layers, every), tops))
-        refetched = sum(top > s for s, top in zip(range(0, num_layers, every), tops))
+    if placement.spill:  # segment [s, top]: X_{s+1} .. X_{top-2} spilled; X_s dropped, back twice, if top > s + 1
+        heights = [min(every, num_layers - s) - 1 for s in range(0, num_layers, every)]  # top - s
+        spilled = sum(max(0, h - 2) for h in heights)
+        refetched = sum(h >= 2 for h in heights)
     copy_s = layer_bytes / PCIE_BYTES_S
     exposed_out = (kept + spilled) * max(0.0, copy_s - layer_forward_s)
     exposed_back = (kept + spilled + refetched - 1) * max(0.0, copy_s - 3 * layer_forward_s) + copy_s
