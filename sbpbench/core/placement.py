@@ -212,7 +212,7 @@ class CheckpointStore:
                 self._prefetch(start, device)
                 self._wait(start, device)
                 self._rebuild_segment(start, index)
-            self._prefetch(index, device)  # a no-op unless it is a spilled input nobody prefetched
+            self._prefetch(index, device)  # on the host and not on its way yet: the backward's first get
         self._wait(index, device)
         if index == start:
             self._prefetch(start - self.placement.recompute_every, device)
