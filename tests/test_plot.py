@@ -157,3 +157,39 @@ def test_streambp_placements_are_separate_series():
             "chunk_size": 500, "timestamp_utc": "2026-01-01", "model": "m", "num_layers": 2}  # fmt: skip
     rows = pd.DataFrame([{**base, "checkpoints": p} for p in ("gpu", "cpu", "recompute:4")])
     assert sorted(extra for _, _, extra, _ in series(rows)) == ["cpu", "gpu", "recompute:4"]
+
+
+def test_each_placement_gets_its_own_search_marker_and_a_ceiling_reads_as_a_bound(tmp_path):
+    """A memory figure with two StreamBP placements, each with a max-length search (one that hit its
+    ceiling): each series finds its own placement's search, a ceiling answer reads "max T ≥", and
+    the placements get different markers."""
+    from sbpbench.records import ResultRow
+
+    common = {"model": "Qwen/Qwen3-8B", "method": "streambp", "source": "simulated", "device_name": "simulated GPU",
+              "chunk_size": 2000, "logits_chunk_size": 500, "memory_limit_bytes": 80 << 30, "dtype": "bf16",
+              "protocol": "steady", "num_layers": 36, "weights_bytes": 16 << 30, "grads_bytes": 1 << 29,
+              "objective": "sft", "step": "bp", "batch_size": 1, "lora_rank": 64}  # fmt: skip
+    rows = []
+    for placement, peaks, answer, oom in (
+        ("cpu+recompute:4", {524288: 55, 1048576: 93}, 786432, 1048576),
+        ("cpu+recompute:4+spill", {524288: 40, 1048576: 73}, 1048576, None),
+    ):
+        for seq_len, gib in peaks.items():
+            status = "ok" if gib < 80 else "oom"
+            rows.append(ResultRow(**common, checkpoints=placement, seq_len=seq_len, status=status,
+                                  peak_allocated_bytes=gib << 30, timestamp_utc="2026-11-23T10:00:00"))  # fmt: skip
+        rows.append(ResultRow(**common, checkpoints=placement, kind="maxlen", status="ok", max_seq_len=answer,
+                              oom_seq_len=oom, timestamp_utc="2026-11-23T11:00:00"))  # fmt: skip
+    upsert_rows(tmp_path / "r.csv", rows)
+    (figure,) = memory_vs_seq(load_results(tmp_path / "r.csv"), tmp_path / "plots", formats=("svg",))
+    svg = figure.read_text()
+    assert "max T 786k (search, estimate)" in svg and "max T ≥ 1.05M (search, estimate)" in svg
+    assert "StreamBP cpu+recompute:4 (estimate)" in svg and "StreamBP cpu+recompute:4+spill (estimate)" in svg
+
+
+def test_token_counts_read_as_the_paper_writes_them():
+    from sbpbench.plot.style import placement_marker, thousands
+
+    assert [thousands(t) for t in (440, 4700, 110000, 786432, 1048576)] == ["440", "4.7k", "110k", "786k", "1.05M"]
+    markers = {placement_marker(p) for p in ("gpu", "cpu", "recompute:4", "cpu+recompute:2", "cpu+recompute:4+spill")}
+    assert len(markers) == 5

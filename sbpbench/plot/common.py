@@ -54,17 +54,29 @@ def keys_of(rows, keys: Sequence[str]) -> list[tuple[str, ...]]:
     return [tuple(cell(value) for value in values) for values in rows[list(keys)].itertuples(index=False)]
 
 
+def placements_of(rows):
+    """Each row's StreamBP checkpoint placement; gpu where none is recorded (other methods, older rows)."""
+    if "checkpoints" not in rows:
+        return rows["method"].map(lambda _: "gpu")
+    return rows["checkpoints"].fillna("").astype(str).replace("", "gpu")
+
+
+def series_marker(method: str, part) -> str:
+    """The marker of a series (rows of one method): its placement's where it is one StreamBP
+    placement, else the method's."""
+    placements = placements_of(part).unique()
+    if method == "streambp" and len(placements) == 1:
+        return style.placement_marker(placements[0])
+    return style.marker(method)
+
+
 def series(rows) -> Iterator[tuple[str, bool, str, object]]:
     """(method, simulated, extra label, rows) per line or bar set: one per method and source, and
     per StreamBP checkpoint placement and chunk size where a group holds several. Reruns of a
     point: the latest row wins."""
     streambp = rows["method"] == "streambp"
     chunks = rows.loc[streambp, "chunk_size"].dropna().unique()
-    placement_of = (
-        rows["checkpoints"].fillna("").astype(str).replace("", "gpu")
-        if "checkpoints" in rows
-        else rows["method"].map(lambda _: "gpu")
-    )
+    placement_of = placements_of(rows)
     placements = sorted(placement_of[streambp].unique())
     for method in sorted(rows["method"].unique(), key=style.method_sort_key):
         for source in ("measured", "simulated"):

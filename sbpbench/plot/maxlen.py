@@ -76,14 +76,17 @@ def _figure(rows, reference, out_dir: Path, formats) -> list[Path]:
     bars = list(series(rows))
     width = min(BAR_SPAN / len(bars), MAX_BAR_WIDTH)
     values, paper_values, handles = [], [], []
+    per_method = [method for method, *_ in bars]
     for b, (method, simulated, extra, part) in enumerate(bars):
         offset = (b - (len(bars) - 1) / 2) * width
+        same = [i for i, m in enumerate(per_method) if m == method]  # the method's bar sets, in order
+        colour = style.shade(style.colour(method), same.index(b), len(same))
         for _, row in part.iterrows():
             x = slots[_slot(row)] + offset
-            values += _draw_bar(ax, row, x, width, method, simulated)
+            values += _draw_bar(ax, row, x, width, colour, simulated)
             if is_paper_capacity(row) and not is_truncated(row):
                 paper_values += _draw_paper(ax, reference, row, x, width)
-        handles.append(_bar_handle(method, simulated, style.label(method, simulated=simulated, extra=extra)))
+        handles.append(_bar_handle(colour, simulated, style.label(method, simulated=simulated, extra=extra)))
     if paper_values:
         table = MAXLEN_TABLE[like["step"]]
         handles.append(Line2D([], [], label=f"paper {table} (A800-80GB)", **PAPER_MARK, markersize=14))
@@ -106,11 +109,11 @@ def _figure(rows, reference, out_dir: Path, formats) -> list[Path]:
     return save(fig, out_dir, name, formats)
 
 
-def _bar_handle(method: str, simulated: bool, label: str) -> Patch:
+def _bar_handle(colour: str, simulated: bool, label: str) -> Patch:
     hatch = style.ESTIMATE_HATCH if simulated else None
     return Patch(
-        facecolor=style.colour(method),
-        edgecolor="white" if simulated else style.colour(method),
+        facecolor=colour,
+        edgecolor="white" if simulated else colour,
         hatch=hatch,
         label=label,
     )
@@ -131,9 +134,8 @@ def _slot_label(row) -> str:
     return short_model(row["model"]) + depth
 
 
-def _draw_bar(ax, row, x: float, width: float, method: str, simulated: bool) -> list[float]:
+def _draw_bar(ax, row, x: float, width: float, colour: str, simulated: bool) -> list[float]:
     """One bar, its value above it; "OOM" (or the failure) where the search found no length that fits."""
-    colour = style.colour(method)
     max_t = number(row["max_seq_len"])
     if max_t is None:
         text = "OOM" if is_oom(row) or row["status"] == "ok" else row["status"]

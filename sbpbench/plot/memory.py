@@ -26,8 +26,10 @@ from .common import (
     log2_x,
     model_title,
     new_figure,
+    placements_of,
     save,
     series,
+    series_marker,
     setting_parts,
     setting_title,
     short,
@@ -56,7 +58,7 @@ def _figure(rows, searches, reference, out_dir: Path, formats) -> list[Path]:
     xs = list(rows["seq_len"].dropna())
     peaks = list(rows["peak_allocated_bytes"].dropna() / GIB)
     for method, simulated, extra, part in series(rows):
-        xs += _draw_method(ax, method, simulated, extra, part, _search(searches, method, simulated, extra))
+        xs += _draw_method(ax, method, simulated, extra, part, _search(searches, method, simulated, part))
     capacity = _capacity(rows)
     if capacity:
         kind = "cap" if number(like.get("memory_limit_bytes")) else "device total"
@@ -87,7 +89,7 @@ def _draw_method(ax, method: str, simulated: bool, extra: str, part, search) -> 
         ok["seq_len"],
         ok["peak_allocated_bytes"] / GIB,
         linestyle=style.ESTIMATE_LINESTYLE if simulated else "-",
-        marker=style.marker(method),
+        marker=series_marker(method, part),
         color=colour,
         label=style.label(method, simulated=simulated, extra=extra),
     )
@@ -95,9 +97,10 @@ def _draw_method(ax, method: str, simulated: bool, extra: str, part, search) -> 
     ax.plot(ooms, [OOM_Y] * len(ooms), style.OOM_MARKER, color=colour, markersize=8, transform=ax.get_xaxis_transform())
     if search is not None and number(search["max_seq_len"]) is not None:
         max_t = number(search["max_seq_len"])
+        ceiling = "≥ " if number(search.get("oom_seq_len")) is None else ""  # no OOM up to the search's ceiling
         ax.axvline(max_t, color=colour, linestyle=":", linewidth=1.2)
         ax.annotate(  # beside its dotted line, not on it: 3 points to the left
-            f"max T {style.thousands(max_t)} (search{', estimate' if simulated else ''})",
+            f"max T {ceiling}{style.thousands(max_t)} (search{', estimate' if simulated else ''})",
             (max_t, 0.5),
             xycoords=ax.get_xaxis_transform(),
             xytext=(-3, 0),
@@ -180,9 +183,14 @@ def _capacity(rows) -> float | None:
     return next((c for _, row in ordered.iterrows() if (c := capacity_bytes(row))), None)
 
 
-def _search(searches, method: str, simulated: bool, extra: str):
-    """The latest max-length search of this method and source (and StreamBP chunk), or None."""
+def _search(searches, method: str, simulated: bool, part):
+    """The latest max-length search of this method and source for the series' rows (part): the
+    same checkpoint placement, and the same chunk size where the series has one; or None."""
     mine = searches[(searches["method"] == method) & (searches["source"] == ("simulated" if simulated else "measured"))]
-    if extra:  # "chunk N"
-        mine = mine[mine["chunk_size"] == float(extra.split()[-1])]
+    placement, placements = placements_of(mine), placements_of(part).unique()
+    if len(placements) == 1:
+        mine = mine[placement == placements[0]]
+    chunks = part["chunk_size"].dropna().unique()
+    if method == "streambp" and len(chunks) == 1:
+        mine = mine[mine["chunk_size"] == chunks[0]]
     return None if mine.empty else mine.sort_values("timestamp_utc", kind="stable").iloc[-1]

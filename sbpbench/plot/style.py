@@ -65,6 +65,26 @@ def marker(method: str) -> str:
     return METHOD_MARKERS.get(method, OTHER_MARKER)
 
 
+# StreamBP's checkpoint placements, K left out: the method's colour, a marker each (gpu: the method's)
+PLACEMENT_MARKERS = {"cpu": "s", "recompute": "^", "cpu+recompute": "v", "cpu+recompute+spill": "P"}
+
+
+def placement_marker(placement: str) -> str:
+    """ "cpu+recompute:4+spill" -> the marker of cpu+recompute+spill; gpu: StreamBP's."""
+    kind = "+".join(word.split(":")[0] for word in placement.split("+"))
+    return PLACEMENT_MARKERS.get(kind, METHOD_MARKERS["streambp"])
+
+
+def shade(colour: str, index: int, count: int) -> str:
+    """The index-th of count shades of colour, from the colour itself toward white (at most 60%
+    white): one method's bar sets (StreamBP placements, chunk sizes) told apart."""
+    if count < 2:
+        return colour
+    red, green, blue = (int(colour[i : i + 2], 16) for i in (1, 3, 5))
+    white = 0.6 * index / (count - 1)
+    return "#" + "".join(f"{round(c + (255 - c) * white):02X}" for c in (red, green, blue))
+
+
 def label(method: str, *, simulated: bool = False, extra: str = "") -> str:
     text = METHOD_LABELS.get(method, method) + (f" {extra}" if extra else "")
     return f"{text} (estimate)" if simulated else text
@@ -76,5 +96,8 @@ def file_safe(text: str) -> str:
 
 
 def thousands(tokens: float) -> str:
-    """Token counts as the paper writes them: 4700 -> "4.7k", 110000 -> "110k", 440 -> "440"."""
+    """Token counts as the paper writes them: 4700 -> "4.7k", 110000 -> "110k", 440 -> "440";
+    1048576 -> "1.05M"."""
+    if tokens >= 999_500:  # "1e+03k" otherwise
+        return f"{tokens / 1e6:.3g}M"
     return f"{tokens / 1000:.3g}k" if tokens >= 1000 else f"{tokens:.0f}"
