@@ -119,16 +119,21 @@ def _recorded_step(monkeypatch, checkpoints: str) -> _Recording:
     return store
 
 
+def _streamed_layer_loop() -> list[tuple[str, int, int]]:
+    """The log of a layer loop that streams its inputs as cpu does: each get finds its input on the
+    device and the next one's prefetch (2, the last get 1), each release leaves the prefetch."""
+    expected = []
+    for index in reversed(range(NUM_LAYERS)):
+        expected += [("get", index, 2 if index > 0 else 1), ("release", index, 1 if index > 0 else 0)]
+    return expected
+
+
 def test_cpu_placement_holds_at_most_two_inputs_on_the_device(monkeypatch):
     """cpu: every input goes to the host during the pass, none stays on the device; the backward
     holds the current layer's input and the next one's prefetch, and frees each after its layer."""
     store = _recorded_step(monkeypatch, "cpu")
     assert [e for e in store.log if e[0] == "put"] == [("put", i, 0) for i in range(NUM_LAYERS)]
-    loop = [e for e in store.log if e[0] != "put"]
-    expected = []
-    for index in reversed(range(NUM_LAYERS)):
-        expected += [("get", index, 2 if index > 0 else 1), ("release", index, 1 if index > 0 else 0)]
-    assert loop == expected
+    assert [e for e in store.log if e[0] != "put"] == _streamed_layer_loop()
     assert store.max_device_inputs == 2
     d = 64 * 8  # hidden 64 in fp64, per position
     assert store.transfer_bytes == 2 * NUM_LAYERS * 20 * d  # each input out and back once
@@ -156,11 +161,7 @@ def test_spill_holds_at_most_two_inputs_on_the_device_and_streams_the_rebuilt_on
     a time, sends X_1 and X_2 to the host and keeps X_3, X_4; every later get finds its input
     prefetched and sets the next one on its way, as cpu does."""
     store = _recorded_step(monkeypatch, "cpu+recompute:5+spill")
-    loop = [e for e in store.log if e[0] != "put"]
-    expected = []
-    for index in reversed(range(NUM_LAYERS)):
-        expected += [("get", index, 2 if index > 0 else 1), ("release", index, 1 if index > 0 else 0)]
-    assert loop == expected
+    assert [e for e in store.log if e[0] != "put"] == _streamed_layer_loop()
     assert store.max_device_inputs == 2
     d = 64 * 8  # hidden 64 in fp64, per position
     # X_0 out in the pass, back for the rebuild; X_1, X_2 out in the rebuild; X_2, X_1, X_0 back
