@@ -1,0 +1,215 @@
+"""Predicting a long sequence from a few short ones, for the peak that a full fake run at T takes
+minutes to an hour to find (its cost is per op, and StreamBP's op count grows with T / chunk).
+
+For fixed model, method, placement and chunk sizes, each op of the step runs at an instant
+(instants.py: its phase, its StreamBP chunk counted from the end of the sequence, its order) that
+exists at every length whose chunks end alike: lengths of one remainder by the chunk sizes
+(`period`). What is live at such an instant is a sum of blocks whose sizes are polynomials in T:
+constant (a chunk's intermediates), linear (checkpoints, the K/V buffers, the dK/dV sums, one
+chunk's prefix) or quadratic (HF's (T, T) attention mask, with bp and ckpt's padded batches), and
+their count does not depend on T. So the live bytes at each instant, before the allocator rounds
+each block up to 512 B, are a polynomial of degree 1 (streambp: no T x T term on any path) or 2
+in T, fitted exactly from 2 or 3 sample lengths; the rounding is redone per block for the size
+its site (the op that made it) has at T. The peak at T is the largest of these, its phase that
+instant's. Chunks between the first and the last two exist at one length and not at another; an
+op there holds what the same op holds in the second-to-last chunk, with a shorter prefix, so it
+never exceeds it.
+
+Refused (None; the caller runs the step at T), with the reason: when the phase of the peak moves
+between the sample lengths (they straddle a change of regime), when a sample's peak is at an
+instant the other samples lack, when the allocator's rounding at T depends on a block whose size at
+T is unknown, or when the sample lengths are not shorter than T. tests/test_simulate_length.py
+compares the prediction with the full run at T to the byte over grids of T.
+
+Depth extrapolation (depth.py) composes with this: it runs its two shallow models at T through
+`estimate_by_length`, each predicted from short samples of that depth. The other order would need
+the depth fit per instant; this one needs nothing of depth.py beyond its rows.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from itertools import pairwise
+
+import numpy as np
+
+from ..config import RunSpec
+from ..methods import MethodFn
+from ..methods.step import storage_bytes
+from ..records.select import PROMPTED_OBJECTIVES
+from .estimate import Estimate, StepMemory, assemble, granularity_bytes, simulate
+from .fake_mode import build_fake_step
+from .instants import InstantRecorder
+
+Note = Callable[[str], None]  # a line of progress or of why an extrapolation was refused
+
+# StreamBP has no (T, T) term: its linear fit needs two samples; other methods' HF forward
+# materialises a padded (B, 1, T, T) mask, quadratic.
+LINEAR_METHODS = ("streambp",)
+# Lengths a full-sequence kernel rounds to (flash backward: the query length to 128, the
+# efficient kernel's workspace to 64), and the 8 an SDPA mask's strides are padded to.
+FULL_SEQUENCE_PERIOD = 128
+MASK_ALIGNMENT = 8
+CHUNKED_SETTINGS = ("chunk_size", "logits_chunk_size", "mlp_tile_size")
+HEAD_CHUNK = re.compile(r"head chunk (\d+)")
+
+
+def period(spec: RunSpec) -> int:
+    """Lengths this far apart cut the sequence alike at the end (same last chunk of every kind)."""
+    sizes = [getattr(spec.settings, name) for name in CHUNKED_SETTINGS]
+    sizes = [size for size in sizes if size]
+    base = MASK_ALIGNMENT if spec.method in LINEAR_METHODS else FULL_SEQUENCE_PERIOD
+    return math.lcm(base, *sizes)
+
+
+def sample_lengths(spec: RunSpec) -> list[int] | None:
+    """The short lengths that predict spec.seq_len: of its remainder by `period`, long enough for
+    four chunks of each size (the first and the last three), prompts whole; None when they would
+    not be shorter than spec.seq_len."""
+    step = period(spec)
+    sizes = [getattr(spec.settings, name) or 0 for name in CHUNKED_SETTINGS]
+    prompt = spec.prompt_len if spec.objective in PROMPTED_OBJECTIVES else 0  # whole from 2 x prompt_len on
+    shortest = max(3 * max(sizes) + 1, 2 * prompt + 1, step)
+    first = spec.seq_len - (spec.seq_len - shortest) // step * step if spec.seq_len >= shortest else None
+    if first is None:
+        return None
+    count = 2 if spec.method in LINEAR_METHODS else 3
+    lengths = [first + i * step for i in range(count)]
+    return lengths if lengths[-1] < spec.seq_len else None
+
+
+@dataclass
+class _Sample:
+    seq_len: int
+    estimate: Estimate
+    record: InstantRecorder
+    index: dict  # instant key -> op index
+    unrounded: list[int]  # per op: live bytes before rounding
+
+
+def _unrounded(record: InstantRecorder, granularity: int) -> list[int]:
+    """Per op, the live bytes without the allocator's rounding of each block."""
+    overhead = np.zeros(len(record.values) + 1, dtype=np.int64)
+    for block in record.blocks:
+        extra = -block.nbytes % granularity
+        if extra:
+            overhead[block.born] += extra
+            overhead[len(record.values) if block.died is None else block.died] -= extra
+    rounding = np.cumsum(overhead)[:-1]
+    return [value - int(extra) for value, extra in zip(record.values, rounding)]
+
+
+def _extrapolate(values: list[int], k: int) -> int:
+    """The polynomial of degree len(values) - 1 through values at 0, 1, ..., evaluated at k (exact:
+    Newton's forward differences, integer binomial coefficients)."""
+    total, differences = 0, list(values)
+    for order in range(len(values)):
+        total += math.comb(k, order) * differences[0]
+        differences = [b - a for a, b in pairwise(differences)]
+    return total
+
+
+def estimate_by_length(
+    spec: RunSpec, *, target: str = "cuda", method: MethodFn | None = None, note: Note | None = None
+) -> Estimate | None:
+    """The Estimate of spec at its seq_len, from fake runs at `sample_lengths(spec)`; None when
+    there are no shorter samples or the extrapolation is refused (note says why)."""
+    lengths = sample_lengths(spec)
+    if lengths is None:
+        return None
+    granularity = granularity_bytes(target)
+    samples = []
+    for seq_len in lengths:
+        estimate, record = simulate(
+            replace(spec, seq_len=seq_len), target=target, method=method, counter_type=InstantRecorder
+        )
+        index = {key: i for i, key in enumerate(record.keys)}
+        samples.append(_Sample(seq_len, estimate, record, index, _unrounded(record, granularity)))
+        if note:
+            note(f"T={seq_len}: peak {record.peak_bytes:,} B in {record.peak_phase}")
+    memory, why = _fit(samples, spec.seq_len, granularity)
+    if memory is None:
+        if note:
+            note(f"T={spec.seq_len} not extrapolated ({why}): running the step at T")
+        return None
+    last = samples[-1].estimate
+    fake = build_fake_step(spec, foreach_optimizer=target == "cuda")
+    baseline = storage_bytes(fake.step.resident_tensors(), granularity)
+    result = assemble(spec, fake.step, memory, target, baseline=baseline)
+    # the optimizer's state is counted after the step (under protocol first, made in it), as estimate() does
+    return result if spec.nproc > 1 else replace(result, optimizer_state_bytes=last.optimizer_state_bytes)
+
+
+def _fit(samples: list[_Sample], seq_len: int, granularity: int) -> tuple[StepMemory | None, str]:
+    """The step's memory at seq_len from the samples (equally spaced), or (None, why not)."""
+    phases = {s.record.peak_phase for s in samples}
+    if len(phases) > 1:
+        return None, f"the peak moves between {' and '.join(sorted(phases))} across the sample lengths"
+    kernels = {s.estimate.attention_kernel for s in samples}
+    if len(kernels) > 1:
+        return None, "the attention kernels differ across the sample lengths"
+    last = samples[-1]
+    # StreamBP's head chunks are numbered from the first; a sample's last one may be short and is
+    # followed by the head's closing ops: only chunks before every sample's last are alike
+    compared = max(0, min(_head_chunks(s.record.keys) for s in samples) - 1)
+    shared = [
+        key for key in last.record.keys if all(key in s.index for s in samples) and _head_chunk(key[0]) < compared
+    ]
+    for s in samples:
+        if max(s.record.values[s.index[key]] for key in shared) != s.record.peak_bytes:
+            return None, f"the peak at T={s.seq_len} is in a chunk the other sample lengths lack"
+    step = samples[1].seq_len - samples[0].seq_len
+    k = (seq_len - samples[0].seq_len) // step
+    overhead = _rounding_at(samples, k, granularity)
+    best, best_key = -1, None
+    for key in shared:
+        value = _extrapolate([s.unrounded[s.index[key]] for s in samples], k) + int(overhead[last.index[key]])
+        if value > best:
+            best, best_key = value, key
+
+    def fitted(column: str) -> int:
+        return _extrapolate([getattr(s.estimate, column) for s in samples], k)
+
+    return StepMemory(
+        activation_peak_bytes=best,
+        peak_phase=best_key[0],
+        attention_kernel=last.estimate.attention_kernel,
+        host_pinned_bytes=fitted("host_pinned_bytes"),
+        transfer_bytes=fitted("transfer_bytes"),
+    ), ""
+
+
+def _head_chunk(label: str) -> int:
+    """k of a "head chunk k" label (phases.py), -1 for any other."""
+    match = HEAD_CHUNK.fullmatch(label)
+    return int(match.group(1)) if match else -1
+
+
+def _head_chunks(keys: list[tuple]) -> int:
+    return 1 + max((_head_chunk(key[0]) for key in keys), default=-1)
+
+
+def _rounding_at(samples: list[_Sample], k: int, granularity: int) -> np.ndarray:
+    """Per op of the last sample: the allocator's rounding of its live blocks at the predicted
+    length, each block's size fitted across the samples by its site. A block made where the other
+    samples have no op (a chunk in the middle, a head chunk past the first ones) and still live at
+    an instant they share is what that chunk left behind, sized by the chunk size and not by T: it
+    is rounded as it is."""
+    sizes = [{} for _ in samples]
+    for table, s in zip(sizes, samples):
+        for block in s.record.blocks:
+            table[block.site] = block.nbytes
+    last = samples[-1].record
+    num_ops = len(last.values)
+    overhead = np.zeros(num_ops + 1, dtype=np.int64)
+    for block in last.blocks:
+        shared = all(block.site in table for table in sizes)
+        nbytes = _extrapolate([table[block.site] for table in sizes], k) if shared else block.nbytes
+        extra = -nbytes % granularity
+        if extra:
+            overhead[block.born] += extra
+            overhead[num_ops if block.died is None else block.died] -= extra
+    return np.cumsum(overhead)[:-1]
