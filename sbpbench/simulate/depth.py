@@ -9,12 +9,18 @@ backward). So the full-depth value is v(2) + (L - 2) * (v(3) - v(2)); with recom
 remainder mod K (`probe_depths`). tests/test_simulate_depth.py checks this against full-depth runs
 to the byte; models whose layers differ (Gemma 3's sliding
 and global layers) are always run at full depth.
+
+Each shallow model is itself predicted at T from shorter sequences (length.py) unless `exact`:
+depth outermost, since its affine law holds at any fixed T, length innermost, since its fit needs
+the step's instants, which only a run at one depth has. `exact` runs the full step: the point's
+own depth and length, nothing extrapolated.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import replace
+from functools import partial
 
 from ..config import RunSpec
 from ..core.placement import Placement
@@ -22,6 +28,7 @@ from ..methods import MethodFn
 from ..models import load_config
 from ..records import ResultRow
 from .estimate import estimate_point, judge, margin_bytes
+from .length import Note, predict
 
 AFFINE_COLUMNS = (
     "num_params",
@@ -68,18 +75,27 @@ def estimate_point_by_depth(
     gpu_memory_bytes: int | None = None,
     host_memory_bytes: int | None = None,
     method: MethodFn | None = None,
+    exact: bool = False,
+    note: Note | None = None,
 ) -> ResultRow:
-    """estimate_point's row, from two shallower models when that is exact (see above)."""
+    """estimate_point's row, from two shallower models when that is exact (see above), each
+    predicted from shorter sequences (length.py) unless `exact`. note: progress lines."""
+    estimator = None if exact else partial(predict, note=note)
     depth = spec.num_layers or load_config(spec.model).num_hidden_layers
     every = Placement.parse(spec.settings.checkpoints).recompute_every if spec.settings.checkpoints else 1
-    depths = probe_depths(depth, every)
+    depths = None if exact else probe_depths(depth, every)
     if depths is None or not uniform_layers(spec.model):
         return estimate_point(
-            spec, target=target, gpu_memory_bytes=gpu_memory_bytes, host_memory_bytes=host_memory_bytes, method=method
+            spec,
+            target=target,
+            gpu_memory_bytes=gpu_memory_bytes,
+            host_memory_bytes=host_memory_bytes,
+            method=method,
+            estimator=estimator,
         )
     low, high = depths
-    shallow = estimate_point(replace(spec, num_layers=low), target=target, method=method)
-    row = estimate_point(replace(spec, num_layers=high), target=target, method=method)
+    shallow = estimate_point(replace(spec, num_layers=low), target=target, method=method, estimator=estimator)
+    row = estimate_point(replace(spec, num_layers=high), target=target, method=method, estimator=estimator)
     if "error" in (shallow.status, row.status):
         return row
     steps = (depth - low) // (high - low)  # whole segments: depth = low (mod high - low)

@@ -21,6 +21,7 @@ itself; a point fits when both the device and the host side fit.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
@@ -201,10 +202,12 @@ def estimate_point(
     gpu_memory_bytes: int | None = None,
     host_memory_bytes: int | None = None,
     method: MethodFn | None = None,
+    estimator: Callable[..., Estimate] | None = None,
 ) -> ResultRow:
     """A results row for the point: status ok, or oom when peak + margin exceeds gpu_memory_bytes
     or the host side exceeds host_memory_bytes, or error (the row says why). Provenance is this
-    machine's software, not a GPU's. method: as in `estimate`."""
+    machine's software, not a GPU's. method: as in `estimate`. estimator: what gives the Estimate
+    (default `estimate`, the full fake run; length.predict extrapolates from shorter ones)."""
     row = ResultRow(**spec_fields(spec))
     row.source, row.memory_source = "simulated", "fake-tensor"
     row.device = target
@@ -216,7 +219,7 @@ def estimate_point(
     row.git_commit, row.git_dirty = env.git_commit, env.git_dirty
     row.timestamp_utc = datetime.now(timezone.utc).isoformat(timespec="seconds")
     try:
-        result = estimate(spec, target=target, method=method)
+        result = (estimator or estimate)(spec, target=target, method=method)
     except MethodUnsupported as error:
         row.status, row.error = "unsupported", one_line(error)
         return row

@@ -32,6 +32,7 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from itertools import pairwise
 
 import numpy as np
@@ -40,10 +41,11 @@ from ..config import RunSpec
 from ..methods import MethodFn
 from ..methods.step import storage_bytes
 from ..records.select import PROMPTED_OBJECTIVES
-from .estimate import Estimate, StepMemory, assemble, granularity_bytes, simulate
+from .estimate import Estimate, StepMemory, assemble, estimate, granularity_bytes, simulate
 from .fake_mode import build_fake_step
 from .instants import InstantRecorder
 
+GIB = 2**30
 Note = Callable[[str], None]  # a line of progress or of why an extrapolation was refused
 
 # StreamBP has no (T, T) term: its linear fit needs two samples; other methods' HF forward
@@ -54,7 +56,7 @@ LINEAR_METHODS = ("streambp",)
 FULL_SEQUENCE_PERIOD = 128
 MASK_ALIGNMENT = 8
 CHUNKED_SETTINGS = ("chunk_size", "logits_chunk_size", "mlp_tile_size")
-HEAD_CHUNK = re.compile(r"head chunk (\d+)")
+HEAD_CHUNK = re.compile(r"(head (?:sums )?chunk) (\d+)")
 
 
 def period(spec: RunSpec) -> int:
@@ -90,6 +92,22 @@ class _Sample:
     unrounded: list[int]  # per op: live bytes before rounding
 
 
+@lru_cache(maxsize=12)  # the samples of a few points: a search or a plan asks for the same ones again
+def _sample(spec: RunSpec, target: str, method: MethodFn | None) -> _Sample:
+    estimate, record = simulate(spec, target=target, method=method, counter_type=InstantRecorder)
+    index = {key: i for i, key in enumerate(record.keys)}
+    return _Sample(spec.seq_len, estimate, record, index, _unrounded(record, granularity_bytes(target)))
+
+
+def predict(
+    spec: RunSpec, *, target: str = "cuda", method: MethodFn | None = None, note: Note | None = None
+) -> Estimate:
+    """estimate_by_length's Estimate, or where it has none the full run's (estimate.estimate)."""
+    return estimate_by_length(spec, target=target, method=method, note=note) or estimate(
+        spec, target=target, method=method
+    )
+
+
 def _unrounded(record: InstantRecorder, granularity: int) -> list[int]:
     """Per op, the live bytes without the allocator's rounding of each block."""
     overhead = np.zeros(len(record.values) + 1, dtype=np.int64)
@@ -123,13 +141,11 @@ def estimate_by_length(
     granularity = granularity_bytes(target)
     samples = []
     for seq_len in lengths:
-        estimate, record = simulate(
-            replace(spec, seq_len=seq_len), target=target, method=method, counter_type=InstantRecorder
-        )
-        index = {key: i for i, key in enumerate(record.keys)}
-        samples.append(_Sample(seq_len, estimate, record, index, _unrounded(record, granularity)))
+        samples.append(_sample(replace(spec, seq_len=seq_len), target, method))
         if note:
-            note(f"T={seq_len}: peak {record.peak_bytes:,} B in {record.peak_phase}")
+            note(
+                f"sample T={seq_len}: peak {samples[-1].record.peak_bytes / GIB:.2f} GiB in {samples[-1].record.peak_phase}"
+            )
     memory, why = _fit(samples, spec.seq_len, granularity)
     if memory is None:
         if note:
@@ -152,18 +168,14 @@ def _fit(samples: list[_Sample], seq_len: int, granularity: int) -> tuple[StepMe
     if len(kernels) > 1:
         return None, "the attention kernels differ across the sample lengths"
     last = samples[-1]
-    # StreamBP's head chunks are numbered from the first; a sample's last one may be short and is
-    # followed by the head's closing ops: only chunks before every sample's last are alike
-    compared = max(0, min(_head_chunks(s.record.keys) for s in samples) - 1)
-    shared = [
-        key for key in last.record.keys if all(key in s.index for s in samples) and _head_chunk(key[0]) < compared
-    ]
+    alike = _alike(samples)
+    shared = [key for key in last.record.keys if alike(key) and all(key in s.index for s in samples)]
     for s in samples:
         if max(s.record.values[s.index[key]] for key in shared) != s.record.peak_bytes:
             return None, f"the peak at T={s.seq_len} is in a chunk the other sample lengths lack"
     step = samples[1].seq_len - samples[0].seq_len
     k = (seq_len - samples[0].seq_len) // step
-    overhead = _rounding_at(samples, k, granularity)
+    overhead = _rounding_at(samples, k, granularity, alike)
     best, best_key = -1, None
     for key in shared:
         value = _extrapolate([s.unrounded[s.index[key]] for s in samples], k) + int(overhead[last.index[key]])
@@ -182,17 +194,34 @@ def _fit(samples: list[_Sample], seq_len: int, granularity: int) -> tuple[StepMe
     ), ""
 
 
-def _head_chunk(label: str) -> int:
-    """k of a "head chunk k" label (phases.py), -1 for any other."""
+def _head_chunk(label: str) -> tuple[str, int]:
+    """("head chunk", k) of a "head chunk k" label (phases.py; or "head sums chunk"), ("", -1) for another."""
     match = HEAD_CHUNK.fullmatch(label)
-    return int(match.group(1)) if match else -1
+    return (match.group(1), int(match.group(2))) if match else ("", -1)
 
 
-def _head_chunks(keys: list[tuple]) -> int:
-    return 1 + max((_head_chunk(key[0]) for key in keys), default=-1)
+def _alike(samples: list[_Sample]) -> Callable[[tuple], bool]:
+    """Whether an instant key may name the same op in every sample. StreamBP's head chunks are
+    numbered from the first processed one, and how many there are depends on the padding: a
+    sample's last may be short and is followed by the head's closing ops, so of each pass only
+    chunk numbers below every sample's last are alike."""
+    below: dict[str, int] = {}
+    for s in samples:
+        last: dict[str, int] = {}
+        for key in s.record.keys:
+            family, number = _head_chunk(key[0])
+            last[family] = max(last.get(family, -1), number)
+        for family, number in last.items():
+            below[family] = min(below.get(family, number), number)
+
+    def alike(key: tuple) -> bool:
+        family, number = _head_chunk(key[0])
+        return not family or number < below.get(family, 0)
+
+    return alike
 
 
-def _rounding_at(samples: list[_Sample], k: int, granularity: int) -> np.ndarray:
+def _rounding_at(samples: list[_Sample], k: int, granularity: int, alike: Callable[[tuple], bool]) -> np.ndarray:
     """Per op of the last sample: the allocator's rounding of its live blocks at the predicted
     length, each block's size fitted across the samples by its site. A block made where the other
     samples have no op (a chunk in the middle, a head chunk past the first ones) and still live at
@@ -206,7 +235,7 @@ def _rounding_at(samples: list[_Sample], k: int, granularity: int) -> np.ndarray
     num_ops = len(last.values)
     overhead = np.zeros(num_ops + 1, dtype=np.int64)
     for block in last.blocks:
-        shared = all(block.site in table for table in sizes)
+        shared = alike(block.site[0]) and all(block.site in table for table in sizes)
         nbytes = _extrapolate([table[block.site] for table in sizes], k) if shared else block.nbytes
         extra = -nbytes % granularity
         if extra:
