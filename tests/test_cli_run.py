@@ -126,3 +126,27 @@ def test_sbp_env_json_parses():
     assert result.exit_code == 0
     values = json.loads(result.output)
     assert values["torch_version"] and values["git_commit"]
+
+
+@pytest.mark.slow
+def test_a_memory_limit_above_the_machine_runs_capped_at_its_ram_with_a_notice(tmp_path):
+    """`sbp run --device cpu --model tiny/qwen3 --seq 64 --method bp --memory-limit 100TB`: an ok row
+    whose recorded cap is this machine's RAM (beside the 100 TB asked for), and one notice line."""
+    from sbpbench.measure.host_memory import total_ram_bytes
+
+    out = tmp_path / "r.csv"
+    argv = ["run", "--device", "cpu", "--model", "tiny/qwen3", "--seq", "64", "--method", "bp"]
+    done = subprocess.run(
+        [_sbp(), *argv, "--memory-limit", "100TB", "--out", str(out)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=cli_env(),
+    )
+    assert done.returncode == 0, done.stderr
+    (row,) = read_rows(out)
+    assert row["status"] == "ok" and row["memory_limit_bytes"] == str(100 * 10**12)
+    assert row["memory_limit_effective_bytes"] == str(total_ram_bytes())
+    notices = [line for line in done.stderr.splitlines() if line.startswith("notice:")]
+    assert len(notices) == 1 and "this machine's RAM" in notices[0], done.stderr

@@ -16,9 +16,18 @@ from ..runner import ExactnessSpec, check_exactness
 from .errors import user_errors
 from .options import ExactnessOutOpt, point_command, run_fields_but
 
-# bp is the reference; lora_alpha is 2 x rank (with seeded non-zero B); nothing is timed
+# bp is the reference; lora_alpha is 2 x rank (with seeded non-zero B); nothing is timed (nor an SDPA kernel forced)
 CHECK_FIELDS = run_fields_but(
-    "lora_alpha", "step", "protocol", "warmup", "repeats", "memory_limit", "timeout_s", "threads", "nproc"
+    "lora_alpha",
+    "step",
+    "protocol",
+    "warmup",
+    "repeats",
+    "memory_limit",
+    "timeout_s",
+    "threads",
+    "nproc",
+    "sdpa_backend",
 )
 
 

@@ -18,7 +18,8 @@ from .options import OutOpt, point_command, run_fields_but
 from .tables import estimate_table
 
 # a prediction is for a GPU: the GPU defaults (Qwen/Qwen3-4B, T=9000, bf16) unless told
-ESTIMATE_FIELDS = run_fields_but("device", "warmup", "repeats", "memory_limit", "timeout_s", "threads")
+# (sdpa_backend: the estimator models torch's own kernel choice, not a forced one)
+ESTIMATE_FIELDS = run_fields_but("device", "warmup", "repeats", "memory_limit", "timeout_s", "threads", "sdpa_backend")
 
 
 @point_command(

@@ -104,6 +104,7 @@ RUN_FIELDS = (
     "seed",
     "threads",
     "nproc",
+    "sdpa_backend",
 )
 
 

@@ -30,6 +30,7 @@ PLAN_FIELDS = run_fields_but(
     "nproc",
     "mlp_tile_size",
     "offload_checkpoints",
+    "sdpa_backend",  # the estimator models torch's own kernel choice
 )
 
 

@@ -13,6 +13,7 @@ from ..data import OBJECTIVES
 from ..methods import METHODS, STEPS
 from .maxlen import SEARCH_FIELDS as SEARCH_SETTINGS
 from .run import DTYPES, FIELD_NAMES, PROTOCOLS
+from .sdpa import SDPA_BACKENDS
 
 
 @dataclass(frozen=True)
@@ -66,9 +67,18 @@ SETTINGS: dict[str, Setting] = {
         "Data-parallel processes for the step, the model sharded with FSDP2 (FULL_SHARD): gloo on cpu, one GPU "
         "per rank on cuda; bp, ckpt and streambp (default: 1).",
     ),
-    "timeout_s": Setting((int, float), "Seconds per point before it is recorded as timeout (default: 3600)."),
-    "chunk_size": Setting((int, str), 'StreamBP positions per layer chunk: tokens, or "T/k" for T/k (default: 500).'),
-    "logits_chunk_size": Setting(int, "StreamBP, ckpt-chunked-ce, tiled: positions per logits chunk (default: 100)."),
+    "timeout_s": Setting(
+        (int, float),
+        "Seconds per point before it is recorded as timeout (default: predicted from the point's FLOPs, at least 600).",
+    ),
+    "chunk_size": Setting(
+        (int, str),
+        'StreamBP positions per layer chunk: tokens, "T/k" for T/k, or auto (default: chosen from T, the model '
+        "and the memory limit; core/README.md).",
+    ),
+    "logits_chunk_size": Setting(
+        (int, str), "StreamBP, ckpt-chunked-ce, tiled: positions per logits chunk, or auto (default: auto)."
+    ),
     "fp32_grad_accumulation": Setting(bool, "StreamBP: sum bf16 chunk gradients in fp32 (default: on)."),
     "mlp_tile_size": Setting(int, "tiled (ALST): positions per MLP tile (default: 2048)."),
     "offload_checkpoints": Setting(bool, "tiled (ALST): layer checkpoints in host memory (default: on)."),
@@ -78,6 +88,12 @@ SETTINGS: dict[str, Setting] = {
         "prefetched a layer ahead), recompute:K (keep every K-th, rebuild the rest), cpu+recompute:K, or "
         "cpu+recompute:K+spill (rebuilt inputs to the host too: two layer inputs on the GPU at most).",
     ),  # no `choices`: K is open; RunSpec checks the name (core.placement.Placement.parse)
+    "sdpa_backend": Setting(
+        str,
+        "Force one scaled-dot-product-attention kernel for every method (default: auto, torch's choice per call); "
+        "cpu has flash and math.",
+        SDPA_BACKENDS,
+    ),
     # a max-length search's own settings (MaxlenSpec); its first probe is seq_len
     "seq_len_ceiling": Setting(int, "Longest length a search tries (default: 262144 cuda, 16384 cpu)."),
     "resolution": Setting(
