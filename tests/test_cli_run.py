@@ -26,19 +26,17 @@ def _sbp() -> str:
     return str(beside_python) if beside_python.exists() else shutil.which("sbp")
 
 
+def _run_sbp(*args: str) -> subprocess.CompletedProcess:
+    """The installed `sbp` in a process of its own, its output captured."""
+    return subprocess.run([_sbp(), *args], check=False, capture_output=True, text=True, timeout=600, env=cli_env())
+
+
 @pytest.mark.slow
 def test_sbp_run_in_a_real_process_writes_rows_with_full_provenance(tmp_path):
     """The installed `sbp run` with `--method bp ckpt streambp`: exit 0, a table, three rows whose
     provenance columns are all filled."""
     out = tmp_path / "results" / "runs.csv"
-    done = subprocess.run(
-        [_sbp(), "run", *TINY, "--method", "bp", "ckpt", "streambp", "--out", str(out)],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=cli_env(),
-    )
+    done = _run_sbp("run", *TINY, "--method", "bp", "ckpt", "streambp", "--out", str(out))
     assert done.returncode == 0, done.stderr
     for text in ("bp", "ckpt", "streambp", "peak GiB", "tiny/qwen3", "3 row(s) written"):
         assert text in done.stdout
@@ -136,14 +134,7 @@ def test_a_memory_limit_above_the_machine_runs_capped_at_its_ram_with_a_notice(t
 
     out = tmp_path / "r.csv"
     argv = ["run", "--device", "cpu", "--model", "tiny/qwen3", "--seq", "64", "--method", "bp"]
-    done = subprocess.run(
-        [_sbp(), *argv, "--memory-limit", "100TB", "--out", str(out)],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=cli_env(),
-    )
+    done = _run_sbp(*argv, "--memory-limit", "100TB", "--out", str(out))
     assert done.returncode == 0, done.stderr
     (row,) = read_rows(out)
     assert row["status"] == "ok" and row["memory_limit_bytes"] == str(100 * 10**12)

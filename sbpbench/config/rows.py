@@ -39,7 +39,7 @@ def spec_fields(spec: RunSpec) -> dict:
         "dtype": spec.dtype,
         "device": spec.device,
         "protocol": spec.protocol,
-        **resolved_settings(spec).as_dict(),  # None where the method does not read the knob; "auto" as chosen
+        **resolved_settings(spec).as_dict(),  # None where the method does not read it; "auto" as the number chosen
         "auto_settings": ";".join(auto_settings(spec)),
         "attn_implementation": METHODS[spec.method].attn_implementation,
         "sdpa_backend": spec.sdpa_backend,

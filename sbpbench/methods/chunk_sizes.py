@@ -42,8 +42,11 @@ class ChunkSizes(NamedTuple):
 def layer_bytes_per_token(config, dtype_bytes: int) -> int:
     """One decoder layer's activations per position while its chunk runs forward and backward: what
     it saves (norm outputs, q/k/v, attention output, the MLP's gate, up, act and product: about
-    6 d + 4 I values) and, in backward, gradients of the same size."""
-    return 2 * (6 * config.hidden_size + 4 * config.intermediate_size) * dtype_bytes
+    6 d + 4 I values) and, in backward, gradients of the same size. A config without
+    intermediate_size (GPT-2's n_inner, a family bp and ckpt run) is taken as I = 4 d."""
+    hidden = config.hidden_size
+    intermediate = getattr(config, "intermediate_size", None) or 4 * hidden
+    return 2 * (6 * hidden + 4 * intermediate) * dtype_bytes
 
 
 def logits_bytes_per_token(config, dtype_bytes: int) -> int:

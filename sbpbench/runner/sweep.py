@@ -4,8 +4,9 @@ Every finished point is upserted to the CSV before the next starts (atomic write
 or a SIGKILL loses at most the point in flight, and a rerun skips what the CSV already holds
 (same key). A point is certain OOM, and recorded as `skipped` without running, when a point of
 the same settings with no longer sequence and no larger batch already ran out of memory; likewise
-certain to time out when such a point timed out (a step takes longer with T and the batch), so the
-longer points of a series that timed out are not run for their full timeouts either.
+certain to time out when such a point timed out: a timeout is predicted from the point's FLOPs
+(config/timing.py), so a machine that missed it at T is too slow by the same factor at longer T, and
+the longer points of the series are not run for their full (longer) timeouts.
 """
 
 from __future__ import annotations
