@@ -3,8 +3,8 @@
 Long context: a point of T >= LONG_CONTEXT_SEQ_LEN defaults to LONG_CONTEXT_PROTOCOL, one memory step
 then one timed step (no warm-up: on a GPU the memory step warms the kernels and caches for the timed
 one; on the CPU it runs first anyway). At 32k a Qwen3-8B StreamBP step already takes seconds on an
-H100 and minutes at 262k, so the default 1 + 1 + 3 steps would triple a sweep for a spread of three;
-a warm-up or repeats given explicitly win.
+H100 and minutes at 262k, so the default 1 + 1 + 3 steps would make a sweep 2.5x longer for a spread
+of three; a warm-up or repeats given explicitly win.
 
 Timeout: unless given (--timeout, an experiment's timeout_s), a point may run for
 START_S + SAFETY_FACTOR x steps x (executed FLOPs of one step / ASSUMED_RATES[device kind, dtype]),

@@ -17,10 +17,10 @@ Budget: the steps run in that order, each cut to what the budget leaves less the
 the `reserved` steps after it (the offload points: the default run cannot eat their time). A step
 left less than MIN_STEP_S is not started: "not run (budget)", which is not a failure. The offload
 points' timeouts come from the FLOP model at the assumed H100 rate (`offload_timeout_s`); with the
-default run's cap they fit the budget, which test_selftest.py checks. By the same FLOP count the
-plan does not fit 8 minutes whole on an H100 (the default run about 1.5 min, the offload points
-about 4, the gpu-marked tests several): the long memory-only point, and the probes after the tests,
-are the first to lose their time.
+default run's cap they fit the budget, which test_selftest.py checks. Their limits (about 2.2 and
+2.5 minutes, predictions) and the default run's cap (3) take most of the 8 minutes: the gpu-marked
+tests, the probes and the long point share what is left, and whichever it cannot start is "not run
+(budget)".
 On a CPU: a small `sbp check`, a short default-like `sbp run` and its `sbp estimate --target
 cpu`, within CPU_BUDGET_S on 2 cores. Written to OUT/cpu-selftest/.
 """
