@@ -142,22 +142,27 @@ def test_rows_and_documents_without_counted_labels_add_zero():
     assert_same(model, ours, per_document_step(model, input_ids, labels, position_ids))
 
 
-def _layout_cases():
-    fast = {"tiny/qwen3", "tiny/gemma3"}
+FAST_PLACEMENTS = ("gpu", "cpu", "recompute:3", "cpu+recompute:4+spill")
+
+
+def _placement_cases():
+    """The fast tier: Qwen3 without LoRA, one placement of each kind; the slow tier: every family,
+    with and without LoRA, every placement."""
+    yield pytest.param("tiny/qwen3", False, FAST_PLACEMENTS, id="tiny/qwen3-full-fast")
     for family in FAMILIES:
         for lora in (False, True):
-            marks = () if family in fast and not lora else pytest.mark.slow
-            yield pytest.param(family, lora, id=f"{family}-{'lora' if lora else 'full'}", marks=marks)
+            name = f"{family}-{'lora' if lora else 'full'}-all"
+            yield pytest.param(family, lora, ("gpu", *PLACEMENTS), id=name, marks=pytest.mark.slow)
 
 
-@pytest.mark.parametrize(("family", "lora"), list(_layout_cases()))
-def test_every_placement_and_lora(family, lora):
-    """5 layers, every checkpoint placement, with and without LoRA: left-padded rows equal bp, packed rows BP per document."""
+@pytest.mark.parametrize(("family", "lora", "placements"), list(_placement_cases()))
+def test_every_placement_and_lora(family, lora, placements):
+    """5 layers, checkpoint placements, with and without LoRA: left-padded rows equal bp, packed rows BP per document."""
     model = _deep_model(family, lora)
     batch = left_padded_batch(model, seq_len=SEQ_LEN, spans=SPANS)
     input_ids, labels, position_ids = packed_rows(model, doc_lengths=DOCS)
     left_reference, packed_reference = bp_step(model, batch), per_document_step(model, input_ids, labels, position_ids)
-    for placement in ("gpu", *PLACEMENTS):
+    for placement in placements:
         kwargs = {"chunk_size": 7, "logits_chunk_size": 3, "checkpoints": placement}
         left = streamed_step(model, batch.input_ids, batch.labels, attention_mask=batch.attention_mask, **kwargs)
         assert_same(model, left, left_reference, f"{placement}, left padding")
