@@ -128,7 +128,7 @@ def build_layout(
     real = _real_spans(attention_mask, batch, seq_len)
     starts = _document_starts(position_ids, real, batch, seq_len)
     if packing_refused is not None and any(len(row) > 1 for row in starts):
-        raise ValueError(f"packed rows (position_ids restarting at 0) are refused: {packing_refused}")
+        raise ValueError(f"packed rows (position_ids restarting at 0) are refused: {packing_refused}; pack SFT only")
     for row, (first, last) in enumerate(real):
         pad_predicts = (counted[row, :first].any() or counted[row, last:].any()) if first < last else counted[row].any()
         if bool(pad_predicts):
@@ -152,17 +152,15 @@ def _real_spans(attention_mask: torch.Tensor | None, batch: int, seq_len: int) -
     if attention_mask.shape != (batch, seq_len):
         raise ValueError(f"attention_mask must be {(batch, seq_len)}, got {tuple(attention_mask.shape)}")
     mask = attention_mask.bool().cpu()
-    spans = []
-    for row in range(batch):
-        ones = mask[row].nonzero().flatten().tolist()
-        first, last = (ones[0], ones[-1] + 1) if ones else (0, 0)
-        if len(ones) != last - first:
-            raise ValueError(
-                f"attention_mask row {row} has padding between real tokens; StreamBP takes left and/or right "
-                "padding (each row 0...0 1...1 0...0); pass packed documents as position_ids restarting at 0"
-            )
-        spans.append((first, last))
-    return spans
+    first = mask.int().argmax(dim=1)  # the first 1 (0 for a row of pads)
+    last = torch.where(mask.any(dim=1), seq_len - mask.flip(1).int().argmax(dim=1), first)
+    holes = (mask.sum(dim=1) != last - first).nonzero().flatten().tolist()
+    if holes:
+        raise ValueError(
+            f"attention_mask row {holes[0]} has padding between real tokens; StreamBP takes left and/or right "
+            "padding (each row 0...0 1...1 0...0); pass packed documents as position_ids restarting at 0"
+        )
+    return list(zip(first.tolist(), last.tolist()))
 
 
 def _document_starts(position_ids, real, batch: int, seq_len: int) -> list[list[int]]:

@@ -44,7 +44,7 @@ class Objective:
     name = "objective"
     temperature = 1.0  # the logits are divided by it before the log-softmax (GRPO sets its own)
     # Why packed rows (position_ids restarting, layout.py) cannot take this objective; None: they can.
-    packing_refused: ClassVar[str | None] = "its terms are per row, not per packed document"
+    packing_refused: ClassVar[str | None] = "the objective's terms are per row, not per packed document"
 
     def __post_init__(self):
         self.targets = shift_labels(self.labels)  # (B, T): what position t predicts

@@ -64,6 +64,7 @@ class DPO(SequenceSumsObjective):
     discopop_tau: float = 0.05
     gradient_accumulation_steps: int = 1
     name = "dpo"
+    packing_refused = "DPO's sequence sums are per row, not per packed document"
 
     def __post_init__(self):
         super().__post_init__()

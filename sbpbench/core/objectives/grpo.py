@@ -58,6 +58,7 @@ class GRPO(SequenceSumsObjective):
     gradient_accumulation_steps: int = 1
     steps_per_generation: int | None = None  # dapo; None: = gradient_accumulation_steps (TRL's default)
     name = "grpo"
+    packing_refused = "GRPO's advantages and normalisations are per row, not per packed document"
 
     def __post_init__(self):
         super().__post_init__()
