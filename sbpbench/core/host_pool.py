@@ -1,10 +1,10 @@
 """Page-locked host buffers for the offloaded checkpoints, kept for the life of the process.
 
 A checkpoint copied to the host on a side stream needs page-locked memory, or the copy is neither
-asynchronous nor fast. Page-locking is slow (cudaHostRegister faults in and pins every page: about
-2 GB/s, simulate/plan.py HOST_REGISTER_BYTES_S; 5-19 s for the 18 GiB of a Qwen3-8B `cpu` step at
-64k), so each buffer is registered once and reused by every later step of the process: a training
-loop calling stream_backward, a measured point's warm-up, memory and timed steps.
+asynchronous nor fast. Page-locking is slow (cudaHostRegister faults in and pins every page, at a
+few GB/s: simulate/plan.py HOST_REGISTER_BYTES_S and its sources), so each buffer is registered once
+and reused by every later step of the process: a training loop calling stream_backward, a measured
+point's warm-up, memory and timed steps.
 
 Why not torch's pinned allocator (`pin_memory=True`, CachingHostAllocator)? It rounds every block up
 to a power of two (`PowerOf2Ceil` in CachingHostAllocatorImpl::allocate: a 4.5 GiB checkpoint pins
@@ -14,7 +14,8 @@ power-of-two size until `empty_cache`, so a loop whose T changes keeps every siz
 register path does what this pool does per buffer: allocate, touch one byte per page from several
 threads (cudaHostRegister would fault untouched pages in one by one, on one thread), then one
 cudaHostRegister (allocWithCudaHostRegister). Here the same, at the exact page-rounded size: the
-least bytes to register, registered once. (Not timed against the others here: no GPU was lent.)
+least bytes to register, registered once. (Not timed against them: a GPU row's host_register_s
+will say what the registration costs.)
 
 Policy, bounded when T changes between steps:
 - a buffer serves a request of n bytes (rounded up to whole pages: `need`) when need <= its

@@ -14,9 +14,10 @@ Protocol (recorded in every row):
 The worker runs spec.threads intra-op threads (default: OMP_NUM_THREADS, else the physical cores it
 may use); the row records them and the load average as the point started.
 Gradients before each step follow the protocol: steady = resident and zeroed in place, first =
-None. An offloading StreamBP point on CUDA page-locks its host buffers in its first step (warm-up,
-or the memory step without one) and reuses them after (core/host_pool.py): host_register_s records
-that first step's registration, which no timed step pays. An out-of-memory error anywhere is the point's result (status oom), not a crash.
+None. An out-of-memory error anywhere is the point's result (status oom), not a crash.
+An offloading StreamBP point on CUDA page-locks its host buffers in its first step (the warm-up, or
+the memory step without one) and reuses them after (core/host_pool.py): host_register_s records that
+first step's registration, which no timed step pays.
 A step that runs past a few seconds prints "layer i of L" lines to stderr (measure/progress.py;
 StreamBP steps only: bp and ckpt are transformers' own backward, with no per-layer callback).
 With spec.nproc > 1 this process is one rank (runner/ranks.py): the model is sharded with FSDP2,
