@@ -28,12 +28,15 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from sbpbench.core import stream as stream_module
 from sbpbench.core.cuda_calls import CudaCalls
 from sbpbench.core.host_pool import PAGE_BYTES, HostBuffer, HostBufferPool
+from sbpbench.core.placement import CheckpointStore
 
 DROPPABLE = ("wait_event", "wait_stream", "event_synchronize", "stream_synchronize", "record_stream")
 
@@ -250,6 +253,11 @@ class RecordingCalls(CudaCalls):
 
     def assert_clean(self) -> None:
         assert not self.violations, "\n".join(self.violations[:8])
+
+
+def route_stores(monkeypatch, calls: RecordingCalls) -> None:
+    """Every stream_backward step in the test makes its store's CUDA calls to `calls`."""
+    monkeypatch.setattr(stream_module, "CheckpointStore", partial(CheckpointStore, calls=calls))
 
 
 def _data_arguments(op, args, kwargs):

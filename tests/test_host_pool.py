@@ -6,27 +6,25 @@ stand-in for the CUDA calls (tests/cuda_standin.py)."""
 
 from __future__ import annotations
 
-from functools import partial
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from sbpbench.core import cuda_calls, host_pool, release_pinned_memory
-from sbpbench.core import stream as stream_module
 from sbpbench.core.cuda_calls import CudaCalls
 from sbpbench.core.host_pool import PAGE_BYTES, HostMemoryError, whole_pages
 from sbpbench.core.placement import CheckpointStore, Placement, observe_stores
 from sbpbench.data import make_batch
 from sbpbench.runner.point import is_out_of_memory
 
-from .cuda_standin import RecordingCalls
+from .cuda_standin import RecordingCalls, route_stores
 from .test_placement import NUM_LAYERS, _deep_model, _step
 
 
 def _steps(monkeypatch, calls: RecordingCalls, seq_lens, checkpoints: str = "cpu"):
     """One StreamBP step per T, all with stores on `calls`; each step's store."""
-    monkeypatch.setattr(stream_module, "CheckpointStore", partial(CheckpointStore, calls=calls))
+    route_stores(monkeypatch, calls)
     model = _deep_model("tiny/qwen3")
     stores = []
     for seq_len in seq_lens:
@@ -54,7 +52,6 @@ def test_the_pool_stays_bounded_when_t_changes(monkeypatch):
     step the pool holds that step's buffers only, under twice its host peak (plus a page each)."""
     calls = RecordingCalls()
     registered = []
-    monkeypatch.setattr(stream_module, "CheckpointStore", partial(CheckpointStore, calls=calls))
     for seq_len, new in ((20, NUM_LAYERS), (64, NUM_LAYERS), (40, 0), (12, NUM_LAYERS)):
         before = len(calls.registrations)
         (store,) = _steps(monkeypatch, calls, [seq_len])
@@ -181,12 +178,12 @@ def test_a_measured_point_records_its_first_steps_registration(monkeypatch):
     spec = RunSpec(model="tiny/qwen3", method="streambp", seq_len=32, warmup=1, repeats=2, device="cpu",
                    settings=MethodSettings(checkpoints="cpu"))  # fmt: skip
     calls = RecordingCalls()
-    monkeypatch.setattr(stream_module, "CheckpointStore", partial(CheckpointStore, calls=calls))
+    route_stores(monkeypatch, calls)
     row = measure_point(spec)
     assert row.status == "ok", row.error
     assert row.host_register_s > 0 and len(calls.registrations) == row.num_layers
     failing = RecordingCalls(fail_register=cuda_calls.CUDA_ERROR_MEMORY_ALLOCATION)
-    monkeypatch.setattr(stream_module, "CheckpointStore", partial(CheckpointStore, calls=failing))
+    route_stores(monkeypatch, failing)
     row = measure_point(spec)
     assert row.status == "oom" and row.error.startswith("HostMemoryError: host memory: page-locking"), row.error
     monkeypatch.undo()

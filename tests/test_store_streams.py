@@ -7,16 +7,13 @@ the gradients are the gpu placement's. A store with one wait removed fails the c
 
 from __future__ import annotations
 
-from functools import partial
-
 import pytest
 import torch
 
-from sbpbench.core import stream as stream_module
-from sbpbench.core.placement import CheckpointStore, Placement, observe_stores
+from sbpbench.core.placement import Placement, observe_stores
 from sbpbench.data import make_batch
 
-from .cuda_standin import RecordingCalls
+from .cuda_standin import RecordingCalls, route_stores
 from .test_placement import NUM_LAYERS, _deep_model, _step
 
 PLACEMENTS = ("gpu", "cpu", "recompute:2", "cpu+recompute:2", "cpu+recompute:4+spill", "cpu+recompute:5+spill")
@@ -24,7 +21,7 @@ PLACEMENTS = ("gpu", "cpu", "recompute:2", "cpu+recompute:2", "cpu+recompute:4+s
 
 def _recorded_step(monkeypatch, calls: RecordingCalls, checkpoints: str, model=None, **kwargs):
     """One StreamBP step whose store makes its CUDA calls to `calls`, every op tracked."""
-    monkeypatch.setattr(stream_module, "CheckpointStore", partial(CheckpointStore, calls=calls))
+    route_stores(monkeypatch, calls)
     model = model if model is not None else _deep_model("tiny/qwen3")
     batch = make_batch("sft", batch_size=1, seq_len=20, vocab_size=model.config.vocab_size)
     with calls.tracking():
