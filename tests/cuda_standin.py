@@ -103,6 +103,8 @@ class _Tracked:
 
 
 class _CheckedPool(HostBufferPool):
+    """The real pool, checking that a buffer handed back has no copy from or to it in flight."""
+
     def __init__(self, calls: RecordingCalls):
         super().__init__(calls.host_register, calls.host_unregister)
         self.calls = calls
@@ -128,7 +130,7 @@ class RecordingCalls(CudaCalls):
         self.side_ops = 0  # ops queued on side streams (copies): the checks had something to check
         self.violations: list[str] = []
         self._tracked: dict[int, _Tracked] = {}  # storage address -> tracked
-        self.pool = _CheckedPool(self)
+        self.pool = _CheckedPool(self)  # in place of CudaCalls.__init__'s unchecked one
 
     # -- the calls ---------------------------------------------------------------------------------
 
@@ -188,9 +190,11 @@ class RecordingCalls(CudaCalls):
     @contextmanager
     def tracking(self):
         """Queue every aten op on the current stream and check it (module docstring)."""
-        with _StreamOps(self):
-            yield
-        self.collect_frees()
+        try:
+            with _StreamOps(self):
+                yield
+        finally:  # after an error too
+            self.collect_frees()
 
     def check_host_knows(self, tensor: torch.Tensor, what: str) -> None:
         tracked = self._tracked.get(tensor.untyped_storage().data_ptr())

@@ -47,20 +47,21 @@ def test_steps_after_the_first_register_nothing(monkeypatch):
 
 
 def test_the_pool_stays_bounded_when_t_changes(monkeypatch):
-    """T = 20, 64, 40, 12: a larger T registers anew and the old buffers go; a T within 2x below
-    the buffers' reuses them; a T far below registers small ones and frees the large. After every
-    step the pool holds that step's buffers only, under twice its host peak (plus a page each)."""
+    """Layer inputs of 3, 8, 5 and 2 pages (T = 24, 64, 40, 16 with 4 KiB pages): a larger T
+    registers anew and the old buffers go; a T within 2x below the buffers' reuses them; a T far
+    below registers small ones and frees the large. After every step the pool holds that step's
+    buffers only, under twice its host peak plus a page each."""
     calls = RecordingCalls()
+    per_page = PAGE_BYTES // (64 * 8)  # positions per page: hidden 64, fp64
     registered = []
-    for seq_len, new in ((20, NUM_LAYERS), (64, NUM_LAYERS), (40, 0), (12, NUM_LAYERS)):
+    for pages, new in ((3, NUM_LAYERS), (8, NUM_LAYERS), (5, 0), (2, NUM_LAYERS)):
         before = len(calls.registrations)
-        (store,) = _steps(monkeypatch, calls, [seq_len])
-        assert len(calls.registrations) - before == new, seq_len
+        (store,) = _steps(monkeypatch, calls, [pages * per_page])
+        assert len(calls.registrations) - before == new, pages
         assert len(calls.registered) == NUM_LAYERS
         assert calls.pool.registered_bytes < 2 * store.max_host_bytes + NUM_LAYERS * PAGE_BYTES
-        registered.append(calls.pool.registered_bytes)
-    layer_bytes = 64 * 8  # per position: hidden 64, fp64
-    assert registered == [NUM_LAYERS * whole_pages(t * layer_bytes) for t in (20, 64, 64, 12)]
+        registered.append(calls.pool.registered_bytes // (NUM_LAYERS * PAGE_BYTES))
+    assert registered == [3, 8, 8, 2]  # pages per buffer after each step
     calls.assert_clean()
 
 
