@@ -63,7 +63,8 @@ def estimate(
             row = estimate_point_by_depth(spec, target=target, gpu_memory_bytes=gpu_memory_bytes)
         rows.append(row)
         if out is not None:
-            upsert_rows(out, [row])
+            with user_errors():  # a failed write says where the rows are
+                upsert_rows(out, [row])
     console.print(estimate_table(rows, gpu_memory_bytes))
     for row in rows:
         if row.status == "error":

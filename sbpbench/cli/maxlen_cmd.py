@@ -12,6 +12,7 @@ from rich.markup import escape
 from ..config import MaxlenSpec, point_specs
 from ..config.device import device_kind, resolve_device
 from ..config.maxlen import SEARCH_DEFAULTS, SEARCH_FIELDS
+from ..config.run import check_measurable
 from ..measure.host_memory import total_ram_bytes
 from ..measure.units import parse_bytes
 from ..records import ResultRow, check_writable
@@ -92,6 +93,8 @@ def maxlen(
             settings["device"] = "cpu"  # fake CPU tensors stand in for the GPU's
         ceiling = search.get("seq_len_ceiling", defaults.pop("seq_len_ceiling"))
         specs = point_specs(settings, methods, defaults=defaults, defaults_for=kind)
+        if not simulate:
+            check_measurable(specs)
         searches = [
             MaxlenSpec(
                 base=spec,
