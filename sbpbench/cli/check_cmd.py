@@ -26,7 +26,8 @@ CHECK_FIELDS = run_fields_but(
     CHECK_FIELDS,
     helps={
         "method": "Methods to compare with bp; several allowed (default: all).",
-        "model": "Registry name (`sbp models`) or a local checkpoint directory (default: Qwen/Qwen3-0.6B).",
+        "model": "Registry name (`sbp models`), a Hub id ORG/NAME or a local checkpoint directory (default: "
+        "Qwen/Qwen3-0.6B).",
         "seq_len": "Sequence length T (default: 300).",
         "batch_size": "Rows per batch (default: 2).",
         "lora_rank": "Check with LoRA adapters of this rank (default: 0, none).",

@@ -83,6 +83,8 @@ def maxlen(
             raise ValueError("--gpu-memory is the simulated GPU's size: add --simulate, or use --memory-limit")
         if host_memory and not simulate:
             raise ValueError("--host-memory is the simulated host's size: add --simulate")
+        if simulate and settings.get("weights"):
+            raise ValueError("--weights does not apply to --simulate (fake tensors hold no values); drop it")
         host_bytes = parse_bytes(host_memory) if host_memory else total_ram_bytes()
         kind = "cuda" if simulate else device_kind(resolve_device(settings.get("device", "auto")))
         search = {name: settings.pop(name) for name in SEARCH_FIELDS if name in settings}

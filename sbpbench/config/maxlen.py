@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, replace
 
 from .errors import ConfigError
-from .run import RunSpec, warn_beyond_context
+from .run import RunSpec
 
 MIN_SEQ_LEN = 2  # one token to predict
 
@@ -72,8 +72,6 @@ class MaxlenSpec:
                 "seq_len_ceiling",
                 f"must be at least the first probe length seq_len ({self.base.seq_len}), got {self.seq_len_ceiling!r}",
             )
-        if self.seq_len_ceiling > self.base.seq_len:  # the first probe's was said by point_specs
-            warn_beyond_context(self.base.model, self.seq_len_ceiling, "the search's ceiling T =")
 
     @property
     def method(self) -> str:

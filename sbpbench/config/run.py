@@ -61,7 +61,7 @@ def _is_int(value) -> bool:
 
 @dataclass(frozen=True, kw_only=True)
 class RunSpec:
-    model: str  # registry name (`sbp models`) or a local checkpoint directory
+    model: str  # registry name (`sbp models`), a Hub id ORG/NAME or a local checkpoint directory
     method: str
     seq_len: int  # tokens per row, prompt included
     batch_size: int = 1  # rows: a GRPO group; DPO chosen + rejected rows
@@ -89,6 +89,10 @@ class RunSpec:
     # unit per decoder layer plus the root); each rank its own batch of batch_size rows. On CUDA
     # rank r uses the device's index + r. Part of a row's key: it changes the per-GPU memory.
     nproc: int = 1
+    # the model's real weights (a local checkpoint's, or a Hub id's from the HF cache) instead of
+    # random ones. Not part of a row's key: memory and time do not depend on weight values (the loss
+    # does); each row records which it had (weights: real | random).
+    weights: bool = False
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -132,6 +136,8 @@ class RunSpec:
             value = getattr(self.settings, name)
             if value is not None and not isinstance(value, bool):
                 raise ConfigError(name, f"must be true or false, got {value!r}")
+        if not isinstance(self.weights, bool):
+            raise ConfigError("weights", f"must be true or false, got {self.weights!r}")
         if self.settings.checkpoints is not None:
             try:  # stored by its canonical name, so "recompute:2+cpu" and "cpu+recompute:2" are one key
                 name = Placement.parse(self.settings.checkpoints).name
@@ -230,7 +236,7 @@ def point_specs(
     means "not given"), filled from `defaults`, then the device's defaults (DEVICE_DEFAULTS of
     defaults_for, else of the resolved device), then the objective's batch size. The model is
     checked here, before any process starts."""
-    from ..models import load_config
+    from ..models import load_config, weights_source
 
     given = {**(defaults or {}), **{k: v for k, v in values.items() if v is not None}}
     unknown = sorted(set(given) - set(FIELD_NAMES))
@@ -258,7 +264,9 @@ def point_specs(
     # fail here, before any process starts, on a model that cannot be built or a method cannot run
     config = load_config(specs[0].model)
     check_model_family(specs[0].model, config, names)
-    warn_beyond_context(specs[0].model, specs[0].seq_len, config=config)
+    if specs[0].weights:
+        weights_source(specs[0].model)  # real weights where asked for: in the directory or the HF cache
+    warn_beyond_context(specs[0].model, specs[0].seq_len, config)
     return specs
 
 
@@ -267,18 +275,14 @@ class BeyondContextWarning(UserWarning):
     the positions mean), but said, since the model was never trained on such positions."""
 
 
-def warn_beyond_context(model: str, longest: int, what: str = "T =", *, config=None) -> None:
-    """One line (a BeyondContextWarning) when `longest` tokens exceed the model's
-    max_position_embeddings; nothing for a config without one."""
-    if config is None:
-        from ..models import load_config
-
-        config = load_config(model)
+def warn_beyond_context(model: str, seq_len: int, config) -> None:
+    """One line (a BeyondContextWarning) when seq_len exceeds the config's max_position_embeddings.
+    The text names the model, not T, so a sweep's many long points say it once per model."""
     context = getattr(config, "max_position_embeddings", None)
-    if isinstance(context, int) and longest > context:
+    if isinstance(context, int) and seq_len > context:
         warnings.warn(
-            f"{what} {longest:,} is beyond {model}'s context of {context:,} tokens (max_position_embeddings): "
-            "allowed, as memory and time do not depend on it, but the model was never trained that long",
+            f"T past {model}'s context of {context:,} tokens (max_position_embeddings): allowed, as memory and "
+            "time do not depend on it, but the model was never trained that long",
             BeyondContextWarning,
             stacklevel=3,
         )

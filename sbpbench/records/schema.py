@@ -31,13 +31,15 @@ read back with the new columns empty):
      (each rank's peak_allocated_bytes, ';'-joined in rank order; the memory columns of a several-rank
      row are the max over ranks, its times the max over ranks of each step's time). Older rows read
      back with nproc 1 (one process, the only way they ran) and rank_peak_bytes empty.
+  7  weights (real | random: a checkpoint's weights, or seeded random ones). Not a key column: memory
+     and time do not depend on weight values. Older rows read back with it empty (not recorded).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 # skipped: not run because a shorter sequence of the same point already ran out of memory
 # (certain OOM); plots and reports draw it as an OOM, and a resumed sweep does not retry it.
@@ -85,6 +87,7 @@ class ResultRow:
     attention_kernel: str = ""  # simulated: the CUDA SDPA kernel modelled (flash | efficient | math)
     memory_limit_bytes: int | None = None  # cap applied to the process (None: the device's own)
     seed: int | None = None
+    weights: str = ""  # real (a checkpoint's, --weights) | random (seeded); not in the key: memory and time are the same
     warmup_steps: int | None = None
     repeats: int | None = None
     # what the step computed

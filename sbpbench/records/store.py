@@ -101,24 +101,24 @@ def check_writable(path: str | Path, *, required: tuple[str, ...] = REQUIRED_COL
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as error:
-        raise _not_writable(path, error, f"cannot create the folder {path.parent}") from None
+        raise not_writable(path, error, f"cannot create the folder {path.parent}") from None
     if path.is_file():
         advice = f"; pass another --out file name, or move {path} aside"
         check_header(path, csv_header(path), required, kind, advice=advice)
     target = path if path.exists() else path.parent
     if not os.access(target, os.W_OK) or not os.access(path.parent, os.W_OK):
-        raise PermissionError(f"cannot write {path} (no write permission); pass a writable --out path")
+        raise PermissionError(f"{path}: no write permission in {path.parent}; pass a writable --out path")
     try:  # what a write will do: take the lock, create a temporary file beside the CSV
         with _locked(path):
             fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
             os.close(fd)
             os.unlink(tmp)
     except OSError as error:
-        raise _not_writable(path, error, f"cannot create a file in {path.parent}") from None
+        raise not_writable(path, error, f"cannot create a file in {path.parent}") from None
     return path
 
 
-def _not_writable(path: Path, error: OSError, doing: str) -> OSError:
+def not_writable(path: Path, error: OSError, doing: str) -> OSError:
     """The error a failed write step raises, of the kind its cause is: PermissionError only when
     permission was refused (root is refused nothing, yet /proc takes no new files)."""
     why = error.strerror or str(error)
@@ -299,7 +299,7 @@ def _write_errors(path: Path) -> Iterator[None]:
     except OSError as error:
         if str(path) in str(error):
             raise
-        raise _not_writable(path, error, "the write failed") from None
+        raise not_writable(path, error, "the write failed") from None
 
 
 def completed_keys(path: str | Path) -> set[tuple[str, ...]]:
