@@ -203,3 +203,29 @@ def test_sbp_run_measures_a_hub_model_from_a_cache_under_hf_home(tmp_path):
         (HUB_ID, "bp", "ok", "random"),
         (HUB_ID, "streambp", "ok", "random"),
     ]
+
+
+def test_a_config_missing_from_the_cache_is_fetched_unless_offline(hub_cache, tmp_path, monkeypatch):
+    """Online, a config.json the cache lacks comes from hf_hub_download (a stand-in here: no network);
+    a failed fetch says why in a few words; offline, nothing is fetched."""
+    fetched = tmp_path / "fetched" / "config.json"
+    fetched.parent.mkdir()
+    fetched.write_text(json.dumps(config_dict("tiny/qwen2")))
+    calls = []
+
+    def download(repo_id, filename, **kwargs):
+        calls.append((repo_id, filename))
+        if repo_id == "acme/gone":
+            raise huggingface_hub.errors.LocalEntryNotFoundError("a long paragraph about connections")
+        return str(fetched)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    assert load_config("acme/online").hidden_size == json.loads(fetched.read_text())["hidden_size"]
+    with pytest.raises(ValueError, match=r"not in the Hugging Face cache \(.*; the Hub could not be reached\)"):
+        load_config("acme/gone")
+    assert calls == [("acme/online", "config.json"), ("acme/gone", "config.json")]
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ValueError, match="HF_HUB_OFFLINE is set"):
+        load_config("acme/online")
+    assert len(calls) == 2
