@@ -19,8 +19,7 @@ from sbpbench.cli import app
 from sbpbench.config import ConfigError, point_specs
 from sbpbench.config.experiment import load_experiment
 from sbpbench.config.run import BeyondContextWarning, check_measurable
-from sbpbench.records import NotWritable, ResultRow, RowsNotSaved, check_writable, read_rows, upsert_rows
-from sbpbench.records import store
+from sbpbench.records import NotWritable, ResultRow, RowsNotSaved, check_writable, read_rows, store, upsert_rows
 from sbpbench.records.exactness import ExactnessRow, write_exactness
 from sbpbench.runner import run_points
 
@@ -80,7 +79,9 @@ def test_rows_measured_before_a_failed_write_are_kept_beside_it(tmp_path):
 
     def measure(spec, env) -> ResultRow:
         out.write_text(FOREIGN)  # meanwhile
-        return ResultRow(status="ok", model=spec.model, method=spec.method, seq_len=spec.seq_len, peak_allocated_bytes=7)
+        return ResultRow(
+            status="ok", model=spec.model, method=spec.method, seq_len=spec.seq_len, peak_allocated_bytes=7
+        )
 
     with pytest.raises(RowsNotSaved) as error:
         list(run_points([spec], out, measure=measure))
@@ -126,7 +127,9 @@ def test_nproc_on_a_cpu_is_capped_by_the_usable_cores(monkeypatch):
     assert "--nproc 64 needs 64 CPU cores (one per rank) but this process may use 2; give --nproc 2 or fewer" in _line(
         result
     )
-    specs = point_specs({"model": "tiny/qwen3", "seq_len": 16, "device": "cpu", "nproc": 8}, ["bp"])  # as estimate builds
+    specs = point_specs(
+        {"model": "tiny/qwen3", "seq_len": 16, "device": "cpu", "nproc": 8}, ["bp"]
+    )  # as estimate builds
     with pytest.raises(ConfigError, match="8 CPU cores"):
         check_measurable(specs)
     check_measurable(point_specs({"model": "tiny/qwen3", "seq_len": 16, "device": "cpu", "nproc": 2}, ["bp"]))
@@ -136,7 +139,7 @@ def test_a_sweep_with_too_many_cpu_ranks_is_refused_before_its_first_point(tmp_p
     """A sweep's every point is checked before the first runs."""
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0})
     path = tmp_path / "g.toml"
-    path.write_text(GRID + 'nproc = 2\n')
+    path.write_text(GRID + "nproc = 2\n")
     result = runner.invoke(app, ["sweep", str(path), "--out", str(tmp_path / "r.csv")])
     assert result.exit_code == 2 and "--nproc 2 needs 2 CPU cores" in _line(result)
     assert not (tmp_path / "r.csv").exists()
@@ -165,7 +168,9 @@ def test_t_beyond_the_model_context_is_allowed_and_said(tmp_path):
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("default")  # as the CLI runs: each text once per place
         load_experiment(path)
-    assert [str(w.message).split(":")[0] for w in said] == ["T past tiny/qwen3's context of 40,960 tokens (max_position_embeddings)"]
+    assert [str(w.message).split(":")[0] for w in said] == [
+        "T past tiny/qwen3's context of 40,960 tokens (max_position_embeddings)"
+    ]
     with warnings.catch_warnings():
         warnings.simplefilter("error", BeyondContextWarning)
         point_specs({"model": "tiny/qwen3", "seq_len": 40_960, "device": "cpu"}, ["bp"])
@@ -236,7 +241,9 @@ def test_an_unwritable_out_names_its_real_cause(tmp_path):
     'permission denied'; a refused permission is PermissionError."""
     error = store.not_writable(tmp_path / "r.csv", FileNotFoundError(errno.ENOENT, "No such file or directory"), "x")
     assert type(error) is NotWritable
-    assert isinstance(store.not_writable(tmp_path / "r.csv", PermissionError(errno.EACCES, "denied"), "x"), PermissionError)
+    assert isinstance(
+        store.not_writable(tmp_path / "r.csv", PermissionError(errno.EACCES, "denied"), "x"), PermissionError
+    )
     result = runner.invoke(app, ["run", *TINY, "--device", "cpu", "--out", "/proc/nope/r.csv"])
     assert result.exit_code == 2
     assert "error: cannot write: /proc/nope/r.csv: cannot create the folder /proc/nope (No such file or directory)" in (

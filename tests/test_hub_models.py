@@ -125,9 +125,18 @@ def test_a_model_that_needs_its_repository_code_is_refused_and_none_runs(hub_cac
 @pytest.mark.parametrize(
     ("config", "words"),
     [
-        ({"model_type": "acme-net", "hidden_size": 8}, "model_type 'acme-net', which this transformers does not implement"),
         (
-            {"model_type": "bert", "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4, "vocab_size": 64},
+            {"model_type": "acme-net", "hidden_size": 8},
+            "model_type 'acme-net', which this transformers does not implement",
+        ),
+        (
+            {
+                "model_type": "bert",
+                "hidden_size": 64,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 4,
+                "vocab_size": 64,
+            },
             "not a decoder-only causal LM",
         ),
     ],
@@ -153,7 +162,9 @@ def test_real_weights_come_from_the_cache_only_when_asked(tiny_hub_model):
 def test_weights_that_are_not_there_are_refused_before_any_work(tiny_hub_model, tmp_path):
     """--weights with no weights in the cache, a shard missing, or a registry test shape: one line
     that says how to get them (never a download), before any process starts."""
-    with pytest.raises(FileNotFoundError, match=r"not in the Hugging Face cache; download them \(`hf download acme/tiny-qwen2`\)"):
+    with pytest.raises(
+        FileNotFoundError, match=r"not in the Hugging Face cache; download them \(`hf download acme/tiny-qwen2`\)"
+    ):
         point_specs({"model": HUB_ID, "seq_len": 16, "weights": True, "device": "cpu"}, ["bp"])
     index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
     (tiny_hub_model / "model.safetensors.index.json").write_text(json.dumps(index))

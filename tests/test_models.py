@@ -74,7 +74,9 @@ def test_parameter_counts_match_the_published_sizes(name, billions):
 def test_an_unknown_name_says_where_it_was_looked_for_and_what_to_do():
     """A name neither the registry nor the HF cache has (offline: no download tried) is a ValueError
     that names both and says how to get its config."""
-    with pytest.raises(ValueError, match=r"not in the registry .*Hugging Face cache.*hf download Qwen/Qwen9-1T config\.json"):
+    with pytest.raises(
+        ValueError, match=r"not in the registry .*Hugging Face cache.*hf download Qwen/Qwen9-1T config\.json"
+    ):
         load_config("Qwen/Qwen9-1T")
 
 

@@ -36,7 +36,8 @@ def run(settings: dict, methods: tuple[str, ...], out: OutOpt = None) -> None:
     console = Console()
     warn_if_busy()
     rows = []
-    with user_errors(), Progress(console, len(specs)) as progress:  # user_errors: a failed write says where the rows are
+    # user_errors: a write that fails after a point was measured says where its row was kept
+    with user_errors(), Progress(console, len(specs)) as progress:
         progress.start(_measuring(specs[0]))
         for row in run_points(specs, out):  # one environment capture for all points
             rows.append(row)

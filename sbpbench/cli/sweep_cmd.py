@@ -64,7 +64,8 @@ def sweep(
     warn_if_busy()
     rows: list[ResultRow] = []
     try:
-        with user_errors(), Progress(console, len(todo)) as progress:  # user_errors: a failed write says where the rows are
+        # user_errors: a write that fails after a point was measured says where its row was kept
+        with user_errors(), Progress(console, len(todo)) as progress:
 
             def start(job: Job) -> None:
                 progress.start(job.describe())

@@ -87,7 +87,7 @@ class ResultRow:
     attention_kernel: str = ""  # simulated: the CUDA SDPA kernel modelled (flash | efficient | math)
     memory_limit_bytes: int | None = None  # cap applied to the process (None: the device's own)
     seed: int | None = None
-    weights: str = ""  # real (a checkpoint's, --weights) | random (seeded); not in the key: memory and time are the same
+    weights: str = ""  # real (a checkpoint's: --weights) | random (seeded); not in the key
     warmup_steps: int | None = None
     repeats: int | None = None
     # what the step computed

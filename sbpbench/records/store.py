@@ -89,7 +89,9 @@ def row_key(row: ResultRow | dict) -> tuple[str, ...]:
     return tuple(encoded.get(column, "") for column in KEY_COLUMNS)
 
 
-def check_writable(path: str | Path, *, required: tuple[str, ...] = REQUIRED_COLUMNS, kind: str = "results CSV") -> Path:
+def check_writable(
+    path: str | Path, *, required: tuple[str, ...] = REQUIRED_COLUMNS, kind: str = "results CSV"
+) -> Path:
     """Fail before any work is done if the CSV cannot be written: not a .csv name, a directory,
     a folder that cannot be created or written, or an existing file whose header is not a `kind`
     (lacks `required`): rows upserted into it would be lost at the end of a measurement."""
@@ -127,13 +129,19 @@ def not_writable(path: Path, error: OSError, doing: str) -> OSError:
 
 
 def check_header(
-    path: Path, header: list[str], required: tuple[str, ...] = REQUIRED_COLUMNS, kind: str = "results CSV", advice: str = ""
+    path: Path,
+    header: list[str],
+    required: tuple[str, ...] = REQUIRED_COLUMNS,
+    kind: str = "results CSV",
+    advice: str = "",
 ) -> None:
     """ValueError unless a header has the `required` columns of a `kind` ([]: an empty file, which any write may fill)."""
     missing = [c for c in required if c not in header]
     if header and missing:
         shown = ",".join(header[:4])[:60]
-        raise ValueError(f"{path} is not a {kind}: its first line ({shown!r}...) lacks the column(s) {', '.join(missing)}{advice}")
+        raise ValueError(
+            f"{path} is not a {kind}: its first line ({shown!r}...) lacks the column(s) {', '.join(missing)}{advice}"
+        )
 
 
 def read_rows(path: str | Path) -> list[dict]:
@@ -270,7 +278,9 @@ def upsert_rows(path: str | Path, rows: Iterable[ResultRow | dict], *, replace: 
                     existing[i] = row
             _write_atomic(path, columns, existing)
     except (OSError, ValueError) as error:
-        raise RowsNotSaved(f"{error}; the {len(new)} new row(s) are kept in {keep_unsaved(path, COLUMNS, new)}") from None
+        raise RowsNotSaved(
+            f"{error}; the {len(new)} new row(s) are kept in {keep_unsaved(path, COLUMNS, new)}"
+        ) from None
 
 
 def keep_unsaved(path: Path, columns: Iterable[str], rows: list[dict]) -> Path:
