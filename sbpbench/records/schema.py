@@ -35,13 +35,15 @@ read back with the new columns empty):
      for offloaded checkpoints (CUDA; core/host_pool.py). The worker keeps the buffers for its later
      steps, so the time columns (never the first step) exclude it. Older rows read back with it
      empty (not recorded; their steps registered anew every step).
+  8  weights (real | random: a checkpoint's weights, or seeded random ones). Not a key column: memory
+     and time do not depend on weight values. Older rows read back with it empty (not recorded).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 # skipped: not run because a shorter sequence of the same point already ran out of memory
 # (certain OOM); plots and reports draw it as an OOM, and a resumed sweep does not retry it.
@@ -89,6 +91,7 @@ class ResultRow:
     attention_kernel: str = ""  # simulated: the CUDA SDPA kernel modelled (flash | efficient | math)
     memory_limit_bytes: int | None = None  # cap applied to the process (None: the device's own)
     seed: int | None = None
+    weights: str = ""  # real (a checkpoint's: --weights) | random (seeded); not in the key
     warmup_steps: int | None = None
     repeats: int | None = None
     # what the step computed
