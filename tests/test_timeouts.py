@@ -48,7 +48,7 @@ def test_long_points_default_to_one_memory_step_and_one_timed_step():
     """From LONG_CONTEXT_SEQ_LEN on, warm-up 0 and repeats 1 unless given; shorter points keep 1 and 3."""
     (long_point,) = point_specs({"device": "cpu", "model": "tiny/qwen3", "seq_len": LONG_CONTEXT_SEQ_LEN}, ["bp"])
     assert (long_point.warmup, long_point.repeats) == (0, 1)
-    (given,) = point_specs({"device": "cpu", "model": "tiny/qwen3", "seq_len": 65536, "repeats": 3}, ["bp"])
+    (given,) = point_specs({"device": "cpu", "model": "tiny/qwen3", "seq_len": 40960, "repeats": 3}, ["bp"])
     assert (given.warmup, given.repeats) == (0, 3)
     (short,) = point_specs({"device": "cpu", "model": "tiny/qwen3", "seq_len": LONG_CONTEXT_SEQ_LEN - 8}, ["bp"])
     assert (short.warmup, short.repeats) == (1, 3)

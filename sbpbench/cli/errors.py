@@ -11,12 +11,15 @@ from rich.markup import escape
 
 from ..config import ConfigError
 from ..models import UnsupportedModelError
+from ..records import NotWritable, RowsNotSaved
 from .options import FLAGS
 
 _stderr = Console(stderr=True)
 
 # exception type -> prefix shown before the exception's own message (which says what to do)
 USER_ERRORS: dict[type[BaseException], str] = {
+    RowsNotSaved: "results not saved",
+    NotWritable: "cannot write",
     UnsupportedModelError: "unsupported model",
     ValueError: "invalid input",
     FileNotFoundError: "file not found",

@@ -19,13 +19,16 @@ from .tables import estimate_table
 
 # a prediction is for a GPU: the GPU defaults (Qwen/Qwen3-4B, T=9000, bf16) unless told
 # (sdpa_backend: the estimator models torch's own kernel choice, not a forced one)
-ESTIMATE_FIELDS = run_fields_but("device", "warmup", "repeats", "memory_limit", "timeout_s", "threads", "sdpa_backend")
+ESTIMATE_FIELDS = run_fields_but(
+    "device", "warmup", "repeats", "memory_limit", "timeout_s", "threads", "weights", "sdpa_backend"
+)
 
 
 @point_command(
     ESTIMATE_FIELDS,
     helps={
-        "model": "Registry name (`sbp models`) or a local checkpoint directory (default: Qwen/Qwen3-4B).",
+        "model": "Registry name (`sbp models`), a Hub id ORG/NAME or a local checkpoint directory (its config only; "
+        "default: Qwen/Qwen3-4B).",
         "seq_len": "Tokens per row, prompt included (default: 9000).",
         "dtype": "Model dtype (default: bf16).",
     },
@@ -64,7 +67,8 @@ def estimate(
             row = estimate_point_by_depth(spec, target=target, gpu_memory_bytes=gpu_memory_bytes)
         rows.append(row)
         if out is not None:
-            upsert_rows(out, [row])
+            with user_errors():  # a failed write says where the rows are
+                upsert_rows(out, [row])
     console.print(estimate_table(rows, gpu_memory_bytes))
     for row in rows:
         if row.status == "error":

@@ -12,6 +12,10 @@ LEGEND = (
     "params: B = 10^9, M = 10^6, k = 10^3. L: decoder layers; d: hidden size; heads: query / key-value "
     "heads; hd: head dim; vocab: tokens (k = 10^3); tied: lm_head shares the input embedding."
 )
+HUB_NOTE = (
+    "Any other Hub id works too (--model ORG/NAME): its config.json from the Hugging Face cache, fetched if missing "
+    "(HF_HUB_OFFLINE=1: the cache only); random weights unless --weights. Or a local checkpoint directory."
+)
 
 
 def _count(number: int) -> str:
@@ -22,7 +26,8 @@ def _count(number: int) -> str:
 
 
 def models() -> None:
-    """List known model shapes (real Hub configs, small CPU shapes and tiny test shapes)."""
+    """List known model shapes (real Hub configs, small CPU shapes and tiny test shapes); any other
+    Hub id or a local checkpoint directory works as well."""
     table = Table(
         title="sbpbench model registry (random weights; configs ship with the package)",
         caption=LEGEND,
@@ -47,4 +52,6 @@ def models() -> None:
             _count(config.vocab_size),
             "yes" if config.tie_word_embeddings else "no",
         )
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    console.print(HUB_NOTE, highlight=False)

@@ -80,6 +80,7 @@ ReferenceOpt = Annotated[
 RUN_FIELDS = (
     "method",
     "model",
+    "weights",
     "seq_len",
     "batch_size",
     "objective",

@@ -30,6 +30,7 @@ PLAN_FIELDS = run_fields_but(
     "nproc",
     "mlp_tile_size",
     "offload_checkpoints",
+    "weights",
     "sdpa_backend",  # the estimator models torch's own kernel choice
 )
 
@@ -37,7 +38,8 @@ PLAN_FIELDS = run_fields_but(
 @point_command(
     PLAN_FIELDS,
     helps={
-        "model": "Registry name (`sbp models`) or a local checkpoint directory (default: Qwen/Qwen3-4B).",
+        "model": "Registry name (`sbp models`), a Hub id ORG/NAME or a local checkpoint directory (its config only; "
+        "default: Qwen/Qwen3-4B).",
         "seq_len": "Tokens per row, prompt included (default: 9000).",
         "dtype": "Model dtype (default: bf16).",
     },

@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from ..models import full_depth
+from ..records import not_writable
 from ..records.exactness import read_exactness
 from ..report import markdown_report
 from ..report.inputs import load_paper, load_table
@@ -40,7 +41,7 @@ def report(
                 out.parent.mkdir(parents=True, exist_ok=True)
                 out.write_text(text)
             except OSError as error:
-                raise PermissionError(f"cannot write {out} ({error.strerror}); pass a writable --out path") from None
+                raise not_writable(out, error, "the write failed") from None
     if note:
         typer.echo(note, err=True)
     if out is None:

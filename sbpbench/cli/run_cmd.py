@@ -9,6 +9,7 @@ import typer
 from rich.console import Console
 
 from ..config import RunSpec, point_specs
+from ..config.run import check_measurable
 from ..measure.threads import busy_warning
 from ..measure.units import gib
 from ..records import ResultRow, check_writable
@@ -30,11 +31,13 @@ def run(settings: dict, methods: tuple[str, ...], out: OutOpt = None) -> None:
     out = out or DEFAULT_OUT
     with user_errors():
         specs = point_specs(settings, methods)
+        check_measurable(specs)
         check_writable(out)
     console = Console()
     warn_if_busy()
     rows = []
-    with Progress(console, len(specs)) as progress:
+    # user_errors: a write that fails after a point was measured says where its row was kept
+    with user_errors(), Progress(console, len(specs)) as progress:
         progress.start(_measuring(specs[0]))
         for row in run_points(specs, out):  # one environment capture for all points
             rows.append(row)

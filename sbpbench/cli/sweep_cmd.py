@@ -11,6 +11,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..config.experiment import load_experiment
+from ..config.run import check_measurable
 from ..measure.environment import capture_environment
 from ..measure.units import gib
 from ..records import ResultRow, check_writable, decode_row, read_rows, row_key
@@ -47,6 +48,7 @@ def sweep(
     longer sequences of the same settings are then recorded as skipped (certain OOM)."""
     with user_errors():
         loaded = load_experiment(experiment, device=settings.get("device"), threads=settings.get("threads"))
+        check_measurable([*loaded.grid, *(s.base for s in loaded.searches)])
         out = out or Path("results") / f"{loaded.name}.csv"
         check_writable(out)
         first = (loaded.grid or [s.base for s in loaded.searches])[0]
@@ -62,7 +64,8 @@ def sweep(
     warn_if_busy()
     rows: list[ResultRow] = []
     try:
-        with Progress(console, len(todo)) as progress:
+        # user_errors: a write that fails after a point was measured says where its row was kept
+        with user_errors(), Progress(console, len(todo)) as progress:
 
             def start(job: Job) -> None:
                 progress.start(job.describe())

@@ -27,7 +27,13 @@ class Setting:
 SETTINGS: dict[str, Setting] = {
     "model": Setting(
         str,
-        "Registry name (`sbp models`) or a local checkpoint directory (default: Qwen/Qwen3-4B on cuda, small/qwen3 on cpu).",
+        "Registry name (`sbp models`), any Hub id ORG/NAME (its config.json from the HF cache) or a local checkpoint "
+        "directory (default: Qwen/Qwen3-4B on cuda, small/qwen3 on cpu).",
+    ),
+    "weights": Setting(
+        bool,
+        "Real weights, from the local checkpoint directory or the HF cache (default: random, seeded: memory and "
+        "time do not depend on them).",
     ),
     "method": Setting(
         str,

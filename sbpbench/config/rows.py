@@ -45,6 +45,7 @@ def spec_fields(spec: RunSpec) -> dict:
         "sdpa_backend": spec.sdpa_backend,
         "memory_limit_bytes": spec.memory_limit,
         "seed": spec.seed,
+        "weights": "real" if spec.weights else "random",
         "warmup_steps": spec.warmup,
         "repeats": spec.repeats,
         "memory_source": "torch.cuda" if spec.device.startswith("cuda") else "tensor-tracker",

@@ -31,7 +31,13 @@ read back with the new columns empty):
      (each rank's peak_allocated_bytes, ';'-joined in rank order; the memory columns of a several-rank
      row are the max over ranks, its times the max over ranks of each step's time). Older rows read
      back with nproc 1 (one process, the only way they ran) and rank_peak_bytes empty.
-  7  sdpa_backend (the SDPA kernel forced on the point, `--sdpa-backend`, or auto; part of the key;
+  7  host_register_s: seconds the point's first step spent allocating and page-locking host buffers
+     for offloaded checkpoints (CUDA; core/host_pool.py). The worker keeps the buffers for its later
+     steps, so the time columns (never the first step) exclude it. Older rows read back with it
+     empty (not recorded; their steps registered anew every step).
+  8  weights (real | random: a checkpoint's weights, or seeded random ones). Not a key column: memory
+     and time do not depend on weight values. Older rows read back with it empty (not recorded).
+  9  sdpa_backend (the SDPA kernel forced on the point, `--sdpa-backend`, or auto; part of the key;
      older rows read back as auto, the only way they ran), memory_limit_effective_bytes (the cap that
      applied: memory_limit_bytes, or the device's capacity where the limit was above it), timeout_s
      (the timeout the point ran under, given or predicted), auto_settings (the chunk settings the
@@ -44,7 +50,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 9
 
 # skipped: not run because a point of the same settings with no longer sequence and no larger batch
 # already ran out of memory (certain OOM: plots and reports draw it as an OOM) or timed out (certain
@@ -101,6 +107,7 @@ class ResultRow:
     # capacity (a GPU's total memory; on the CPU the machine's RAM, against the tracked bytes)
     memory_limit_effective_bytes: int | None = None
     seed: int | None = None
+    weights: str = ""  # real (a checkpoint's: --weights) | random (seeded); not in the key
     warmup_steps: int | None = None
     repeats: int | None = None
     timeout_s: float | None = None  # the point's timeout: given, or predicted from its FLOPs (config/timing.py)
@@ -126,6 +133,7 @@ class ResultRow:
     rank_peak_bytes: str = ""  # nproc > 1: each rank's peak_allocated_bytes, ';'-joined in rank order
     host_pinned_peak_bytes: int | None = None  # checkpoints held in host memory (pinned on CUDA), peak of one step
     transfer_bytes: int | None = None  # checkpoint bytes moved host <-> device in one step (both directions)
+    host_register_s: float | None = None  # the first step's page-locking of host buffers (schema 7); empty: none pinned
     peak_phase: str = ""  # simulated: where in the step the peak happens (e.g. "backward, layer 3")
     margin_bytes: int | None = None  # simulated: CUDA context + allocator fragmentation, not in the peak
     # time: warm-up discarded, synchronised, `repeats` timed steps
@@ -246,6 +254,6 @@ def upgrade(row: dict[str, str]) -> dict[str, str]:
         row["checkpoints"] = "gpu"  # schema 5: the placement every earlier streambp row used
     if version in ("1", "2", "3", "4", "5") and not row.get("nproc"):
         row["nproc"] = "1"  # schema 6: every earlier row ran in one process
-    if version in ("1", "2", "3", "4", "5", "6") and not row.get("sdpa_backend"):
-        row["sdpa_backend"] = "auto"  # schema 7: every earlier row left the kernel to torch
+    if version in ("1", "2", "3", "4", "5", "6", "7", "8") and not row.get("sdpa_backend"):
+        row["sdpa_backend"] = "auto"  # schema 9: every earlier row left the kernel to torch
     return row
