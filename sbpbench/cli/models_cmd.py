@@ -6,7 +6,13 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from ..models import MODELS, count_parameters, load_config
+
+EXAMPLES = """
+\b
+Examples:
+  sbp models
+  sbp models | grep -i qwen3        # then: sbp run --model NAME
+"""
 
 LEGEND = (
     "params: B = 10^9, M = 10^6, k = 10^3. L: decoder layers; d: hidden size; heads: query / key-value "
@@ -22,7 +28,17 @@ def _count(number: int) -> str:
 
 
 def models() -> None:
-    """List known model shapes (real Hub configs, small CPU shapes and tiny test shapes)."""
+    """List the model shapes the registry knows, with their sizes.
+
+    Real Hub configs, small CPU shapes and tiny test shapes; every one is built with random
+    weights, and --model also takes a local checkpoint directory."""
+    Console().print(models_table())
+
+
+def models_table() -> Table:
+    """A row per registry name: family, parameters, shape (fits 80 columns)."""
+    from ..models import MODELS, count_parameters, load_config
+
     table = Table(
         title="sbpbench model registry (random weights; configs ship with the package)",
         caption=LEGEND,
@@ -47,4 +63,4 @@ def models() -> None:
             _count(config.vocab_size),
             "yes" if config.tie_word_embeddings else "no",
         )
-    Console().print(table)
+    return table
