@@ -24,6 +24,7 @@ from . import (
     selftest_cmd,
     sweep_cmd,
 )
+from .options import examples
 from .peers_cmd import peers
 
 app = typer.Typer(
@@ -47,7 +48,7 @@ for module, command, name in (
     (plot_cmd, plot_cmd.plot, "plot"),
     (report_cmd, report_cmd.report, "report"),
 ):
-    app.command(name, epilog=module.EXAMPLES)(command)
+    app.command(name, epilog=examples(module.EXAMPLES))(command)
 app.add_typer(peers, name="peers")
 
 

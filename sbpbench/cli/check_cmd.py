@@ -21,13 +21,11 @@ CHECK_FIELDS = run_fields_but(
     "lora_alpha", "step", "protocol", "warmup", "repeats", "memory_limit", "timeout_s", "threads", "nproc"
 )
 
-EXAMPLES = """
-\b
-Examples:
-  sbp check          # every method against bp: Qwen3-0.6B's shape, fp64
-  sbp check --model tiny/gemma3 --seq 64 --chunk-size 7 --objective dpo
-  sbp check --model ./my-checkpoint --dtype fp32 --out results/exactness.csv
-"""
+EXAMPLES = (  # the end of its help (options.py examples)
+    "sbp check          # every method against bp: Qwen3-0.6B's shape, fp64",
+    "sbp check --model tiny/gemma3 --seq 64 --chunk-size 7 --objective dpo",
+    "sbp check --model ./my-checkpoint --dtype fp32 --out results/exactness.csv",
+)
 
 
 @point_command(

@@ -13,12 +13,10 @@ from rich.text import Text
 from ..measure.units import GIB
 from .errors import user_errors
 
-EXAMPLES = """
-\b
-Examples:
-  sbp env                          # a table
-  sbp env --json > environment.json
-"""
+EXAMPLES = (  # the end of its help (options.py examples)
+    "sbp env                          # a table",
+    "sbp env --json > environment.json",
+)
 
 
 def env(

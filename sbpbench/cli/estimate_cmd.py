@@ -17,13 +17,11 @@ from .tables import estimate_table, print_table
 # a prediction is for a GPU: the GPU defaults (Qwen/Qwen3-4B, T=9000, bf16) unless told
 ESTIMATE_FIELDS = run_fields_but("device", "warmup", "repeats", "memory_limit", "timeout_s", "threads")
 
-EXAMPLES = """
-\b
-Examples:
-  sbp estimate --model Qwen/Qwen3-8B --seq 20000     # about 30 s on 2 cores
-  sbp estimate --model Qwen/Qwen3-4B --gpu-memory 24GiB --method all
-  sbp estimate --model tiny/qwen3 --target cpu    # what sbp run measures
-"""
+EXAMPLES = (  # the end of its help (options.py examples)
+    "sbp estimate --model Qwen/Qwen3-8B --seq 20000     # about 30 s on 2 cores",
+    "sbp estimate --model Qwen/Qwen3-4B --gpu-memory 24GiB --method all",
+    "sbp estimate --model tiny/qwen3 --target cpu    # what sbp run measures",
+)
 
 
 @point_command(

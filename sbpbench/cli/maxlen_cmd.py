@@ -24,13 +24,11 @@ SIMULATED_OUT = Path("results/estimates.csv")
 SIMULATED_DEVICE = "simulated GPU"  # what sbpbench.simulate writes as device_name
 MAXLEN_FIELDS = run_fields_but("repeats") + SEARCH_SETTINGS
 
-EXAMPLES = """
-\b
-Examples:
-  sbp maxlen --model Qwen/Qwen3-8B --memory-limit 80GiB     # Figure 3's max T
-  sbp maxlen --device cpu --model tiny/qwen3 --memory-limit 10MB
-  sbp maxlen --simulate --model Qwen/Qwen3-8B --checkpoints cpu  # no GPU
-"""
+EXAMPLES = (  # the end of its help (options.py examples)
+    "sbp maxlen --model Qwen/Qwen3-8B --memory-limit 80GiB     # Figure 3's max T",
+    "sbp maxlen --device cpu --model tiny/qwen3 --memory-limit 10MB",
+    "sbp maxlen --simulate --model Qwen/Qwen3-8B --checkpoints cpu  # no GPU",
+)
 
 
 @point_command(

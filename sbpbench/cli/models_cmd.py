@@ -7,12 +7,10 @@ from rich.console import Console
 from rich.table import Table
 
 
-EXAMPLES = """
-\b
-Examples:
-  sbp models
-  sbp models | grep -i qwen3        # then: sbp run --model NAME
-"""
+EXAMPLES = (  # the end of its help (options.py examples)
+    "sbp models",
+    "sbp models | grep -i qwen3        # then: sbp run --model NAME",
+)
 
 LEGEND = (
     "params: B = 10^9, M = 10^6, k = 10^3. L: decoder layers; d: hidden size; heads: query / key-value "

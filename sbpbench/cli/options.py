@@ -25,7 +25,7 @@ import typer
 from ..settings import SETTINGS, ConfigError
 
 NUMERIC = (int, float, (int, float))  # kinds read as text and parsed here: `--seq abc` is a one-line error
-CHOICES_IN_METAVAR = 24  # longer choice lists are named in the help, not in the option's column
+CHOICES_IN_METAVAR = 24  # a longer [a|b|...] overflows the help's 30-column option field: named in the help instead
 
 
 def flags_of(name: str) -> tuple[str, ...]:
@@ -88,6 +88,12 @@ ReferenceOpt = Annotated[
         "--reference", help="The paper's numbers (default: experiments/reference/streambp_paper.csv in the repository)."
     ),
 ]
+
+
+def examples(lines: tuple[str, ...]) -> str:
+    """A command's help epilog: its example command lines, kept as written (a paragraph that
+    starts with \\b is not rewrapped in Typer's plain help)."""
+    return "\b\nExamples:\n" + "".join(f"  {line}\n" for line in lines)
 
 
 # The point settings of `sbp run`, in the table's order; the other point commands take these but for what they fix.

@@ -9,6 +9,8 @@ from typing import Annotated
 
 import typer
 
+from .options import examples
+
 # runner/official.py VENV_VARIABLE and DEFAULT_VENV, named here so that help imports no torch;
 # tests/test_cli_startup.py checks they agree
 VENV_VARIABLE = "SBP_OFFICIAL_VENV"
@@ -22,12 +24,7 @@ class Peer(str, Enum):
 
 
 @peers.command(
-    epilog="""
-\b
-Examples:
-  sbp peers setup official
-  sbp peers setup official --path ~/venvs/official   # prints the export
-"""
+    epilog=examples(("sbp peers setup official", "sbp peers setup official --path ~/venvs/official   # prints the export"))
 )
 def setup(
     name: Annotated[Peer, typer.Argument(help="The peer: official (streambp 1.0, transformers 4.51.3).")],

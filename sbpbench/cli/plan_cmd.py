@@ -35,12 +35,10 @@ PLAN_FIELDS = run_fields_but(
     "offload_checkpoints",
 )
 
-EXAMPLES = """
-\b
-Examples:
-  sbp plan --model Qwen/Qwen3-8B --seq 131072
-  sbp plan --model Qwen/Qwen3-8B --seq 1048576 --lora-rank 64
-"""
+EXAMPLES = (  # the end of its help (options.py examples)
+    "sbp plan --model Qwen/Qwen3-8B --seq 131072",
+    "sbp plan --model Qwen/Qwen3-8B --seq 1048576 --lora-rank 64",
+)
 
 
 @point_command(

@@ -10,12 +10,10 @@ import typer
 from .errors import user_errors
 from .options import ReferenceOpt, ResultsArg
 
-EXAMPLES = """
-\b
-Examples:
-  sbp plot results/                          # every CSV under it, into plots/
-  sbp plot results/runs.csv --out plots/mine --format pdf
-"""
+EXAMPLES = (  # the end of its help (options.py examples)
+    "sbp plot results/                          # every CSV under it, into plots/",
+    "sbp plot results/runs.csv --out plots/mine --format pdf",
+)
 
 
 def plot(

@@ -11,12 +11,10 @@ from ..records.exactness import read_exactness
 from .errors import user_errors
 from .options import ReferenceOpt, ResultsArg
 
-EXAMPLES = """
-\b
-Examples:
-  sbp report results/                        # print Markdown
-  sbp report results/ --out report.md --exactness results/exactness.csv
-"""
+EXAMPLES = (  # the end of its help (options.py examples)
+    "sbp report results/                        # print Markdown",
+    "sbp report results/ --out report.md --exactness results/exactness.csv",
+)
 
 
 def report(

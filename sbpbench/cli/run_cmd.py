@@ -22,13 +22,11 @@ if TYPE_CHECKING:
 
 DEFAULT_OUT = Path("results/runs.csv")
 
-EXAMPLES = """
-\b
-Examples:
-  sbp run --device cpu --model tiny/qwen3 --seq 256      # a quick CPU check
-  sbp run --seq 20000 --method streambp --memory-limit 80GiB
-  sbp run --objective grpo --lora-rank 32 --step train --out results/mine.csv
-"""
+EXAMPLES = (  # the end of its help (options.py examples)
+    "sbp run --device cpu --model tiny/qwen3 --seq 256      # a quick CPU check",
+    "sbp run --seq 20000 --method streambp --memory-limit 80GiB",
+    "sbp run --objective grpo --lora-rank 32 --step train --out results/mine.csv",
+)
 
 
 @point_command(RUN_FIELDS)

@@ -12,12 +12,10 @@ from rich.console import Console
 # tests/test_cli_startup.py checks they agree
 BUDGET_S = {"cuda": 480.0, "cpu": 480.0}
 
-EXAMPLES = """
-\b
-Examples:
-  sbp selftest       # into results/gpu/<device>/ or results/cpu-selftest/
-  sbp selftest --budget 300 --out /tmp/selftest
-"""
+EXAMPLES = (  # the end of its help (options.py examples)
+    "sbp selftest       # into results/gpu/<device>/ or results/cpu-selftest/",
+    "sbp selftest --budget 300 --out /tmp/selftest",
+)
 
 
 def selftest(

@@ -19,13 +19,11 @@ from .tables import maxlen_table, points_table, print_table, seq_bound
 if TYPE_CHECKING:
     from ..runner.sweep import Job
 
-EXAMPLES = """
-\b
-Examples:
-  sbp sweep experiments/smoke_cpu.toml    # the paper's figures in miniature
-  sbp sweep experiments/paper_fig3.toml --out results/fig3.csv
-  sbp sweep experiments/paper_table1.toml --no-resume   # measure again
-"""
+EXAMPLES = (  # the end of its help (options.py examples)
+    "sbp sweep experiments/smoke_cpu.toml    # the paper's figures in miniature",
+    "sbp sweep experiments/paper_fig3.toml --out results/fig3.csv",
+    "sbp sweep experiments/paper_table1.toml --no-resume   # measure again",
+)
 
 
 @point_command(
