@@ -169,7 +169,7 @@ def test_a_rerun_says_how_many_rows_it_replaced_and_from_when(tmp_path, monkeypa
     again = runner.invoke(app, [*args, "--seq", "16", "--method", "streambp"])
     line = " ".join(again.output.split())
     assert again.exit_code == 0
-    assert f"3 row(s) written to {out}; 2 replaced earlier rows of the same point (commit aaaaaaa, 2025-01-01" in line
+    assert f"3 row(s) written to {out}, 2 of them replacing rows of an earlier run (commit aaaaaaa, 2025-01-01" in line
     other = runner.invoke(app, [*args, "--seq", "32"])
-    assert "; 3 row(s) of other points from earlier runs are in it too" in " ".join(other.output.split())
+    assert "; 3 row(s) of other points from earlier runs are also in it" in " ".join(other.output.split())
     assert len(read_rows(out)) == 5

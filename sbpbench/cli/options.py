@@ -22,7 +22,7 @@ from typing import Annotated, Any
 
 import typer
 
-from ..settings import SETTINGS, ConfigError
+from ..settings import POINT_SETTINGS, SETTINGS, ConfigError
 
 NUMERIC = (int, float, (int, float))  # kinds read as text and parsed here: `--seq abc` is a one-line error
 CHOICES_IN_METAVAR = 24  # a longer [a|b|...] overflows the help's 30-column option field: named in the help instead
@@ -96,8 +96,8 @@ def examples(lines: tuple[str, ...]) -> str:
     return "\b\nExamples:\n" + "".join(f"  {line}\n" for line in lines)
 
 
-# The point settings of `sbp run`, in the table's order; the other point commands take these but for what they fix.
-RUN_FIELDS = tuple(name for name, setting in SETTINGS.items() if not setting.search)
+# `sbp run` takes every point setting, in the table's order; the other point commands all but what they fix
+RUN_FIELDS = POINT_SETTINGS
 
 
 def run_fields_but(*fixed: str) -> tuple[str, ...]:

@@ -74,9 +74,10 @@ def run(settings: dict, methods: tuple[str, ...], out: OutOpt = None) -> None:
 
 def interrupted_line(rows: list[ResultRow], specs: list[RunSpec], out: Path) -> str:
     """What Ctrl-C left: the finished points' rows are in the CSV; the rest were not measured."""
-    kept = f" ({', '.join(row.method for row in rows)})" if rows else ""
+    line = f"interrupted: {len(rows)} of {len(specs)} row(s) kept in {out}"
+    line += f" ({', '.join(row.method for row in rows)})" if rows else ""
     lost = ", ".join(spec.method for spec in specs[len(rows) :])
-    return f"interrupted: {len(rows)} of {len(specs)} row(s) kept in {out}{kept}; not measured: {lost}"
+    return line + (f"; not measured: {lost}" if lost else "")
 
 
 def written_line(rows: list[ResultRow], earlier: dict[tuple, dict], out: Path) -> str:
@@ -88,10 +89,10 @@ def written_line(rows: list[ResultRow], earlier: dict[tuple, dict], out: Path) -
         commits = sorted({_commit(row) for row in replaced})
         times = sorted(row.get("timestamp_utc") or "time unknown" for row in replaced)
         when = times[0] if times[0] == times[-1] else f"{times[0]} to {times[-1]}"
-        line += f"; {len(replaced)} replaced earlier rows of the same point (commit {', '.join(commits)}, {when})"
+        line += f", {len(replaced)} of them replacing rows of an earlier run (commit {', '.join(commits)}, {when})"
     others = len(earlier) - len(replaced)
     if others:
-        line += f"; {others} row(s) of other points from earlier runs are in it too"
+        line += f"; {others} row(s) of other points from earlier runs are also in it"
     return line
 
 

@@ -176,8 +176,7 @@ def results_table(rows: list[ResultRow], title: str, notes: Sequence[str] = ()) 
     columns = (
         Column("method", lambda r: r.method, left=True),
         Column("status", _status, left=True),
-        Column(
-            "peak GiB", lambda r: gib(r.peak_allocated_bytes), _peak_meaning(rows)),
+        Column("peak GiB", lambda r: gib(r.peak_allocated_bytes), _peak_meaning(rows)),
         Column("resv GiB", lambda r: gib(r.peak_reserved_bytes), "max reserved by the allocator"),
         Column("nvml GiB", _nvml, "device memory used minus idle (NVML)"),
         Column("act GiB", lambda r: gib(r.activation_peak_bytes), "the peak above what was resident before the step"),
@@ -266,7 +265,7 @@ def maxlen_table(rows: list[ResultRow]) -> Table:
         Column(
             "max T",
             shown,
-            "the longest length that fit" + ("; [completion length: max T minus prompt_len]" if prompted else ""),
+            "the longest length that fit" + (" (in brackets: minus prompt_len, the completion length)" if prompted else ""),
         ),
         Column("first OOM", lambda r: "-" if r.oom_seq_len is None else f"{r.oom_seq_len:,}", "the shortest that did not"),
         Column("x ckpt", ratio, "max T / ckpt's"),
