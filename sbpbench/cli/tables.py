@@ -209,7 +209,7 @@ def estimate_table(rows: list[ResultRow], gpu_memory_bytes: int, margin_note: st
         Column(
             "peak GiB",
             lambda r: gib(r.peak_allocated_bytes),
-            "predicted max allocated = weights + grads + optim + batch + act",
+            "predicted max allocated = weights + grads + optimizer state + batch + act",
         ),
         Column("weights", lambda r: gib(r.weights_bytes), "GiB of parameters"),
         Column("grads", lambda r: gib(r.grads_bytes), "GiB of gradients"),
