@@ -72,7 +72,9 @@ MoreMethodsArg = Annotated[
     list[str] | None,
     typer.Argument(metavar="METHOD", help="More methods after --method (see --method).", hidden=True),
 ]
-OutOpt = Annotated[Path | None, typer.Option("--out", "-o", metavar="CSV", help="Results CSV (rows upserted by point).")]
+OutOpt = Annotated[
+    Path | None, typer.Option("--out", "-o", metavar="CSV", help="Results CSV (rows upserted by point).")
+]
 # `sbp check` (here: a point command's own options resolve in this module)
 ExactnessOutOpt = Annotated[
     Path | None,
@@ -133,10 +135,9 @@ def point_command(
     def decorate(command: Callable) -> Callable:
         hints = typing.get_type_hints(command, include_extras=True)  # a module's string annotations, resolved
         parameters = [
-            inspect.Parameter(
-                name, keyword, default=None, annotation=option(name, help=helps.get(name), aliases=aliases.get(name, ()))
-            )
+            inspect.Parameter(name, keyword, default=None, annotation=option(name, help=helps.get(name), aliases=also))
             for name in fields
+            for also in (aliases.get(name, ()),)
         ]
         if "method" in fields:
             parameters.append(inspect.Parameter("more_methods", keyword, default=None, annotation=MoreMethodsArg))

@@ -24,7 +24,9 @@ class Peer(str, Enum):
 
 
 @peers.command(
-    epilog=examples(("sbp peers setup official", "sbp peers setup official --path ~/venvs/official   # prints the export"))
+    epilog=examples(
+        ("sbp peers setup official", "sbp peers setup official --path ~/venvs/official   # prints the export")
+    )
 )
 def setup(
     name: Annotated[Peer, typer.Argument(help="The peer: official (streambp 1.0, transformers 4.51.3).")],

@@ -95,7 +95,8 @@ def plan_table(spec: RunSpec, tried: list[PlanOutcome], gpu_bytes: int, host_byt
         f"process, of {host_bytes / GIB:.1f} GiB; time: predicted at {ACHIEVED_FLOP_S / 1e12:.0f} TFLOP/s and "
         f"{PCIE_BYTES_S / 1e9:.0f} GB/s"
     )
-    table = Table(title=f"{spec.model}, T={spec.seq_len}, B={spec.batch_size}: candidates estimated (simulated)", caption=caption)
+    title = f"{spec.model}, T={spec.seq_len}, B={spec.batch_size}: candidates estimated (simulated)"
+    table = Table(title=title, caption=caption)
     for column in ("checkpoints", "chunk", "logits", "status", "GPU GiB", "host GiB", "time s"):
         table.add_column(column, justify="left" if column in ("checkpoints", "status") else "right", no_wrap=True)
     for outcome in tried:

@@ -25,7 +25,8 @@ def selftest(
     budget: Annotated[
         float | None,
         typer.Option(
-            min=30, help=f"Seconds for the whole test (default: {BUDGET_S['cuda']:g} on a GPU, {BUDGET_S['cpu']:g} on a CPU)."
+            min=30,
+            help=f"Seconds for the whole test (default: {BUDGET_S['cuda']:g} on a GPU, {BUDGET_S['cpu']:g} on a CPU).",
         ),
     ] = None,
 ) -> None:

@@ -265,9 +265,9 @@ def maxlen_table(rows: list[ResultRow]) -> Table:
         Column(
             "max T",
             shown,
-            "the longest length that fit" + (" (in brackets: minus prompt_len, the completion length)" if prompted else ""),
+            "the longest length that fit" + (" (in brackets: minus prompt_len, the completion)" if prompted else ""),
         ),
-        Column("first OOM", lambda r: "-" if r.oom_seq_len is None else f"{r.oom_seq_len:,}", "the shortest that did not"),
+        Column("first OOM", lambda r: "-" if r.oom_seq_len is None else f"{r.oom_seq_len:,}", "shortest that failed"),
         Column("x ckpt", ratio, "max T / ckpt's"),
         Column(
             "paper",
