@@ -10,7 +10,7 @@ and __main__.py.
     core: exact StreamBP (layer-wise backward, chunked LM head, objectives) -> nothing
     measure: memory, time and FLOPs of a step, and the environment it ran in -> nothing
     records: the results schema, its CSV files, and reading their rows (select.py) -> measure
-    models: named model shapes (shipped configs), building them, LoRA -> core
+    models: named model shapes (shipped configs), local checkpoints and Hub ids, building them, LoRA -> core
     data: synthetic batches per objective (of core: objective types, label constants) -> core, settings
     methods: the compared methods by name, the training step, exactness checks -> core, data, models, settings
     config: typed, validated settings of points and searches, experiment files, a spec's model and batch -> settings, methods, models, data, measure, records, core

@@ -14,18 +14,18 @@ from sbpbench.config.experiment import POINT_KEYS
 EXPECTED_FIELDS = (
     "model", "method", "seq_len", "batch_size", "objective", "prompt_len", "lora_rank", "lora_alpha", "step",
     "dtype", "device", "num_layers", "protocol", "warmup", "repeats", "memory_limit", "seed", "timeout_s",
-    "threads", "nproc", "chunk_size", "logits_chunk_size", "fp32_grad_accumulation", "mlp_tile_size", "offload_checkpoints",
+    "threads", "nproc", "weights", "chunk_size", "logits_chunk_size", "fp32_grad_accumulation", "mlp_tile_size", "offload_checkpoints",
     "checkpoints",
 )  # fmt: skip
 EXPECTED_OPTIONS = {
     "run": {
-        "--method", "--model", "--seq", "--batch", "--objective", "--prompt-len", "--lora-rank", "--lora-alpha",
-        "--step", "--dtype", "--chunk-size", "--logits-chunk-size", "--fp32-grad-accumulation", "--mlp-tile-size",
-        "--offload-checkpoints", "--checkpoints", "--device", "--num-layers", "--protocol", "--warmup", "--repeats",
-        "--memory-limit", "--timeout", "--seed", "--threads", "--nproc", "--out",
+        "--method", "--model", "--weights", "--seq", "--batch", "--objective", "--prompt-len", "--lora-rank",
+        "--lora-alpha", "--step", "--dtype", "--chunk-size", "--logits-chunk-size", "--fp32-grad-accumulation",
+        "--mlp-tile-size", "--offload-checkpoints", "--checkpoints", "--device", "--num-layers", "--protocol",
+        "--warmup", "--repeats", "--memory-limit", "--timeout", "--seed", "--threads", "--nproc", "--out",
     },
     "maxlen": {
-        "--method", "--model", "--seq", "--start", "--batch", "--objective", "--prompt-len", "--lora-rank",
+        "--method", "--model", "--weights", "--seq", "--start", "--batch", "--objective", "--prompt-len", "--lora-rank",
         "--lora-alpha", "--step", "--dtype", "--chunk-size", "--logits-chunk-size", "--fp32-grad-accumulation",
         "--mlp-tile-size", "--offload-checkpoints", "--checkpoints", "--device", "--num-layers", "--protocol",
         "--warmup", "--memory-limit", "--timeout", "--seed", "--threads", "--nproc", "--max-seq",
@@ -39,7 +39,7 @@ EXPECTED_OPTIONS = {
         "--out",
     },
     "check": {
-        "--method", "--model", "--seq", "--batch", "--objective", "--prompt-len", "--lora-rank", "--dtype",
+        "--method", "--model", "--weights", "--seq", "--batch", "--objective", "--prompt-len", "--lora-rank", "--dtype",
         "--chunk-size", "--logits-chunk-size", "--fp32-grad-accumulation", "--mlp-tile-size", "--offload-checkpoints",
         "--checkpoints", "--device", "--num-layers", "--seed", "--out",
     },
@@ -152,7 +152,8 @@ def test_a_local_checkpoint_of_another_family_is_refused_before_anything_runs(tm
         point_specs({"device": "cpu", "model": str(tmp_path / "bert"), "seq_len": 16}, ["bp"])
     with pytest.raises(UnsupportedModelError, match="streambp does not support.*Llama.*bp and ckpt"):
         point_specs({"device": "cpu", "model": str(tmp_path / "gpt2"), "seq_len": 16})
-    assert [s.method for s in point_specs({"device": "cpu", "model": str(tmp_path / "gpt2")}, ["bp", "ckpt"])] == [
+    gpt2 = {"device": "cpu", "model": str(tmp_path / "gpt2"), "seq_len": 1024}  # GPT-2's whole context
+    assert [s.method for s in point_specs(gpt2, ["bp", "ckpt"])] == [
         "bp",
         "ckpt",
     ]

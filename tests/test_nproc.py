@@ -53,7 +53,8 @@ def test_more_ranks_than_gpus_names_what_to_do(monkeypatch):
     message = error.value.naming("--nproc")
     assert "--nproc 4 needs 4 GPUs" in message and "give --nproc 2 or fewer" in message and "\n" not in message
     check_nproc(2, "cuda:0")
-    check_nproc(8, "cpu")  # gloo ranks share the CPU
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
+    check_nproc(8, "cpu")  # a core per gloo rank
 
 
 def test_a_method_without_a_sharded_path_is_unsupported_not_launched():
@@ -71,8 +72,10 @@ def test_rank_rows_merge_to_the_max_with_each_rank_peak():
         ResultRow(**base, status="ok", peak_allocated_bytes=10, baseline_bytes=4, time_median_s=2.0, loss=1.5),
         ResultRow(**base, status="ok", peak_allocated_bytes=12, baseline_bytes=3, time_median_s=3.0, loss=2.5),
     ]
+    rows[0].host_register_s, rows[1].host_register_s = 0.5, 0.25
     merged = merge_rank_rows(rows)
     assert (merged.peak_allocated_bytes, merged.baseline_bytes, merged.time_median_s) == (12, 4, 3.0)
+    assert merged.host_register_s == 0.5
     assert (merged.rank_peak_bytes, merged.loss, merged.tokens_per_s) == ("10;12", 1.5, 8 / 3.0)
     rows[1].status, rows[1].error = "oom", "tracked live tensors reached 9 B"
     merged = merge_rank_rows(rows)

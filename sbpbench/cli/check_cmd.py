@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from ..records.exactness import ExactnessRow, write_exactness
+from ..records.exactness import ExactnessRow, check_exactness_writable, write_exactness
 from .errors import user_errors
 from .options import ExactnessOutOpt, point_command, run_fields_but
 
@@ -32,7 +32,8 @@ EXAMPLES = (  # the end of its help (options.py examples)
     CHECK_FIELDS,
     helps={
         "method": "Methods to compare with bp; several allowed (default: all).",
-        "model": "Registry name (`sbp models`) or a local checkpoint directory (default: Qwen/Qwen3-0.6B).",
+        "model": "Registry name (`sbp models`), a Hub id ORG/NAME or a local checkpoint directory (default: "
+        "Qwen/Qwen3-0.6B).",
         "seq_len": "Sequence length T (default: 300).",
         "batch_size": "Rows per batch (default: 2).",
         "lora_rank": "Check with LoRA adapters of this rank (default: 0, none).",
@@ -54,6 +55,8 @@ def check(settings: dict, methods: tuple[str, ...], out: ExactnessOutOpt = None)
     compared = tuple(m for m in method_names(methods) if m != "bp")  # bp is the reference
     with user_errors():
         specs = point_specs(settings, ("bp", *compared), defaults=EXACTNESS_DEFAULTS)
+        if out is not None:
+            check_exactness_writable(out)
         results = check_exactness(ExactnessSpec(tuple(specs)))
     judged = specs[0].dtype == "fp32"  # every row against an fp64 step, bp's own row included
     console = Console()
@@ -64,7 +67,8 @@ def check(settings: dict, methods: tuple[str, ...], out: ExactnessOutOpt = None)
     if out is not None:
         by_method = {spec.method: spec for spec in specs}
         compared_results = [r for r in results if not (judged and r is results[0])]  # fp32: bp's own row first
-        write_exactness(out, [_exactness_row(by_method[r.method], r) for r in compared_results])
+        with user_errors():  # a failed write says where the rows are
+            write_exactness(out, [_exactness_row(by_method[r.method], r) for r in compared_results])
         console.print(f"{len(compared_results)} comparison(s) appended to {out}", highlight=False)
     failed = [d for r in results for d in r.failures()]
     for diff in failed:

@@ -18,6 +18,8 @@ _stderr = Console(stderr=True)
 # to do); the first of an error's classes (its own, then its bases) found here. By name, so that
 # this table imports nothing: sbpbench.core.UnsupportedModelError lives beside torch.
 USER_ERRORS: dict[str, str] = {
+    "RowsNotSaved": "results not saved",  # sbpbench.records
+    "NotWritable": "cannot write",  # sbpbench.records
     "UnsupportedModelError": "unsupported model",
     "ValueError": "invalid input",
     "FileNotFoundError": "file not found",

@@ -15,7 +15,7 @@ from .options import OutOpt, point_command, run_fields_but
 from .tables import estimate_table, print_table
 
 # a prediction is for a GPU: the GPU defaults (Qwen/Qwen3-4B, T=9000, bf16) unless told
-ESTIMATE_FIELDS = run_fields_but("device", "warmup", "repeats", "memory_limit", "timeout_s", "threads")
+ESTIMATE_FIELDS = run_fields_but("device", "warmup", "repeats", "memory_limit", "timeout_s", "threads", "weights")
 
 EXAMPLES = (  # the end of its help (options.py examples)
     "sbp estimate --model Qwen/Qwen3-8B --seq 20000     # about 30 s on 2 cores",
@@ -27,7 +27,8 @@ EXAMPLES = (  # the end of its help (options.py examples)
 @point_command(
     ESTIMATE_FIELDS,
     helps={
-        "model": "Registry name (`sbp models`) or a local checkpoint directory (default: Qwen/Qwen3-4B).",
+        "model": "Registry name (`sbp models`), a Hub id ORG/NAME or a local checkpoint directory (its config only; "
+        "default: Qwen/Qwen3-4B).",
         "seq_len": "Tokens per row, prompt included (default: 9000).",
         "dtype": "Model dtype (default: bf16).",
     },
@@ -71,7 +72,8 @@ def estimate(
             row = estimate_point_by_depth(spec, target=target, gpu_memory_bytes=gpu_memory_bytes)
         rows.append(row)
         if out is not None:
-            upsert_rows(out, [row])
+            with user_errors():  # a failed write says where the rows are
+                upsert_rows(out, [row])
     print_table(console, estimate_table(rows, gpu_memory_bytes, MARGIN_NOTE))
     for row in rows:
         if row.status == "error":

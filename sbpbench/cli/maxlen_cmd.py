@@ -85,6 +85,7 @@ def maxlen(
     from ..config import MaxlenSpec, point_specs
     from ..config.device import device_kind, resolve_device
     from ..config.maxlen import SEARCH_DEFAULTS
+    from ..config.run import check_measurable
     from ..runner.maxlen import ProbeFailed, find_max_len
 
     with user_errors():
@@ -92,6 +93,8 @@ def maxlen(
             raise ValueError("--gpu-memory is the simulated GPU's size: add --simulate, or use --memory-limit")
         if host_memory and not simulate:
             raise ValueError("--host-memory is the simulated host's size: add --simulate")
+        if simulate and settings.get("weights"):
+            raise ValueError("--weights does not apply to --simulate (fake tensors hold no values); drop it")
         host_bytes = parse_bytes(host_memory) if host_memory else total_ram_bytes()
         kind = "cuda" if simulate else device_kind(resolve_device(settings.get("device", "auto")))
         search = {name: settings.pop(name) for name in SEARCH_SETTINGS if name in settings}
@@ -102,6 +105,8 @@ def maxlen(
             settings["device"] = "cpu"  # fake CPU tensors stand in for the GPU's
         ceiling = search.get("seq_len_ceiling", defaults.pop("seq_len_ceiling"))
         specs = point_specs(settings, methods, defaults=defaults, defaults_for=kind)
+        if not simulate:
+            check_measurable(specs)
         searches = [
             MaxlenSpec(
                 base=spec,

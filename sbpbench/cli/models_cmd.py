@@ -16,6 +16,10 @@ LEGEND = (
     "params: B = 10^9, M = 10^6, k = 10^3. L: decoder layers; d: hidden size; heads: query / key-value "
     "heads; hd: head dim; vocab: tokens (k = 10^3); tied: lm_head shares the input embedding."
 )
+HUB_NOTE = (
+    "Any other Hub id works too (--model ORG/NAME): its config.json from the Hugging Face cache, fetched if missing "
+    "(HF_HUB_OFFLINE=1: the cache only); random weights unless --weights. Or a local checkpoint directory."
+)
 
 
 def _count(number: int) -> str:
@@ -28,9 +32,11 @@ def _count(number: int) -> str:
 def models() -> None:
     """List the model shapes the registry knows, with their sizes.
 
-    Real Hub configs, small CPU shapes and tiny test shapes; every one is built with random
-    weights, and --model also takes a local checkpoint directory."""
-    Console().print(models_table())
+    Real Hub configs, small CPU shapes and tiny test shapes, each built with random weights
+    unless --weights; any other Hub id or a local checkpoint directory works as well."""
+    console = Console()
+    console.print(models_table())
+    console.print(HUB_NOTE, highlight=False)
 
 
 def models_table() -> Table:

@@ -33,6 +33,7 @@ PLAN_FIELDS = run_fields_but(
     "nproc",
     "mlp_tile_size",
     "offload_checkpoints",
+    "weights",
 )
 
 EXAMPLES = (  # the end of its help (options.py examples)
@@ -44,7 +45,8 @@ EXAMPLES = (  # the end of its help (options.py examples)
 @point_command(
     PLAN_FIELDS,
     helps={
-        "model": "Registry name (`sbp models`) or a local checkpoint directory (default: Qwen/Qwen3-4B).",
+        "model": "Registry name (`sbp models`), a Hub id ORG/NAME or a local checkpoint directory (its config only; "
+        "default: Qwen/Qwen3-4B).",
         "seq_len": "Tokens per row, prompt included (default: 9000).",
         "dtype": "Model dtype (default: bf16).",
     },

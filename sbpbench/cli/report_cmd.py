@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from ..records import not_writable
 from ..records.exactness import read_exactness
 from .errors import user_errors
 from .options import ReferenceOpt, ResultsArg
@@ -48,7 +49,7 @@ def report(
                 out.parent.mkdir(parents=True, exist_ok=True)
                 out.write_text(text)
             except OSError as error:
-                raise PermissionError(f"cannot write {out} ({error.strerror}); pass a writable --out path") from None
+                raise not_writable(out, error, "the write failed") from None
     if note:
         typer.echo(note, err=True)
     if out is None:

@@ -37,18 +37,21 @@ def run(settings: dict, methods: tuple[str, ...], out: OutOpt = None) -> None:
     rows of the same point. With no options: a real comparison on a GPU (Qwen/Qwen3-4B, T=9000,
     bf16); on a CPU about a minute (small/qwen3, T=2048, fp32)."""
     from ..config import point_specs
+    from ..config.run import check_measurable
     from ..runner import run_points
 
     out = out or DEFAULT_OUT
     with user_errors():
         specs = point_specs(settings, methods)
+        check_measurable(specs)
         check_writable(out)
         earlier = {row_key(row): row for row in read_rows(out)}  # to say what this run replaces
     console = Console()
     warn_if_busy()
     rows = []
     try:
-        with Progress(console, len(specs)) as progress:
+        # user_errors: a write that fails after a point was measured says where its row was kept
+        with user_errors(), Progress(console, len(specs)) as progress:
             progress.start(_measuring(specs[0]))
             for row in run_points(specs, out):  # one environment capture for all points
                 rows.append(row)

@@ -51,12 +51,14 @@ def sweep(
     OOM is recorded and the sweep goes on; longer sequences of the same settings are then
     recorded as skipped (certain OOM)."""
     from ..config.experiment import load_experiment
+    from ..config.run import check_measurable
     from ..measure.environment import capture_environment
     from ..runner.maxlen import ProbeFailed
     from ..runner.sweep import plan, run_sweep
 
     with user_errors():
         loaded = load_experiment(experiment, device=settings.get("device"), threads=settings.get("threads"))
+        check_measurable([*loaded.grid, *(s.base for s in loaded.searches)])
         out = out or Path("results") / f"{loaded.name}.csv"
         check_writable(out)
         first = (loaded.grid or [s.base for s in loaded.searches])[0]
@@ -72,7 +74,8 @@ def sweep(
     warn_if_busy()
     rows: list[ResultRow] = []
     try:
-        with Progress(console, len(todo)) as progress:
+        # user_errors: a write that fails after a point was measured says where its row was kept
+        with user_errors(), Progress(console, len(todo)) as progress:
 
             def start(job: Job) -> None:
                 progress.start(job.describe())

@@ -1,5 +1,5 @@
-"""A spec's model and batch: random weights (seeded), truncated depth, LoRA adapters, the
-objective's synthetic batch. Shared by the measured worker, `sbp check` and the estimator."""
+"""A spec's model and batch: random weights (seeded) or the real ones, truncated depth, LoRA
+adapters, the objective's synthetic batch. Shared by the measured worker, `sbp check` and the estimator."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ def build_model_and_batch(
 
     device = device or spec.device
     overrides = {"num_hidden_layers": spec.num_layers} if spec.num_layers else {}
-    model = build_model(spec.model, dtype=DTYPES[spec.dtype], device=device, seed=spec.seed, **overrides)
+    dtype = DTYPES[spec.dtype]
+    model = build_model(spec.model, dtype=dtype, device=device, seed=spec.seed, weights=spec.weights, **overrides)
     if spec.lora_rank:
         from ..models.lora import apply_lora
 

@@ -42,6 +42,7 @@ def spec_fields(spec: RunSpec) -> dict:
         "attn_implementation": METHODS[spec.method].attn_implementation,
         "memory_limit_bytes": spec.memory_limit,
         "seed": spec.seed,
+        "weights": "real" if spec.weights else "random",
         "warmup_steps": spec.warmup,
         "repeats": spec.repeats,
         "memory_source": "torch.cuda" if spec.device.startswith("cuda") else "tensor-tracker",

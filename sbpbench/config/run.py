@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
@@ -19,7 +20,7 @@ import torch
 from ..core.adapters import SUPPORTED_MODEL_TYPES, UnsupportedModelError, supported_families
 from ..core.placement import Placement
 from ..data import DEFAULT_PROMPT_LEN, OBJECTIVES
-from ..measure.threads import default_threads
+from ..measure.threads import available_cpus, default_threads
 from ..measure.units import parse_bytes
 from ..methods import METHODS, STEPS, MethodSettings, method_names
 from ..methods.settings import SETTING_NAMES
@@ -55,7 +56,7 @@ def _is_int(value) -> bool:
 
 @dataclass(frozen=True, kw_only=True)
 class RunSpec:
-    model: str  # registry name (`sbp models`) or a local checkpoint directory
+    model: str  # registry name (`sbp models`), a Hub id ORG/NAME or a local checkpoint directory
     method: str
     seq_len: int  # tokens per row, prompt included
     batch_size: int = 1  # rows: a GRPO group; DPO chosen + rejected rows
@@ -83,6 +84,10 @@ class RunSpec:
     # unit per decoder layer plus the root); each rank its own batch of batch_size rows. On CUDA
     # rank r uses the device's index + r. Part of a row's key: it changes the per-GPU memory.
     nproc: int = 1
+    # the model's real weights (a local checkpoint's, or a Hub id's from the HF cache) instead of
+    # random ones. Not part of a row's key: memory and time do not depend on weight values (the loss
+    # does); each row records which it had (weights: real | random).
+    weights: bool = False
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -126,6 +131,8 @@ class RunSpec:
             value = getattr(self.settings, name)
             if value is not None and not isinstance(value, bool):
                 raise ConfigError(name, f"must be true or false, got {value!r}")
+        if not isinstance(self.weights, bool):
+            raise ConfigError("weights", f"must be true or false, got {self.weights!r}")
         if self.settings.checkpoints is not None:
             try:  # stored by its canonical name, so "recompute:2+cpu" and "cpu+recompute:2" are one key
                 name = Placement.parse(self.settings.checkpoints).name
@@ -134,7 +141,7 @@ class RunSpec:
             object.__setattr__(self, "settings", replace(self.settings, checkpoints=name))
         # one resolution, here: every later torch.cuda call gets an indexed device
         object.__setattr__(self, "device", resolve_device(self.device))
-        if self.nproc > 1:
+        if self.nproc > 1 and self.device.startswith("cuda"):  # a CPU spec may be a simulation's (check_measurable)
             check_nproc(self.nproc, self.device)
         object.__setattr__(self, "settings", self.settings.for_method(METHODS[self.method].uses))
 
@@ -163,8 +170,17 @@ FIELD_NAMES: tuple[str, ...] = SPEC_FIELDS + SETTING_NAMES
 
 
 def check_nproc(nproc: int, device: str) -> None:
-    """Refuse an nproc this machine cannot run: on CUDA each rank needs a GPU of its own."""
+    """Refuse an nproc this machine cannot run: on CUDA each rank needs a GPU of its own; on a CPU
+    each gloo rank a core of its own (more only share the cores: 64 ranks on 2 cores took a load
+    of 60 and two minutes for a tiny point)."""
     if not device.startswith("cuda"):
+        usable = len(available_cpus())
+        if nproc > usable:
+            raise ConfigError(
+                "nproc",
+                f"{nproc} needs {nproc} CPU cores (one per rank) but this process may use {usable}; give --nproc "
+                f"{usable} or fewer, or run on GPUs (--device cuda)",
+            )
         return
     first, count = int(device.split(":")[1]), torch.cuda.device_count()
     if first + nproc > count:
@@ -173,6 +189,13 @@ def check_nproc(nproc: int, device: str) -> None:
             f"{nproc} needs {nproc} GPUs (one per rank, from {device}) but {count - first} are visible from "
             f"{device}; give --nproc {max(1, count - first)} or fewer, or make more GPUs visible (CUDA_VISIBLE_DEVICES)",
         )
+
+
+def check_measurable(specs: Iterable[RunSpec]) -> None:
+    """What measuring the points (not simulating them: `sbp estimate` runs a GPU's ranks as fake
+    CPU tensors) needs of this machine, checked before the first runs: a core or a GPU per rank."""
+    for spec in specs:
+        check_nproc(spec.nproc, spec.device)
 
 
 def chunk_size_for(value, seq_len: int) -> int:
@@ -208,7 +231,7 @@ def point_specs(
     means "not given"), filled from `defaults`, then the device's defaults (DEVICE_DEFAULTS of
     defaults_for, else of the resolved device), then the objective's batch size. The model is
     checked here, before any process starts."""
-    from ..models import load_config
+    from ..models import load_config, weights_source
 
     given = {**(defaults or {}), **{k: v for k, v in values.items() if v is not None}}
     unknown = sorted(set(given) - set(FIELD_NAMES))
@@ -234,8 +257,30 @@ def point_specs(
     given.pop("method", None)
     specs = [RunSpec(method=name, settings=MethodSettings(**settings), **given) for name in names]
     # fail here, before any process starts, on a model that cannot be built or a method cannot run
-    check_model_family(specs[0].model, load_config(specs[0].model), names)
+    config = load_config(specs[0].model)
+    check_model_family(specs[0].model, config, names)
+    if specs[0].weights:
+        weights_source(specs[0].model)  # real weights where asked for: in the directory or the HF cache
+    warn_beyond_context(specs[0].model, specs[0].seq_len, config)
     return specs
+
+
+class BeyondContextWarning(UserWarning):
+    """A sequence longer than the model's context: allowed (memory and time do not depend on what
+    the positions mean), but said, since the model was never trained on such positions."""
+
+
+def warn_beyond_context(model: str, seq_len: int, config) -> None:
+    """One line (a BeyondContextWarning) when seq_len exceeds the config's max_position_embeddings.
+    The text names the model, not T, so a sweep's many long points say it once per model."""
+    context = getattr(config, "max_position_embeddings", None)
+    if isinstance(context, int) and seq_len > context:
+        warnings.warn(
+            f"T past {model}'s context of {context:,} tokens (max_position_embeddings): allowed, as memory and "
+            "time do not depend on it, but the model was never trained that long",
+            BeyondContextWarning,
+            stacklevel=3,
+        )
 
 
 # Methods that run only some causal-LM families (model_type -> family name); a method not listed

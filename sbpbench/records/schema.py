@@ -31,13 +31,19 @@ read back with the new columns empty):
      (each rank's peak_allocated_bytes, ';'-joined in rank order; the memory columns of a several-rank
      row are the max over ranks, its times the max over ranks of each step's time). Older rows read
      back with nproc 1 (one process, the only way they ran) and rank_peak_bytes empty.
+  7  host_register_s: seconds the point's first step spent allocating and page-locking host buffers
+     for offloaded checkpoints (CUDA; core/host_pool.py). The worker keeps the buffers for its later
+     steps, so the time columns (never the first step) exclude it. Older rows read back with it
+     empty (not recorded; their steps registered anew every step).
+  8  weights (real | random: a checkpoint's weights, or seeded random ones). Not a key column: memory
+     and time do not depend on weight values. Older rows read back with it empty (not recorded).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 8
 
 # skipped: not run because a shorter sequence of the same point already ran out of memory
 # (certain OOM); plots and reports draw it as an OOM, and a resumed sweep does not retry it.
@@ -85,6 +91,7 @@ class ResultRow:
     attention_kernel: str = ""  # simulated: the CUDA SDPA kernel modelled (flash | efficient | math)
     memory_limit_bytes: int | None = None  # cap applied to the process (None: the device's own)
     seed: int | None = None
+    weights: str = ""  # real (a checkpoint's: --weights) | random (seeded); not in the key
     warmup_steps: int | None = None
     repeats: int | None = None
     # what the step computed
@@ -108,6 +115,7 @@ class ResultRow:
     rank_peak_bytes: str = ""  # nproc > 1: each rank's peak_allocated_bytes, ';'-joined in rank order
     host_pinned_peak_bytes: int | None = None  # checkpoints held in host memory (pinned on CUDA), peak of one step
     transfer_bytes: int | None = None  # checkpoint bytes moved host <-> device in one step (both directions)
+    host_register_s: float | None = None  # the first step's page-locking of host buffers (schema 7); empty: none pinned
     peak_phase: str = ""  # simulated: where in the step the peak happens (e.g. "backward, layer 3")
     margin_bytes: int | None = None  # simulated: CUDA context + allocator fragmentation, not in the peak
     # time: warm-up discarded, synchronised, `repeats` timed steps

@@ -90,7 +90,7 @@ def is_paper_capacity(row) -> bool:
 
 def with_full_depth(table, full_depth: Callable[[str], int | None] | None):
     """The table with FULL_DEPTH_COLUMN: `full_depth(model)` for each row (`models.full_depth`: the
-    registry's depth, None for a local checkpoint or unknown name). full_depth None: every depth
+    model's depth from its config, None where it cannot be read offline). full_depth None: every depth
     unknown, so no row is called truncated."""
     depths = {} if full_depth is None else {m: full_depth(m) for m in set(map(str, table["model"]))}
     column = [math.nan if depths.get(str(m)) is None else float(depths[str(m)]) for m in table["model"]]

@@ -134,6 +134,7 @@ def run_official(spec: RunSpec, env: Environment) -> ResultRow:
     from .isolated import provenance
 
     row = ResultRow(**spec_fields(spec))
+    row.weights = "random"  # the driver builds the config's model itself, never a checkpoint's weights
     for name, value in provenance(env).items():
         setattr(row, name, value)
     config = _config(spec)

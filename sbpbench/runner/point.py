@@ -15,6 +15,9 @@ The worker runs spec.threads intra-op threads (default: OMP_NUM_THREADS, else th
 may use); the row records them and the load average as the point started.
 Gradients before each step follow the protocol: steady = resident and zeroed in place, first =
 None. An out-of-memory error anywhere is the point's result (status oom), not a crash.
+An offloading StreamBP point on CUDA page-locks its host buffers in its first step (the warm-up, or
+the memory step without one) and reuses them after (core/host_pool.py): host_register_s records that
+first step's registration, which no timed step pays.
 A step that runs past a few seconds prints "layer i of L" lines to stderr (measure/progress.py;
 StreamBP steps only: bp and ckpt are transformers' own backward, with no per-layer callback).
 With spec.nproc > 1 this process is one rank (runner/ranks.py): the model is sharded with FSDP2,
@@ -152,6 +155,14 @@ def _measure_cuda(
 
 def measure_point(spec: RunSpec) -> ResultRow:
     """Measure one point in this process. Never raises for a failed step: the row says what happened."""
+    with observe_stores() as stores:  # each step's checkpoint store (streambp), the first step's first
+        row = _measure(spec)
+    if stores and stores[0].pins_host_memory:
+        row.host_register_s = stores[0].host_register_s
+    return row
+
+
+def _measure(spec: RunSpec) -> ResultRow:
     row = ResultRow(**spec_fields(spec))
     row.load_avg_1m = load_average_1m()  # before this point adds its own threads to it
     row.num_threads = set_intra_op_threads(spec.threads)
