@@ -36,15 +36,14 @@ SETTINGS: dict[str, Setting] = {
     ),
     "model": Setting(
         str,
-        "Registry name (`sbp models`), any Hub id ORG/NAME (its config.json from the HF cache) or a local "
-        "checkpoint directory (default: Qwen/Qwen3-4B on cuda, small/qwen3 on cpu).",
+        "Registry name (`sbp models`), Hub id ORG/NAME (config from the HF cache) or checkpoint directory "
+        "(default: Qwen/Qwen3-4B on cuda, small/qwen3 on cpu).",
         flags=("--model", "-m"),
         metavar="NAME|DIR",
     ),
     "weights": Setting(
         bool,
-        "Real weights, from the checkpoint directory or the HF cache (default: random, seeded: memory and time "
-        "do not depend on them).",
+        "Real weights, from the directory or the HF cache (default: random, seeded).",
     ),
     "seq_len": Setting(
         int, "Tokens per row, prompt included (default: 9000 on cuda, 2048 on cpu).", may_list=True, flags=("--seq", "-T")
