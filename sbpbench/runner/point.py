@@ -79,8 +79,10 @@ def build_step(spec: RunSpec, row: ResultRow, device: torch.device, rank: ranks.
     return step
 
 
-def _measure_cpu(spec: RunSpec, step: TrainingStep, row: ResultRow, prepare: Callable[[], None]) -> Callable[[], None]:
-    prepare()
+def _measure_cpu(
+    spec: RunSpec, step: TrainingStep, row: ResultRow, prepare: Callable[[str], None]
+) -> Callable[[], None]:
+    prepare("memory step")
     resident = storage_bytes(step.resident_tensors())
     if spec.memory_limit is not None and resident > spec.memory_limit:
         raise TrackedOutOfMemoryError(
@@ -100,8 +102,8 @@ def _measure_cpu(spec: RunSpec, step: TrainingStep, row: ResultRow, prepare: Cal
         row.cpu_peak_rss_bytes = peak_rss_bytes()
         row.peak_allocated_bytes = resident + tracker.peak_bytes
         row.activation_peak_bytes = tracker.peak_bytes
-    for _ in range(spec.warmup):
-        prepare()
+    for i in range(1, spec.warmup + 1):
+        prepare(f"warm-up {i} of {spec.warmup}")
         step.run()
     return lambda: None
 
@@ -114,7 +116,7 @@ def _record_stores(row: ResultRow, stores) -> None:
 
 
 def _measure_cuda(
-    spec: RunSpec, step: TrainingStep, row: ResultRow, device: torch.device, prepare: Callable[[], None]
+    spec: RunSpec, step: TrainingStep, row: ResultRow, device: torch.device, prepare: Callable[[str], None]
 ) -> Callable[[], None]:
     """Warm-up, then the memory step. A memory-only probe needs no warm-up for its peak:
     max_memory_allocated counts live tensors, and what a first step creates lazily and keeps
@@ -127,10 +129,10 @@ def _measure_cuda(
     def synchronize() -> None:
         torch.cuda.synchronize(device)
 
-    for _ in range(spec.warmup):
-        prepare()
+    for i in range(1, spec.warmup + 1):
+        prepare(f"warm-up {i} of {spec.warmup}")
         step.run()
-    prepare()
+    prepare("memory step")
     synchronize()
     torch.cuda.reset_peak_memory_stats(device)
     row.baseline_bytes = torch.cuda.memory_allocated(device)
@@ -185,9 +187,9 @@ def _measure(spec: RunSpec) -> ResultRow:
             synchronize=(lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else lambda: None,
         )
 
-        def prepare() -> None:  # before each step: gradients per protocol, the progress clock
+        def prepare(name: str) -> None:  # before each step: gradients per protocol, the progress clock and label
             step.prepare()
-            progress.restart()
+            progress.restart(name)
 
         with reporting_progress(progress):
             if device.type == "cuda":
@@ -196,7 +198,10 @@ def _measure(spec: RunSpec) -> ResultRow:
                 synchronize = _measure_cpu(spec, step, row, prepare)
             timing = None
             if spec.repeats:
-                timing = time_steps(step.run, repeats=spec.repeats, synchronize=synchronize, before_each=prepare)
+                timed = (f"timed step {i} of {spec.repeats}" for i in range(1, spec.repeats + 1))
+                timing = time_steps(
+                    step.run, repeats=spec.repeats, synchronize=synchronize, before_each=lambda: prepare(next(timed))
+                )
         row.optimizer_state_bytes = step.optimizer_state_bytes
     except MethodUnsupported as error:  # the method cannot run here: a result, with the reason
         row.status, row.error = "unsupported", one_line(error)
