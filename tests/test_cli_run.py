@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+import sbpbench.runner as runner_package
 from sbpbench.cli import app
 from sbpbench.cli.options import parse_methods
-from sbpbench.records import COLUMNS, PROVENANCE_COLUMNS, read_rows
+from sbpbench.config.rows import spec_fields
+from sbpbench.records import COLUMNS, PROVENANCE_COLUMNS, ResultRow, read_rows, upsert_rows
 
 from .conftest import cli_env
 
@@ -124,6 +126,51 @@ def test_sbp_env_json_parses():
     assert result.exit_code == 0
     values = json.loads(result.output)
     assert values["torch_version"] and values["git_commit"]
+
+
+def _stub_runner(commit: str, finished: str, *, interrupt_after: int | None = None):
+    """A run_points that measures nothing: each spec's row (ok, from `commit` at `finished`) is
+    upserted then yielded, as the real one does; after `interrupt_after` rows, Ctrl-C."""
+
+    def run_points(specs, out):
+        for i, spec in enumerate(specs):
+            if i == interrupt_after:
+                raise KeyboardInterrupt
+            row = ResultRow(**spec_fields(spec), status="ok", device_name="a CPU", git_commit=commit, git_dirty="false")
+            row.timestamp_utc = finished
+            upsert_rows(out, [row])
+            yield row
+
+    return run_points
+
+
+def test_ctrl_c_says_which_rows_were_kept_and_exits_130(tmp_path, monkeypatch):
+    """Ctrl-C during the second of three points: one line naming the kept row and the file, the
+    methods not measured, exit 130; the finished row is in the CSV."""
+    out = tmp_path / "r.csv"
+    monkeypatch.setattr(runner_package, "run_points", _stub_runner("a" * 40, "2025-01-01T00:00:00+00:00", interrupt_after=1))
+    result = runner.invoke(app, ["run", "--model", "tiny/qwen3", "--seq", "16", "--device", "cpu", "--out", str(out)])
+    assert result.exit_code == 130, result.output
+    assert f"interrupted: 1 of 3 row(s) kept in {out} (bp); not measured: ckpt, streambp" in " ".join(result.output.split())
+    assert [r["method"] for r in read_rows(out)] == ["bp"]
+
+
+def test_a_rerun_says_how_many_rows_it_replaced_and_from_when(tmp_path, monkeypatch):
+    """Rows are upserted by point: a rerun names the rows it replaced (count, commit, time) and the
+    rows of other points already in the file."""
+    out = tmp_path / "r.csv"
+    args = ["run", "--model", "tiny/qwen3", "--device", "cpu", "--method", "bp", "ckpt", "--out", str(out)]
+    monkeypatch.setattr(runner_package, "run_points", _stub_runner("a" * 40, "2025-01-01T00:00:00+00:00"))
+    first = runner.invoke(app, [*args, "--seq", "16"])
+    assert first.exit_code == 0 and f"2 row(s) written to {out}" in first.output and "earlier" not in first.output
+    monkeypatch.setattr(runner_package, "run_points", _stub_runner("b" * 40, "2025-02-02T00:00:00+00:00"))
+    again = runner.invoke(app, [*args, "--seq", "16", "--method", "streambp"])
+    line = " ".join(again.output.split())
+    assert again.exit_code == 0
+    assert f"3 row(s) written to {out}, 2 of them replacing rows of an earlier run (commit aaaaaaa, 2025-01-01" in line
+    other = runner.invoke(app, [*args, "--seq", "32"])
+    assert "; 3 row(s) of other points from earlier runs are also in it" in " ".join(other.output.split())
+    assert len(read_rows(out)) == 5
 
 
 @pytest.mark.slow

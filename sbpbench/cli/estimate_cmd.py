@@ -8,19 +8,22 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from ..config import point_specs
 from ..measure.units import parse_bytes
 from ..records import check_writable, upsert_rows
-from ..simulate import TARGETS
-from ..simulate.depth import estimate_point_by_depth
 from .errors import user_errors
 from .options import OutOpt, point_command, run_fields_but
-from .tables import estimate_table
+from .tables import estimate_table, print_table
 
 # a prediction is for a GPU: the GPU defaults (Qwen/Qwen3-4B, T=9000, bf16) unless told
 # (sdpa_backend: the estimator models torch's own kernel choice, not a forced one)
 ESTIMATE_FIELDS = run_fields_but(
     "device", "warmup", "repeats", "memory_limit", "timeout_s", "threads", "weights", "sdpa_backend"
+)
+
+EXAMPLES = (  # the end of its help (options.py examples)
+    "sbp estimate --model Qwen/Qwen3-8B --seq 20000     # about 30 s on 2 cores",
+    "sbp estimate --model Qwen/Qwen3-4B --gpu-memory 24GiB --method all",
+    "sbp estimate --model tiny/qwen3 --target cpu    # what sbp run measures",
 )
 
 
@@ -45,12 +48,17 @@ def estimate(
     ] = "cuda",
     out: OutOpt = None,
 ) -> None:
-    """Predict each method's peak GPU memory at one (model, T) point without a GPU: the step
-    `sbp run` measures runs on fake tensors (no memory behind them), with CUDA's attention kernels
-    and allocator rounding modelled. Prints the breakdown, the phase of the peak and whether it
-    fits --gpu-memory. A model whose layers are all alike runs at depths 2 and 3 and is extrapolated
-    to its full depth, exactly (sbpbench/simulate/depth.py): Qwen3-8B at T=20k takes about 30 s for
-    all three methods on a 2-core CPU."""
+    """Predict each method's peak GPU memory, without a GPU.
+
+    The step `sbp run` measures runs on fake tensors (no memory behind them), with CUDA's
+    attention kernels and allocator rounding modelled. Prints the breakdown, the phase of the
+    peak and whether it fits --gpu-memory. A model whose layers are all alike runs at depths 2
+    and 3 and is extrapolated to its full depth, exactly (sbpbench/simulate/depth.py): Qwen3-8B at
+    T=20k takes about 30 s for all three methods on a 2-core CPU."""
+    from ..config import point_specs
+    from ..simulate import MARGIN_NOTE, TARGETS
+    from ..simulate.depth import estimate_point_by_depth
+
     with user_errors():
         if target not in TARGETS:
             raise ValueError(f"unknown --target {target!r}; choose from {', '.join(TARGETS)}")
@@ -69,7 +77,7 @@ def estimate(
         if out is not None:
             with user_errors():  # a failed write says where the rows are
                 upsert_rows(out, [row])
-    console.print(estimate_table(rows, gpu_memory_bytes))
+    print_table(console, estimate_table(rows, gpu_memory_bytes, MARGIN_NOTE))
     for row in rows:
         if row.status == "error":
             console.print(f"{row.method}: error: {escape(row.error)}", highlight=False, soft_wrap=True)

@@ -2,8 +2,8 @@
 (RunSpec, MaxlenSpec), their defaults and checks, device resolution, experiment files, and the
 model and batch a spec describes."""
 
+from ..settings import ConfigError
 from .device import resolve_device
-from .errors import ConfigError
 from .maxlen import MaxlenSpec, Resolution
 from .run import (
     DEVICE_DEFAULTS,

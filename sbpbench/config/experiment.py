@@ -29,16 +29,15 @@ from pathlib import Path
 
 import tomllib
 
+from ..settings import SEARCH_SETTINGS, SETTINGS, ConfigError, Setting
 from .device import device_kind, resolve_device
-from .errors import ConfigError
-from .fields import SEARCH_SETTINGS, SETTINGS, Setting
 from .maxlen import SEARCH_DEFAULTS, MaxlenSpec
 from .run import RunSpec, point_specs
 
 KINDS = ("grid", "maxlen")
 
 
-# Every key a [defaults] table or a [[points]] entry may hold: the settings (config/fields.py)
+# Every key a [defaults] table or a [[points]] entry may hold: the settings (sbpbench/settings)
 # and the point's kind.
 POINT_KEYS: dict[str, Setting] = {"kind": Setting(str, "grid or maxlen", KINDS), **SETTINGS}
 TOP_KEYS = {"name", "kind", "description", "reference", "defaults", "points"}

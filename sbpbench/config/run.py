@@ -26,16 +26,11 @@ from ..methods import METHODS, STEPS, MethodSettings, method_names
 from ..methods.chunk_sizes import AUTO, CHUNK_SETTINGS
 from ..methods.settings import SETTING_NAMES
 from ..records.select import DEFAULT_BATCH_SIZES
+from ..settings import PROTOCOLS, ConfigError
 from .device import device_kind, resolve_device
-from .errors import ConfigError
 from .sdpa import check_sdpa_backend
 
-DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
-
-# steady: gradient buffers are resident before the step, as in every training step after the
-#         first (the paper's Figure 3 curves); the peak above them is activations.
-# first:  gradients are None before the step and allocated during it (a run's first step).
-PROTOCOLS = ("steady", "first")
+DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}  # keys: settings DTYPE_NAMES
 
 # What a setting defaults to when nobody gave it, by the kind of device the point runs on: on a
 # GPU the paper's Table 2 point; on a CPU a one-minute comparison (a Qwen3 shape, 4 narrow layers).

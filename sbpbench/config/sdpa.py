@@ -4,18 +4,13 @@ bp and ckpt reach SDPA through transformers' sdpa attention, streambp through it
 function (core/attention.py); both call torch's SDPA, so `torch.nn.attention.sdpa_kernel` around the
 step (measure/sdpa.py) holds for all of them, StreamBP's lower-right causal bias included (torch's
 CausalBias dispatch checks the same enabled flags, and materialises the mask for math or cuDNN).
-No torch here: the CLI's settings table reads the choices.
+The names are settings/choices.py's (the CLI lists them without torch).
 """
 
 from __future__ import annotations
 
-from .errors import ConfigError
-
-AUTO = "auto"  # the dispatcher's own choice, per call
-SDPA_BACKENDS = (AUTO, "flash", "efficient", "cudnn", "math")
-# What a CPU build dispatches to: its flash kernel (`_scaled_dot_product_flash_attention_for_cpu`)
-# or the math path; the efficient and cuDNN kernels exist only on CUDA.
-CPU_SDPA_BACKENDS = (AUTO, "flash", "math")
+from ..settings import ConfigError
+from ..settings.choices import CPU_SDPA_BACKENDS, SDPA_BACKENDS
 
 
 def check_sdpa_backend(name: str, device: str) -> None:

@@ -111,8 +111,10 @@ def start_cuda_point(spec: RunSpec, row: ResultRow, device: torch.device) -> Non
         torch.cuda.set_per_process_memory_fraction(row.memory_limit_effective_bytes / total, device)
 
 
-def _measure_cpu(spec: RunSpec, step: TrainingStep, row: ResultRow, prepare: Callable[[], None]) -> Callable[[], None]:
-    prepare()
+def _measure_cpu(
+    spec: RunSpec, step: TrainingStep, row: ResultRow, prepare: Callable[[str], None]
+) -> Callable[[], None]:
+    prepare("memory step")
     resident = storage_bytes(step.resident_tensors())
     cap = row.memory_limit_effective_bytes = memory_cap(spec.memory_limit, total_ram_bytes())
     if cap is not None and resident > cap:
@@ -132,8 +134,8 @@ def _measure_cpu(spec: RunSpec, step: TrainingStep, row: ResultRow, prepare: Cal
         row.cpu_peak_rss_bytes = peak_rss_bytes()
         row.peak_allocated_bytes = resident + tracker.peak_bytes
         row.activation_peak_bytes = tracker.peak_bytes
-    for _ in range(spec.warmup):
-        prepare()
+    for i in range(1, spec.warmup + 1):
+        prepare(f"warm-up {i} of {spec.warmup}")
         step.run()
     return lambda: None
 
@@ -146,7 +148,7 @@ def _record_stores(row: ResultRow, stores) -> None:
 
 
 def _measure_cuda(
-    spec: RunSpec, step: TrainingStep, row: ResultRow, device: torch.device, prepare: Callable[[], None]
+    spec: RunSpec, step: TrainingStep, row: ResultRow, device: torch.device, prepare: Callable[[str], None]
 ) -> Callable[[], None]:
     """Warm-up, then the memory step. A memory-only probe needs no warm-up for its peak:
     max_memory_allocated counts live tensors, and what a first step creates lazily and keeps
@@ -159,10 +161,10 @@ def _measure_cuda(
     def synchronize() -> None:
         torch.cuda.synchronize(device)
 
-    for _ in range(spec.warmup):
-        prepare()
+    for i in range(1, spec.warmup + 1):
+        prepare(f"warm-up {i} of {spec.warmup}")
         step.run()
-    prepare()
+    prepare("memory step")
     synchronize()
     torch.cuda.reset_peak_memory_stats(device)
     row.baseline_bytes = torch.cuda.memory_allocated(device)
@@ -212,9 +214,9 @@ def _measure(spec: RunSpec) -> ResultRow:
             synchronize=(lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else lambda: None,
         )
 
-        def prepare() -> None:  # before each step: gradients per protocol, the progress clock
+        def prepare(name: str) -> None:  # before each step: gradients per protocol, the progress clock and label
             step.prepare()
-            progress.restart()
+            progress.restart(name)
 
         with reporting_progress(progress), forcing_sdpa_backend(spec.sdpa_backend):
             if device.type == "cuda":
@@ -223,7 +225,10 @@ def _measure(spec: RunSpec) -> ResultRow:
                 synchronize = _measure_cpu(spec, step, row, prepare)
             timing = None
             if spec.repeats:
-                timing = time_steps(step.run, repeats=spec.repeats, synchronize=synchronize, before_each=prepare)
+                timed = (f"timed step {i} of {spec.repeats}" for i in range(1, spec.repeats + 1))
+                timing = time_steps(
+                    step.run, repeats=spec.repeats, synchronize=synchronize, before_each=lambda: prepare(next(timed))
+                )
         row.optimizer_state_bytes = step.optimizer_state_bytes
     except MethodUnsupported as error:  # the method cannot run here: a result, with the reason
         row.status, row.error = "unsupported", one_line(error)
