@@ -28,19 +28,17 @@ def _sbp() -> str:
     return str(beside_python) if beside_python.exists() else shutil.which("sbp")
 
 
+def _run_sbp(*args: str) -> subprocess.CompletedProcess:
+    """The installed `sbp` in a process of its own, its output captured."""
+    return subprocess.run([_sbp(), *args], check=False, capture_output=True, text=True, timeout=600, env=cli_env())
+
+
 @pytest.mark.slow
 def test_sbp_run_in_a_real_process_writes_rows_with_full_provenance(tmp_path):
     """The installed `sbp run` with `--method bp ckpt streambp`: exit 0, a table, three rows whose
     provenance columns are all filled."""
     out = tmp_path / "results" / "runs.csv"
-    done = subprocess.run(
-        [_sbp(), "run", *TINY, "--method", "bp", "ckpt", "streambp", "--out", str(out)],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=cli_env(),
-    )
+    done = _run_sbp("run", *TINY, "--method", "bp", "ckpt", "streambp", "--out", str(out))
     assert done.returncode == 0, done.stderr
     for text in ("bp", "ckpt", "streambp", "peak GiB", "tiny/qwen3", "3 row(s) written"):
         assert text in done.stdout
@@ -173,3 +171,20 @@ def test_a_rerun_says_how_many_rows_it_replaced_and_from_when(tmp_path, monkeypa
     other = runner.invoke(app, [*args, "--seq", "32"])
     assert "; 3 row(s) of other points from earlier runs are also in it" in " ".join(other.output.split())
     assert len(read_rows(out)) == 5
+
+
+@pytest.mark.slow
+def test_a_memory_limit_above_the_machine_runs_capped_at_its_ram_with_a_notice(tmp_path):
+    """`sbp run --device cpu --model tiny/qwen3 --seq 64 --method bp --memory-limit 100TB`: an ok row
+    whose recorded cap is this machine's RAM (beside the 100 TB asked for), and one notice line."""
+    from sbpbench.measure.host_memory import total_ram_bytes
+
+    out = tmp_path / "r.csv"
+    argv = ["run", "--device", "cpu", "--model", "tiny/qwen3", "--seq", "64", "--method", "bp"]
+    done = _run_sbp(*argv, "--memory-limit", "100TB", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    (row,) = read_rows(out)
+    assert row["status"] == "ok" and row["memory_limit_bytes"] == str(100 * 10**12)
+    assert row["memory_limit_effective_bytes"] == str(total_ram_bytes())
+    notices = [line for line in done.stderr.splitlines() if line.startswith("notice:")]
+    assert len(notices) == 1 and "this machine's RAM" in notices[0], done.stderr

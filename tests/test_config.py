@@ -14,7 +14,7 @@ from sbpbench.config.experiment import POINT_KEYS
 EXPECTED_FIELDS = (
     "model", "method", "seq_len", "batch_size", "objective", "prompt_len", "lora_rank", "lora_alpha", "step",
     "dtype", "device", "num_layers", "protocol", "warmup", "repeats", "memory_limit", "seed", "timeout_s",
-    "threads", "nproc", "weights", "chunk_size", "logits_chunk_size", "fp32_grad_accumulation", "mlp_tile_size", "offload_checkpoints",
+    "threads", "nproc", "weights", "sdpa_backend", "chunk_size", "logits_chunk_size", "fp32_grad_accumulation", "mlp_tile_size", "offload_checkpoints",
     "checkpoints",
 )  # fmt: skip
 EXPECTED_OPTIONS = {
@@ -22,13 +22,13 @@ EXPECTED_OPTIONS = {
         "--method", "--model", "--weights", "--seq", "--batch", "--objective", "--prompt-len", "--lora-rank",
         "--lora-alpha", "--step", "--dtype", "--chunk-size", "--logits-chunk-size", "--fp32-grad-accumulation",
         "--mlp-tile-size", "--offload-checkpoints", "--checkpoints", "--device", "--num-layers", "--protocol",
-        "--warmup", "--repeats", "--memory-limit", "--timeout", "--seed", "--threads", "--nproc", "--out",
+        "--warmup", "--repeats", "--memory-limit", "--timeout", "--seed", "--threads", "--nproc", "--sdpa-backend", "--out",
     },
     "maxlen": {
         "--method", "--model", "--weights", "--seq", "--start", "--batch", "--objective", "--prompt-len", "--lora-rank",
         "--lora-alpha", "--step", "--dtype", "--chunk-size", "--logits-chunk-size", "--fp32-grad-accumulation",
         "--mlp-tile-size", "--offload-checkpoints", "--checkpoints", "--device", "--num-layers", "--protocol",
-        "--warmup", "--memory-limit", "--timeout", "--seed", "--threads", "--nproc", "--max-seq",
+        "--warmup", "--memory-limit", "--timeout", "--seed", "--threads", "--nproc", "--sdpa-backend", "--max-seq",
         "--resolution", "--multiple-of", "--resume", "--simulate", "--gpu-memory", "--host-memory", "--out",
     },
     "estimate": {
@@ -82,7 +82,7 @@ def test_defaults_are_filled_by_the_config_per_device_and_objective():
     """The CPU default point and the per-objective batch sizes come from one place."""
     (bp, streambp) = point_specs({"device": "cpu"}, ["bp", "streambp"])
     assert (bp.model, bp.seq_len, bp.dtype, bp.batch_size, bp.device) == ("small/qwen3", 2048, "fp32", 1, "cpu")
-    assert (streambp.settings.chunk_size, streambp.settings.logits_chunk_size) == (500, 100)
+    assert (streambp.settings.chunk_size, streambp.settings.logits_chunk_size) == ("auto", "auto")
     assert point_specs({"device": "cpu", "objective": "grpo"}, ["bp"])[0].batch_size == 8
     assert point_specs({"device": "cpu", "objective": "dpo"}, ["bp"])[0].batch_size == 2
     gpu_shaped = point_specs({"device": "cpu"}, ["bp"], defaults_for="cuda")[0]

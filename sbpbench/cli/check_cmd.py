@@ -16,10 +16,9 @@ from .options import ExactnessOutOpt, point_command, run_fields_but
 if TYPE_CHECKING:
     from ..config import RunSpec
 
-# bp is the reference; lora_alpha is 2 x rank (with seeded non-zero B); nothing is timed
-CHECK_FIELDS = run_fields_but(
-    "lora_alpha", "step", "protocol", "warmup", "repeats", "memory_limit", "timeout_s", "threads", "nproc"
-)
+# bp is the reference; lora_alpha is 2 x rank (with seeded non-zero B); nothing is timed (nor an SDPA kernel forced)
+UNTIMED = ("warmup", "repeats", "memory_limit", "timeout_s", "threads", "nproc", "sdpa_backend")
+CHECK_FIELDS = run_fields_but("lora_alpha", "step", "protocol", *UNTIMED)
 
 EXAMPLES = (  # the end of its help (options.py examples)
     "sbp check          # every method against bp: Qwen3-0.6B's shape, fp64",

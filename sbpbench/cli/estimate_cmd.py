@@ -15,7 +15,10 @@ from .options import OutOpt, point_command, run_fields_but
 from .tables import estimate_table, print_table
 
 # a prediction is for a GPU: the GPU defaults (Qwen/Qwen3-4B, T=9000, bf16) unless told
-ESTIMATE_FIELDS = run_fields_but("device", "warmup", "repeats", "memory_limit", "timeout_s", "threads", "weights")
+# (sdpa_backend: the estimator models torch's own kernel choice, not a forced one)
+ESTIMATE_FIELDS = run_fields_but(
+    "device", "warmup", "repeats", "memory_limit", "timeout_s", "threads", "weights", "sdpa_backend"
+)
 
 EXAMPLES = (  # the end of its help (options.py examples)
     "sbp estimate --model Qwen/Qwen3-8B --seq 20000     # about 30 s on 2 cores",

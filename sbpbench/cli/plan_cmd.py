@@ -34,6 +34,7 @@ PLAN_FIELDS = run_fields_but(
     "mlp_tile_size",
     "offload_checkpoints",
     "weights",
+    "sdpa_backend",  # the estimator models torch's own kernel choice
 )
 
 EXAMPLES = (  # the end of its help (options.py examples)

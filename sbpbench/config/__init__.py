@@ -6,7 +6,6 @@ from ..settings import ConfigError
 from .device import resolve_device
 from .maxlen import MaxlenSpec, Resolution
 from .run import (
-    DEFAULT_TIMEOUT_S,
     DEVICE_DEFAULTS,
     DTYPES,
     FIELD_NAMES,
@@ -20,7 +19,6 @@ from .run import (
 )
 
 __all__ = [
-    "DEFAULT_TIMEOUT_S",
     "DEVICE_DEFAULTS",
     "DTYPES",
     "FIELD_NAMES",

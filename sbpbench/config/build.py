@@ -4,6 +4,7 @@ adapters, the objective's synthetic batch. Shared by the measured worker, `sbp c
 from __future__ import annotations
 
 from ..methods.step import TrainingStep
+from .chunks import resolved_settings
 from .run import DTYPES, RunSpec
 
 
@@ -50,7 +51,14 @@ def make_spec_batch(spec: RunSpec, config, *, device: str = "cpu", seed: int | N
 
 
 def training_step(spec: RunSpec, model, batch, **options) -> TrainingStep:
-    """The spec's step over a model and batch already built (options: TrainingStep's)."""
+    """The spec's step over a model and batch already built (options: TrainingStep's), its "auto"
+    chunk sizes resolved."""
     return TrainingStep(
-        model, batch, method=spec.method, settings=spec.settings, step=spec.step, protocol=spec.protocol, **options
+        model,
+        batch,
+        method=spec.method,
+        settings=resolved_settings(spec),
+        step=spec.step,
+        protocol=spec.protocol,
+        **options,
     )

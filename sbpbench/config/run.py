@@ -23,14 +23,14 @@ from ..data import DEFAULT_PROMPT_LEN, OBJECTIVES
 from ..measure.threads import available_cpus, default_threads
 from ..measure.units import parse_bytes
 from ..methods import METHODS, STEPS, MethodSettings, method_names
+from ..methods.chunk_sizes import AUTO, CHUNK_SETTINGS
 from ..methods.settings import SETTING_NAMES
 from ..records.select import DEFAULT_BATCH_SIZES
 from ..settings import PROTOCOLS, ConfigError
 from .device import device_kind, resolve_device
+from .sdpa import check_sdpa_backend
 
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}  # keys: settings DTYPE_NAMES
-
-DEFAULT_TIMEOUT_S = 3600.0
 
 # What a setting defaults to when nobody gave it, by the kind of device the point runs on: on a
 # GPU the paper's Table 2 point; on a CPU a one-minute comparison (a Qwen3 shape, 4 narrow layers).
@@ -45,6 +45,7 @@ EXACTNESS_DEFAULTS: dict[str, Any] = {
     "batch_size": 2,
     "dtype": "fp64",
     "chunk_size": 128,
+    "logits_chunk_size": 100,  # explicit, as the layer chunk: exactness is checked at sizes one chooses
     "num_layers": 2,
     "device": "cpu",
 }
@@ -74,7 +75,7 @@ class RunSpec:
     repeats: int = 3  # timed steps (0: memory only, as a max-length probe)
     memory_limit: int | None = None  # bytes; CUDA: per-process cap; CPU: cap on tracked bytes
     seed: int = 0
-    timeout_s: float = DEFAULT_TIMEOUT_S
+    timeout_s: float | None = None  # None: predicted from the FLOP model (config/timing.py)
     # torch intra-op threads in the worker (None: OMP_NUM_THREADS if set, else the physical cores this
     # process may use). Not part
     # of a row's key: it changes time, not memory or the work done, like the host's load; each row
@@ -88,6 +89,9 @@ class RunSpec:
     # random ones. Not part of a row's key: memory and time do not depend on weight values (the loss
     # does); each row records which it had (weights: real | random).
     weights: bool = False
+    # scaled-dot-product-attention kernel forced on every method (config/sdpa.py); auto: torch's choice.
+    # Part of a row's key: it changes time, and memory (math keeps the scores).
+    sdpa_backend: str = "auto"
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -121,12 +125,18 @@ class RunSpec:
             )
         if self.memory_limit is not None and (not _is_int(self.memory_limit) or self.memory_limit <= 0):
             raise ConfigError("memory_limit", f"must be a positive number of bytes, got {self.memory_limit!r}")
-        if not isinstance(self.timeout_s, (int, float)) or isinstance(self.timeout_s, bool) or self.timeout_s <= 0:
-            raise ConfigError("timeout_s", f"must be a positive number of seconds, got {self.timeout_s!r}")
+        timeout = self.timeout_s
+        if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0):
+            raise ConfigError(
+                "timeout_s", f"must be a positive number of seconds (or unset to predict it), got {timeout!r}"
+            )
         for name in ("chunk_size", "logits_chunk_size", "mlp_tile_size"):
             value = getattr(self.settings, name)
+            if name in CHUNK_SETTINGS and value == AUTO:  # chosen per point (config/chunks.py)
+                continue
             if value is not None and (not _is_int(value) or value < 1):
-                raise ConfigError(name, f"must be a positive integer, got {value!r}")
+                auto = ' or "auto"' if name in CHUNK_SETTINGS else ""
+                raise ConfigError(name, f"must be a positive integer{auto}, got {value!r}")
         for name in ("fp32_grad_accumulation", "offload_checkpoints"):
             value = getattr(self.settings, name)
             if value is not None and not isinstance(value, bool):
@@ -141,6 +151,7 @@ class RunSpec:
             object.__setattr__(self, "settings", replace(self.settings, checkpoints=name))
         # one resolution, here: every later torch.cuda call gets an indexed device
         object.__setattr__(self, "device", resolve_device(self.device))
+        check_sdpa_backend(self.sdpa_backend, self.device)
         if self.nproc > 1 and self.device.startswith("cuda"):  # a CPU spec may be a simulation's (check_measurable)
             check_nproc(self.nproc, self.device)
         object.__setattr__(self, "settings", self.settings.for_method(METHODS[self.method].uses))
@@ -198,16 +209,17 @@ def check_measurable(specs: Iterable[RunSpec]) -> None:
         check_nproc(spec.nproc, spec.device)
 
 
-def chunk_size_for(value, seq_len: int) -> int:
-    """An integer, or "T/k": seq_len / k rounded up (the paper's timing runs use T/3)."""
-    if _is_int(value):
+def chunk_size_for(value, seq_len: int, field: str = "chunk_size") -> int | str:
+    """An integer, "T/k": seq_len / k rounded up (the paper's timing runs use T/3), or "auto" (kept:
+    chosen per point, config/chunks.py)."""
+    if _is_int(value) or value == AUTO:
         return value
     text = str(value).replace(" ", "")
     if text.isdigit():
         return int(text)
     if text.upper().startswith("T/") and text[2:].isdigit() and int(text[2:]) >= 1:
         return math.ceil(seq_len / int(text[2:]))
-    raise ConfigError("chunk_size", f'{value!r} is not a size: give a positive integer or "T/k", e.g. "T/3"')
+    raise ConfigError(field, f'{value!r} is not a size: give a positive integer, "T/k" (e.g. "T/3") or "auto"')
 
 
 def memory_limit_bytes(value) -> int | None:
@@ -232,6 +244,7 @@ def point_specs(
     defaults_for, else of the resolved device), then the objective's batch size. The model is
     checked here, before any process starts."""
     from ..models import load_config, weights_source
+    from .timing import long_context_defaults
 
     given = {**(defaults or {}), **{k: v for k, v in values.items() if v is not None}}
     unknown = sorted(set(given) - set(FIELD_NAMES))
@@ -248,10 +261,13 @@ def point_specs(
     given.setdefault("batch_size", DEFAULT_BATCH_SIZES.get(objective, 1))
     if given.get("repeats") == 0:  # memory only (a max-length probe): one step, its peak needs no
         given.setdefault("warmup", 0)  # warm-up (runner/point.py `_measure_cuda` says why)
+    long_context_defaults(given)  # a long point: one memory step and one timed step
     seq_len = given["seq_len"]
     settings = {name: given.pop(name) for name in SETTING_NAMES if name in given}
-    if "chunk_size" in settings and _is_int(seq_len):
-        settings["chunk_size"] = chunk_size_for(settings["chunk_size"], seq_len)
+    for name in CHUNK_SETTINGS:  # StreamBP's chunks (and the chunked heads'): chosen per point unless given
+        settings.setdefault(name, AUTO)
+        if _is_int(seq_len):
+            settings[name] = chunk_size_for(settings[name], seq_len, name)
     given["memory_limit"] = memory_limit_bytes(given.get("memory_limit"))
     given["device"] = device
     given.pop("method", None)

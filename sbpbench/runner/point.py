@@ -13,6 +13,11 @@ Protocol (recorded in every row):
      none for a memory-only point (repeats 0: a max-length probe).
 The worker runs spec.threads intra-op threads (default: OMP_NUM_THREADS, else the physical cores it
 may use); the row records them and the load average as the point started.
+A memory limit above the device's capacity (the paper's 80 GiB on an H100; 100TB on the CPU, whose
+cap is on the tracked bytes, against the machine's RAM) runs at the capacity; the row records the cap
+that applied (memory_limit_effective_bytes) and the parent says so (runner/isolated.py).
+Every step runs under the forced SDPA kernel, if any (spec.sdpa_backend, measure/sdpa.py); the
+memory step records the kernels that ran (attention_kernel).
 Gradients before each step follow the protocol: steady = resident and zeroed in place, first =
 None. An out-of-memory error anywhere is the point's result (status oom), not a crash.
 An offloading StreamBP point on CUDA page-locks its host buffers in its first step (the warm-up, or
@@ -38,8 +43,10 @@ from ..config.build import build_model_and_batch, training_step
 from ..config.rows import spec_fields
 from ..measure.cuda_memory import NvmlPeakSampler, nvml_handle, start_cuda
 from ..measure.flops import training_flops
-from ..measure.host_memory import peak_rss_bytes, reset_peak_rss
+from ..measure.host_memory import peak_rss_bytes, reset_peak_rss, total_ram_bytes
+from ..measure.memory_cap import memory_cap
 from ..measure.progress import StepProgress
+from ..measure.sdpa import RecordingSdpaBackends, forcing_sdpa_backend, is_no_kernel_error
 from ..measure.tensor_tracker import LiveTensorTracker, TrackedOutOfMemoryError, counting_fsdp_resizes
 from ..measure.threads import load_average_1m, set_intra_op_threads
 from ..measure.timing import time_steps
@@ -48,6 +55,7 @@ from ..methods.step import TrainingStep, storage_bytes
 from ..methods.streambp import observe_stores, reporting_progress
 from ..records import ResultRow, one_line
 from . import ranks
+from .allocator import allocator_setting
 
 _HOST_OOM_MESSAGES = ("can't allocate memory", "out of memory")
 
@@ -58,6 +66,17 @@ def is_out_of_memory(error: BaseException) -> bool:
     # autograd may re-raise an error from inside backward as a plain RuntimeError
     message = str(error)
     return TrackedOutOfMemoryError.__name__ in message or any(m in message for m in _HOST_OOM_MESSAGES)
+
+
+def failure_outcome(spec: RunSpec, error: BaseException) -> tuple[str, str]:
+    """(status, error) of a step that raised: oom, error, or unsupported where the forced SDPA kernel
+    cannot run the point's attention on this device (e.g. flash in fp32)."""
+    if spec.sdpa_backend != "auto" and is_no_kernel_error(error):
+        return (
+            "unsupported",
+            f"--sdpa-backend {spec.sdpa_backend} cannot run this attention on {spec.device}: {one_line(error)}",
+        )
+    return ("oom" if is_out_of_memory(error) else "error"), one_line(error)
 
 
 def build_step(spec: RunSpec, row: ResultRow, device: torch.device, rank: ranks.Rank | None = None) -> TrainingStep:
@@ -79,25 +98,38 @@ def build_step(spec: RunSpec, row: ResultRow, device: torch.device, rank: ranks.
     return step
 
 
+def start_cuda_point(spec: RunSpec, row: ResultRow, device: torch.device) -> None:
+    """Before anything else touches the GPU: NVML's idle reading, the CUDA context, the memory cap
+    (set_per_process_memory_fraction of the device's total, the cap clamped to it) and the
+    allocator setting the worker runs with."""
+    startup = start_cuda(device)
+    row.nvml_idle_used_bytes, row.cuda_context_bytes = startup.idle_used_bytes, startup.context_bytes
+    row.cuda_alloc_conf = allocator_setting()
+    total = torch.cuda.get_device_properties(device).total_memory
+    row.memory_limit_effective_bytes = memory_cap(spec.memory_limit, total)
+    if row.memory_limit_effective_bytes is not None and row.memory_limit_effective_bytes < total:
+        torch.cuda.set_per_process_memory_fraction(row.memory_limit_effective_bytes / total, device)
+
+
 def _measure_cpu(
     spec: RunSpec, step: TrainingStep, row: ResultRow, prepare: Callable[[str], None]
 ) -> Callable[[], None]:
     prepare("memory step")
     resident = storage_bytes(step.resident_tensors())
-    if spec.memory_limit is not None and resident > spec.memory_limit:
-        raise TrackedOutOfMemoryError(
-            f"weights, gradients and batch take {resident:,} B, over the limit of {spec.memory_limit:,} B"
-        )
-    limit = None if spec.memory_limit is None else spec.memory_limit - resident
+    cap = row.memory_limit_effective_bytes = memory_cap(spec.memory_limit, total_ram_bytes())
+    if cap is not None and resident > cap:
+        raise TrackedOutOfMemoryError(f"weights, gradients and batch take {resident:,} B, over the limit of {cap:,} B")
+    limit = None if cap is None else cap - resident
     row.baseline_bytes = resident
     tracker = LiveTensorTracker(limit_bytes=limit)
     reset_peak_rss()
-    stores = []
+    stores, kernels = [], RecordingSdpaBackends()
     try:
         resizes = counting_fsdp_resizes(tracker) if spec.nproc > 1 else nullcontext()
-        with tracker, resizes, observe_stores() as stores:
+        with tracker, resizes, observe_stores() as stores, kernels:
             row.loss = float(step.run())
     finally:  # an OOM row still says how far the step got
+        row.attention_kernel = kernels.names()
         _record_stores(row, stores)
         row.cpu_peak_rss_bytes = peak_rss_bytes()
         row.peak_allocated_bytes = resident + tracker.peak_bytes
@@ -138,12 +170,13 @@ def _measure_cuda(
     row.baseline_bytes = torch.cuda.memory_allocated(device)
     reset_peak_rss()
     sampler = NvmlPeakSampler(nvml_handle(device))
-    stores = []
+    stores, kernels = [], RecordingSdpaBackends()
     try:
-        with sampler, observe_stores() as stores:
+        with sampler, observe_stores() as stores, kernels:
             row.loss = float(step.run())
             synchronize()
     finally:  # an OOM row still says how far the step got
+        row.attention_kernel = kernels.names()
         _record_stores(row, stores)
         row.peak_allocated_bytes = torch.cuda.max_memory_allocated(device)
         row.peak_reserved_bytes = torch.cuda.max_memory_reserved(device)
@@ -173,13 +206,7 @@ def _measure(spec: RunSpec) -> ResultRow:
             device = ranks.join(spec, rank)
             row.device = str(device)
         if device.type == "cuda":
-            startup = start_cuda(device)
-            row.nvml_idle_used_bytes, row.cuda_context_bytes = startup.idle_used_bytes, startup.context_bytes
-            if spec.memory_limit is not None:
-                total = torch.cuda.get_device_properties(device).total_memory
-                if spec.memory_limit > total:
-                    raise ValueError(f"memory_limit {spec.memory_limit:,} B exceeds the GPU's {total:,} B")
-                torch.cuda.set_per_process_memory_fraction(spec.memory_limit / total, device)
+            start_cuda_point(spec, row, device)
         step = build_step(spec, row, device, rank)
         row.optimizer_state_bytes = step.optimizer_state_bytes
         progress = StepProgress(
@@ -191,7 +218,7 @@ def _measure(spec: RunSpec) -> ResultRow:
             step.prepare()
             progress.restart(name)
 
-        with reporting_progress(progress):
+        with reporting_progress(progress), forcing_sdpa_backend(spec.sdpa_backend):
             if device.type == "cuda":
                 synchronize = _measure_cuda(spec, step, row, device, prepare)
             else:
@@ -208,8 +235,7 @@ def _measure(spec: RunSpec) -> ResultRow:
         return row
     except Exception as error:  # noqa: BLE001 (any failure is the point's outcome, classified; the traceback goes to the worker's stderr)
         traceback.print_exc()
-        row.status = "oom" if is_out_of_memory(error) else "error"
-        row.error = one_line(error)
+        row.status, row.error = failure_outcome(spec, error)
         return row
     row.status = "ok"
     if timing is None:

@@ -15,3 +15,8 @@ DTYPE_NAMES = ("fp64", "fp32", "bf16")  # config/run.py DTYPES maps them to torc
 #         first (the paper's Figure 3 curves); the peak above them is activations.
 # first:  gradients are None before the step and allocated during it (a run's first step).
 PROTOCOLS = ("steady", "first")
+# `--sdpa-backend` (config/sdpa.py): auto leaves the kernel to torch's dispatcher, per call. A CPU
+# build dispatches to its flash kernel (`_scaled_dot_product_flash_attention_for_cpu`) or the math
+# path; the efficient and cuDNN kernels exist only on CUDA.
+SDPA_BACKENDS = ("auto", "flash", "efficient", "cudnn", "math")
+CPU_SDPA_BACKENDS = ("auto", "flash", "math")

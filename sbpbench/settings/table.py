@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .choices import DTYPE_NAMES, EVERY_METHOD, METHOD_NAMES, OBJECTIVES, PROTOCOLS, STEPS
+from .choices import DTYPE_NAMES, EVERY_METHOD, METHOD_NAMES, OBJECTIVES, PROTOCOLS, SDPA_BACKENDS, STEPS
 
 
 @dataclass(frozen=True)
@@ -70,9 +70,7 @@ SETTINGS: dict[str, Setting] = {
         "Memory cap, e.g. 80GiB: CUDA per-process; CPU: tracked tensors (default: none).",
         metavar="SIZE",
     ),
-    "timeout_s": Setting(
-        (int, float), "Seconds a point may run (default: 3600).", flags=("--timeout",)
-    ),
+    "timeout_s": Setting((int, float), "Seconds per point (default: from its FLOPs).", flags=("--timeout",)),
     "seed": Setting(int, "Seed for weights and batch (default: 0)."),
     "threads": Setting(
         int, "torch threads per point (default: OMP_NUM_THREADS, else the physical cores)."
@@ -80,9 +78,13 @@ SETTINGS: dict[str, Setting] = {
     "nproc": Setting(
         int, "Data-parallel ranks, the model sharded by FSDP2: gloo on cpu, a GPU each on cuda (default: 1)."
     ),
+    # one SDPA kernel forced for every method (config/sdpa.py); a wrong name's error lists the choices
+    "sdpa_backend": Setting(str, "SDPA kernel for all methods (default: auto).", SDPA_BACKENDS, metavar="KERNEL"),
     # the methods' knobs (a method reads those its registry entry names: methods/registry.py `uses`)
-    "chunk_size": Setting((int, str), 'StreamBP: positions per layer chunk, or "T/k" (default: 500).', metavar="N|T/k"),
-    "logits_chunk_size": Setting(int, "Positions per logits chunk: streambp, ckpt-chunked-ce, tiled (default: 100)."),
+    "chunk_size": Setting((int, str), 'StreamBP chunk: N, "T/k" or auto (default).', metavar="N|T/k|auto"),
+    "logits_chunk_size": Setting(
+        (int, str), "Positions per logits chunk: streambp, ckpt-chunked-ce, tiled (default: auto).", metavar="N|auto"
+    ),
     "checkpoints": Setting(
         str,
         "StreamBP: where layer inputs wait for their backward: gpu (default), cpu, recompute:K, "
