@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -13,9 +15,13 @@ import pytest
 # several times slower. Set before torch starts its thread pool; subprocesses (CLI runs, isolated
 # workers) inherit it.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# No test reaches the network: a Hub id missing from the cache is an error at once, not a download
+# attempt (huggingface_hub reads this at import, so before anything imports it).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
+from sbpbench.core import Objective
 from sbpbench.data import SFTBatch, make_sft_batch
 from sbpbench.models import build_model
 
@@ -39,12 +45,68 @@ def padded_batch(model, *, batch_size: int, seq_len: int, lengths=None, seed: in
     return SFTBatch(batch.input_ids, mask, batch.input_ids.masked_fill(mask == 0, -100))
 
 
+def left_padded_batch(model, *, seq_len: int, spans, seed: int = 0) -> SFTBatch:
+    """Random ids; spans: per row the real tokens [first, last) (left padding before, right padding
+    after). Labels are the ids, -100 on pads and on each row's first real token (a pad predicts it)."""
+    ids = torch.randint(
+        0, model.config.vocab_size, (len(spans), seq_len), generator=torch.Generator().manual_seed(seed)
+    )
+    positions = torch.arange(seq_len)[None, :]
+    first, last = (torch.tensor(bound)[:, None] for bound in zip(*spans))
+    mask = ((positions >= first) & (positions < last)).long()
+    labels = ids.masked_fill((mask == 0) | (positions == first), -100)
+    return SFTBatch(ids.masked_fill(mask == 0, 0), mask, labels)
+
+
+def packed_rows(model, *, doc_lengths, seed: int = 0):
+    """Padding-free rows as TRL's collator packs them: per row its documents' lengths; position_ids
+    0, 1, ... per document, the first label of each document -100. A trailing 1-token document
+    stands for a pad (pad_to_multiple_of). Returns input_ids, labels, position_ids, all (B, T)."""
+    seq_len = sum(doc_lengths[0])
+    assert all(sum(row) == seq_len for row in doc_lengths), "every row must have the same length"
+    ids = torch.randint(
+        0, model.config.vocab_size, (len(doc_lengths), seq_len), generator=torch.Generator().manual_seed(seed)
+    )
+    position_ids = torch.cat([torch.cat([torch.arange(n) for n in row])[None] for row in doc_lengths])
+    labels = ids.masked_fill(position_ids == 0, -100)
+    return ids, labels, position_ids
+
+
+def grpo_rows(model, *, prompt_lengths, completion_lengths, prompt_width: int, completion_width: int, seed: int = 0):
+    """A batch as TRL's GRPOTrainer builds it: prompts left-padded to prompt_width, completions
+    right-padded to completion_width, concatenated. Returns input_ids, attention_mask and labels
+    (B, prompt_width + completion_width), labels on the completion tokens only."""
+    seq_len = prompt_width + completion_width
+    ids = torch.randint(
+        0, model.config.vocab_size, (len(prompt_lengths), seq_len), generator=torch.Generator().manual_seed(seed)
+    )
+    positions = torch.arange(seq_len)[None, :]
+    first = prompt_width - torch.tensor(prompt_lengths)[:, None]
+    last = prompt_width + torch.tensor(completion_lengths)[:, None]
+    mask = ((positions >= first) & (positions < last)).long()
+    labels = ids.masked_fill((mask == 0) | (positions < prompt_width), -100)
+    return ids.masked_fill(mask == 0, 0), mask, labels
+
+
+@dataclass(frozen=True)
+class ObjectiveBatch:
+    """A batch for the methods registry whose objective `make()` builds (any objective and options)."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor | None
+    labels: torch.Tensor
+    make: Callable[[], Objective]
+
+    def objective(self) -> Objective:
+        return self.make()
+
+
 def cli_env() -> dict[str, str]:
     """A small environment for a CLI subprocess: wide columns, this interpreter's bin/ on PATH, the
     thread count, and PYTHONPATH, so that `PYTHONPATH=$PWD pytest` in a git worktree runs the
     worktree's code in the subprocess too, not the editable install's."""
     env = {"COLUMNS": "160", "PATH": str(Path(sys.executable).parent)}
-    for name in ("PYTHONPATH", "OMP_NUM_THREADS"):
+    for name in ("PYTHONPATH", "OMP_NUM_THREADS", "HF_HUB_OFFLINE", "HF_HUB_CACHE"):
         if name in os.environ:
             env[name] = os.environ[name]
     return env

@@ -13,6 +13,7 @@ import os
 import queue as queue_module
 import socket
 import traceback
+from dataclasses import replace
 
 import pytest
 import torch
@@ -44,11 +45,14 @@ def _case(
     lora=False,
     bf16=None,
     checkpoints="gpu",
+    left_pad=False,
 ):
     """bf16: None (fp32 throughout) or whether StreamBP sums chunk gradients in fp32, under FSDP2's
-    MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32). checkpoints: the placement."""
+    MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32). checkpoints: the placement.
+    left_pad: the second row's prompt left-padded, as TRL's GRPO batches are (core/layout.py)."""
     return {
         "checkpoints": checkpoints,
+        "left_pad": left_pad,
         "name": name,
         "wrap": wrap,
         "tied": tied,
@@ -68,6 +72,7 @@ CASES = [
     _case("replicate_sft", wrap="replicate"),
     _case("full_two_micro_batches", micro=2),
     _case("full_grpo", objective="grpo"),
+    _case("full_grpo_left_padded_recompute", objective="grpo", left_pad=True, checkpoints="recompute:2"),
     _case("full_dpo", objective="dpo", tied=True),
     _case("full_lora", lora=True),
     # recompute placements: tiny/qwen3's 2 layers, K = 2: layer 0 rebuilds X_1 (one more all-gather)
@@ -104,9 +109,14 @@ def _model(case):
 
 def _batch(case, model, rank, micro):
     vocab = model.config.vocab_size
-    return make_batch(
+    batch = make_batch(
         case["objective"], batch_size=2, seq_len=SEQ, vocab_size=vocab, prompt_len=6, seed=100 * micro + rank
     )
+    if not case.get("left_pad"):
+        return batch
+    mask = batch.attention_mask.clone()
+    mask[1, :3] = 0  # 3 of the 6 prompt tokens become left padding (prompt labels are -100 already)
+    return replace(batch, attention_mask=mask)
 
 
 def _step(case, model, batch):

@@ -33,10 +33,21 @@ _COLLECTIVES = {
 
 
 def _case(
-    name, *, stage, tied=False, objective="sft", method="stream", chunk=5, micro=1, lora=False, checkpoints="gpu"
+    name,
+    *,
+    stage,
+    tied=False,
+    objective="sft",
+    method="stream",
+    chunk=5,
+    micro=1,
+    lora=False,
+    checkpoints="gpu",
+    left_pad=False,
 ):
     return {
         "checkpoints": checkpoints,
+        "left_pad": left_pad,
         "name": name,
         "stage": stage,
         "tied": tied,
@@ -54,6 +65,7 @@ CASES = [
     *[_case(f"zero{stage}_sft_tied_two_micro_batches", stage=stage, tied=True, micro=2) for stage in STAGES],
     _case("zero2_grpo", stage=2, objective="grpo"),
     _case("zero3_grpo_tied", stage=3, objective="grpo", tied=True),
+    _case("zero3_grpo_left_padded", stage=3, objective="grpo", left_pad=True),
     _case("zero1_dpo_tied", stage=1, objective="dpo", tied=True),
     _case("zero3_dpo", stage=3, objective="dpo"),
     _case("zero2_lora", stage=2, lora=True),

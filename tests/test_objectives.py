@@ -34,7 +34,8 @@ def _off_policy(model, batch: GRPOBatch, seed: int = 1) -> GRPOBatch:
 
 
 def test_grpo_value_matches_the_deepseekmath_formula():
-    """Per-sequence mean then batch mean (DeepSeekMath eq. 3 with k3 KL), written as explicit loops."""
+    """Per-sequence mean then batch mean (DeepSeekMath eq. 3 with k3 KL; TRL's "grpo") and the
+    token-level mean (TRL's "bnpo" and, in one process, "dapo"), written as explicit loops."""
     torch.manual_seed(0)
     B, T = 3, 9
     labels = torch.randint(0, 50, (B, T))
@@ -56,8 +57,8 @@ def test_grpo_value_matches_the_deepseekmath_formula():
         expected_seq += sum(terms) / len(terms) / B
         expected_tok += sum(terms)
         count += len(terms)
-    for normalization, expected in (("sequence", expected_seq), ("token", expected_tok / count)):
-        grpo = GRPO(labels, advantages=adv, ref_logps=ref, old_logps=old, beta=beta, normalization=normalization)
+    for loss_type, expected in (("grpo", expected_seq), ("bnpo", expected_tok / count), ("dapo", expected_tok / count)):
+        grpo = GRPO(labels, advantages=adv, ref_logps=ref, old_logps=old, beta=beta, loss_type=loss_type)
         assert float(grpo.loss_from_logps(logps)) == pytest.approx(float(expected), rel=1e-12)
 
 
@@ -92,11 +93,11 @@ def _assert_exact(model, batch):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("normalization", ["sequence", "token"])
-def test_grpo_exact(family, dtype, normalization):
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_grpo_exact(family, dtype, loss_type):
     """GRPO, a group of 4 with uneven completion lengths, off-policy ratios (some clipped) and KL."""
     model = tiny_model(family, dtype)
-    batch = make_grpo_batch(group_size=4, seq_len=33, vocab_size=512, prompt_len=6, normalization=normalization)
+    batch = make_grpo_batch(group_size=4, seq_len=33, vocab_size=512, prompt_len=6, loss_type=loss_type)
     batch = _off_policy(model, batch)
     clipped = (batch.old_logps - _current_logps(model, batch)).exp()
     assert bool(((clipped < 0.8) | (clipped > 1.2)).any())  # the clip is exercised
@@ -136,6 +137,9 @@ def test_dpo_streamed_loss_is_the_loss():
     assert torch.allclose(loss, expected.detach(), rtol=1e-12)
 
 
+_LABELS = torch.ones(2, 4, dtype=torch.long)
+
+
 @pytest.mark.parametrize(
     ("make", "message"),
     [
@@ -143,11 +147,16 @@ def test_dpo_streamed_loss_is_the_loss():
         (lambda: GRPO(torch.ones(2, 4, dtype=torch.long), advantages=torch.ones(2)), "ref_logps"),
         (lambda: DPO(torch.ones(3, 4, dtype=torch.long), ref_logps=torch.ones(3)), "even number"),
         (lambda: make_dpo_batch(batch_size=3, seq_len=8, vocab_size=9), "even number"),
-        (lambda: DPO(torch.full((2, 4), -100), ref_logps=torch.ones(2)), "no token to predict"),
+        (lambda: GRPO(_LABELS, advantages=torch.ones(2), beta=0, loss_type="cispo"), "loss_type 'cispo'"),
+        (lambda: GRPO(_LABELS, advantages=torch.ones(2), beta=0, loss_type="dr_grpo"), "max_completion_length"),
+        (lambda: GRPO(_LABELS, advantages=torch.ones(2), beta=0, importance_sampling_level="row"), "sampling_level"),
+        (lambda: DPO(_LABELS, ref_logps=torch.ones(2), loss_type=("sigmoid", "kto")), "'kto'"),
+        (lambda: DPO(_LABELS, ref_logps=torch.ones(2), f_divergence_type="alpha_divergence"), "alpha_divergence"),
+        (lambda: DPO(_LABELS, ref_logps=torch.ones(2), loss_type=("sigmoid", "ipo"), loss_weights=(1.0,)), "weights"),
     ],
 )
 def test_bad_objective_inputs_say_what_is_wrong(make, message):
-    """Malformed GRPO/DPO inputs are ValueErrors naming what is wrong."""
+    """Malformed GRPO/DPO inputs, and TRL options StreamBP does not take, are ValueErrors naming them."""
     with pytest.raises(ValueError, match=message):
         make()
 
@@ -194,7 +203,7 @@ def test_dpo_loss_and_gradient_are_finite_and_right_at_saturated_margins(dtype):
     loss.backward()
 
     streamed = logps.clone().requires_grad_()
-    dpo.prepare(dpo.masked(streamed.detach()).sum(dim=1))  # pass 1
+    dpo.prepare(dpo.masked(streamed.detach()).sum(dim=1)[:, None])  # pass 1: the (B, 1) sums
     total = sum(dpo.loss_from_logps_chunk(dpo.masked(streamed[:, i : i + 2], i), i, i + 2) for i in range(0, 7, 2))
     total.backward()  # pass 2, in chunks of 2 positions
     for name, value, grad in (

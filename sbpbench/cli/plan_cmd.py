@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from ..config import point_specs
 from ..measure.host_memory import total_ram_bytes
 from ..measure.units import parse_bytes
 from .errors import user_errors
 from .options import point_command, run_fields_but
 from .progress import Progress
 from .tables import print_table
+
+if TYPE_CHECKING:
+    from ..config import RunSpec
+    from ..simulate.plan import PlanOutcome
+    from ..simulate.timing import Rates
 
 GIB = 2**30
 # the planner chooses method settings for streambp itself; nothing is measured (no threads)
@@ -32,13 +36,21 @@ PLAN_FIELDS = run_fields_but(
     "nproc",
     "mlp_tile_size",
     "offload_checkpoints",
+    "weights",
+    "sdpa_backend",  # the estimator models torch's own kernel choice
+)
+
+EXAMPLES = (  # the end of its help (options.py examples)
+    "sbp plan --model Qwen/Qwen3-8B --seq 131072",
+    "sbp plan --model Qwen/Qwen3-8B --seq 1048576 --lora-rank 64",
 )
 
 
 @point_command(
     PLAN_FIELDS,
     helps={
-        "model": "Registry name (`sbp models`) or a local checkpoint directory (default: Qwen/Qwen3-4B).",
+        "model": "Registry name (`sbp models`), a Hub id ORG/NAME or a local checkpoint directory (its config only; "
+        "default: Qwen/Qwen3-4B).",
         "seq_len": "Tokens per row, prompt included (default: 9000).",
         "dtype": "Model dtype (default: bf16).",
     },
@@ -51,62 +63,69 @@ def plan_command(
         str | None, typer.Option(help="Host memory the step may use, e.g. 100GiB (default: this machine's RAM).")
     ] = None,
     gpu: Annotated[
-        str,
-        typer.Option(help="The GPU whose measured rows give the time model's rates (its device name contains this)."),
+        str, typer.Option(help="The GPU whose measured rows give the rates: its device name contains this.")
     ] = "H100",
-    results: Annotated[Path, typer.Option(help="Results CSV or folder whose measured rows give the rates.")] = Path(
-        "results"
-    ),
+    results: Annotated[Path, typer.Option(help="Results CSV or folder with those measured rows.")] = Path("results"),
 ) -> None:
-    """Pick where StreamBP keeps its checkpoints (--checkpoints) and its layer chunk size for one
-    point: candidates in order of predicted step time (timing.py: matmul and attention rates, chunk
-    overheads, PCIe copies beyond the compute they overlap) are ruled out by bounds or estimated
-    (`sbp estimate`, extrapolated from short runs) until one fits both the GPU and the host.
-    The rates are fitted to measured rows of --gpu under --results when there are any, else
-    published H100 figures. Predictions, not measurements."""
+    """Pick StreamBP's checkpoint placement and chunk size for a GPU.
+
+    Candidate --checkpoints placements and layer chunk sizes, in order of predicted step time
+    (matmul and attention rates, chunk overheads, PCIe copies beyond the compute they overlap),
+    are ruled out by bounds or estimated (`sbp estimate`, from short fake runs) until one fits
+    both the GPU and the host. The rates come from measured rows of --gpu in --results when there
+    are any, else published H100 figures. Predictions, not measurements."""
+    from ..config import point_specs
     from ..simulate.plan import describe, meta_model, plan
-    from ..simulate.timing import Rates, fitted_rates
+    from ..simulate.timing import fitted_rates
 
     with user_errors():
         gpu_bytes = parse_bytes(gpu_memory)
         host_bytes = parse_bytes(host_memory) if host_memory else total_ram_bytes()
         fixed = {"device": "cpu", "warmup": 0, "repeats": 0}
         (spec,) = point_specs({**settings, **fixed}, ["streambp"], defaults_for="cuda")
-        rates = fitted_rates(results, gpu, meta_model) if results.exists() else Rates()
+        rates = fitted_rates(results, gpu, meta_model)
     console = Console()
     with Progress(console, None) as progress:
         progress.start(f"planning {spec.model}, T={spec.seq_len}")
         chosen, tried = plan(
             spec, gpu_memory_bytes=gpu_bytes, host_memory_bytes=host_bytes, rates=rates, note=progress.note
         )
-    tokens = spec.batch_size * spec.seq_len
-    table = Table(title=f"{spec.model}, T={spec.seq_len}, B={spec.batch_size}: candidates decided (simulated)")
-    for column in ("checkpoints", "chunk", "status", "GPU GiB", "host GiB", "step s", "tokens/s", "pin s"):
-        table.add_column(column, justify="left" if column in ("checkpoints", "status") else "right")
-    for outcome in tried:
-        d = describe(outcome, tokens)
-        gpu_cell = "bound" if d["device_bytes"] is None else f"{d['device_bytes'] / GIB:.2f}"
-        table.add_row(
-            d["checkpoints"], str(d["chunk_size"]), d["status"], gpu_cell, f"{d['host_bytes'] / GIB:.2f}",
-            f"{d['predicted_time_s']:.1f}", f"{d['tokens_per_s']:,.0f}", f"{d['first_step_pinning_s']:.1f}",
-        )  # fmt: skip
-    print_table(console, table)
-    console.print(
-        f"GiB = 2^30 B; GPU: peak allocated + margin of {gpu_bytes / GIB:.1f} GiB (bound: ruled out without a "
-        f"simulation, see the line above it); host: pinned checkpoints + process of {host_bytes / GIB:.1f} GiB; "
-        f"step s: predicted step time; pin s: first step's page-locking of the host copies, once per buffer",
-        highlight=False,
-    )
-    console.print(f"rates: {rates.describe()}", highlight=False, soft_wrap=True)
+    print_table(console, plan_table(spec, tried, gpu_bytes, host_bytes, rates))
     for outcome in tried:
         if outcome.bound:
             console.print(f"{outcome.candidate.placement.name}: {outcome.bound}", highlight=False, soft_wrap=True)
     if chosen is None:
         console.print("[red]nothing fits[/]: a shorter --seq, LoRA, or more host memory", highlight=False)
         raise typer.Exit(1)
-    d = describe(chosen, tokens)
+    d = describe(chosen, spec.batch_size * spec.seq_len)
     console.print(
         f"plan: --checkpoints {d['checkpoints']} --chunk-size {d['chunk_size']} --logits-chunk-size "
-        f"{d['logits_chunk_size']}  (predicted {d['predicted_time_s']:.1f} s per step, {d['tokens_per_s']:,.0f} tokens/s)",
+        f"{d['logits_chunk_size']}  (predicted {d['predicted_time_s']:.1f} s per step, "
+        f"{d['tokens_per_s']:,.0f} tokens/s)",
         highlight=False,
     )
+
+
+def plan_table(spec: RunSpec, tried: list[PlanOutcome], gpu_bytes: int, host_bytes: int, rates: Rates) -> Table:
+    """The candidates decided, in order (simulate/plan.py PlanOutcome), with the rates their times use."""
+    from ..simulate.plan import describe
+
+    caption = (
+        f"GiB = 2^30 B. GPU: peak allocated + margin, of {gpu_bytes / GIB:.1f} GiB (bound: ruled out without "
+        f"a simulation, below); host: pinned checkpoints + process, of {host_bytes / GIB:.1f} GiB. step s: "
+        f"predicted step time; pin s: the first step's page-locking of the host copies, once per process. "
+        f"Rates: {rates.describe()}"
+    )
+    title = f"{spec.model}, T={spec.seq_len}, B={spec.batch_size}: candidates (simulated)"
+    table = Table(title=title, caption=caption)
+    for column in ("checkpoints", "chunk", "logits", "status", "GPU GiB", "host GiB", "step s", "tokens/s", "pin s"):
+        table.add_column(column, justify="left" if column in ("checkpoints", "status") else "right", no_wrap=True)
+    for outcome in tried:
+        d = describe(outcome, spec.batch_size * spec.seq_len)
+        device = "bound" if d["device_bytes"] is None else f"{d['device_bytes'] / GIB:.2f}"
+        table.add_row(
+            d["checkpoints"], str(d["chunk_size"]), str(d["logits_chunk_size"]), d["status"], device,
+            f"{d['host_bytes'] / GIB:.2f}", f"{d['predicted_time_s']:.1f}", f"{d['tokens_per_s']:,.0f}",
+            f"{d['first_step_pinning_s']:.1f}",
+        )  # fmt: skip
+    return table

@@ -25,6 +25,7 @@ from torch import nn
 from .adapters import DecoderParts
 from .attention import STATE_KWARG, KVBuffer
 from .chunking import chunk_bounds, chunk_kwargs
+from .layout import SequenceLayout
 from .placement import CheckpointStore, Placement
 
 
@@ -34,6 +35,7 @@ class Checkpoints:
     layer_kwargs: list[dict] = field(default_factory=list)
     last_hidden: torch.Tensor | None = None  # last layer output, input of the final norm
     seen: set[int] = field(default_factory=set)  # layers the forward called
+    layout: SequenceLayout | None = None  # padding and packed documents (layout.py)
 
 
 def forward_checkpoints(
@@ -42,14 +44,19 @@ def forward_checkpoints(
     chunk_size: int,
     store: CheckpointStore | None = None,
     gathered: Callable[[nn.Module], AbstractContextManager] | None = None,
+    *,
+    position_ids: torch.Tensor | None = None,
+    layout: SequenceLayout | None = None,
 ) -> Checkpoints:
     """store: where the layer inputs go (default: all kept on their device, the gpu placement).
     gathered(layer): a context that holds the layer's parameters gathered while its chunks run (a
-    sharded engine whose hooks would otherwise gather per chunk: DeepSpeed ZeRO-3; grad_sync.py)."""
+    sharded engine whose hooks would otherwise gather per chunk: DeepSpeed ZeRO-3; grad_sync.py).
+    position_ids: (B or 1, T), given to the decoder (packed rows); None: its own, arange(T).
+    layout: the batch's padding and packed documents (layout.py), None for one sequence per row."""
     num_layers = len(parts.layers)
     store = store if store is not None else CheckpointStore(Placement(), num_layers)
     gathered = gathered if gathered is not None else _nothing_to_gather
-    saved = Checkpoints(layer_inputs=store, layer_kwargs=[{}] * num_layers)
+    saved = Checkpoints(layer_inputs=store, layer_kwargs=[{}] * num_layers, layout=layout)
 
     def norm_hook(module, args):
         saved.last_hidden = args[0]
@@ -57,7 +64,8 @@ def forward_checkpoints(
     handle = parts.norm.register_forward_pre_hook(norm_hook)
     try:
         with _chunked_layers(parts.layers, saved, chunk_size, gathered), _skipped(parts.norm), torch.no_grad():
-            parts.decoder(input_ids=input_ids, use_cache=False)  # its normed output is not needed
+            # no attention_mask: the layout says which keys each query sees (the normed output is unused)
+            parts.decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False)
     finally:
         handle.remove()
     if saved.last_hidden is None or len(saved.seen) != num_layers:
@@ -111,18 +119,20 @@ def _chunked_forward(forward, index: int, saved: Checkpoints, chunk_size: int, g
         saved.layer_kwargs[index] = kwargs
         saved.seen.add(index)
         with gathered():
-            return chunked_layer_forward(forward, hidden_states, kwargs, chunk_size)
+            return chunked_layer_forward(forward, hidden_states, kwargs, chunk_size, saved.layout)
 
     return chunked
 
 
-def chunked_layer_forward(forward, hidden_states: torch.Tensor, kwargs: dict, chunk_size: int) -> torch.Tensor:
+def chunked_layer_forward(
+    forward, hidden_states: torch.Tensor, kwargs: dict, chunk_size: int, layout: SequenceLayout | None = None
+) -> torch.Tensor:
     """X_{l+1} from X_l (B, T, d), chunk_size positions at a time through `forward` (a layer or
     its forward method), attending over a key/value buffer of the positions before. The checkpoint
     pass and the recompute placement (placement.py) both run it, so a rebuilt input is the one
     the pass made. Call it without grad."""
     seq_len = hidden_states.shape[1]
-    buffer = KVBuffer(seq_len=seq_len, attend=True)
+    buffer = KVBuffer(seq_len=seq_len, attend=True, layout=layout)
     output = torch.empty_like(hidden_states)  # becomes X_{l+1}
     for start, end in chunk_bounds(seq_len, chunk_size):
         buffer.start = start

@@ -95,7 +95,9 @@ class DeepSpeedSync(GradSync):
         if engine.optimizer is None or type(engine.optimizer).__name__ == "DummyOptim":
             raise ValueError("the DeepSpeed engine has no optimizer: give deepspeed.initialize an optimizer")
         needs_scaler = getattr(engine.optimizer, "needs_scaler", None)
-        if engine.fp16_enabled() or engine.amp_enabled() or (needs_scaler is not None and needs_scaler()):
+        amp_enabled = getattr(engine, "amp_enabled", None)  # Apex AMP; DeepSpeed 0.19.8 removed it
+        amp = amp_enabled is not None and amp_enabled()
+        if engine.fp16_enabled() or amp or (needs_scaler is not None and needs_scaler()):
             raise ValueError(
                 "StreamBP's DeepSpeed sync does not apply fp16 loss scaling: train in bf16 or fp32 "
                 '(DeepSpeed config "bf16": {"enabled": true})'

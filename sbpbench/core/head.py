@@ -3,8 +3,8 @@
 Logits exist for one chunk of positions at a time, (B, c, V), never for the whole sequence. Each
 chunk's backward leaves its final-norm and lm_head weight gradients (accumulated across chunks)
 and writes dL/dZ for its positions, where Z is the last decoder layer's output. An objective that
-is a nonlinear function of whole-sequence sums (DPO) first takes a no-grad pass over the chunks
-for those sums (objectives.py), so its head costs two lm_head forwards instead of one.
+is a nonlinear function of whole-sequence sums (DPO, GSPO) first takes a no-grad pass over the chunks
+for those sums (objectives/base.py), so its head costs two lm_head forwards instead of one.
 core/README.md, "Head and loss".
 """
 
@@ -27,7 +27,7 @@ def _chunk_logits(parts: DecoderParts, hidden: torch.Tensor) -> torch.Tensor:
     return logits
 
 
-def _chunks(seq_len: int, chunk_size: int, objective: Objective):
+def counted_chunks(seq_len: int, chunk_size: int, objective: Objective):
     """(start, end) of each chunk holding at least one counted target (others have zero gradient)."""
     for start, end in chunk_bounds(seq_len, chunk_size):
         if bool(objective.mask[:, start:end].any()):
@@ -35,11 +35,16 @@ def _chunks(seq_len: int, chunk_size: int, objective: Objective):
 
 
 @torch.no_grad()
-def _sequence_logps(parts: DecoderParts, last_hidden: torch.Tensor, objective: Objective, chunk_size: int):
-    """Pass 1 for objectives of whole-sequence sums: (B,) summed target log-probs, no graph."""
-    sums = torch.zeros(last_hidden.shape[0], dtype=loss_dtype(last_hidden.dtype), device=last_hidden.device)
-    for start, end in _chunks(last_hidden.shape[1], chunk_size, objective):
-        sums += objective.sequence_logps(_chunk_logits(parts, last_hidden[:, start:end]), start, end)
+def sequence_sums(objective: Objective, logits_of, seq_len: int, chunk_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """Pass 1 for objectives of whole-sequence sums (DPO, GSPO): their (B, J) sums, no graph.
+    logits_of(start, end): the (B, c, V) logits of a chunk; dtype: the hidden states' dtype."""
+    sums = None
+    for start, end in counted_chunks(seq_len, chunk_size, objective):
+        part = objective.sequence_sums(logits_of(start, end), start, end)
+        sums = part if sums is None else sums + part
+    if sums is None:  # nothing counted: the sums over no positions
+        empty = torch.zeros(objective.labels.shape[0], 0, dtype=loss_dtype(dtype), device=objective.labels.device)
+        sums = objective.token_values(empty, 0, 0).sum(dim=1)
     return sums
 
 
@@ -54,11 +59,13 @@ def head_backward(
     """last_hidden (B, T, d): last layer output. Returns (loss, dZ) with dZ (B, T, d) in the hidden
     dtype. The chunks' norm and lm_head weight gradients are collected into `accumulator`; the
     caller finishes it."""
-    if objective.needs_sequence_logps:
-        objective.prepare(_sequence_logps(parts, last_hidden, objective, chunk_size))
+    seq_len = last_hidden.shape[1]
+    if objective.needs_sequence_sums:
+        logits_of = lambda start, end: _chunk_logits(parts, last_hidden[:, start:end])
+        objective.prepare(sequence_sums(objective, logits_of, seq_len, chunk_size, last_hidden.dtype))
     grad_hidden = torch.zeros_like(last_hidden)
     total = torch.zeros((), dtype=loss_dtype(last_hidden.dtype), device=last_hidden.device)
-    for start, end in _chunks(last_hidden.shape[1], chunk_size, objective):
+    for start, end in counted_chunks(seq_len, chunk_size, objective):
         hidden = last_hidden[:, start:end].detach().requires_grad_()
         with torch.enable_grad():
             part = objective.chunk_loss(_chunk_logits(parts, hidden), start, end)

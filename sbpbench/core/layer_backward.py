@@ -16,9 +16,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .attention import STATE_KWARG, ChunkState, KVBuffer, KVCaptured, window_start
+from .attention import STATE_KWARG, ChunkState, KVBuffer, KVCaptured, chunk_plan
 from .chunking import chunk_bounds, chunk_kwargs
 from .grad_accum import ChunkGradAccumulator
+from .layout import SequenceLayout
 
 
 def _capture_keys_values(layer, layer_input: torch.Tensor, kwargs: dict, chunks) -> KVBuffer:
@@ -46,10 +47,12 @@ def layer_backward(
     need_input_grad: bool,
     fp32_grad_accumulation: bool,
     call=None,
+    layout: SequenceLayout | None = None,
 ) -> None:
     """layer_input X (B, T, d); grad dZ (B, T, d) is overwritten with dX when need_input_grad.
     Leaves the layer's parameter gradients in .grad. call: what runs a chunk, `layer` itself unless
-    a data-parallel engine needs its hook-free `forward` (grad_sync.py)."""
+    a data-parallel engine needs its hook-free `forward` (grad_sync.py). layout: the batch's padding
+    and packed documents (layout.py), None when each row is one sequence from position 0."""
     call = layer if call is None else call
     seq_len = layer_input.shape[1]
     chunks = chunk_bounds(seq_len, chunk_size)
@@ -61,7 +64,7 @@ def layer_backward(
     accumulator = ChunkGradAccumulator(list(layer.parameters()), fp32_grad_accumulation)
 
     for start, end in reversed(chunks):
-        state = ChunkState(start, window_start(start, window), capture, grad_keys, grad_values)
+        state = ChunkState(start, chunk_plan(layout, start, end, window), capture, grad_keys, grad_values)
         chunk_input = layer_input[:, start:end].detach().requires_grad_(need_input_grad)
         with torch.enable_grad():
             output = call(chunk_input, **chunk_kwargs(kwargs, start, end), **{STATE_KWARG: state})

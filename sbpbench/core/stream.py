@@ -26,8 +26,8 @@ from .grad_accum import ChunkGradAccumulator
 from .grad_sync import GradSync, unwrap
 from .grad_sync import for_model as grad_sync_for
 from .head import head_backward
-from .labels import IGNORE_INDEX
 from .layer_backward import layer_backward
+from .layout import build_layout
 from .objectives import SFT, Objective
 from .placement import CheckpointStore, Placement
 
@@ -47,6 +47,7 @@ def stream_backward(
     *,
     objective: Objective | None = None,
     attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     logits_chunk_size: int = DEFAULT_LOGITS_CHUNK_SIZE,
     fp32_grad_accumulation: bool = True,
@@ -64,22 +65,30 @@ def stream_backward(
 
     input_ids: (B, T) int64. Give either labels ((B, T), -100 where not counted, HF convention,
     shifted inside: the SFT objective) or an `objective` (objectives.SFT / GRPO / DPO, which hold
-    their own labels and inputs). attention_mask: (B, T) of 0/1 with right padding only; padded
-    positions must not be the source of a counted prediction. chunk_size: positions per chunk in the layer backward;
-    logits_chunk_size: positions per chunk in the head. fp32_grad_accumulation: sum per-chunk
+    their own labels and inputs). attention_mask: (B, T) of 0/1, each row 0...0 1...1 0...0 (left
+    padding, as TRL's GRPO batches, right padding, or both), as the model takes it: pads are never
+    keys of a real query, positions are arange(T) pads included; padded positions must not be the
+    source of a counted prediction. position_ids: (B or 1, T), packed documents: 0, 1, ... restarting
+    at 0 for each document (TRL's padding-free rows); each document gets the gradients of BP run on
+    it alone, and the first label of each document must be -100 (SFT only). See layout.py.
+    chunk_size: positions per chunk in the layer backward; logits_chunk_size: positions per chunk
+    in the head. fp32_grad_accumulation: sum per-chunk
     gradients of bf16/fp16 parameters in fp32 and round once (see grad_accum.py). checkpoints:
     where the layer inputs live between the checkpoint pass and their layer's backward, "gpu"
     (the model's device), "cpu", "recompute:K", "cpu+recompute:K" or "cpu+recompute:K+spill"
     (placement.py); the same
-    operations whatever the placement, so the same gradients. progress: see LayerProgress (per
-    layer of the backward, for long steps).
+    operations whatever the placement, so the same gradients. On CUDA an offloading placement's host
+    copies live in page-locked buffers that the process keeps for later steps (registering them is
+    slow); `release_pinned_memory()` frees them (host_pool.py says what is kept when T changes).
+    progress: see LayerProgress (per layer of the backward, for long steps).
     """
     _check_sizes(chunk_size, logits_chunk_size)
     placement = Placement.parse(checkpoints)
     if (labels is None) == (objective is None):
         raise ValueError("give either labels (the SFT objective) or objective=..., not both or neither")
     objective = objective if objective is not None else SFT(labels)
-    _check_batch(input_ids, objective.labels, attention_mask)
+    _check_shapes(input_ids, objective.labels)
+    layout = build_layout(attention_mask, position_ids, objective.mask, packing_refused=objective.packing_refused)
     parts = resolve_parts(unwrap(model))  # a DeepSpeedEngine: its module
     check_no_attention_dropout(parts)
     sync = grad_sync_for(model, parts)  # FSDP2, DeepSpeed or one process; refuses sequence parallelism
@@ -87,7 +96,9 @@ def stream_backward(
 
     store = CheckpointStore(placement, len(parts.layers))
     with _streaming_mode(parts), sync.step(), closing(store):  # close: frees (and unpins) what an error left
-        saved = forward_checkpoints(parts, input_ids, chunk_size, store, gathered=sync.gathered)
+        saved = forward_checkpoints(
+            parts, input_ids, chunk_size, store, gathered=sync.gathered, position_ids=position_ids, layout=layout
+        )
         store.rebuild = lambda index, x: _rebuild(parts, saved, index, x, chunk_size, sync)
         head_grads = ChunkGradAccumulator(trainable(parts.norm) + trainable(parts.lm_head), fp32_grad_accumulation)
         loss, grad = head_backward(
@@ -114,6 +125,7 @@ def stream_backward(
                 need_input_grad=embed_trainable or index > 0,
                 fp32_grad_accumulation=fp32_grad_accumulation,
                 call=sync.call(parts.layers[index]),
+                layout=layout,
             )
             sync.end(parts.layers[index])  # the chunks' summed gradients, reduced once
             store.release(index)  # free X_l
@@ -131,7 +143,7 @@ def _rebuild(parts: DecoderParts, saved: Checkpoints, index: int, layer_input, c
     layer is gathered once for the whole rebuild, and its chunks run hook-free (grad_sync.py)."""
     layer = parts.layers[index]
     with torch.no_grad(), sync.rebuilding(layer):
-        return chunked_layer_forward(sync.call(layer), layer_input, saved.layer_kwargs[index], chunk_size)
+        return chunked_layer_forward(sync.call(layer), layer_input, saved.layer_kwargs[index], chunk_size, saved.layout)
 
 
 def _check_sizes(chunk_size: int, logits_chunk_size: int) -> None:
@@ -140,25 +152,11 @@ def _check_sizes(chunk_size: int, logits_chunk_size: int) -> None:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
-def _check_batch(input_ids, labels, attention_mask) -> None:
+def _check_shapes(input_ids, labels) -> None:
     if input_ids.dim() != 2 or labels.shape != input_ids.shape:
         raise ValueError(
             f"input_ids and labels must both be (batch, seq_len); got {tuple(input_ids.shape)} and {tuple(labels.shape)}"
         )
-    if attention_mask is None:
-        return
-    if attention_mask.shape != input_ids.shape:
-        raise ValueError(f"attention_mask must be {tuple(input_ids.shape)}, got {tuple(attention_mask.shape)}")
-    mask = attention_mask.bool()
-    if bool((mask[:, 1:] & ~mask[:, :-1]).any()):
-        raise ValueError(
-            "StreamBP supports right padding only (each attention_mask row 1...1 0...0); "
-            "left padding and packed sequences would need a document mask"
-        )
-    # Padded positions attend differently with and without the mask: none may predict a counted label.
-    predicted_from_pad = ~mask[:, :-1] & (labels[:, 1:] != IGNORE_INDEX)
-    if bool(predicted_from_pad.any()):
-        raise ValueError("labels must be -100 after padding starts (a padded position would predict a counted token)")
 
 
 @contextmanager

@@ -60,7 +60,7 @@ class GRPOBatch(TokenBatch):
     old_logps: torch.Tensor | None = None  # None: on-policy (ratio 1)
     beta: float = 0.04
     epsilon: float = 0.2
-    normalization: str = "sequence"
+    loss_type: str = "grpo"  # TRL's name for the normalisation (core/objectives/grpo.py)
 
     def objective(self) -> GRPO:
         return GRPO(
@@ -70,7 +70,7 @@ class GRPOBatch(TokenBatch):
             old_logps=self.old_logps,
             beta=self.beta,
             epsilon=self.epsilon,
-            normalization=self.normalization,
+            loss_type=self.loss_type,
         )
 
 
@@ -81,7 +81,7 @@ def make_grpo_batch(
     vocab_size: int,
     prompt_len: int = DEFAULT_PROMPT_LEN,
     seed: int = 0,
-    normalization: str = "sequence",
+    loss_type: str = "grpo",
     device: str | torch.device = "cpu",
 ) -> GRPOBatch:
     """One GRPO group: group_size completions of one prompt, seq_len tokens in all."""
@@ -95,7 +95,7 @@ def make_grpo_batch(
     if group_size > 1:
         advantages = advantages / (rewards.std() + 1e-4)  # GRPO's group normalisation
     ref = _ref_token_logps((group_size, seq_len), vocab_size, generator)
-    batch = GRPOBatch(ids, mask, labels, advantages, ref, normalization=normalization)
+    batch = GRPOBatch(ids, mask, labels, advantages, ref, loss_type=loss_type)
     return batch.to(device)
 
 

@@ -9,8 +9,8 @@ without a graph and whose backward recomputes each chunk's logits with one, so a
 The decoder runs as transformers runs it (its own forward, its gradient checkpointing); the head
 is the lm_head (+ Gemma's final-logit softcap) applied to the decoder's last hidden state, and the
 loss is the objective's (core/objectives.py), computed in float32 or wider as transformers does.
-Every objective works: per-token ones (SFT, GRPO) chunk by chunk; DPO, a function of whole-sequence
-log-prob sums, after a no-grad pass for those sums (the objective's streaming protocol).
+Every objective works: per-token ones (SFT, GRPO) chunk by chunk; DPO and GSPO, functions of
+whole-sequence sums, after a no-grad pass for those sums (the objective's streaming protocol).
 """
 
 from __future__ import annotations
@@ -18,18 +18,10 @@ from __future__ import annotations
 import torch
 
 from ..core.adapters import resolve_parts, trainable
+from ..core.head import counted_chunks, sequence_sums
 from ..core.labels import loss_dtype
-from ..core.objectives import Objective
 from ..data import Batch
 from .hf_baseline import hf_gradient_checkpointing
-
-
-def _chunks(objective: Objective, seq_len: int, chunk_size: int):
-    """(start, end) of each chunk with at least one counted target (the others have no gradient)."""
-    for start in range(0, seq_len, chunk_size):
-        end = min(start + chunk_size, seq_len)
-        if bool(objective.mask[:, start:end].any()):
-            yield start, end
 
 
 class ChunkedHeadLoss(torch.autograd.Function):
@@ -45,13 +37,11 @@ class ChunkedHeadLoss(torch.autograd.Function):
         ctx.save_for_backward(hidden)
         seq_len = hidden.shape[1]
         total = torch.zeros((), dtype=loss_dtype(hidden.dtype), device=hidden.device)
-        if objective.needs_sequence_logps:  # DPO: the sums first; its loss comes from them alone
-            sums = torch.zeros(hidden.shape[0], dtype=total.dtype, device=hidden.device)
-            for start, end in _chunks(objective, seq_len, chunk_size):
-                sums += objective.sequence_logps(head(hidden[:, start:end]), start, end)
-            objective.prepare(sums)
+        if objective.needs_sequence_sums:  # DPO, GSPO: the sums first; the loss comes from them alone
+            logits_of = lambda start, end: head(hidden[:, start:end])
+            objective.prepare(sequence_sums(objective, logits_of, seq_len, chunk_size, hidden.dtype))
             return objective.streamed_loss(total)
-        for start, end in _chunks(objective, seq_len, chunk_size):
+        for start, end in counted_chunks(seq_len, chunk_size, objective):
             total += objective.chunk_loss(head(hidden[:, start:end]), start, end)
         return objective.streamed_loss(total)
 
@@ -63,7 +53,7 @@ class ChunkedHeadLoss(torch.autograd.Function):
         # per-chunk parameter gradients summed in float32 or wider, rounded once at the end
         sums = [torch.zeros_like(p, dtype=loss_dtype(p.dtype)) for p in weights]
         grad_hidden = torch.zeros_like(hidden)
-        for start, end in _chunks(objective, hidden.shape[1], ctx.chunk_size):
+        for start, end in counted_chunks(hidden.shape[1], ctx.chunk_size, objective):
             chunk = hidden[:, start:end].detach().requires_grad_(ctx.needs_input_grad[0])
             with torch.enable_grad():
                 part = objective.chunk_loss(head(chunk), start, end)  # (B, c, V) logits live here only

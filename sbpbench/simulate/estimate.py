@@ -150,7 +150,7 @@ def simulate(
         if method is None:
             step.run()
         else:
-            method(step.model, step.batch, spec.settings)
+            method(step.model, step.batch, step.settings)
             if step.optimizer is not None:
                 step.optimizer.step()
     memory = StepMemory(

@@ -26,8 +26,9 @@ from .depth import StoreCounts, estimate_point_by_depth, layer_input_bytes, stor
 from .estimate import CUDA_CONTEXT_BYTES, FRAGMENTATION_FRACTION, HOST_PROCESS_BYTES, granularity_bytes, host_peak_bytes
 from .fake_mode import build_fake_step
 from .length import Note
-from .timing import Rates, StepTime, step_time, work
+from .timing import HOST_REGISTER_BYTES_S, Rates, StepTime, step_time, work
 
+__all__ = ["HOST_REGISTER_BYTES_S", "Candidate", "PlanOutcome", "candidates", "describe", "plan"]
 RECOMPUTE_EVERY = (2, 3, 4, 6, 9, 12)  # K candidates
 CHUNK_SIZES = (500, 1000, 2000)  # layer chunks tried, the paper's 500 first
 GIB = 2**30

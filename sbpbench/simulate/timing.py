@@ -50,10 +50,14 @@ from ..records import decode_row, read_rows
 #   128 GB/s, both directions);
 # - a kernel launch from PyTorch eager: 5 us (an 8B model's decode step on an H100 SXM5: 8.4 ms eager,
 #   5.1 ms as one CUDA graph, about 5 us for each of its ~650 kernels; a third-party measurement);
-# - page-locking host memory: 2 GB/s ("page-locking a buffer is itself expensive (~1-2 GB/s)",
-#   openvm-org/stark-backend PR 384). A pinned-buffer pool that times its own registrations
-#   replaces this constant with its measurement.
+# - page-locking host memory (cudaHostRegister of fresh pages, faulted in and pinned): HOST_REGISTER_BYTES_S.
 DEFAULT_RATES_NOTE = "H100 SXM figures: 794.5 TFLOP/s matmul, FlashAttention-2 335/322 TFLOP/s"
+
+
+# Page-locking "is itself expensive (~1-2 GB/s)" (openvm-org/stark-backend#384); 5-19 s for the 18 GiB of a
+# Qwen3-8B cpu step at 64k (1.0-3.9 GB/s, the reading in issue 26). Replaced by the measured rate where
+# GPU rows record their first step's page-locking (host_register_s, core/host_pool.py).
+HOST_REGISTER_BYTES_S = 2e9
 
 
 @dataclass(frozen=True)
@@ -64,7 +68,7 @@ class Rates:
     memory_bytes_s: float = 3.35e12
     host_copy_bytes_s: float = 64e9
     launch_s: float = 5e-6
-    pinning_bytes_s: float = 2e9
+    pinning_bytes_s: float = HOST_REGISTER_BYTES_S
     measured: tuple[str, ...] = ()  # the rates fitted to measured rows (the others are defaults)
     source: str = ""  # which rows
 
