@@ -123,8 +123,9 @@ def plan_table(spec: RunSpec, tried: list[PlanOutcome], gpu_bytes: int, host_byt
     for outcome in tried:
         d = describe(outcome, spec.batch_size * spec.seq_len)
         device = "bound" if d["device_bytes"] is None else f"{d['device_bytes'] / GIB:.2f}"
+        chunk = "any" if outcome.bound else str(d["chunk_size"])
         table.add_row(
-            d["checkpoints"], str(d["chunk_size"]), str(d["logits_chunk_size"]), d["status"], device,
+            d["checkpoints"], chunk, str(d["logits_chunk_size"]), d["status"], device,
             f"{d['host_bytes'] / GIB:.2f}", f"{d['predicted_time_s']:.1f}", f"{d['tokens_per_s']:,.0f}",
             f"{d['first_step_pinning_s']:.1f}",
         )  # fmt: skip

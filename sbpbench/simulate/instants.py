@@ -57,6 +57,7 @@ class InstantRecorder(SimulatedMemory):
         self._episode = self._ordinal = self._op = 0
         self._made = 0  # new blocks of the op running now
         self.keys: list[tuple] = []  # per op
+        self.ops: list = []  # per op: the aten op
         self.values: list[int] = []  # per op: live bytes (rounded) during it
         self.blocks: list[Block] = []
         self._live: dict[int, int] = {}  # storage id -> its index in blocks
@@ -125,9 +126,10 @@ class InstantRecorder(SimulatedMemory):
             self.blocks[index].died = self._op
         super()._forget(key, _ref)
 
-    def observe(self, live_bytes: int, inside: list[int]) -> None:
+    def observe(self, func, live_bytes: int, inside: list[int]) -> None:
         key = self._key()
         self.keys.append(key)
+        self.ops.append(func)
         self.values.append(live_bytes)
         for index, nbytes in enumerate(inside):
             self.blocks.append(Block((key, "hidden", index), nbytes, self._op, self._op + 1))

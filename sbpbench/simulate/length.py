@@ -30,14 +30,15 @@ from __future__ import annotations
 
 import math
 import re
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from functools import lru_cache
 from itertools import pairwise
 
 import numpy as np
 
-from ..config import RunSpec
+from ..config import MaxlenSpec, RunSpec
+from ..config.chunks import resolved_settings
 from ..methods import MethodFn
 from ..methods.step import storage_bytes
 from ..records.select import PROMPTED_OBJECTIVES
@@ -48,39 +49,52 @@ from .instants import InstantRecorder
 GIB = 2**30
 Note = Callable[[str], None]  # a line of progress or of why an extrapolation was refused
 
-# StreamBP has no (T, T) term: its linear fit needs two samples; other methods' HF forward
+# Methods whose every op has an instant at every length: no loop over chunks (bp, ckpt and
+# ckpt-offload run HF's forward once), or chunks named from the end (StreamBP). The chunked heads and
+# tiled MLPs of the other peers number their ops on through a loop whose length follows T: run in full.
+EXTRAPOLATED_METHODS = ("bp", "ckpt", "ckpt-offload", "streambp")
+# StreamBP has no (T, T) term: its linear fit needs two samples; the others' HF forward
 # materialises a padded (B, 1, T, T) mask, quadratic.
 LINEAR_METHODS = ("streambp",)
 # Lengths a full-sequence kernel rounds to (flash backward: the query length to 128, the
 # efficient kernel's workspace to 64), and the 8 an SDPA mask's strides are padded to.
 FULL_SEQUENCE_PERIOD = 128
 MASK_ALIGNMENT = 8
-CHUNKED_SETTINGS = ("chunk_size", "logits_chunk_size", "mlp_tile_size")
 HEAD_CHUNK = re.compile(r"(head (?:sums )?chunk) (\d+)")
 
 
 def period(spec: RunSpec) -> int:
-    """Lengths this far apart cut the sequence alike at the end (same last chunk of every kind)."""
-    sizes = [getattr(spec.settings, name) for name in CHUNKED_SETTINGS]
-    sizes = [size for size in sizes if size]
-    base = MASK_ALIGNMENT if spec.method in LINEAR_METHODS else FULL_SEQUENCE_PERIOD
-    return math.lcm(base, *sizes)
+    """Lengths this far apart end alike: StreamBP's last layer chunks (counted from the end) are the
+    same size; a full-sequence kernel rounds them alike. The logits chunk does not enter: only head
+    chunks counted from the first are compared (`_alike`). Chunk sizes must be numbers (not "auto")."""
+    if spec.method in LINEAR_METHODS:
+        return math.lcm(MASK_ALIGNMENT, spec.settings.chunk_size)
+    return FULL_SEQUENCE_PERIOD
 
 
 def sample_lengths(spec: RunSpec) -> list[int] | None:
     """The short lengths that predict spec.seq_len: of its remainder by `period`, long enough for
-    four chunks of each size (the first and the last three), prompts whole; None when they would
-    not be shorter than spec.seq_len."""
+    four layer chunks (the first and the last three) and three head chunks with targets whatever
+    the padding (under 20% of T: T > 2.5 chunks), prompts whole; None when they would not be
+    shorter than spec.seq_len."""
     step = period(spec)
-    sizes = [getattr(spec.settings, name) or 0 for name in CHUNKED_SETTINGS]
+    chunk, logits = spec.settings.chunk_size or 0, spec.settings.logits_chunk_size or 0
     prompt = spec.prompt_len if spec.objective in PROMPTED_OBJECTIVES else 0  # whole from 2 x prompt_len on
-    shortest = max(3 * max(sizes) + 1, 2 * prompt + 1, step)
-    first = spec.seq_len - (spec.seq_len - shortest) // step * step if spec.seq_len >= shortest else None
-    if first is None:
+    shortest = max(3 * chunk + 1, math.ceil(2.5 * logits) + 3 + prompt, 2 * prompt + 1, step)
+    if spec.seq_len < shortest:
         return None
+    first = spec.seq_len - (spec.seq_len - shortest) // step * step
     count = 2 if spec.method in LINEAR_METHODS else 3
     lengths = [first + i * step for i in range(count)]
     return lengths if lengths[-1] < spec.seq_len else None
+
+
+def shared_multiple(search: MaxlenSpec) -> int:
+    """Probe lengths of a max-length search that share their samples: multiples of the search's
+    multiple_of and of `period` at the chunk sizes the longest probe runs with (the rule's "auto"
+    gives the same from T = 3 x its largest layer chunk on)."""
+    longest = search.probe(search.seq_len_ceiling)
+    return math.lcm(search.multiple_of, period(replace(longest, settings=resolved_settings(longest))))
 
 
 @dataclass
@@ -92,11 +106,28 @@ class _Sample:
     unrounded: list[int]  # per op: live bytes before rounding
 
 
-@lru_cache(maxsize=12)  # the samples of a few points: a search or a plan asks for the same ones again
-def _sample(spec: RunSpec, target: str, method: MethodFn | None) -> _Sample:
+_SAMPLES: OrderedDict[tuple, _Sample] = OrderedDict()  # the latest: a search or a plan asks for the same again
+KEPT_SAMPLES = 12
+
+
+def _sample(spec: RunSpec, target: str, method: MethodFn | None, note: Note | None = None) -> _Sample:
+    """The recorded run of spec (the last KEPT_SAMPLES are kept)."""
+    key = (spec, target, method)
+    if key in _SAMPLES:
+        _SAMPLES.move_to_end(key)
+        return _SAMPLES[key]
     estimate, record = simulate(spec, target=target, method=method, counter_type=InstantRecorder)
     index = {key: i for i, key in enumerate(record.keys)}
-    return _Sample(spec.seq_len, estimate, record, index, _unrounded(record, granularity_bytes(target)))
+    found = _SAMPLES[key] = _Sample(
+        spec.seq_len, estimate, record, index, _unrounded(record, granularity_bytes(target))
+    )
+    while len(_SAMPLES) > KEPT_SAMPLES:
+        _SAMPLES.popitem(last=False)
+    if note:
+        note(
+            f"sample T={spec.seq_len} ({spec.num_layers} layers): peak {record.peak_bytes / GIB:.2f} GiB in {record.peak_phase}"
+        )
+    return found
 
 
 def predict(
@@ -134,14 +165,18 @@ def estimate_by_length(
     spec: RunSpec, *, target: str = "cuda", method: MethodFn | None = None, note: Note | None = None
 ) -> Estimate | None:
     """The Estimate of spec at its seq_len, from fake runs at `sample_lengths(spec)`; None when
-    there are no shorter samples or the extrapolation is refused (note says why)."""
-    lengths = sample_lengths(spec)
+    there are no shorter samples or the extrapolation is refused (note says why). Chunk sizes left
+    to the rule ("auto") are the ones it gives at spec.seq_len, at every sample length too."""
+    if spec.method not in EXTRAPOLATED_METHODS:
+        return None
+    fixed = replace(spec, settings=resolved_settings(spec))
+    lengths = sample_lengths(fixed)
     if lengths is None:
         return None
     granularity = granularity_bytes(target)
     samples = []
     for seq_len in lengths:
-        samples.append(_sample(replace(spec, seq_len=seq_len), target, method))
+        samples.append(_sample(replace(fixed, seq_len=seq_len), target, method))
         if note:
             note(
                 f"sample T={seq_len}: peak {samples[-1].record.peak_bytes / GIB:.2f} GiB in {samples[-1].record.peak_phase}"
@@ -173,6 +208,8 @@ def _fit(samples: list[_Sample], seq_len: int, granularity: int) -> tuple[StepMe
     for s in samples:
         if max(s.record.values[s.index[key]] for key in shared) != s.record.peak_bytes:
             return None, f"the peak at T={s.seq_len} is in a chunk the other sample lengths lack"
+        if any(s.record.ops[s.index[key]] is not last.record.ops[last.index[key]] for key in shared):
+            return None, f"an instant names different ops at T={s.seq_len} and T={last.seq_len}"
     step = samples[1].seq_len - samples[0].seq_len
     k = (seq_len - samples[0].seq_len) // step
     overhead = _rounding_at(samples, k, granularity, alike)

@@ -72,7 +72,7 @@ class SimulatedMemory(LiveTensorTracker):
         self.peak_bytes = max(self.peak_bytes, now)
         if self.peak_bytes > peak:
             self.peak_phase = self.phase
-        self.observe(now, inside)
+        self.observe(func, now, inside)
         return out
 
     def attached(self, model):
@@ -80,6 +80,6 @@ class SimulatedMemory(LiveTensorTracker):
         instants.py watches StreamBP's chunks in it)."""
         return nullcontext()
 
-    def observe(self, live_bytes: int, inside: list[int]) -> None:
-        """Called after every op with the live bytes during it (its hidden buffers included) and
-        the sizes of those buffers; a subclass records them (length.py)."""
+    def observe(self, func, live_bytes: int, inside: list[int]) -> None:
+        """Called after every op with the op, the live bytes during it (its hidden buffers included)
+        and the sizes of those buffers; a subclass records them (instants.py)."""

@@ -18,6 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ..config import DTYPES, RunSpec
+from ..config.chunks import resolved_settings
 from ..core.placement import Placement
 from ..methods.step import storage_bytes
 from ..models import apply_lora, load_config
@@ -26,9 +27,8 @@ from .depth import StoreCounts, estimate_point_by_depth, layer_input_bytes, stor
 from .estimate import CUDA_CONTEXT_BYTES, FRAGMENTATION_FRACTION, HOST_PROCESS_BYTES, granularity_bytes, host_peak_bytes
 from .fake_mode import build_fake_step
 from .length import Note
-from .timing import HOST_REGISTER_BYTES_S, Rates, StepTime, step_time, work
+from .timing import Rates, StepTime, step_time, work
 
-__all__ = ["HOST_REGISTER_BYTES_S", "Candidate", "PlanOutcome", "candidates", "describe", "plan"]
 RECOMPUTE_EVERY = (2, 3, 4, 6, 9, 12)  # K candidates
 CHUNK_SIZES = (500, 1000, 2000)  # layer chunks tried, the paper's 500 first
 GIB = 2**30
@@ -117,62 +117,49 @@ def plan(
     """(the fastest candidate that fits, or None; every candidate decided on the way, by a bound or
     an estimate). spec: a streambp point; its placement and chunk size are what the planner picks."""
     rates = rates or Rates()
+    spec = replace(spec, settings=resolved_settings(spec))  # the logits chunk the rule gives, if left to it
     model = meta_model(spec)
     found = candidates(spec, model, rates)
     bounds = _Bounds(spec, gpu_memory_bytes, host_memory_bytes)
     decided: list[PlanOutcome] = []
-    chosen: PlanOutcome | None = None
     estimates = 0
     for candidate in found:
-        if chosen is not None and candidate.predicted_time_s >= chosen.candidate.predicted_time_s:
-            break
         if _settled(candidate, decided):
             continue
         why = bounds.refuses(candidate)
         if why:
             decided.append(PlanOutcome(candidate, bounds.row(candidate, why), why))
             continue
-        for attempt in _attempts(candidate, found, decided):
-            if estimates >= max_estimates:
-                return chosen, decided
-            if note:
-                note(f"{attempt.placement.name} --chunk-size {attempt.chunk_size}: estimating")
-            settings = replace(spec.settings, checkpoints=attempt.placement.name, chunk_size=attempt.chunk_size)
-            row = estimate_point_by_depth(
-                replace(spec, settings=settings),
-                target="cuda",
-                gpu_memory_bytes=gpu_memory_bytes,
-                host_memory_bytes=host_memory_bytes,
-                note=note,
-            )
-            estimates += 1
-            decided.append(PlanOutcome(attempt, row))
-            if note:
-                note(f"{attempt.placement.name} --chunk-size {attempt.chunk_size}: {row.status} {row.error}".rstrip())
-            if row.status == "ok" and (chosen is None or attempt.predicted_time_s < chosen.candidate.predicted_time_s):
-                chosen = decided[-1]
-            if row.status == "ok" or attempt is not candidate:
-                break
-    return chosen, decided
-
-
-def _attempts(candidate: Candidate, found: list[Candidate], decided: list[PlanOutcome]):
-    """The candidate, then (if it does not fit) its placement's smallest chunk not yet decided:
-    whether any chunk of this placement fits."""
-    yield candidate
-    smallest = min((c for c in found if c.placement == candidate.placement), key=lambda c: c.chunk_size)
-    if smallest is not candidate and not _settled(smallest, decided):
-        yield smallest
+        if estimates >= max_estimates:
+            break
+        if note:
+            note(f"{candidate.placement.name} --chunk-size {candidate.chunk_size}: estimating")
+        settings = replace(spec.settings, checkpoints=candidate.placement.name, chunk_size=candidate.chunk_size)
+        row = estimate_point_by_depth(
+            replace(spec, settings=settings),
+            target="cuda",
+            gpu_memory_bytes=gpu_memory_bytes,
+            host_memory_bytes=host_memory_bytes,
+            note=note,
+        )
+        estimates += 1
+        decided.append(PlanOutcome(candidate, row))
+        if note:
+            note(f"{candidate.placement.name} --chunk-size {candidate.chunk_size}: {row.status} {row.error}".rstrip())
+        if row.status == "ok":  # the fastest left: every candidate before it is decided
+            return decided[-1], decided
+    return None, decided
 
 
 def _settled(candidate: Candidate, decided: list[PlanOutcome]) -> bool:
-    """Decided already, or cannot fit: a chunk no larger of the same placement ran out of device
-    memory (a larger chunk needs at least as much)."""
+    """Decided already, or cannot fit: its placement was ruled out by a bound (any chunk size), or
+    a chunk no larger of the same placement ran out of device memory (a larger one needs at least
+    as much)."""
     for outcome in decided:
         done = outcome.candidate
         if done.placement != candidate.placement:
             continue
-        if done.chunk_size == candidate.chunk_size:
+        if done.chunk_size == candidate.chunk_size or outcome.bound:
             return True
         device_short = outcome.row.status == "oom" and not outcome.row.error.startswith("host")
         if device_short and done.chunk_size <= candidate.chunk_size:

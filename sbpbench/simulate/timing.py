@@ -75,21 +75,19 @@ class Rates:
     def describe(self) -> str:
         """One line: every rate and whether it was measured or is a default."""
         parts = []
-        for name, unit, scale in _SHOWN:
+        for name, label, unit, scale in _SHOWN:
             state = "measured" if name in self.measured else "default"
-            parts.append(
-                f"{name.removesuffix('_s').replace('_', ' ')} {getattr(self, name) / scale:g} {unit} ({state})"
-            )
+            parts.append(f"{label} {getattr(self, name) / scale:.3g} {unit} ({state})")
         source = f"; measured on {self.source}" if self.measured else f"; defaults: {DEFAULT_RATES_NOTE}"
         return "; ".join(parts) + source
 
 
-_SHOWN = (
-    ("matmul_flop_s", "TFLOP/s", 1e12),
-    ("attention_forward_flop_s", "TFLOP/s", 1e12),
-    ("attention_backward_flop_s", "TFLOP/s", 1e12),
-    ("host_copy_bytes_s", "GB/s", 1e9),
-    ("pinning_bytes_s", "GB/s", 1e9),
+_SHOWN = (  # (rate, label, unit, scale)
+    ("matmul_flop_s", "matmul", "TFLOP/s", 1e12),
+    ("attention_forward_flop_s", "attention forward", "TFLOP/s", 1e12),
+    ("attention_backward_flop_s", "attention backward", "TFLOP/s", 1e12),
+    ("host_copy_bytes_s", "host copies", "GB/s", 1e9),
+    ("pinning_bytes_s", "page-locking", "GB/s", 1e9),
 )
 COMPUTE_RATES = ("matmul_flop_s", "attention_forward_flop_s", "attention_backward_flop_s")
 # Kernels a StreamBP chunk launches per layer: the aten ops its fake step dispatches for one chunk of
@@ -236,48 +234,53 @@ def step_time(
 
 
 def fitted_rates(results: str | Path, device: str, model_of) -> Rates:
-    """Rates from the measured rows under `results` (a CSV or a folder of them) whose device_name
-    contains `device` (ok, timed, of bp, ckpt or streambp with its checkpoints on the GPU):
-    the three compute rates by least squares of their step times on the work of each (when the rows
-    separate them: three or more, of full rank), else one factor on all three (the rows' measured
-    over the defaults' time); the other rates stay defaults. model_of(row) -> the row's model on
-    the meta device (LoRA applied). No such row: the defaults."""
+    """Rates from the measured GPU rows under `results` (a CSV or a folder of them) whose device_name
+    contains `device`: the three compute rates by least squares of the step times of bp, ckpt and
+    streambp rows (checkpoints on the GPU) on each row's work, when the rows separate them (three or
+    more, of full rank), else one factor on all three defaults (the rows' time over the defaults');
+    the page-locking rate from the rows that record their first step's (host_register_s). The
+    other rates stay defaults. model_of(row) -> the row's model on the meta device (LoRA applied)."""
     rows = [row for row in _measured_rows(results) if device.lower() in row.device_name.lower()]
-    defaults = Rates()
+    rates = Rates()
     if not rows:
-        return defaults
+        return rates
+    pinned = [row for row in rows if row.host_register_s and row.host_pinned_peak_bytes]
+    if pinned:
+        seconds = sum(row.host_register_s for row in pinned)
+        rates = replace(rates, pinning_bytes_s=sum(row.host_pinned_peak_bytes for row in pinned) / seconds)
+    timed = [row for row in rows if row.method in ("bp", "ckpt", "streambp") and row.checkpoints in ("", "gpu")]
+    measured = ("pinning_bytes_s",) if pinned else ()
+    source = f"{len(rows)} measured row(s) of {rows[0].device_name}"
+    if not timed:
+        return replace(rates, measured=measured, source=source)
     columns, times = [], []
-    for row in rows:
-        placement = Placement.parse(row.checkpoints) if row.checkpoints else None
+    for row in timed:
         step = work(
             model_of(row),
             method=row.method,
             batch_size=row.batch_size,
             seq_len=row.seq_len,
-            placement=placement,
             chunk_size=row.chunk_size,
             logits_chunk_size=row.logits_chunk_size,
         )
-        overhead = step_time(step, defaults).chunks_s
         columns.append([step.matmul_flops, step.attention_forward_flops, step.attention_backward_flops])
-        times.append(row.time_median_s - overhead)
+        times.append(row.time_median_s - step_time(step, rates).chunks_s)
     design, target = np.array(columns), np.array(times)
-    source = f"{len(rows)} measured row(s) of {rows[0].device_name}"
-    if len(rows) >= 3 and np.linalg.matrix_rank(design) == 3:
+    measured += COMPUTE_RATES
+    if len(timed) >= 3 and np.linalg.matrix_rank(design) == 3:
         seconds_per_flop, *_ = np.linalg.lstsq(design, target, rcond=None)
         if (seconds_per_flop > 0).all():
-            values = {name: 1 / s for name, s in zip(COMPUTE_RATES, seconds_per_flop)}
-            return replace(defaults, **values, measured=COMPUTE_RATES, source=source)
-    default_times = design @ np.array([1 / getattr(defaults, name) for name in COMPUTE_RATES])
-    factor = float(target.sum() / default_times.sum())
-    values = {name: getattr(defaults, name) / factor for name in COMPUTE_RATES}
-    return replace(defaults, **values, measured=COMPUTE_RATES, source=source + " (one factor on the defaults)")
+            values = {name: float(1 / s) for name, s in zip(COMPUTE_RATES, seconds_per_flop)}
+            return replace(rates, **values, measured=measured, source=source)
+    factor = float(target.sum() / (design @ np.array([1 / getattr(rates, name) for name in COMPUTE_RATES])).sum())
+    values = {name: getattr(rates, name) / factor for name in COMPUTE_RATES}
+    return replace(rates, **values, measured=measured, source=source + ", one factor on the default compute rates")
 
 
 def _measured_rows(results: str | Path):
-    """Measured, ok, timed point rows of bp, ckpt and streambp (its checkpoints on the GPU)."""
+    """The ok, timed point rows of one process measured on a GPU, from a CSV or a folder of them."""
     results = Path(results)
-    files = sorted(results.rglob("*.csv")) if results.is_dir() else [results]
+    files = sorted(results.rglob("*.csv")) if results.is_dir() else [results] if results.exists() else []
     for path in files:
         try:
             rows = read_rows(path)
@@ -286,13 +289,9 @@ def _measured_rows(results: str | Path):
         for values in rows:
             row = decode_row(values)
             if (
-                row.source == "measured"
-                and row.kind == "point"
-                and row.status == "ok"
+                (row.source, row.kind, row.status) == ("measured", "point", "ok")
                 and row.device.startswith("cuda")
                 and row.time_median_s
-                and row.method in ("bp", "ckpt", "streambp")
-                and row.checkpoints in ("", "gpu")
                 and (row.nproc or 1) == 1
             ):
                 yield row
