@@ -36,11 +36,9 @@ import torch
 from ..config import RunSpec
 from ..core.placement import CheckpointStore, Placement
 from ..methods import MethodFn
-from ..methods.step import storage_bytes
 from ..models import load_config
 from ..records import ResultRow
-from .estimate import Estimate, StepMemory, assemble, estimate_point, granularity_bytes, judge, margin_bytes
-from .fake_mode import build_fake_step
+from .estimate import Estimate, StepMemory, assemble_unrun, estimate_point, granularity_bytes, judge, margin_bytes
 from .length import Note, predict
 
 AFFINE_COLUMNS = (
@@ -196,8 +194,7 @@ def _lifted(spec: RunSpec, low: int, *, target: str, method: MethodFn | None, no
         host_pinned_bytes=full.max_host_inputs * layer_input,
         transfer_bytes=full.transfers * layer_input,
     )
-    step = build_fake_step(spec, foreach_optimizer=target == "cuda").step
-    return assemble(spec, step, memory, target, baseline=storage_bytes(step.resident_tensors(), granularity))
+    return assemble_unrun(spec, memory, target)
 
 
 def _from_top_segment(phase: str, top_segment: int) -> bool:

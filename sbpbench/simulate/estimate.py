@@ -25,13 +25,14 @@ from collections.abc import Callable
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
+from functools import lru_cache
 
 from ..config import RunSpec
 from ..config.rows import spec_fields
 from ..core.placement import observe_stores
 from ..measure.environment import capture_environment
 from ..measure.flops import training_flops
-from ..methods import MethodFn, MethodUnsupported
+from ..methods import MethodFn, MethodSettings, MethodUnsupported
 from ..methods.step import storage_bytes
 from ..records import ResultRow, one_line
 from .cuda_attention import CudaAttention, hidden_buffers, streambp_cuda_branch
@@ -165,6 +166,26 @@ def simulate(
 
 def granularity_bytes(target: str) -> int:
     return CUDA_ALLOCATOR_ROUNDING if target == "cuda" else 1
+
+
+@lru_cache(maxsize=4)
+def _unrun(spec: RunSpec, cuda: bool):
+    return build_fake_step(spec, foreach_optimizer=cuda).step
+
+
+def unrun_step(spec: RunSpec, target: str):
+    """The point's fake step, built and not run: what is resident before it. Its method settings
+    do not change that, so one is built per point whatever the placement or chunk sizes."""
+    return _unrun(replace(spec, settings=MethodSettings()), target == "cuda")
+
+
+def assemble_unrun(spec: RunSpec, memory: StepMemory, target: str) -> Estimate:
+    """The Estimate of a point whose `memory` comes from elsewhere (an extrapolation), its resident
+    bytes counted on `unrun_step`."""
+    step = unrun_step(spec, target)
+    return assemble(
+        spec, step, memory, target, baseline=storage_bytes(step.resident_tensors(), granularity_bytes(target))
+    )
 
 
 def assemble(spec: RunSpec, step, memory: StepMemory, target: str, *, baseline: int) -> Estimate:

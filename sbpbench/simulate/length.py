@@ -40,10 +40,8 @@ import numpy as np
 from ..config import MaxlenSpec, RunSpec
 from ..config.chunks import resolved_settings
 from ..methods import MethodFn
-from ..methods.step import storage_bytes
 from ..records.select import PROMPTED_OBJECTIVES
-from .estimate import Estimate, StepMemory, assemble, estimate, granularity_bytes, simulate
-from .fake_mode import build_fake_step
+from .estimate import Estimate, StepMemory, assemble_unrun, estimate, granularity_bytes, simulate
 from .instants import InstantRecorder
 
 GIB = 2**30
@@ -187,9 +185,7 @@ def estimate_by_length(
             note(f"T={spec.seq_len} not extrapolated ({why}): running the step at T")
         return None
     last = samples[-1].estimate
-    fake = build_fake_step(spec, foreach_optimizer=target == "cuda")
-    baseline = storage_bytes(fake.step.resident_tensors(), granularity)
-    result = assemble(spec, fake.step, memory, target, baseline=baseline)
+    result = assemble_unrun(spec, memory, target)
     # the optimizer's state is counted after the step (under protocol first, made in it), as estimate() does
     return result if spec.nproc > 1 else replace(result, optimizer_state_bytes=last.optimizer_state_bytes)
 

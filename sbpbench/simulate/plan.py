@@ -24,8 +24,14 @@ from ..methods.step import storage_bytes
 from ..models import apply_lora, load_config
 from ..records import ResultRow
 from .depth import StoreCounts, estimate_point_by_depth, layer_input_bytes, store_counts
-from .estimate import CUDA_CONTEXT_BYTES, FRAGMENTATION_FRACTION, HOST_PROCESS_BYTES, granularity_bytes, host_peak_bytes
-from .fake_mode import build_fake_step
+from .estimate import (
+    CUDA_CONTEXT_BYTES,
+    FRAGMENTATION_FRACTION,
+    HOST_PROCESS_BYTES,
+    granularity_bytes,
+    host_peak_bytes,
+    unrun_step,
+)
 from .length import Note
 from .timing import Rates, StepTime, step_time, work
 
@@ -172,7 +178,7 @@ class _Bounds:
 
     def __init__(self, spec: RunSpec, gpu_memory_bytes: int, host_memory_bytes: int):
         self.spec, self.gpu, self.host = spec, gpu_memory_bytes, host_memory_bytes
-        step = build_fake_step(spec, foreach_optimizer=True).step  # built, not run: what is resident
+        step = unrun_step(spec, "cuda")
         granularity = granularity_bytes("cuda")
         self.baseline = storage_bytes(step.resident_tensors(), granularity)
         self.layer_input = layer_input_bytes(spec)
