@@ -8,14 +8,24 @@ from dataclasses import replace
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
-from sbpbench.config import RunSpec
+from sbpbench.cli import app
+from sbpbench.config import MaxlenSpec, RunSpec
 from sbpbench.core.attention import ChunkState, KVBuffer
 from sbpbench.methods import MethodSettings
+from sbpbench.records import read_rows
 from sbpbench.simulate import estimate, estimate_point
 from sbpbench.simulate.depth import estimate_point_by_depth
 from sbpbench.simulate.instants import FIRST, chunk_of
-from sbpbench.simulate.length import _extrapolate, estimate_by_length, period, predict, sample_lengths
+from sbpbench.simulate.length import (
+    _extrapolate,
+    estimate_by_length,
+    period,
+    predict,
+    sample_lengths,
+    shared_multiple,
+)
 
 CHUNKS = {"chunk_size": 48, "logits_chunk_size": 32, "mlp_tile_size": 32}  # period 48 for streambp
 
@@ -158,3 +168,43 @@ def test_depth_of_length_extrapolated_rows_equals_the_full_run():
         row = estimate_point_by_depth(spec, gpu_memory_bytes=80 << 30, exact=exact)
         for column in ("peak_allocated_bytes", "baseline_bytes", "margin_bytes", "peak_phase", "num_tokens"):
             assert getattr(row, column) == getattr(full, column), (exact, column)
+
+
+def test_exact_runs_the_full_step_without_extrapolating(monkeypatch):
+    """estimate_point_by_depth(exact=True) never extrapolates in length (nor in depth): the full run's row."""
+    from sbpbench.simulate import length
+
+    def refused(*args, **kwargs):
+        raise AssertionError("extrapolated")
+
+    monkeypatch.setattr(length, "estimate_by_length", refused)
+    spec = _spec("tiny/qwen3", "streambp", 401)
+    row = estimate_point_by_depth(spec, gpu_memory_bytes=80 << 30, exact=True)
+    assert row.peak_allocated_bytes == estimate_point(spec, gpu_memory_bytes=80 << 30).peak_allocated_bytes
+
+
+def test_a_search_probes_lengths_that_share_samples_first():
+    """The simulated max-length search's first pass probes multiples of the layer chunk (and of its
+    multiple_of) taken at the chunk sizes its longest probe runs with."""
+    search = MaxlenSpec(base=_spec("tiny/qwen3", "streambp", 64), seq_len_ceiling=4096, multiple_of=8)
+    assert shared_multiple(search) == 48
+    bp = MaxlenSpec(base=_spec("tiny/qwen3", "bp", 64), seq_len_ceiling=4096, multiple_of=8)
+    assert shared_multiple(bp) == 128
+
+
+@pytest.mark.slow
+def test_simulated_max_length_is_bracketed_by_full_runs(tmp_path):
+    """`sbp maxlen --simulate` (extrapolated probes) on tiny/qwen3 StreamBP: its longest fitting T
+    fits and its first OOM does not, each checked by the full fake run at that length."""
+    out = tmp_path / "maxlen.csv"
+    args = ["maxlen", "--simulate", "--model", "tiny/qwen3", "--method", "streambp", "--num-layers", "2"]
+    args += ["--chunk-size", "48", "--logits-chunk-size", "32", "--dtype", "bf16", "--gpu-memory", "772.5MiB"]
+    result = CliRunner().invoke(app, [*args, "--start", "256", "--max-seq", "8192", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    (answer,) = [row for row in read_rows(out) if row["kind"] == "maxlen"]
+    fits, oom = int(answer["max_seq_len"]), int(answer["oom_seq_len"])
+    assert fits < oom <= 8192 and "sample T=" in result.output
+    budget = int(772.5 * 2**20)  # about T = 2900: the CUDA context's 0.75 GiB and a few MiB
+    for seq_len, status in ((fits, "ok"), (oom, "oom")):
+        spec = _spec("tiny/qwen3", "streambp", seq_len)
+        assert estimate_point(spec, gpu_memory_bytes=budget).status == status, seq_len
