@@ -154,3 +154,48 @@ def test_bounds_rule_out_what_cannot_fit_without_a_simulation(monkeypatch):
     assert bounds["cpu+recompute:3"].startswith("host:") and bounds["recompute:4"].startswith("needs over")
     first = estimated[0].checkpoints
     assert first not in bounds and Placement.parse(first).offload
+
+
+def test_a_spill_twin_is_estimated_first_and_bounds_its_placement(monkeypatch):
+    """cpu+recompute:4 needs an estimate: its spill twin (fewer layer inputs on the device) is
+    estimated first; its peak in the top layer's backward plus the two more layer inputs the twin
+    does not hold there exceeds the GPU, so cpu+recompute:4 is ruled out unsimulated and the twin,
+    which fits, is the plan."""
+    spec = RunSpec(model="Qwen/Qwen3-8B", method="streambp", seq_len=1_048_576, dtype="bf16", lora_rank=64)
+    estimated = []
+
+    def estimate(spec, **_):
+        estimated.append(spec.settings.checkpoints)
+        return ResultRow(
+            status="ok", peak_allocated_bytes=70 * 2**30, margin_bytes=2**30, peak_phase="backward layer 35",
+            logits_chunk_size=spec.settings.logits_chunk_size, checkpoints=spec.settings.checkpoints,
+        )  # fmt: skip
+
+    monkeypatch.setattr(planner, "estimate_point_by_depth", estimate)
+    chosen, decided = plan(spec, gpu_memory_bytes=80 * 2**30, host_memory_bytes=100 * 2**30)
+    assert estimated == ["cpu+recompute:4+spill"]
+    assert chosen.candidate.placement == Placement(offload=True, recompute_every=4, spill=True)
+    (bound,) = [o.bound for o in decided if o.candidate.placement == Placement(offload=True, recompute_every=4)]
+    assert "top layer (estimated) with 4 layer inputs" in bound
+
+
+@pytest.mark.slow
+def test_the_top_layer_of_one_placement_gives_every_other_placements_peak_there():
+    """tiny/qwen3, 8 layers, T = 1500: where each placement's peak is in the top layer's backward, it
+    is the spill placement's plus the difference in layer inputs on the device then (the store's
+    count): the bound the planner takes from an estimate of another placement is exact there."""
+    from sbpbench.methods import MethodSettings
+    from sbpbench.simulate.depth import estimate_point_by_depth, layer_input_bytes
+
+    def peak(checkpoints: str):
+        settings = MethodSettings(chunk_size=48, logits_chunk_size=32, checkpoints=checkpoints)
+        point = RunSpec(model="tiny/qwen3", method="streambp", seq_len=1500, dtype="bf16", num_layers=8,
+                        settings=settings, repeats=0, warmup=0)  # fmt: skip
+        row = estimate_point_by_depth(point, gpu_memory_bytes=80 * 2**30)
+        assert row.peak_phase == "backward layer 7", checkpoints
+        return row.peak_allocated_bytes, -(-layer_input_bytes(point) // 512) * 512
+
+    spill, layer_input = peak("cpu+recompute:4+spill")
+    for name in ("gpu", "cpu", "recompute:4", "cpu+recompute:2", "cpu+recompute:4"):
+        more = store_counts(Placement.parse(name), 8).top_device_inputs - 2  # spill holds two there
+        assert peak(name)[0] == spill + more * layer_input, name

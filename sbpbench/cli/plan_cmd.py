@@ -123,7 +123,7 @@ def plan_table(spec: RunSpec, tried: list[PlanOutcome], gpu_bytes: int, host_byt
     for outcome in tried:
         d = describe(outcome, spec.batch_size * spec.seq_len)
         device = "bound" if d["device_bytes"] is None else f"{d['device_bytes'] / GIB:.2f}"
-        chunk = "any" if outcome.bound else str(d["chunk_size"])
+        chunk = "any" if outcome.any_chunk else str(d["chunk_size"])
         table.add_row(
             d["checkpoints"], chunk, str(d["logits_chunk_size"]), d["status"], device,
             f"{d['host_bytes'] / GIB:.2f}", f"{d['predicted_time_s']:.1f}", f"{d['tokens_per_s']:,.0f}",

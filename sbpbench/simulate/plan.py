@@ -30,6 +30,7 @@ from .estimate import (
     HOST_PROCESS_BYTES,
     granularity_bytes,
     host_peak_bytes,
+    margin_bytes,
     unrun_step,
 )
 from .length import Note
@@ -57,6 +58,7 @@ class PlanOutcome:
     candidate: Candidate
     row: ResultRow  # the estimator's row (status ok / oom / error), or a bound's (status oom, no peak)
     bound: str = ""  # why it was dropped without a simulation
+    any_chunk: bool = False  # the bound holds for every chunk size of its placement
 
 
 def meta_model(point: RunSpec | ResultRow) -> torch.nn.Module:
@@ -126,18 +128,10 @@ def plan(
     spec = replace(spec, settings=resolved_settings(spec))  # the logits chunk the rule gives, if left to it
     model = meta_model(spec)
     found = candidates(spec, model, rates)
-    bounds = _Bounds(spec, gpu_memory_bytes, host_memory_bytes)
-    decided: list[PlanOutcome] = []
-    estimates = 0
-    for candidate in found:
-        if _settled(candidate, decided):
-            continue
-        why = bounds.refuses(candidate)
-        if why:
-            decided.append(PlanOutcome(candidate, bounds.row(candidate, why), why))
-            continue
-        if estimates >= max_estimates:
-            break
+    bounds = _Bounds(spec, gpu_memory_bytes, host_memory_bytes, model.config.num_hidden_layers)
+    decided: dict[tuple[Placement, int], PlanOutcome] = {}
+
+    def estimate(candidate: Candidate) -> PlanOutcome:
         if note:
             note(f"{candidate.placement.name} --chunk-size {candidate.chunk_size}: estimating")
         settings = replace(spec.settings, checkpoints=candidate.placement.name, chunk_size=candidate.chunk_size)
@@ -148,27 +142,55 @@ def plan(
             host_memory_bytes=host_memory_bytes,
             note=note,
         )
-        estimates += 1
-        decided.append(PlanOutcome(candidate, row))
         if note:
             note(f"{candidate.placement.name} --chunk-size {candidate.chunk_size}: {row.status} {row.error}".rstrip())
-        if row.status == "ok":  # the fastest left: every candidate before it is decided
-            return decided[-1], decided
-    return None, decided
+        return PlanOutcome(candidate, row)
+
+    for candidate in found:
+        key = (candidate.placement, candidate.chunk_size)
+        if key not in decided and not _dominated(candidate, decided.values()):
+            twin = _spill_twin(candidate, found)
+            if twin is not None and (twin.placement, twin.chunk_size) not in decided and not bounds.refuses(twin):
+                decided[twin.placement, twin.chunk_size] = estimate(twin)  # holds less: it bounds this one
+            placement_bound = bounds.refuses(candidate)
+            why = placement_bound or bounds.by_estimates(candidate, decided.values())
+            if why:
+                decided[key] = PlanOutcome(candidate, bounds.row(candidate, why), why, bool(placement_bound))
+            elif sum(not o.bound for o in decided.values()) >= max_estimates:
+                break
+            else:
+                decided[key] = estimate(candidate)
+        if key in decided and decided[key].row.status == "ok":  # the fastest left: those before it did not fit
+            return decided[key], list(decided.values())
+    return None, list(decided.values())
 
 
-def _settled(candidate: Candidate, decided: list[PlanOutcome]) -> bool:
-    """Decided already, or cannot fit: its placement was ruled out by a bound (any chunk size), or
-    a chunk no larger of the same placement ran out of device memory (a larger one needs at least
-    as much)."""
+def _spill_of(placement: Placement) -> Placement | None:
+    """cpu+recompute:K+spill for cpu+recompute:K (K >= 4, with something to spill), else None: it
+    holds no more layer inputs on the device at any instant (at most two)."""
+    if not placement.offload or placement.spill or placement.recompute_every < 4:
+        return None
+    return replace(placement, spill=True)
+
+
+def _spill_twin(candidate: Candidate, found: list[Candidate]) -> Candidate | None:
+    """The candidate's spill twin (`_spill_of`, same chunk), estimated first: where it does not fit
+    neither does the candidate, and where it fits, its top layer's peak bounds the candidate's
+    (`_Bounds.by_estimates`)."""
+    spill = _spill_of(candidate.placement)
+    return next((c for c in found if c.placement == spill and c.chunk_size == candidate.chunk_size), None)
+
+
+def _dominated(candidate: Candidate, decided) -> bool:
+    """Cannot fit: its placement was ruled out by a bound that holds for any chunk size, or a chunk no
+    larger of the same placement ran out of device memory (a larger one needs at least as much)."""
     for outcome in decided:
         done = outcome.candidate
-        if done.placement != candidate.placement:
+        if done.placement != candidate.placement or outcome.row.status != "oom":
             continue
-        if done.chunk_size == candidate.chunk_size or outcome.bound:
+        if outcome.any_chunk:
             return True
-        device_short = outcome.row.status == "oom" and not outcome.row.error.startswith("host")
-        if device_short and done.chunk_size <= candidate.chunk_size:
+        if not outcome.row.error.startswith("host") and done.chunk_size <= candidate.chunk_size:
             return True
     return False
 
@@ -176,8 +198,9 @@ def _settled(candidate: Candidate, decided: list[PlanOutcome]) -> bool:
 class _Bounds:
     """What rules a candidate out without simulating it (module docstring)."""
 
-    def __init__(self, spec: RunSpec, gpu_memory_bytes: int, host_memory_bytes: int):
+    def __init__(self, spec: RunSpec, gpu_memory_bytes: int, host_memory_bytes: int, num_layers: int):
         self.spec, self.gpu, self.host = spec, gpu_memory_bytes, host_memory_bytes
+        self.top_layer = f"backward layer {num_layers - 1}"
         step = unrun_step(spec, "cuda")
         granularity = granularity_bytes("cuda")
         self.baseline = storage_bytes(step.resident_tensors(), granularity)
@@ -185,6 +208,7 @@ class _Bounds:
         self.device_input = -(-self.layer_input // granularity) * granularity
 
     def refuses(self, candidate: Candidate) -> str:
+        """Why no chunk size of the candidate's placement fits, from the store's counts alone."""
         host = HOST_PROCESS_BYTES + candidate.counts.max_host_inputs * self.layer_input
         if host > self.host:
             return f"host: needs {host / GIB:.2f} GiB (pinned checkpoints + process) of {self.host / GIB:.2f} GiB"
@@ -195,6 +219,34 @@ class _Bounds:
                 f"needs over {device / GIB:.2f} GiB: resident {self.baseline / GIB:.2f} GiB and "
                 f"{candidate.counts.max_device_inputs} layer inputs at once, of {self.gpu / GIB:.2f} GiB"
             )
+        return ""
+
+    def by_estimates(self, candidate: Candidate, decided) -> str:
+        """Why the candidate does not fit, from an estimate of its chunk size whose peak is in the top
+        layer's backward: there every placement runs the same ops and holds the same besides its
+        layer inputs on the device (the store's count then, `top_device_inputs`), so the candidate's
+        value at that instant is the estimate's with the difference in layer inputs; a lower bound
+        of its peak. A spill twin that does not fit bounds it too (it holds no more at any instant)."""
+        for outcome in decided:
+            done, row = outcome.candidate, outcome.row
+            if done.chunk_size != candidate.chunk_size or outcome.bound or row.peak_allocated_bytes is None:
+                continue
+            if (
+                done.placement == _spill_of(candidate.placement)
+                and row.status == "oom"
+                and not row.error.startswith("host")
+            ):
+                return f"its spill twin ({done.placement.name}) does not fit: {row.error}"
+            if row.peak_phase != self.top_layer:
+                continue
+            more = (candidate.counts.top_device_inputs - done.counts.top_device_inputs) * self.device_input
+            peak = row.peak_allocated_bytes + more
+            need = peak + margin_bytes(peak - self.baseline)
+            if more > 0 and need > self.gpu:
+                return (
+                    f"needs over {need / GIB:.2f} GiB: {done.placement.name}'s top layer (estimated) with "
+                    f"{candidate.counts.top_device_inputs} layer inputs on the device, of {self.gpu / GIB:.2f} GiB"
+                )
         return ""
 
     def row(self, candidate: Candidate, why: str) -> ResultRow:
