@@ -172,13 +172,7 @@ def estimate_by_length(
     if lengths is None:
         return None
     granularity = granularity_bytes(target)
-    samples = []
-    for seq_len in lengths:
-        samples.append(_sample(replace(fixed, seq_len=seq_len), target, method))
-        if note:
-            note(
-                f"sample T={seq_len}: peak {samples[-1].record.peak_bytes / GIB:.2f} GiB in {samples[-1].record.peak_phase}"
-            )
+    samples = [_sample(replace(fixed, seq_len=seq_len), target, method, note) for seq_len in lengths]
     memory, why = _fit(samples, spec.seq_len, granularity)
     if memory is None:
         if note:
