@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from ..core.adapters import UnsupportedModelError, resolve_parts
 from ..core.attention import STATE_KWARG, ChunkState, KVBuffer
+from ..core.checkpoints import forwards_wrapped
 from .memory_counter import SimulatedMemory
 
 FIRST = "first"
@@ -90,17 +91,8 @@ class InstantRecorder(SimulatedMemory):
             layers = resolve_parts(model).layers
         except UnsupportedModelError:
             layers = []  # a family StreamBP does not run: no chunks to learn
-        saved = [layer.__dict__.get("forward") for layer in layers]
-        for layer in layers:
-            layer.forward = self._watching(layer.forward)
-        try:
+        with forwards_wrapped(layers, lambda index, forward: self._watching(forward)):
             yield self
-        finally:
-            for layer, forward in zip(layers, saved):
-                if forward is None:
-                    del layer.forward
-                else:
-                    layer.forward = forward
 
     def _watching(self, forward):
         def watched(*args, **kwargs):
