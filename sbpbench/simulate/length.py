@@ -3,7 +3,7 @@ minutes to an hour to find (its cost is per op, and StreamBP's op count grows wi
 
 For fixed model, method, placement and chunk sizes, each op of the step runs at an instant
 (instants.py: its phase, its StreamBP chunk counted from the end of the sequence, its order) that
-exists at every length whose chunks end alike: lengths of one remainder by the chunk sizes
+exists at every length whose layer chunks end alike: lengths of one remainder by the layer chunk
 (`period`). What is live at such an instant is a sum of blocks whose sizes are polynomials in T:
 constant (a chunk's intermediates), linear (checkpoints, the K/V buffers, the dK/dV sums, one
 chunk's prefix) or quadratic (HF's (T, T) attention mask, with bp and ckpt's padded batches), and
@@ -11,19 +11,20 @@ their count does not depend on T. So the live bytes at each instant, before the 
 each block up to 512 B, are a polynomial of degree 1 (streambp: no T x T term on any path) or 2
 in T, fitted exactly from 2 or 3 sample lengths; the rounding is redone per block for the size
 its site (the op that made it) has at T. The peak at T is the largest of these, its phase that
-instant's. Chunks between the first and the last two exist at one length and not at another; an
-op there holds what the same op holds in the second-to-last chunk, with a shorter prefix, so it
-never exceeds it.
+instant's. The chunks between the first and the last three exist at one length and not at another;
+an op there holds what the same op holds in the third-to-last chunk (which follows a full chunk
+as they do) with a shorter prefix, so it never exceeds it.
 
 Refused (None; the caller runs the step at T), with the reason: when the phase of the peak moves
 between the sample lengths (they straddle a change of regime), when a sample's peak is at an
-instant the other samples lack, when the allocator's rounding at T depends on a block whose size at
-T is unknown, or when the sample lengths are not shorter than T. tests/test_simulate_length.py
-compares the prediction with the full run at T to the byte over grids of T.
+instant the other samples lack, when an instant names different ops at two lengths, or when the
+sample lengths are not shorter than T; and for the peers that loop over chunks of their own
+(EXTRAPOLATED_METHODS). tests/test_simulate_length.py compares the prediction with the full run at
+T to the byte over grids of T, remainders by each chunk size included.
 
-Depth extrapolation (depth.py) composes with this: it runs its two shallow models at T through
-`estimate_by_length`, each predicted from short samples of that depth. The other order would need
-the depth fit per instant; this one needs nothing of depth.py beyond its rows.
+Depth extrapolation (depth.py) composes with this: its shallow models are each predicted at T from
+short samples of that depth. The other order would need the depth fit per instant; this one needs
+nothing of depth.py beyond its rows.
 """
 
 from __future__ import annotations
@@ -122,9 +123,8 @@ def _sample(spec: RunSpec, target: str, method: MethodFn | None, note: Note | No
     while len(_SAMPLES) > KEPT_SAMPLES:
         _SAMPLES.popitem(last=False)
     if note:
-        note(
-            f"sample T={spec.seq_len} ({spec.num_layers} layers): peak {record.peak_bytes / GIB:.2f} GiB in {record.peak_phase}"
-        )
+        peak = f"{record.peak_bytes / GIB:.2f} GiB in {record.peak_phase}"
+        note(f"sample T={spec.seq_len} ({spec.num_layers} layers): peak {peak}")
     return found
 
 

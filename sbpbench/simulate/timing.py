@@ -48,8 +48,9 @@ from ..records import decode_row, read_rows
 #   tokens, at 335 TFLOP/s forward with a causal mask and 322 TFLOP/s backward;
 # - HBM3: 3.35 TB/s (H100 SXM5 datasheet); PCIe 5.0 x16: 64 GB/s each way (H100 datasheet:
 #   128 GB/s, both directions);
-# - a kernel launch from PyTorch eager: 5 us (an 8B model's decode step on an H100 SXM5: 8.4 ms eager,
-#   5.1 ms as one CUDA graph, about 5 us for each of its ~650 kernels; a third-party measurement);
+# - a kernel launch from PyTorch eager: 5 us, an assumption of the order NVIDIA's and PyTorch's CUDA
+#   graphs posts give for the host's cost per launched kernel ("a few microseconds"); it matters only
+#   where a chunk's kernels run shorter than their launches;
 # - page-locking host memory (cudaHostRegister of fresh pages, faulted in and pinned): HOST_REGISTER_BYTES_S.
 DEFAULT_RATES_NOTE = "H100 SXM figures: 794.5 TFLOP/s matmul, FlashAttention-2 335/322 TFLOP/s"
 
