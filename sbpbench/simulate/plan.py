@@ -1,13 +1,17 @@
 """The planner behind `sbp plan`: the fastest checkpoint placement and chunk size that fit a GPU and
 a host, from the time model (timing.py) and the memory estimator (estimate.py, length.py, depth.py).
 
-Candidates are every placement x chunk size, fastest predicted first. Before any is simulated, two
-bounds that need no simulation drop what cannot fit: the host the checkpoint store would fill
-(its own count of the layer inputs it holds there, `depth.store_counts`, the same bytes the
-estimator reports), and the device's resident bytes plus the layer inputs the store holds there at
-once. The rest are estimated in order, a placement's fastest chunk first; when that one does not
-fit, its smallest next (a larger chunk needs at least as much memory: if the smallest does not fit,
-none does). The first that fits is the plan, unless a faster candidate is still to be tried.
+Candidates are every placement x chunk size, fastest predicted first, decided in that order; the
+first that fits is the plan. What cannot fit is ruled out without a simulation where it can be:
+- for every chunk size of a placement: the host the checkpoint store would fill (its own count of
+  the layer inputs it holds there, `depth.store_counts`, the bytes the estimator reports), or the
+  device's resident bytes plus the layer inputs the store holds there at once;
+- a chunk size larger than one of the same placement that ran out of device memory (a larger chunk
+  needs at least as much);
+- from an estimate of another placement at the same chunk size whose peak is in the top layer's
+  backward (`_Bounds.by_estimates`): a cpu+recompute:K candidate has its spill twin, which holds
+  fewer layer inputs on the device at every instant, estimated first for that.
+The rest are estimated (estimate_point_by_depth, extrapolated from short runs).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from .length import Note
 from .timing import Rates, StepTime, step_time, work
 
 RECOMPUTE_EVERY = (2, 3, 4, 6, 9, 12)  # K candidates
-CHUNK_SIZES = (500, 1000, 2000)  # layer chunks tried, the paper's 500 first
+CHUNK_SIZES = (500, 1000, 2000)  # layer chunks tried (the paper's 500 the smallest)
 GIB = 2**30
 
 
@@ -242,7 +246,7 @@ class _Bounds:
             more = (candidate.counts.top_device_inputs - done.counts.top_device_inputs) * self.device_input
             peak = row.peak_allocated_bytes + more
             need = peak + margin_bytes(peak - self.baseline)
-            if more > 0 and need > self.gpu:
+            if need > self.gpu:
                 return (
                     f"needs over {need / GIB:.2f} GiB: {done.placement.name}'s top layer (estimated) with "
                     f"{candidate.counts.top_device_inputs} layer inputs on the device, of {self.gpu / GIB:.2f} GiB"
