@@ -53,6 +53,7 @@ def stream_backward(
     fp32_grad_accumulation: bool = True,
     checkpoints: str | Placement = "gpu",
     progress: LayerProgress | None = None,
+    scale_wrt_gas: bool = True,
 ) -> torch.Tensor:
     """Forward + backward of a training objective with StreamBP.
 
@@ -78,7 +79,9 @@ def stream_backward(
     (the model's device), "cpu", "recompute:K", "cpu+recompute:K" or "cpu+recompute:K+spill"
     (placement.py); the same
     operations whatever the placement, so the same gradients. progress: see LayerProgress (per
-    layer of the backward, for long steps).
+    layer of the backward, for long steps). scale_wrt_gas: a DeepSpeedEngine only, as
+    `engine.backward(loss, scale_wrt_gas=...)`: False leaves the gradients undivided by the engine's
+    gradient_accumulation_steps (transformers' Trainer: its loss is already scaled for accumulation).
     """
     _check_sizes(chunk_size, logits_chunk_size)
     placement = Placement.parse(checkpoints)
@@ -90,7 +93,8 @@ def stream_backward(
     parts = resolve_parts(unwrap(model))  # a DeepSpeedEngine: its module
     check_no_attention_dropout(parts)
     sync = grad_sync_for(model, parts)  # FSDP2, DeepSpeed or one process; refuses sequence parallelism
-    objective = sync.objective(objective)  # DeepSpeed: each chunk's gradient / accumulation steps
+    if scale_wrt_gas:
+        objective = sync.objective(objective)  # DeepSpeed: each chunk's gradient / accumulation steps
 
     store = CheckpointStore(placement, len(parts.layers))
     with _streaming_mode(parts), sync.step(), closing(store):  # close: frees (and unpins) what an error left
