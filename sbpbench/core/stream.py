@@ -102,9 +102,10 @@ def stream_backward(
             parts, input_ids, chunk_size, store, gathered=sync.gathered, position_ids=position_ids, layout=layout
         )
         store.rebuild = lambda index, x: _rebuild(parts, saved, index, x, chunk_size, sync)
+        sync.gather_head()  # a head unit of its own that the checkpoint pass resharded
         head_grads = ChunkGradAccumulator(trainable(parts.norm) + trainable(parts.lm_head), fp32_grad_accumulation)
         loss, grad = head_backward(
-            parts, saved.last_hidden, objective, chunk_size=logits_chunk_size, accumulator=head_grads
+            parts, saved.last_hidden, objective, chunk_size=logits_chunk_size, accumulator=head_grads, call=sync.head
         )
         saved.last_hidden = None
         embed_trainable = bool(trainable(parts.embed))
@@ -134,8 +135,9 @@ def stream_backward(
             if progress is not None:
                 progress(num_layers - index, num_layers)
         if embed_trainable:
+            sync.gather_head()
             with torch.enable_grad():
-                parts.embed(input_ids).backward(grad)
+                sync.head(parts.embed)(input_ids).backward(grad)
         head_grads.finish()  # no-op unless tied
     return loss
 
