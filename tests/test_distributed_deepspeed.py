@@ -196,7 +196,9 @@ def _run_case(case, rank):
     return grads, dict(counter.counts)
 
 
-def _worker(rank, port, cases, queue):
+def deepspeed_rank(rank: int, port: int) -> None:
+    """Make this spawned process rank `rank` of WORLD for DeepSpeed on CPU (the environment variables
+    deepspeed and Accelerate read), before any process group exists."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -216,6 +218,12 @@ def _worker(rank, port, cases, queue):
     # The CPU accelerator JIT-compiles a shared-memory all-reduce op on first use (a minute of g++ on
     # 2 cores, then a file lock on ~/.cache/torch_extensions); gloo alone is what is tested here.
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # deepspeed.comm.torch is torch itself
+
+
+def _worker(rank, port, cases, queue):
+    import deepspeed
+
+    deepspeed_rank(rank, port)
     deepspeed.init_distributed(dist_backend="gloo")
     try:
         for case in cases:

@@ -12,14 +12,14 @@ in tests/test_distributed.py ("accelerate" cases)."""
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 import traceback
 
 import pytest
 import torch
 
-from .test_distributed import WORLD, run_distributed
+from .test_distributed import run_distributed
+from .test_distributed_deepspeed import deepspeed_rank
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is an optional extra: pip install -e '.[deepspeed]'")
 
@@ -73,24 +73,10 @@ def _train(case, streambp: bool, rank: int) -> dict:
 
 
 def _worker(rank, port, cases, queue):
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(WORLD),
-        OMP_NUM_THREADS="1",
-        DS_ACCELERATOR="cpu",
-    )
-    import logging
-
-    import deepspeed
     import huggingface_hub.constants
 
+    deepspeed_rank(rank, port)  # the Trainer's Accelerator starts the process group
     huggingface_hub.constants.HF_HUB_DISABLE_TELEMETRY = True
-    deepspeed.utils.logger.setLevel(logging.WARNING)
-    torch.set_num_threads(1)
-    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # as tests/test_distributed_deepspeed.py
     try:
         for case in cases:
             stock, ours = _train(case, False, rank), _train(case, True, rank)

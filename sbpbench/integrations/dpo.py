@@ -20,22 +20,16 @@ import torch
 from trl import DPOTrainer
 
 from ..core import DPO
-from .config import StreamBPConfig
 from .token_outputs import replay_model
-from .trainer import StreamBPStep, StreamedBatch, check_batch_keys, refuse, streambp_config
+from .trainer import StreamBPInit, StreamBPStep, StreamedBatch, check_batch_keys, refuse
 
 DPO_KEYS = ("input_ids", "attention_mask", "completion_mask", "ref_chosen_logps", "ref_rejected_logps")
 
 
-class StreamBPDPOTrainer(DPOTrainer, StreamBPStep):
+class StreamBPDPOTrainer(StreamBPInit, DPOTrainer, StreamBPStep):
     """DPOTrainer, exact under StreamBP (module docstring). streambp: chunk sizes and placement."""
 
     recorded_outputs = ("log_probs", "entropy", "mean_logits", "is_top1")  # what DPOTrainer._compute_loss reads
-
-    def __init__(self, *args, streambp: StreamBPConfig | None = None, **kwargs):
-        self.streambp = streambp_config(streambp)
-        super().__init__(*args, **kwargs)
-        self.refuse_unsupported()
 
     def refuse_unsupported(self) -> None:
         refuse(

@@ -24,8 +24,7 @@ from trl import GRPOTrainer
 from ..core import GRPO
 from ..core.labels import IGNORE_INDEX
 from ..core.objectives import GRPO_LOSS_TYPES
-from .config import StreamBPConfig
-from .trainer import StreamBPStep, StreamedBatch, check_batch_keys, refuse, streambp_config
+from .trainer import StreamBPInit, StreamBPStep, StreamedBatch, check_batch_keys, refuse
 
 GRPO_KEYS = (
     "prompt_ids",
@@ -41,16 +40,11 @@ GRPO_KEYS = (
 )
 
 
-class StreamBPGRPOTrainer(GRPOTrainer, StreamBPStep):
+class StreamBPGRPOTrainer(StreamBPInit, GRPOTrainer, StreamBPStep):
     """GRPOTrainer, exact under StreamBP (module docstring). streambp: chunk sizes and placement."""
 
     recorded_outputs = ("log_probs", "entropy")  # what GRPOTrainer._compute_loss reads
     _streamed_outputs = None  # the recorded outputs while _compute_loss logs from them
-
-    def __init__(self, *args, streambp: StreamBPConfig | None = None, **kwargs):
-        self.streambp = streambp_config(streambp)
-        super().__init__(*args, **kwargs)
-        self.refuse_unsupported()
 
     def refuse_unsupported(self) -> None:
         refuse(

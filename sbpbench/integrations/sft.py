@@ -13,20 +13,14 @@ from __future__ import annotations
 import torch
 from trl import SFTTrainer
 
-from .config import StreamBPConfig
 from .token_outputs import replay_model
-from .trainer import StreamBPStep, refuse, streambp_config
+from .trainer import StreamBPInit, StreamBPStep, refuse
 
 
-class StreamBPSFTTrainer(SFTTrainer, StreamBPStep):
+class StreamBPSFTTrainer(StreamBPInit, SFTTrainer, StreamBPStep):
     """SFTTrainer, exact under StreamBP (module docstring). streambp: chunk sizes and placement."""
 
     recorded_outputs = ("log_probs", "entropy", "is_top1")  # what SFTTrainer.compute_loss reads
-
-    def __init__(self, *args, streambp: StreamBPConfig | None = None, **kwargs):
-        self.streambp = streambp_config(streambp)
-        super().__init__(*args, **kwargs)
-        self.refuse_unsupported()
 
     def refuse_unsupported(self) -> None:
         refusals = {

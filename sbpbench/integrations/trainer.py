@@ -8,7 +8,7 @@ carries the stock scaling (the summed loss over `num_items_in_batch`, the target
 accumulation window, or a per-batch mean over the accumulation steps; times the number of processes
 under `average_tokens_across_devices`, as the stock loss is), so loss and gradients equal the stock
 step's to rounding. StreamBPStep sits just above `Trainer` in each trainer's MRO
-(`class StreamBPSFTTrainer(SFTTrainer, StreamBPStep)`): TRL's own `training_step` wrappers (GRPO's
+(`class StreamBPSFTTrainer(StreamBPInit, SFTTrainer, StreamBPStep)`): TRL's own `training_step` wrappers (GRPO's
 `_step` counter and step timing) still run and call this step in place of Trainer's.
 
 Under DeepSpeed the step takes Accelerate's engine, as `accelerator.backward` does (the accumulation
@@ -216,11 +216,17 @@ def check_batch_keys(inputs: Mapping[str, Any], allowed: tuple[str, ...]) -> Non
         )
 
 
-class StreamBPTrainer(StreamBPStep):
-    """transformers' Trainer, each training step's forward + backward by StreamBP (exact: the stock
-    step's loss and gradients to rounding). streambp: chunk sizes and checkpoint placement."""
+class StreamBPInit:
+    """First in each StreamBP trainer's bases: takes the `streambp=` keyword (a StreamBPConfig; None:
+    the defaults), builds the stock trainer with the other arguments, then refuses what StreamBP
+    cannot run (the trainer's `refuse_unsupported`)."""
 
     def __init__(self, *args, streambp: StreamBPConfig | None = None, **kwargs):
         self.streambp = streambp_config(streambp)
         super().__init__(*args, **kwargs)
         self.refuse_unsupported()
+
+
+class StreamBPTrainer(StreamBPInit, StreamBPStep):
+    """transformers' Trainer, each training step's forward + backward by StreamBP (exact: the stock
+    step's loss and gradients to rounding). streambp: chunk sizes and checkpoint placement."""
