@@ -6,18 +6,19 @@ module or function level. A module that needs a back-edge is in the wrong packag
 import this root module (it runs before any of them anyway); `sbpbench` here is the root itself
 and __main__.py.
 
+    settings: every setting a user can give (name, type, choices, help, flag), ConfigError; torch-free -> nothing
     core: exact StreamBP (layer-wise backward, chunked LM head, objectives) -> nothing
     measure: memory, time and FLOPs of a step, and the environment it ran in -> nothing
     records: the results schema, its CSV files, and reading their rows (select.py) -> measure
-    models: named model shapes (shipped configs), building them, LoRA -> core
-    data: synthetic batches per objective (of core: objective types, label constants) -> core
-    methods: the compared methods by name, the training step, exactness checks -> core, data, models
-    config: typed, validated settings of points and searches, experiment files, a spec's model and batch -> methods, models, data, measure, records, core
+    models: named model shapes (shipped configs), local checkpoints and Hub ids, building them, LoRA -> core
+    data: synthetic batches per objective (of core: objective types, label constants) -> core, settings
+    methods: the compared methods by name, the training step, exactness checks -> core, data, models, settings
+    config: typed, validated settings of points and searches, experiment files, a spec's model and batch -> settings, methods, models, data, measure, records, core
     runner: points measured in own processes, sweeps, max-T search -> config, methods, measure, records, models, data
     simulate: peak memory predicted under fake tensors -> config, methods, measure, records, models, data, core
     report: the results table beside the paper's numbers, as Markdown -> records, measure
     plot: figures of a results table -> records, measure
-    cli: the `sbp` commands -> config, runner, simulate, report, plot, records, measure, models
+    cli: the `sbp` commands (each imports torch's side inside its function) -> settings, config, runner, simulate, report, plot, records, measure, models
     integrations: StreamBP trainers for transformers and TRL (nothing of ours imports it but tests) -> core
     sbpbench: the version, this map, `python -m sbpbench` -> cli
 """

@@ -16,6 +16,9 @@ import pytest
 # several times slower. Set before torch starts its thread pool; subprocesses (CLI runs, isolated
 # workers) inherit it.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# No test reaches the network: a Hub id missing from the cache is an error at once, not a download
+# attempt (huggingface_hub reads this at import, so before anything imports it).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
@@ -107,7 +110,7 @@ def cli_env() -> dict[str, str]:
     thread count, and PYTHONPATH, so that `PYTHONPATH=$PWD pytest` in a git worktree runs the
     worktree's code in the subprocess too, not the editable install's."""
     env = {"COLUMNS": "160", "PATH": str(Path(sys.executable).parent)}
-    for name in ("PYTHONPATH", "OMP_NUM_THREADS"):
+    for name in ("PYTHONPATH", "OMP_NUM_THREADS", "HF_HUB_OFFLINE", "HF_HUB_CACHE"):
         if name in os.environ:
             env[name] = os.environ[name]
     return env

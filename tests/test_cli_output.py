@@ -119,3 +119,25 @@ def test_report_of_a_truncated_csv_warns_with_the_line_and_goes_on(tmp_path):
     count = len(text.splitlines())
     assert f"warning: {path} line {count} " in done.stderr and "row skipped" in done.stderr
     assert (tmp_path / "report.md").read_text()
+
+
+def test_the_progress_bar_keeps_its_times_whole_at_80_columns():
+    """On an 80-column terminal the bar's elapsed time and ETA are whole (they were cut to `0:0…`);
+    a finished point's line is printed whole above the bar."""
+    import io
+    import re
+
+    from rich.console import Console
+
+    from sbpbench.cli.progress import Progress
+
+    stream = io.StringIO()
+    console = Console(file=stream, width=80, force_terminal=True, color_system=None)
+    finished = "streambp T=110000: ok, peak 70.12 GiB, 81.234 s/step"
+    with Progress(console, 3) as progress:
+        progress.start("measuring streambp (Qwen/Qwen3-8B, T=110000, cuda:0)")
+        progress.advance(finished)
+    frames = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", stream.getvalue()).replace("\r", "\n").splitlines()
+    last = [frame for frame in frames if "1/3" in frame and "elapsed" in frame][-1]
+    assert re.search(r"elapsed \d:\d\d:\d\d ETA (\d:\d\d:\d\d|-:--:--)$", last.rstrip()), last
+    assert len(last.rstrip()) <= 80 and f"[1/3] {finished}" in frames

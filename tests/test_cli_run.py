@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+import sbpbench.runner as runner_package
 from sbpbench.cli import app
 from sbpbench.cli.options import parse_methods
-from sbpbench.records import COLUMNS, PROVENANCE_COLUMNS, read_rows
+from sbpbench.config.rows import spec_fields
+from sbpbench.records import COLUMNS, PROVENANCE_COLUMNS, ResultRow, read_rows, upsert_rows
 
 from .conftest import cli_env
 
@@ -26,19 +28,17 @@ def _sbp() -> str:
     return str(beside_python) if beside_python.exists() else shutil.which("sbp")
 
 
+def _run_sbp(*args: str) -> subprocess.CompletedProcess:
+    """The installed `sbp` in a process of its own, its output captured."""
+    return subprocess.run([_sbp(), *args], check=False, capture_output=True, text=True, timeout=600, env=cli_env())
+
+
 @pytest.mark.slow
 def test_sbp_run_in_a_real_process_writes_rows_with_full_provenance(tmp_path):
     """The installed `sbp run` with `--method bp ckpt streambp`: exit 0, a table, three rows whose
     provenance columns are all filled."""
     out = tmp_path / "results" / "runs.csv"
-    done = subprocess.run(
-        [_sbp(), "run", *TINY, "--method", "bp", "ckpt", "streambp", "--out", str(out)],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=cli_env(),
-    )
+    done = _run_sbp("run", *TINY, "--method", "bp", "ckpt", "streambp", "--out", str(out))
     assert done.returncode == 0, done.stderr
     for text in ("bp", "ckpt", "streambp", "peak GiB", "tiny/qwen3", "3 row(s) written"):
         assert text in done.stdout
@@ -82,7 +82,7 @@ def test_rerun_replaces_the_point_and_memory_limit_gives_an_oom_row(tmp_path):
         (["--step", "adam"], "unknown --step 'adam'"),
         (["--out", "/proc/nope/r.csv"], "--out"),
         (["--out", "r.txt"], ".csv"),
-        (["--out", "/proc/forbidden.csv"], "error: permission denied: cannot write /proc/forbidden.csv"),
+        (["--out", "/proc/forbidden.csv"], "/proc/forbidden.csv: "),  # the cause: test_bad_input.py
         (["--seq", "abc"], "error: invalid input: --seq must be an integer, got 'abc'"),
         (["--timeout", "soon"], "error: invalid input: --timeout must be a number, got 'soon'"),
         (["--threads", "0"], "error: invalid input: --threads must be an integer >= 1"),
@@ -126,3 +126,65 @@ def test_sbp_env_json_parses():
     assert result.exit_code == 0
     values = json.loads(result.output)
     assert values["torch_version"] and values["git_commit"]
+
+
+def _stub_runner(commit: str, finished: str, *, interrupt_after: int | None = None):
+    """A run_points that measures nothing: each spec's row (ok, from `commit` at `finished`) is
+    upserted then yielded, as the real one does; after `interrupt_after` rows, Ctrl-C."""
+
+    def run_points(specs, out):
+        for i, spec in enumerate(specs):
+            if i == interrupt_after:
+                raise KeyboardInterrupt
+            row = ResultRow(**spec_fields(spec), status="ok", device_name="a CPU", git_commit=commit, git_dirty="false")
+            row.timestamp_utc = finished
+            upsert_rows(out, [row])
+            yield row
+
+    return run_points
+
+
+def test_ctrl_c_says_which_rows_were_kept_and_exits_130(tmp_path, monkeypatch):
+    """Ctrl-C during the second of three points: one line naming the kept row and the file, the
+    methods not measured, exit 130; the finished row is in the CSV."""
+    out = tmp_path / "r.csv"
+    monkeypatch.setattr(runner_package, "run_points", _stub_runner("a" * 40, "2025-01-01T00:00:00+00:00", interrupt_after=1))
+    result = runner.invoke(app, ["run", "--model", "tiny/qwen3", "--seq", "16", "--device", "cpu", "--out", str(out)])
+    assert result.exit_code == 130, result.output
+    assert f"interrupted: 1 of 3 row(s) kept in {out} (bp); not measured: ckpt, streambp" in " ".join(result.output.split())
+    assert [r["method"] for r in read_rows(out)] == ["bp"]
+
+
+def test_a_rerun_says_how_many_rows_it_replaced_and_from_when(tmp_path, monkeypatch):
+    """Rows are upserted by point: a rerun names the rows it replaced (count, commit, time) and the
+    rows of other points already in the file."""
+    out = tmp_path / "r.csv"
+    args = ["run", "--model", "tiny/qwen3", "--device", "cpu", "--method", "bp", "ckpt", "--out", str(out)]
+    monkeypatch.setattr(runner_package, "run_points", _stub_runner("a" * 40, "2025-01-01T00:00:00+00:00"))
+    first = runner.invoke(app, [*args, "--seq", "16"])
+    assert first.exit_code == 0 and f"2 row(s) written to {out}" in first.output and "earlier" not in first.output
+    monkeypatch.setattr(runner_package, "run_points", _stub_runner("b" * 40, "2025-02-02T00:00:00+00:00"))
+    again = runner.invoke(app, [*args, "--seq", "16", "--method", "streambp"])
+    line = " ".join(again.output.split())
+    assert again.exit_code == 0
+    assert f"3 row(s) written to {out}, 2 of them replacing rows of an earlier run (commit aaaaaaa, 2025-01-01" in line
+    other = runner.invoke(app, [*args, "--seq", "32"])
+    assert "; 3 row(s) of other points from earlier runs are also in it" in " ".join(other.output.split())
+    assert len(read_rows(out)) == 5
+
+
+@pytest.mark.slow
+def test_a_memory_limit_above_the_machine_runs_capped_at_its_ram_with_a_notice(tmp_path):
+    """`sbp run --device cpu --model tiny/qwen3 --seq 64 --method bp --memory-limit 100TB`: an ok row
+    whose recorded cap is this machine's RAM (beside the 100 TB asked for), and one notice line."""
+    from sbpbench.measure.host_memory import total_ram_bytes
+
+    out = tmp_path / "r.csv"
+    argv = ["run", "--device", "cpu", "--model", "tiny/qwen3", "--seq", "64", "--method", "bp"]
+    done = _run_sbp(*argv, "--memory-limit", "100TB", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    (row,) = read_rows(out)
+    assert row["status"] == "ok" and row["memory_limit_bytes"] == str(100 * 10**12)
+    assert row["memory_limit_effective_bytes"] == str(total_ram_bytes())
+    notices = [line for line in done.stderr.splitlines() if line.startswith("notice:")]
+    assert len(notices) == 1 and "this machine's RAM" in notices[0], done.stderr

@@ -6,7 +6,7 @@ import pytest
 import typer
 
 from sbpbench.cli import app
-from sbpbench.cli.options import FLAGS, OPTIONS
+from sbpbench.cli.options import FLAGS
 from sbpbench.config import FIELD_NAMES, ConfigError, MaxlenSpec, RunSpec, point_specs
 from sbpbench.config.experiment import POINT_KEYS
 
@@ -14,21 +14,21 @@ from sbpbench.config.experiment import POINT_KEYS
 EXPECTED_FIELDS = (
     "model", "method", "seq_len", "batch_size", "objective", "prompt_len", "lora_rank", "lora_alpha", "step",
     "dtype", "device", "num_layers", "protocol", "warmup", "repeats", "memory_limit", "seed", "timeout_s",
-    "threads", "nproc", "chunk_size", "logits_chunk_size", "fp32_grad_accumulation", "mlp_tile_size", "offload_checkpoints",
+    "threads", "nproc", "weights", "sdpa_backend", "chunk_size", "logits_chunk_size", "fp32_grad_accumulation", "mlp_tile_size", "offload_checkpoints",
     "checkpoints",
 )  # fmt: skip
 EXPECTED_OPTIONS = {
     "run": {
-        "--method", "--model", "--seq", "--batch", "--objective", "--prompt-len", "--lora-rank", "--lora-alpha",
-        "--step", "--dtype", "--chunk-size", "--logits-chunk-size", "--fp32-grad-accumulation", "--mlp-tile-size",
-        "--offload-checkpoints", "--checkpoints", "--device", "--num-layers", "--protocol", "--warmup", "--repeats",
-        "--memory-limit", "--timeout", "--seed", "--threads", "--nproc", "--out",
-    },
-    "maxlen": {
-        "--method", "--model", "--seq", "--start", "--batch", "--objective", "--prompt-len", "--lora-rank",
+        "--method", "--model", "--weights", "--seq", "--batch", "--objective", "--prompt-len", "--lora-rank",
         "--lora-alpha", "--step", "--dtype", "--chunk-size", "--logits-chunk-size", "--fp32-grad-accumulation",
         "--mlp-tile-size", "--offload-checkpoints", "--checkpoints", "--device", "--num-layers", "--protocol",
-        "--warmup", "--memory-limit", "--timeout", "--seed", "--threads", "--nproc", "--max-seq",
+        "--warmup", "--repeats", "--memory-limit", "--timeout", "--seed", "--threads", "--nproc", "--sdpa-backend", "--out",
+    },
+    "maxlen": {
+        "--method", "--model", "--weights", "--seq", "--start", "--batch", "--objective", "--prompt-len", "--lora-rank",
+        "--lora-alpha", "--step", "--dtype", "--chunk-size", "--logits-chunk-size", "--fp32-grad-accumulation",
+        "--mlp-tile-size", "--offload-checkpoints", "--checkpoints", "--device", "--num-layers", "--protocol",
+        "--warmup", "--memory-limit", "--timeout", "--seed", "--threads", "--nproc", "--sdpa-backend", "--max-seq",
         "--resolution", "--multiple-of", "--resume", "--simulate", "--gpu-memory", "--host-memory", "--out",
     },
     "estimate": {
@@ -39,7 +39,7 @@ EXPECTED_OPTIONS = {
         "--out",
     },
     "check": {
-        "--method", "--model", "--seq", "--batch", "--objective", "--prompt-len", "--lora-rank", "--dtype",
+        "--method", "--model", "--weights", "--seq", "--batch", "--objective", "--prompt-len", "--lora-rank", "--dtype",
         "--chunk-size", "--logits-chunk-size", "--fp32-grad-accumulation", "--mlp-tile-size", "--offload-checkpoints",
         "--checkpoints", "--device", "--num-layers", "--seed", "--out",
     },
@@ -75,14 +75,14 @@ def test_experiment_keys_are_the_config_field_names():
     """An experiment file says seq_len where Python says seq_len: the keys are the fields (plus a
     search's own settings and the point kind)."""
     assert set(POINT_KEYS) == {*FIELD_NAMES, "seq_len_ceiling", "resolution", "multiple_of", "kind"}
-    assert set(OPTIONS) == set(FLAGS) == set(POINT_KEYS) - {"kind"}
+    assert set(FLAGS) == set(POINT_KEYS) - {"kind"}
 
 
 def test_defaults_are_filled_by_the_config_per_device_and_objective():
     """The CPU default point and the per-objective batch sizes come from one place."""
     (bp, streambp) = point_specs({"device": "cpu"}, ["bp", "streambp"])
     assert (bp.model, bp.seq_len, bp.dtype, bp.batch_size, bp.device) == ("small/qwen3", 2048, "fp32", 1, "cpu")
-    assert (streambp.settings.chunk_size, streambp.settings.logits_chunk_size) == (500, 100)
+    assert (streambp.settings.chunk_size, streambp.settings.logits_chunk_size) == ("auto", "auto")
     assert point_specs({"device": "cpu", "objective": "grpo"}, ["bp"])[0].batch_size == 8
     assert point_specs({"device": "cpu", "objective": "dpo"}, ["bp"])[0].batch_size == 2
     gpu_shaped = point_specs({"device": "cpu"}, ["bp"], defaults_for="cuda")[0]
@@ -152,7 +152,8 @@ def test_a_local_checkpoint_of_another_family_is_refused_before_anything_runs(tm
         point_specs({"device": "cpu", "model": str(tmp_path / "bert"), "seq_len": 16}, ["bp"])
     with pytest.raises(UnsupportedModelError, match="streambp does not support.*Llama.*bp and ckpt"):
         point_specs({"device": "cpu", "model": str(tmp_path / "gpt2"), "seq_len": 16})
-    assert [s.method for s in point_specs({"device": "cpu", "model": str(tmp_path / "gpt2")}, ["bp", "ckpt"])] == [
+    gpt2 = {"device": "cpu", "model": str(tmp_path / "gpt2"), "seq_len": 1024}  # GPT-2's whole context
+    assert [s.method for s in point_specs(gpt2, ["bp", "ckpt"])] == [
         "bp",
         "ckpt",
     ]

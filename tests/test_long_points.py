@@ -39,17 +39,19 @@ class _CountingStep:
 
 
 def test_a_cuda_probe_runs_one_step(monkeypatch):
-    """The worker's CUDA memory measurement of a probe spec runs the step once (against a stand-in
-    for torch.cuda's peak counters)."""
+    """The worker's CUDA memory measurement of a probe spec runs the step once, named the memory
+    step; with a warm-up, the warm-up comes first under its own name (against a stand-in for
+    torch.cuda's peak counters)."""
     for name in ("synchronize", "reset_peak_memory_stats"):
         monkeypatch.setattr(torch.cuda, name, lambda device=None: None)
     for name in ("memory_allocated", "max_memory_allocated", "max_memory_reserved"):
         monkeypatch.setattr(torch.cuda, name, lambda device=None: 0)
     monkeypatch.setattr(point, "nvml_handle", lambda device: None)
-    (spec,) = point_specs({"model": "tiny/qwen3", "repeats": 0}, ["streambp"])
-    step = _CountingStep()
-    point._measure_cuda(spec, step, ResultRow(), torch.device("cuda:0"), step.prepare)
-    assert step.runs == 1
+    for warmup, expected in ((0, ["memory step"]), (1, ["warm-up 1 of 1", "memory step"])):
+        (spec,) = point_specs({"model": "tiny/qwen3", "repeats": 0, "warmup": warmup}, ["streambp"])
+        step, names = _CountingStep(), []
+        point._measure_cuda(spec, step, ResultRow(), torch.device("cuda:0"), lambda name: names.append(name))
+        assert step.runs == 1 + warmup and names == expected
 
 
 def test_stream_backward_reports_every_layer():
@@ -69,11 +71,12 @@ def test_step_progress_is_silent_for_short_steps():
     progress = StepProgress(
         "streambp T=9", after_s=2, stream=stream, clock=lambda: next(ticks), synchronize=lambda: synced.append(1)
     )
-    progress.restart()  # t=1
+    progress.restart("timed step 1 of 3")  # t=1
     progress(0, 2)  # t=2: 1 s in
     progress(1, 2)  # t=3: 2 s in, then 3 s after the sync: printed
     lines = stream.getvalue().splitlines()
-    assert lines == [f"{PROGRESS_PREFIX} streambp T=9: layer 1 of 2 backward done, 3.0 s"] and synced == [1]
+    assert lines == [f"{PROGRESS_PREFIX} streambp T=9: timed step 1 of 3, layer 1 of 2 backward done, 3.0 s"]
+    assert synced == [1]
 
 
 def test_the_worker_prints_progress_of_slow_steps(monkeypatch, capsys):
@@ -85,6 +88,20 @@ def test_the_worker_prints_progress_of_slow_steps(monkeypatch, capsys):
     assert row.status == "ok", row.error
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith(PROGRESS_PREFIX)]
     assert len(lines) == row.num_layers + 1 and "layer 2 of 2 backward done" in lines[-1]
+
+
+def test_each_step_of_a_point_has_its_own_progress_label(monkeypatch, capsys):
+    """A point of 1 warm-up and 2 timed steps prints each step's layer lines under its own label
+    (memory step, warm-up 1 of 1, timed step i of 2), not five times the same text."""
+    monkeypatch.setattr(point, "StepProgress", lambda label, **kw: StepProgress(label, **{**kw, "after_s": 0}))
+    settings = {"model": "tiny/qwen3", "seq_len": 32, "warmup": 1, "repeats": 2, "device": "cpu"}
+    (spec,) = point_specs(settings, ["streambp"])
+    row = point.measure_point(spec)
+    assert row.status == "ok", row.error
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith(PROGRESS_PREFIX)]
+    steps = [line.split(": ", 2)[2].split(",")[0] for line in lines]
+    expected = ["memory step", "warm-up 1 of 1", "timed step 1 of 2", "timed step 2 of 2"]  # the CPU's order
+    assert steps == [step for step in expected for _ in range(row.num_layers + 1)]
 
 
 def test_phase_flops_of_bp_add_up_to_the_model_flops():

@@ -71,9 +71,12 @@ def test_parameter_counts_match_the_published_sizes(name, billions):
     assert count_parameters(name) / 1e9 == pytest.approx(billions, rel=1e-3)
 
 
-def test_unknown_name_lists_the_known_ones():
-    """An unknown model name is a ValueError that lists the known names."""
-    with pytest.raises(ValueError, match="known models: .*Qwen/Qwen3-8B"):
+def test_an_unknown_name_says_where_it_was_looked_for_and_what_to_do():
+    """A name neither the registry nor the HF cache has (offline: no download tried) is a ValueError
+    that names both and says how to get its config."""
+    with pytest.raises(
+        ValueError, match=r"not in the registry .*Hugging Face cache.*hf download Qwen/Qwen9-1T config\.json"
+    ):
         load_config("Qwen/Qwen9-1T")
 
 
@@ -121,11 +124,15 @@ def test_seeded_random_weights():
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
 
 
-def test_local_checkpoint_directory_loads_real_weights(tmp_path):
-    """A directory written by save_pretrained loads with its weights, in the asked dtype."""
+def test_local_checkpoint_directory_loads_real_weights_when_asked(tmp_path):
+    """A directory written by save_pretrained gives random weights (seeded, as the registry's), and
+    its own weights with weights=True, in the asked dtype."""
     saved = build_model("tiny/mistral", seed=7)
     saved.save_pretrained(tmp_path)
-    loaded = build_model(str(tmp_path), dtype=torch.float64)
+    loaded = build_model(str(tmp_path), dtype=torch.float64, weights=True)
     assert loaded.dtype == torch.float64
     for (name, p), q in zip(saved.named_parameters(), loaded.parameters()):
         torch.testing.assert_close(q.float(), p, msg=name)
+    random = build_model(str(tmp_path), seed=8)
+    assert not torch.equal(random.model.embed_tokens.weight, saved.model.embed_tokens.weight)
+    assert torch.equal(random.model.embed_tokens.weight, build_model(str(tmp_path), seed=8).model.embed_tokens.weight)

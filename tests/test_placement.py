@@ -39,7 +39,7 @@ def _deep_model(family: str, lora: bool = False):
     return apply_lora(model, rank=4, alpha=8, init_nonzero_seed=0) if lora else model
 
 
-def _step(model, batch, checkpoints: str):
+def _step(model, batch, checkpoints: str, **kwargs):
     model.zero_grad(set_to_none=True)
     loss = stream_backward(
         model,
@@ -49,6 +49,7 @@ def _step(model, batch, checkpoints: str):
         chunk_size=7,
         logits_chunk_size=9,
         checkpoints=checkpoints,
+        **kwargs,
     )
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return loss, grads

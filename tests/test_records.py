@@ -109,7 +109,7 @@ def test_unwritable_outputs_are_refused_before_any_work(tmp_path):
         check_writable(tmp_path / "r.txt")
     blocker = tmp_path / "file"
     blocker.write_text("")
-    with pytest.raises(PermissionError, match="writable --out"):
+    with pytest.raises(OSError, match="writable --out"):  # NotADirectoryError: not a permission matter
         check_writable(blocker / "sub" / "r.csv")
 
 
@@ -155,7 +155,7 @@ def test_schema_3_rows_migrate_to_keys_without_unread_settings(tmp_path):
     new = decode_row({**migrated[0], "schema_version": str(SCHEMA_VERSION), "peak_allocated_bytes": "300"})
     upsert_rows(path, [new])
     assert [(r["method"], r["peak_allocated_bytes"]) for r in read_rows(path)] == [("bp", "300"), ("streambp", "50")]
-    assert SCHEMA_VERSION == 6
+    assert SCHEMA_VERSION == 9
     assert SCHEMA_VERSION >= 4
 
 
@@ -190,3 +190,22 @@ def test_rows_before_schema_6_read_back_as_one_process(tmp_path):
     two = decode_row({**migrated, "schema_version": str(SCHEMA_VERSION), "nproc": "2", "rank_peak_bytes": "5;6"})
     upsert_rows(path, [two])
     assert sorted((r["nproc"], r["rank_peak_bytes"]) for r in read_rows(path)) == [("1", ""), ("2", "5;6")]
+
+
+def test_rows_before_schema_9_read_back_with_torchs_own_sdpa_choice(tmp_path):
+    """Schema 9: a row written before --sdpa-backend existed left the kernel to torch, so it reads
+    back as sdpa_backend auto and keys as a new auto row of the same point (which replaces it); a
+    forced-math row is another point; the new columns read back empty."""
+    path = tmp_path / "old.csv"
+    old = {**_v3_row("bp", "", "2026-01-01T00:00:00+00:00", "9"), "schema_version": "8", "nproc": "1"}
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(old))
+        writer.writeheader()
+        writer.writerow(old)
+    (migrated,) = read_rows(path)
+    assert migrated["sdpa_backend"] == "auto"
+    assert not migrated.get("memory_limit_effective_bytes") and not migrated.get("timeout_s")
+    upsert_rows(path, [decode_row({**migrated, "schema_version": str(SCHEMA_VERSION), "peak_allocated_bytes": "7"})])
+    assert [(r["sdpa_backend"], r["peak_allocated_bytes"]) for r in read_rows(path)] == [("auto", "7")]
+    upsert_rows(path, [decode_row({**migrated, "schema_version": str(SCHEMA_VERSION), "sdpa_backend": "math"})])
+    assert sorted(r["sdpa_backend"] for r in read_rows(path)) == ["auto", "math"]

@@ -89,6 +89,7 @@ def test_a_point_past_its_timeout_is_a_timeout_row(monkeypatch):
     monkeypatch.setenv(fork_server.ENABLE_ENV, "0")
     row = run_isolated(_spec("bp", timeout_s=0.5, repeats=1000))
     assert row.status == "timeout" and "--timeout" in row.error and row.host
+    assert row.timeout_s == 0.5  # the timeout the point ran under
 
 
 @pytest.mark.slow
@@ -197,3 +198,20 @@ def test_ctrl_c_in_the_parent_kills_the_worker():
         for pid in mine & _workers(servers=True):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_long_cuda_points_run_with_expandable_segments_unless_the_user_set_the_allocator():
+    """A CUDA point of T >= 32k gets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in its worker's
+    environment; shorter ones, CPU points and a user's own setting (either variable) are left alone;
+    the row records what the worker ran with."""
+    from sbpbench.runner.allocator import allocator_setting, worker_environment
+
+    base = {"PATH": "/bin"}
+    long_env = worker_environment("cuda:0", 65536, base)
+    assert long_env == {"PATH": "/bin", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert worker_environment("cuda:0", 9000, base) is base and worker_environment("cpu", 65536, base) is base
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        own = {**base, name: "max_split_size_mb:128"}
+        assert worker_environment("cuda:0", 65536, own) is own
+    assert allocator_setting(long_env) == "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+    assert allocator_setting(base) == ""

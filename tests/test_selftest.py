@@ -17,8 +17,9 @@ from sbpbench.runner import selftest as st
 from sbpbench.runner.selftest_summary import estimate_errors, progress_seconds, pytest_counts
 
 
-def _row(model, seq_len, method, *, source="measured", status="ok", peak=None, time_s=None):
+def _row(model, seq_len, method, *, source="measured", status="ok", peak=None, time_s=None, checkpoints=""):
     return ResultRow(
+        checkpoints=checkpoints,
         model=model,
         seq_len=seq_len,
         method=method,
@@ -53,20 +54,30 @@ def test_cpu_plan_is_a_check_a_run_and_its_estimate(tmp_path):
     assert shared(run.argv) == shared(estimate.argv)  # the estimate predicts the point that was run
 
 
+def _value(argv, flag):
+    return argv[argv.index(flag) + 1] if flag in argv else None
+
+
 def test_gpu_plan_covers_the_issue_points(tmp_path):
-    """On a GPU: the default run (no options), 8B bp T=4608 and ckpt T=20000 memory-only, the
-    gpu-marked tests, and an estimate of every point running beside them."""
+    """On a GPU: the default run (no options), Qwen3-8B StreamBP at 64k with checkpoints cpu and
+    recompute:4 (one memory step, one timed: the offload path on first contact), the gpu-marked
+    tests, 8B bp T=4608 and ckpt T=20000 memory-only, and an estimate of every point beside them."""
     test = st.Selftest("cuda", tmp_path, st.GPU_BUDGET_S)
     steps = st.gpu_plan(test, tests_dir=Path("tests"))
     foreground = [s.argv for s in steps if not s.background]
     assert foreground[0] == ("sbpbench", "run", "--out", str(test.runs_csv))
-    probes = [a for a in foreground if "--repeats" in a]
-    assert [(a[a.index("--seq") + 1], a[a.index("--method") + 1]) for a in probes] == [
-        ("4608", "bp"),
-        ("20000", "ckpt"),
+    offload = [a for a in foreground if "--checkpoints" in a]
+    assert [(_value(a, "--model"), _value(a, "--seq"), _value(a, "--checkpoints")) for a in offload] == [
+        ("Qwen/Qwen3-8B", "65536", "cpu"),
+        ("Qwen/Qwen3-8B", "65536", "recompute:4"),
     ]
-    assert all(a[a.index("--repeats") + 1] == "0" for a in probes)
-    assert foreground[-1][:4] == ("pytest", "-v", "-m", "gpu")
+    assert all((_value(a, "--warmup"), _value(a, "--repeats")) == ("0", "1") for a in offload)
+    assert foreground[1:3] == offload  # right after the default run, before anything that may run long
+    assert foreground[3][:4] == ("pytest", "-v", "-m", "gpu")
+    probes = [a for a in foreground if _value(a, "--repeats") == "0"]
+    assert [(_value(a, "--seq"), _value(a, "--method")) for a in probes] == [("4608", "bp"), ("20000", "ckpt")]
+    estimated_offload = {_value(s.argv, "--checkpoints") for s in steps if s.background}
+    assert {"cpu", "recompute:4"} <= estimated_offload
     estimated = {
         (a[a.index("--seq") + 1], m)
         for a in (s.argv for s in steps if s.background)
@@ -145,12 +156,14 @@ def test_gpu_selftest_runs_its_plan_and_writes_the_summary(tmp_path, monkeypatch
     def fake_run_step(step, log, env=None):
         ran.append(step)
         argv = step.argv
+        placement = _value(argv, "--checkpoints") or ""
         if argv[:2] == ("sbpbench", "run"):
             if "--model" not in argv:  # the default run
                 upsert_rows(test.runs_csv, [_row("Qwen/Qwen3-4B", 9000, "streambp", peak=19 * gib, time_s=2.0)])
             else:
                 seq, method = int(argv[argv.index("--seq") + 1]), argv[argv.index("--method") + 1]
-                upsert_rows(test.runs_csv, [_row(argv[argv.index("--model") + 1], seq, method, peak=50 * gib)])
+                row = _row(argv[argv.index("--model") + 1], seq, method, peak=50 * gib, checkpoints=placement)
+                upsert_rows(test.runs_csv, [row])
                 with log.open("a") as out:
                     out.write(
                         f"{PROGRESS_PREFIX} {method} Qwen/Qwen3-8B T={seq}: layer 36 of 36 backward done, 75.0 s\n"
@@ -159,17 +172,19 @@ def test_gpu_selftest_runs_its_plan_and_writes_the_summary(tmp_path, monkeypatch
             seq = int(argv[argv.index("--seq") + 1])
             methods = argv[argv.index("--method") + 1 : argv.index("--out")]
             model = argv[argv.index("--model") + 1]
-            upsert_rows(
-                test.estimates_csv, [_row(model, seq, m, source="simulated", peak=int(50.5 * gib)) for m in methods]
-            )
+            rows = [
+                _row(model, seq, m, source="simulated", peak=int(50.5 * gib), checkpoints=placement) for m in methods
+            ]
+            upsert_rows(test.estimates_csv, rows)
         return st.Outcome(step, "ok", 1.0)
 
     monkeypatch.setattr(st, "run_step", fake_run_step)
     st.run_selftest(test, tests_dir=Path("tests"), echo=lambda line: None)
     assert test.long_seq_len == 110_000
-    assert sum(s.background for s in ran) == 4  # three fixed points' estimates and the long one's
+    assert sum(s.background for s in ran) == 6  # five fixed points' estimates and the long one's
     summary = st.write_summary(test, capture_environment("cpu")).read_text()
     assert "| Qwen/Qwen3-8B | 110000 | streambp | - | 50.00 | 50.50 | +1.0% |" in summary
+    assert "| Qwen/Qwen3-8B | 65536 | streambp (recompute:4) | - | 50.00 | 50.50 | +1.0% |" in summary
     assert "| Qwen/Qwen3-4B | 9000 | streambp | - | 19.00 | 50.50 |" in summary  # off by > 5%: flagged
     assert "off by more than 5%" in summary
     assert "streambp Qwen/Qwen3-8B T=110000 (memory only, one step, no warm-up): ok, peak 50.00 GiB" in summary
@@ -195,3 +210,40 @@ def test_cpu_selftest_runs_end_to_end(tmp_path):
     for method in ("bp", "ckpt", "streambp"):
         line = next(l for l in summary.splitlines() if l.startswith(f"| small/qwen3 | 512 | {method} |"))
         assert "%" in line, line  # measured and estimated, with an error
+
+
+def test_the_offload_points_fit_the_budget_beside_the_default_run():
+    """Budget arithmetic: each offload point's limit is the overhead plus 1.25 x its two steps at the
+    assumed H100 rate (recompute:4 one forward more, so longer), and the default run's cap plus both
+    fit the 8 minutes, so no earlier step can leave them without their time."""
+    config = load_config(st.LONG_MODEL)
+    cpu, recompute = (st.offload_timeout_s(p, config) for p in st.OFFLOAD_PLACEMENTS)
+    assert st.POINT_OVERHEAD_S < cpu < recompute
+    assert st.DEFAULT_RUN_S + cpu + recompute <= st.GPU_BUDGET_S
+
+
+def test_a_slow_machine_keeps_the_offload_points_and_skips_what_the_budget_cannot_hold(tmp_path, monkeypatch):
+    """Every step taking its whole limit (a slow machine): the default run is cut short so that the
+    offload points get their full limits (reserved), the steps after them that the budget cannot
+    start are `not run (budget)`, not failures, and the whole selftest ends within its budget."""
+    clock = [0.0]
+    monkeypatch.setattr(st.time, "perf_counter", lambda: clock[0])
+    test = st.Selftest("cuda", tmp_path, st.GPU_BUDGET_S)
+    limits = {}
+
+    def slow_run_step(step, log, env=None):
+        limits[step.name] = step.timeout_s
+        if not step.background:
+            clock[0] += step.timeout_s
+        return st.Outcome(step, f"timeout ({step.timeout_s:.0f} s)", step.timeout_s)
+
+    monkeypatch.setattr(st, "run_step", slow_run_step)
+    st.run_selftest(test, tests_dir=Path("tests"), echo=lambda line: None)
+    config = load_config(st.LONG_MODEL)
+    for placement in st.OFFLOAD_PLACEMENTS:
+        name = next(n for n in limits if f"--checkpoints {placement}" in n)
+        assert limits[name] == pytest.approx(st.offload_timeout_s(placement, config))
+    assert clock[0] <= st.GPU_BUDGET_S
+    skipped = [o for o in test.outcomes if o.status == st.NOT_RUN]
+    assert skipped and not any(o.failed for o in skipped)
+    assert test.long_seq_len is None

@@ -1,4 +1,9 @@
-"""The `sbp` command line: thin Typer commands, one module each."""
+"""The `sbp` command line: thin Typer commands, one module each.
+
+Importing it loads no torch or transformers: a command imports what it runs inside its function,
+so `sbp --help` and `sbp <command> --help` answer at once (tests/test_cli_startup.py). Each
+command's first docstring line is its summary in `sbp --help`; its module's EXAMPLES end its help.
+"""
 
 from __future__ import annotations
 
@@ -6,18 +11,21 @@ import warnings
 
 import typer
 
-from .check_cmd import check
-from .env_cmd import env
-from .estimate_cmd import estimate
-from .maxlen_cmd import maxlen
-from .models_cmd import models
+from . import (
+    check_cmd,
+    env_cmd,
+    estimate_cmd,
+    maxlen_cmd,
+    models_cmd,
+    plan_cmd,
+    plot_cmd,
+    report_cmd,
+    run_cmd,
+    selftest_cmd,
+    sweep_cmd,
+)
+from .options import examples
 from .peers_cmd import peers
-from .plan_cmd import plan_command
-from .plot_cmd import plot
-from .report_cmd import report
-from .run_cmd import run
-from .selftest_cmd import selftest
-from .sweep_cmd import sweep
 
 app = typer.Typer(
     name="sbp",
@@ -27,17 +35,20 @@ app = typer.Typer(
     pretty_exceptions_show_locals=False,
     rich_markup_mode=None,
 )
-app.command()(run)
-app.command()(maxlen)
-app.command()(sweep)
-app.command()(estimate)
-app.command("plan")(plan_command)
-app.command()(check)
-app.command()(selftest)
-app.command()(env)
-app.command()(models)
-app.command()(plot)
-app.command()(report)
+for module, command, name in (
+    (run_cmd, run_cmd.run, "run"),
+    (maxlen_cmd, maxlen_cmd.maxlen, "maxlen"),
+    (sweep_cmd, sweep_cmd.sweep, "sweep"),
+    (estimate_cmd, estimate_cmd.estimate, "estimate"),
+    (plan_cmd, plan_cmd.plan_command, "plan"),
+    (check_cmd, check_cmd.check, "check"),
+    (selftest_cmd, selftest_cmd.selftest, "selftest"),
+    (env_cmd, env_cmd.env, "env"),
+    (models_cmd, models_cmd.models, "models"),
+    (plot_cmd, plot_cmd.plot, "plot"),
+    (report_cmd, report_cmd.report, "report"),
+):
+    app.command(name, epilog=examples(module.EXAMPLES))(command)
 app.add_typer(peers, name="peers")
 
 

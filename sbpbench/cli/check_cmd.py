@@ -3,22 +3,27 @@
 from __future__ import annotations
 
 from datetime import datetime, timezone
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from ..config import METHODS, method_names, point_specs
-from ..config.run import EXACTNESS_DEFAULTS
-from ..measure.environment import capture_environment
-from ..records.exactness import ExactnessRow, write_exactness
-from ..runner import ExactnessSpec, check_exactness
+from ..records.exactness import ExactnessRow, check_exactness_writable, write_exactness
 from .errors import user_errors
 from .options import ExactnessOutOpt, point_command, run_fields_but
 
-# bp is the reference; lora_alpha is 2 x rank (with seeded non-zero B); nothing is timed
-CHECK_FIELDS = run_fields_but(
-    "lora_alpha", "step", "protocol", "warmup", "repeats", "memory_limit", "timeout_s", "threads", "nproc"
+if TYPE_CHECKING:
+    from ..config import RunSpec
+
+# bp is the reference; lora_alpha is 2 x rank (with seeded non-zero B); nothing is timed (nor an SDPA kernel forced)
+UNTIMED = ("warmup", "repeats", "memory_limit", "timeout_s", "threads", "nproc", "sdpa_backend")
+CHECK_FIELDS = run_fields_but("lora_alpha", "step", "protocol", *UNTIMED)
+
+EXAMPLES = (  # the end of its help (options.py examples)
+    "sbp check          # every method against bp: Qwen3-0.6B's shape, fp64",
+    "sbp check --model tiny/gemma3 --seq 64 --chunk-size 7 --objective dpo",
+    "sbp check --model ./my-checkpoint --dtype fp32 --out results/exactness.csv",
 )
 
 
@@ -26,7 +31,8 @@ CHECK_FIELDS = run_fields_but(
     CHECK_FIELDS,
     helps={
         "method": "Methods to compare with bp; several allowed (default: all).",
-        "model": "Registry name (`sbp models`) or a local checkpoint directory (default: Qwen/Qwen3-0.6B).",
+        "model": "Registry name (`sbp models`), a Hub id ORG/NAME or a local checkpoint directory (default: "
+        "Qwen/Qwen3-0.6B).",
         "seq_len": "Sequence length T (default: 300).",
         "batch_size": "Rows per batch (default: 2).",
         "lora_rank": "Check with LoRA adapters of this rank (default: 0, none).",
@@ -38,17 +44,48 @@ CHECK_FIELDS = run_fields_but(
     },
 )
 def check(settings: dict, methods: tuple[str, ...], out: ExactnessOutOpt = None) -> None:
-    """Check that every method gives standard BP's loss and gradients (exit 1 if one does not)."""
+    """Check that every method gives standard BP's loss and gradients.
+
+    Exit 1 if one does not, printing where and how much it differs."""
+    from ..config import method_names, point_specs
+    from ..config.run import EXACTNESS_DEFAULTS
+    from ..runner import ExactnessSpec, check_exactness
+
     compared = tuple(m for m in method_names(methods) if m != "bp")  # bp is the reference
     with user_errors():
         specs = point_specs(settings, ("bp", *compared), defaults=EXACTNESS_DEFAULTS)
+        if out is not None:
+            check_exactness_writable(out)
         results = check_exactness(ExactnessSpec(tuple(specs)))
+    judged = specs[0].dtype == "fp32"  # every row against an fp64 step, bp's own row included
+    console = Console()
+    console.print(exactness_table(specs, results))
+    if judged:
+        for line in error_ratios(results):
+            console.print(line, highlight=False)
+    if out is not None:
+        by_method = {spec.method: spec for spec in specs}
+        compared_results = [r for r in results if not (judged and r is results[0])]  # fp32: bp's own row first
+        with user_errors():  # a failed write says where the rows are
+            write_exactness(out, [_exactness_row(by_method[r.method], r) for r in compared_results])
+        console.print(f"{len(compared_results)} comparison(s) appended to {out}", highlight=False)
+    failed = [d for r in results for d in r.failures()]
+    for diff in failed:
+        console.print(f"[red]{diff.describe()}[/]", highlight=False)
+    if failed:
+        raise typer.Exit(1)
+
+
+def exactness_table(specs: list[RunSpec], results: list) -> Table:
+    """A row per method: its loss and worst gradient error against the reference (bp, or an
+    fp64 step when the check is fp32); results: check_exactness's, in spec order. Long tensor
+    names fold, never cut."""
     run = specs[0]
     streamed = next((s for s in specs if s.settings.chunk_size is not None), None)
     layers = f"{run.num_layers} layers" if run.num_layers else "all layers"
     layers += f", LoRA r{run.lora_rank}" if run.lora_rank else ""
     chunks = f", chunk {streamed.settings.chunk_size}/{streamed.settings.logits_chunk_size}" if streamed else ""
-    judged = run.dtype == "fp32"  # every row against an fp64 step, bp's own row included
+    judged = run.dtype == "fp32"
     table = Table(
         title=f"{run.model} ({layers}), {run.objective}, {run.dtype}, B={run.batch_size}, T={run.seq_len}{chunks}: "
         f"vs {results[0].reference}"
@@ -75,21 +112,7 @@ def check(settings: dict, methods: tuple[str, ...], out: ExactnessOutOpt = None)
         if judged:
             cells.append("" if result.versus_baseline is None else f"{result.versus_baseline:.2e}")
         table.add_row(*cells)
-    console = Console()
-    console.print(table)
-    if judged:
-        for line in error_ratios(results):
-            console.print(line, highlight=False)
-    if out is not None:
-        by_method = {spec.method: spec for spec in specs}
-        compared_results = [r for r in results if not (judged and r is results[0])]  # fp32: bp's own row first
-        write_exactness(out, [_exactness_row(by_method[r.method], r) for r in compared_results])
-        console.print(f"{len(compared_results)} comparison(s) appended to {out}", highlight=False)
-    failed = [d for r in results for d in r.failures()]
-    for diff in failed:
-        console.print(f"[red]{diff.describe()}[/]", highlight=False)
-    if failed:
-        raise typer.Exit(1)
+    return table
 
 
 def error_ratios(results) -> list[str]:
@@ -117,6 +140,9 @@ _EXTERNAL_NOTE = "ran in its own virtualenv (runner/official.py: streambp 1.0, t
 
 
 def _exactness_row(spec, result) -> ExactnessRow:
+    from ..config import METHODS
+    from ..measure.environment import capture_environment
+
     env = capture_environment(spec.device)
     worst = result.worst
     settings = " ".join(f"{k}={v}" for k, v in spec.settings.as_dict().items() if v is not None)

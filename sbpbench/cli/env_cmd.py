@@ -10,9 +10,13 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ..measure.environment import capture_environment
 from ..measure.units import GIB
 from .errors import user_errors
+
+EXAMPLES = (  # the end of its help (options.py examples)
+    "sbp env                          # a table",
+    "sbp env --json > environment.json",
+)
 
 
 def env(
@@ -23,19 +27,28 @@ def env(
         str, typer.Option("--device", help="cpu, cuda, cuda:N, or auto (cuda when NVML sees a GPU and torch has CUDA).")
     ] = "auto",
 ) -> None:
-    """Print the device, driver, CUDA, library versions, CPU, RAM and git commit (for bug reports and result provenance)."""
+    """Print the device, driver, versions, CPU, RAM and git commit.
+
+    For bug reports and the provenance of results: every row of a results CSV records the same."""
+    from ..measure.environment import capture_environment
+
     with user_errors():
         values = capture_environment(device).as_dict()
     if json_output:
         typer.echo(json.dumps(values, indent=2))
         return
+    Console().print(env_table(values))
+
+
+def env_table(values: dict) -> Table:
+    """A row per field; long values (a CPU model name, a path) fold."""
     table = Table(title="sbpbench environment (GiB = 2^30 bytes)")
     table.add_column("field", no_wrap=True)
     table.add_column("value", overflow="fold")
     for name, value in values.items():
         shown = _bytes(value) if name.endswith("_bytes") else str(value)
         table.add_row(name, Text(shown))  # Text: a name with [brackets] is not read as rich markup
-    Console().print(table)
+    return table
 
 
 def _bytes(num_bytes: int) -> str:

@@ -8,23 +8,30 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from ..config import point_specs
 from ..measure.units import parse_bytes
 from ..records import check_writable, upsert_rows
-from ..simulate import TARGETS
-from ..simulate.depth import estimate_point_by_depth
 from .errors import user_errors
 from .options import OutOpt, point_command, run_fields_but
-from .tables import estimate_table
+from .tables import estimate_table, print_table
 
 # a prediction is for a GPU: the GPU defaults (Qwen/Qwen3-4B, T=9000, bf16) unless told
-ESTIMATE_FIELDS = run_fields_but("device", "warmup", "repeats", "memory_limit", "timeout_s", "threads")
+# (sdpa_backend: the estimator models torch's own kernel choice, not a forced one)
+ESTIMATE_FIELDS = run_fields_but(
+    "device", "warmup", "repeats", "memory_limit", "timeout_s", "threads", "weights", "sdpa_backend"
+)
+
+EXAMPLES = (  # the end of its help (options.py examples)
+    "sbp estimate --model Qwen/Qwen3-8B --seq 20000     # about 30 s on 2 cores",
+    "sbp estimate --model Qwen/Qwen3-4B --gpu-memory 24GiB --method all",
+    "sbp estimate --model tiny/qwen3 --target cpu    # what sbp run measures",
+)
 
 
 @point_command(
     ESTIMATE_FIELDS,
     helps={
-        "model": "Registry name (`sbp models`) or a local checkpoint directory (default: Qwen/Qwen3-4B).",
+        "model": "Registry name (`sbp models`), a Hub id ORG/NAME or a local checkpoint directory (its config only; "
+        "default: Qwen/Qwen3-4B).",
         "seq_len": "Tokens per row, prompt included (default: 9000).",
         "dtype": "Model dtype (default: bf16).",
     },
@@ -41,12 +48,17 @@ def estimate(
     ] = "cuda",
     out: OutOpt = None,
 ) -> None:
-    """Predict each method's peak GPU memory at one (model, T) point without a GPU: the step
-    `sbp run` measures runs on fake tensors (no memory behind them), with CUDA's attention kernels
-    and allocator rounding modelled. Prints the breakdown, the phase of the peak and whether it
-    fits --gpu-memory. A model whose layers are all alike runs at depths 2 and 3 and is extrapolated
-    to its full depth, exactly (sbpbench/simulate/depth.py): Qwen3-8B at T=20k takes about 30 s for
-    all three methods on a 2-core CPU."""
+    """Predict each method's peak GPU memory, without a GPU.
+
+    The step `sbp run` measures runs on fake tensors (no memory behind them), with CUDA's
+    attention kernels and allocator rounding modelled. Prints the breakdown, the phase of the
+    peak and whether it fits --gpu-memory. A model whose layers are all alike runs at depths 2
+    and 3 and is extrapolated to its full depth, exactly (sbpbench/simulate/depth.py): Qwen3-8B at
+    T=20k takes about 30 s for all three methods on a 2-core CPU."""
+    from ..config import point_specs
+    from ..simulate import MARGIN_NOTE, TARGETS
+    from ..simulate.depth import estimate_point_by_depth
+
     with user_errors():
         if target not in TARGETS:
             raise ValueError(f"unknown --target {target!r}; choose from {', '.join(TARGETS)}")
@@ -63,8 +75,9 @@ def estimate(
             row = estimate_point_by_depth(spec, target=target, gpu_memory_bytes=gpu_memory_bytes)
         rows.append(row)
         if out is not None:
-            upsert_rows(out, [row])
-    console.print(estimate_table(rows, gpu_memory_bytes))
+            with user_errors():  # a failed write says where the rows are
+                upsert_rows(out, [row])
+    print_table(console, estimate_table(rows, gpu_memory_bytes, MARGIN_NOTE))
     for row in rows:
         if row.status == "error":
             console.print(f"{row.method}: error: {escape(row.error)}", highlight=False, soft_wrap=True)

@@ -9,13 +9,10 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from ..config import MaxlenSpec, point_specs
-from ..config.device import device_kind, resolve_device
-from ..config.maxlen import SEARCH_DEFAULTS, SEARCH_FIELDS
 from ..measure.host_memory import total_ram_bytes
 from ..measure.units import parse_bytes
 from ..records import ResultRow, check_writable
-from ..runner.maxlen import ProbeFailed, find_max_len
+from ..settings import SEARCH_SETTINGS
 from .errors import user_errors
 from .options import point_command, run_fields_but
 from .progress import Progress
@@ -25,7 +22,13 @@ from .tables import maxlen_table, print_table, seq_bound
 DEFAULT_OUT = Path("results/maxlen.csv")
 SIMULATED_OUT = Path("results/estimates.csv")
 SIMULATED_DEVICE = "simulated GPU"  # what sbpbench.simulate writes as device_name
-MAXLEN_FIELDS = run_fields_but("repeats") + SEARCH_FIELDS
+MAXLEN_FIELDS = run_fields_but("repeats") + SEARCH_SETTINGS
+
+EXAMPLES = (  # the end of its help (options.py examples)
+    "sbp maxlen --model Qwen/Qwen3-8B --memory-limit 80GiB     # Figure 3's max T",
+    "sbp maxlen --device cpu --model tiny/qwen3 --memory-limit 10MB",
+    "sbp maxlen --simulate --model Qwen/Qwen3-8B --checkpoints cpu  # no GPU",
+)
 
 
 @point_command(
@@ -67,24 +70,34 @@ def maxlen(
         ),
     ] = None,
 ) -> None:
-    """Find the longest sequence each method trains in a memory budget: doubling from --seq
-    until a probe runs out of memory, then bisection to --resolution. Each probe is one isolated
-    `sbp run` point (memory only), kept in --out so an interrupted search resumes; the answer is
-    a row of kind maxlen. Several methods give one table with the ratio to ckpt. With --simulate
-    each probe is a prediction for a GPU of --gpu-memory instead (seconds each, on any machine).
+    """Find the longest sequence each method trains in a memory budget.
+
+    Doubling from --seq until a probe runs out of memory, then bisection to --resolution. Each
+    probe is one isolated `sbp run` point (memory only), kept in --out so an interrupted search
+    resumes; the answer is a row of kind maxlen. Several methods give one table with the ratio to
+    ckpt. With --simulate each probe is a prediction for a GPU of --gpu-memory instead (seconds
+    each, on any machine).
 
     How long: on a CPU the defaults (three methods, 1% resolution, ceiling 16384) run about 25
     probes, each a new process. Measured on a 2-core machine at load average 7 (other work):
     bp and ckpt took 23 minutes together and streambp's probes to T=4096 another 11 (no idle
     machine was at hand to time). For a quick look pass --resolution 10%."""
+    from ..config import MaxlenSpec, point_specs
+    from ..config.device import device_kind, resolve_device
+    from ..config.maxlen import SEARCH_DEFAULTS
+    from ..config.run import check_measurable
+    from ..runner.maxlen import ProbeFailed, find_max_len
+
     with user_errors():
         if gpu_memory and not simulate:
             raise ValueError("--gpu-memory is the simulated GPU's size: add --simulate, or use --memory-limit")
         if host_memory and not simulate:
             raise ValueError("--host-memory is the simulated host's size: add --simulate")
+        if simulate and settings.get("weights"):
+            raise ValueError("--weights does not apply to --simulate (fake tensors hold no values); drop it")
         host_bytes = parse_bytes(host_memory) if host_memory else total_ram_bytes()
         kind = "cuda" if simulate else device_kind(resolve_device(settings.get("device", "auto")))
-        search = {name: settings.pop(name) for name in SEARCH_FIELDS if name in settings}
+        search = {name: settings.pop(name) for name in SEARCH_SETTINGS if name in settings}
         defaults = {**SEARCH_DEFAULTS[kind], "repeats": 0}  # probes measure memory only
         if gpu_memory:
             settings["memory_limit"] = gpu_memory
@@ -92,6 +105,8 @@ def maxlen(
             settings["device"] = "cpu"  # fake CPU tensors stand in for the GPU's
         ceiling = search.get("seq_len_ceiling", defaults.pop("seq_len_ceiling"))
         specs = point_specs(settings, methods, defaults=defaults, defaults_for=kind)
+        if not simulate:
+            check_measurable(specs)
         searches = [
             MaxlenSpec(
                 base=spec,

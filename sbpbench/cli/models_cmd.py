@@ -6,11 +6,19 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from ..models import MODELS, count_parameters, load_config
+
+EXAMPLES = (  # the end of its help (options.py examples)
+    "sbp models",
+    "sbp models | grep -i qwen3        # then: sbp run --model NAME",
+)
 
 LEGEND = (
     "params: B = 10^9, M = 10^6, k = 10^3. L: decoder layers; d: hidden size; heads: query / key-value "
     "heads; hd: head dim; vocab: tokens (k = 10^3); tied: lm_head shares the input embedding."
+)
+HUB_NOTE = (
+    "Any other Hub id works too (--model ORG/NAME): its config.json from the Hugging Face cache, fetched if missing "
+    "(HF_HUB_OFFLINE=1: the cache only); random weights unless --weights. Or a local checkpoint directory."
 )
 
 
@@ -22,7 +30,19 @@ def _count(number: int) -> str:
 
 
 def models() -> None:
-    """List known model shapes (real Hub configs, small CPU shapes and tiny test shapes)."""
+    """List the model shapes the registry knows, with their sizes.
+
+    Real Hub configs, small CPU shapes and tiny test shapes, each built with random weights
+    unless --weights; any other Hub id or a local checkpoint directory works as well."""
+    console = Console()
+    console.print(models_table())
+    console.print(HUB_NOTE, highlight=False)
+
+
+def models_table() -> Table:
+    """A row per registry name: family, parameters, shape (fits 80 columns)."""
+    from ..models import MODELS, count_parameters, load_config
+
     table = Table(
         title="sbpbench model registry (random weights; configs ship with the package)",
         caption=LEGEND,
@@ -47,4 +67,4 @@ def models() -> None:
             _count(config.vocab_size),
             "yes" if config.tie_word_embeddings else "no",
         )
-    Console().print(table)
+    return table

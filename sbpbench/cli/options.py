@@ -1,9 +1,14 @@
-"""Every command-line option, declared once; commands pick theirs from OPTIONS.
+"""Every command-line option, made from the settings table (sbpbench/settings); commands pick
+theirs by setting name.
 
-An option is named after the config field it sets (sbpbench.config: RunSpec, MethodSettings,
-MaxlenSpec), so a flag, an experiment-file key and a Python keyword are one name, and a
-ConfigError about a field is shown with the user's flag (FLAGS). Defaults live in the config:
-an option left out is None here and filled there.
+An option is named after the setting it sets, so a flag, an experiment-file key and a Python
+keyword are one name, and a ConfigError about a setting is shown with the user's flag (FLAGS).
+Defaults live in the config: an option left out is None here and filled there.
+
+Typer reads a command's parameters from its signature. `point_command` gives a command the
+options of the settings it takes by building that signature (Python's `__signature__`, which
+`inspect.signature` returns) out of `typer.Option` / `typer.Argument` annotations; nothing of
+Typer's own objects is read back.
 """
 
 from __future__ import annotations
@@ -17,48 +22,59 @@ from typing import Annotated, Any
 
 import typer
 
-from ..config import ConfigError
-from ..config.fields import SETTINGS, Setting
+from ..settings import POINT_SETTINGS, SETTINGS, ConfigError
 
-# Flags that keep an older spelling; every other setting's flag is its name with dashes.
-FLAG_NAMES: dict[str, tuple[str, ...]] = {
-    "model": ("--model", "-m"),
-    "seq_len": ("--seq", "-T"),
-    "batch_size": ("--batch", "-B"),
-    "timeout_s": ("--timeout",),
-    "seq_len_ceiling": ("--max-seq",),
-    "fp32_grad_accumulation": ("--fp32-grad-accumulation/--no-fp32-grad-accumulation",),
-    "offload_checkpoints": ("--offload-checkpoints/--no-offload-checkpoints",),
-}
+NUMERIC = (int, float, (int, float))  # kinds read as text and parsed here: `--seq abc` is a one-line error
+CHOICES_IN_METAVAR = 24  # a longer [a|b|...] overflows the help's 30-column option field: named in the help instead
 
 
-def _option(name: str, setting: Setting) -> Any:
-    """The option of a setting. Its value is checked by the config (a bad one is a one-line error,
-    not Typer's box), so choices are named in the help, not enforced by Typer."""
-    flags = FLAG_NAMES.get(name, ("--" + name.replace("_", "-"),))
-    extra: dict[str, Any] = {"metavar": "[" + "|".join(setting.choices) + "]"} if setting.choices else {}
+def flags_of(name: str) -> tuple[str, ...]:
+    """A setting's flags: the spellings it keeps from before, else its name with dashes (a bool:
+    --name/--no-name)."""
+    setting = SETTINGS[name]
+    if setting.flags:
+        return setting.flags
+    dashed = name.replace("_", "-")
+    return (f"--{dashed}/--no-{dashed}",) if setting.kind is bool else (f"--{dashed}",)
+
+
+# setting -> the flag a user typed, for messages ("--seq must be at least 2")
+FLAGS: dict[str, str] = {name: flags_of(name)[0].split("/")[0] for name in SETTINGS}
+
+
+def option(name: str, *, help: str | None = None, aliases: tuple[str, ...] = ()) -> Any:
+    """The annotation of a setting's option: its flags (and `aliases`), its help (or `help`).
+    Its value is checked by the config (a bad one is a one-line error, not Typer's box), so
+    choices are named, not enforced by Typer."""
+    setting = SETTINGS[name]
+    text = help or setting.help
+    extra: dict[str, Any] = {}
+    choices = "|".join(setting.choices)
+    if setting.metavar:
+        extra["metavar"] = setting.metavar
+    elif choices and len(choices) <= CHOICES_IN_METAVAR:
+        extra["metavar"] = f"[{choices}]"
+    elif choices:
+        extra["metavar"] = "NAME"
+        text += f" One of: {', '.join(setting.choices)}."
+    elif setting.kind in NUMERIC:
+        extra["metavar"] = "INT" if setting.kind is int else "NUMBER"
     if setting.may_list and name == "method":
-        kind = list[str]
+        kind = list[str]  # the CLI's only list: `--method bp ckpt` (a grid's axes are experiment files')
     elif setting.kind is bool:
         kind, extra = bool, {"show_default": False}
-    elif setting.kind in (int, float, (int, float)):
-        # read as text and parsed in point_command, so `--seq abc` is a one-line error like the rest
-        kind, extra = str, {"metavar": "<int>" if setting.kind is int else "<float>"}
     else:
-        kind = str  # sizes ("80GiB", "T/3") and choices, parsed by the config
-    return Annotated[kind | None, typer.Option(*flags, help=setting.help, **extra)]
+        kind = str  # numbers parsed by `point_command`; sizes ("80GiB", "T/3") and choices by the config
+    return Annotated[kind | None, typer.Option(*flags_of(name), *aliases, help=text, **extra)]
 
-
-# setting -> its option; a command may change the help (see `point_command`), never the flag
-OPTIONS: dict[str, Any] = {name: _option(name, setting) for name, setting in SETTINGS.items()}
-# setting -> the flag a user typed, for messages (in Annotated, typer.Option's first flag is its `default`)
-FLAGS: dict[str, str] = {name: a.__metadata__[0].default.split("/")[0] for name, a in OPTIONS.items()}
 
 MoreMethodsArg = Annotated[
     list[str] | None,
-    typer.Argument(metavar="[METHOD]...", help="More methods after --method: `--method bp ckpt streambp`."),
+    typer.Argument(metavar="METHOD", help="More methods after --method (see --method).", hidden=True),
 ]
-OutOpt = Annotated[Path | None, typer.Option("--out", "-o", help="Results CSV (rows upserted by point).")]
+OutOpt = Annotated[
+    Path | None, typer.Option("--out", "-o", metavar="CSV", help="Results CSV (rows upserted by point).")
+]
 # `sbp check` (here: a point command's own options resolve in this module)
 ExactnessOutOpt = Annotated[
     Path | None,
@@ -76,35 +92,14 @@ ReferenceOpt = Annotated[
 ]
 
 
-# The point settings of `sbp run`; the other point commands take these but for what they fix.
-RUN_FIELDS = (
-    "method",
-    "model",
-    "seq_len",
-    "batch_size",
-    "objective",
-    "prompt_len",
-    "lora_rank",
-    "lora_alpha",
-    "step",
-    "dtype",
-    "chunk_size",
-    "logits_chunk_size",
-    "fp32_grad_accumulation",
-    "mlp_tile_size",
-    "offload_checkpoints",
-    "checkpoints",
-    "device",
-    "num_layers",
-    "protocol",
-    "warmup",
-    "repeats",
-    "memory_limit",
-    "timeout_s",
-    "seed",
-    "threads",
-    "nproc",
-)
+def examples(lines: tuple[str, ...]) -> str:
+    """A command's help epilog: its example command lines, kept as written (a paragraph that
+    starts with \\b is not rewrapped in Typer's plain help)."""
+    return "\b\nExamples:\n" + "".join(f"  {line}\n" for line in lines)
+
+
+# `sbp run` takes every point setting, in the table's order; the other point commands all but what they fix
+RUN_FIELDS = POINT_SETTINGS
 
 
 def run_fields_but(*fixed: str) -> tuple[str, ...]:
@@ -130,54 +125,44 @@ def parse_number(name: str, value: str) -> int | float:
 def point_command(
     fields: tuple[str, ...], *, helps: dict[str, str] | None = None, aliases: dict[str, tuple[str, ...]] | None = None
 ) -> Callable:
-    """Give a command the options of `fields` (OPTIONS' keys) before its own parameters, with
+    """Give a command the options of `fields` (setting names) before its own parameters, with
     its own help text (helps) or extra flag names (aliases) for some. The command receives them
-    as `settings`: a dict of the ones the user gave, and `methods`: the
-    methods named by --method and the positional words after it."""
+    as `settings`: a dict of the ones the user gave, and `methods`: the methods named by --method
+    and the positional words after it."""
     helps, aliases = helps or {}, aliases or {}
+    keyword = inspect.Parameter.KEYWORD_ONLY
 
     def decorate(command: Callable) -> Callable:
         hints = typing.get_type_hints(command, include_extras=True)  # a module's string annotations, resolved
-        own = [
-            p.replace(annotation=hints.get(name, p.annotation))
+        parameters = [
+            inspect.Parameter(name, keyword, default=None, annotation=option(name, help=helps.get(name), aliases=also))
+            for name in fields
+            for also in (aliases.get(name, ()),)
+        ]
+        if "method" in fields:
+            parameters.append(inspect.Parameter("more_methods", keyword, default=None, annotation=MoreMethodsArg))
+        parameters += [
+            p.replace(kind=keyword, annotation=hints.get(name, p.annotation))
             for name, p in inspect.signature(command).parameters.items()
             if name not in ("settings", "methods")
         ]
-        shared = []
-        for name in fields:
-            annotation = OPTIONS[name]
-            if name in helps or name in aliases:
-                kind, option = annotation.__origin__, annotation.__metadata__[0]
-                # in Annotated, typer.Option's first flag sits in `default` (see typer.utils)
-                flags = (option.default, *(option.param_decls or ()), *aliases.get(name, ()))
-                annotation = Annotated[kind, typer.Option(*flags, help=helps.get(name, option.help))]
-            shared.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation, default=None))
-        if "method" in fields:
-            shared.append(
-                inspect.Parameter(
-                    "more_methods", inspect.Parameter.KEYWORD_ONLY, annotation=MoreMethodsArg, default=None
-                )
-            )
 
         @functools.wraps(command)
-        def wrapper(**values):
+        def with_options(**values):
             words = [*(values.pop("method", None) or []), *(values.pop("more_methods", None) or [])]
-            methods = parse_methods(words)
             settings = {name: values.pop(name) for name in fields if name != "method"}
-            numeric = [
-                n for n, v in settings.items() if isinstance(v, str) and SETTINGS[n].kind in (int, float, (int, float))
-            ]
+            numeric = [n for n, v in settings.items() if isinstance(v, str) and SETTINGS[n].kind in NUMERIC]
             if numeric:
                 from .errors import user_errors  # errors.py imports this module's FLAGS
 
                 with user_errors():
                     settings |= {name: parse_number(name, settings[name]) for name in numeric}
-            return command(settings={k: v for k, v in settings.items() if v is not None}, methods=methods, **values)
+            given = {k: v for k, v in settings.items() if v is not None}
+            return command(settings=given, methods=parse_methods(words), **values)
 
-        wrapper.__signature__ = inspect.Signature(
-            [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in shared + own]
-        )
-        del wrapper.__wrapped__  # Typer must read the signature above, not the command's own
-        return wrapper
+        # what Typer reads: this signature (inspect.signature returns __signature__) and its annotations
+        with_options.__signature__ = inspect.Signature(parameters)
+        with_options.__annotations__ = {p.name: p.annotation for p in parameters}
+        return with_options
 
     return decorate

@@ -9,26 +9,37 @@ from typing import Annotated
 
 import typer
 
-from ..runner.official import VENV_VARIABLE, setup_commands, venv_dir
+from .options import examples
 
-peers = typer.Typer(help="Peers that need an environment of their own.", no_args_is_help=True)
+# runner/official.py VENV_VARIABLE and DEFAULT_VENV, named here so that help imports no torch;
+# tests/test_cli_startup.py checks they agree
+VENV_VARIABLE = "SBP_OFFICIAL_VENV"
+DEFAULT_VENV = "~/.cache/sbpbench/peers/official"
+
+peers = typer.Typer(help="Set up the peers that need an environment of their own.", no_args_is_help=True)
 
 
 class Peer(str, Enum):
     official = "official"
 
 
-@peers.command()
+@peers.command(
+    epilog=examples(
+        ("sbp peers setup official", "sbp peers setup official --path ~/venvs/official   # prints the export")
+    )
+)
 def setup(
     name: Annotated[Peer, typer.Argument(help="The peer: official (streambp 1.0, transformers 4.51.3).")],
     path: Annotated[
         Path | None,
         typer.Option(
-            "--path", help=f"Where to create it (default: ${VENV_VARIABLE} or ~/.cache/sbpbench/peers/official)."
+            "--path", help=f"Where to create it (default: ${VENV_VARIABLE} or {DEFAULT_VENV})."
         ),
     ] = None,
 ) -> None:
     """Create the peer's virtualenv from the package index (the same torch as here)."""
+    from ..runner.official import setup_commands, venv_dir
+
     target = (path or venv_dir()).expanduser()
     for command in setup_commands(target):
         typer.echo("$ " + " ".join(command))

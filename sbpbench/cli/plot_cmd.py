@@ -7,10 +7,13 @@ from typing import Annotated
 
 import typer
 
-from ..models import full_depth
-from ..report.inputs import load_paper, load_table
 from .errors import user_errors
 from .options import ReferenceOpt, ResultsArg
+
+EXAMPLES = (  # the end of its help (options.py examples)
+    "sbp plot results/                          # every CSV under it, into plots/",
+    "sbp plot results/runs.csv --out plots/mine --format pdf",
+)
 
 
 def plot(
@@ -21,9 +24,13 @@ def plot(
         list[str] | None, typer.Option("--format", help="png, svg or pdf; several allowed (default: png and svg).")
     ] = None,
 ) -> None:
-    """Draw peak memory vs T, step time vs T, max T per model and time per sample vs batch size,
-    each with the paper's numbers faint where they exist, and print the files written."""
-    from ..plot import FORMATS, plot_all  # matplotlib: imported only by the command that draws
+    """Draw every figure a results table has the data for.
+
+    Peak memory vs T, step time vs T, max T per model and time per sample vs batch size, each
+    with the paper's numbers faint where they exist; prints the files written."""
+    from ..models import full_depth
+    from ..plot import FORMATS, plot_all
+    from ..report.inputs import load_paper, load_table
 
     with user_errors():
         table = load_table(results)

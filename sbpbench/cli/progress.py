@@ -1,6 +1,9 @@
-"""Progress of a long command: a rich progress bar on a terminal; one line per finished unit (a
-point, a probe, a search) when stdout is not a terminal (a log file, a pipe, CI), where a bar
-would print nothing until the end."""
+"""Progress of a long command: one line per finished unit (a point, a probe, a search), and on a
+terminal a progress bar below them. When stdout is not a terminal (a log file, a pipe, CI) a bar
+would print nothing until the end: each line then carries the elapsed time and the ETA.
+
+The bar fits any width: the description takes what the counts and times leave (cut with "…"
+when it must be; its line above is whole), the bar shrinks, the times never."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.progress import Progress as RichProgress
+from rich.table import Column
 
 
 def duration(seconds: float) -> str:
@@ -34,8 +38,8 @@ class Progress:
         self._bar = None
         if console.is_terminal:
             self._bar = RichProgress(
-                TextColumn("{task.description}"),
-                BarColumn(),
+                TextColumn("{task.description}", table_column=Column(ratio=3, no_wrap=True, overflow="ellipsis")),
+                BarColumn(bar_width=None, table_column=Column(ratio=1, min_width=5)),
                 MofNCompleteColumn(),
                 TextColumn("elapsed"),
                 TimeElapsedColumn(),
@@ -43,6 +47,7 @@ class Progress:
                 TimeRemainingColumn(),
                 console=console,
                 transient=False,
+                expand=True,  # the ratios above share the width the fixed columns leave
             )
             self._task = self._bar.add_task("starting", total=total)
 
@@ -71,6 +76,7 @@ class Progress:
     def note(self, line: str) -> None:
         """A step inside the running unit finished (e.g. one probe of a search)."""
         if self._bar is not None:
+            self._print(f"  {line}")
             self._bar.update(self._task, description=escape(line))
         else:
             self._print(f"  {line} ({duration(self.elapsed_s())} elapsed)")
@@ -78,10 +84,11 @@ class Progress:
     def advance(self, line: str) -> None:
         """One unit finished; `line` says how it ended."""
         self.done += 1
-        if self._bar is not None:
+        count = f"[{self.done}/{self.total}]" if self.total is not None else f"[{self.done}]"
+        if self._bar is not None:  # the bar shows the times
+            self._print(f"{count} {line}")
             self._bar.update(self._task, advance=1, description=escape(line))
             return
-        count = f"[{self.done}/{self.total}]" if self.total is not None else f"[{self.done}]"
         eta = self.eta_s()
         timing = f"{duration(self.elapsed_s())} elapsed" + ("" if eta is None else f", ETA {duration(eta)}")
         self._print(f"{count} {line} ({timing})")

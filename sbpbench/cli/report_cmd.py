@@ -7,12 +7,15 @@ from typing import Annotated
 
 import typer
 
-from ..models import full_depth
+from ..records import not_writable
 from ..records.exactness import read_exactness
-from ..report import markdown_report
-from ..report.inputs import load_paper, load_table
 from .errors import user_errors
 from .options import ReferenceOpt, ResultsArg
+
+EXAMPLES = (  # the end of its help (options.py examples)
+    "sbp report results/                        # print Markdown",
+    "sbp report results/ --out report.md --exactness results/exactness.csv",
+)
 
 
 def report(
@@ -28,8 +31,14 @@ def report(
         ),
     ] = None,
 ) -> None:
-    """Compare measured rows with the paper's (ratio ours / paper, on comparable devices), list the
-    rows the paper has no counterpart for, and put estimates beside measurements, in Markdown."""
+    """Compare results with the paper's numbers, as Markdown.
+
+    The ratio ours / paper on comparable devices, the rows the paper has no counterpart for, and
+    estimates beside measurements."""
+    from ..models import full_depth
+    from ..report import markdown_report
+    from ..report.inputs import load_paper, load_table
+
     with user_errors():
         table = load_table(results)
         paper, note = load_paper(reference)
@@ -40,7 +49,7 @@ def report(
                 out.parent.mkdir(parents=True, exist_ok=True)
                 out.write_text(text)
             except OSError as error:
-                raise PermissionError(f"cannot write {out} ({error.strerror}); pass a writable --out path") from None
+                raise not_writable(out, error, "the write failed") from None
     if note:
         typer.echo(note, err=True)
     if out is None:

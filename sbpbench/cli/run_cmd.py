@@ -4,54 +4,104 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
 
-from ..config import RunSpec, point_specs
 from ..measure.threads import busy_warning
 from ..measure.units import gib
-from ..records import ResultRow, check_writable
-from ..runner import run_points
+from ..records import ResultRow, check_writable, read_rows, row_key
 from .errors import user_errors
 from .options import RUN_FIELDS, OutOpt, point_command
 from .progress import Progress
 from .tables import point_title, print_table, results_table
 
+if TYPE_CHECKING:
+    from ..config import RunSpec
+
 DEFAULT_OUT = Path("results/runs.csv")
+
+EXAMPLES = (  # the end of its help (options.py examples)
+    "sbp run --device cpu --model tiny/qwen3 --seq 256      # a quick CPU check",
+    "sbp run --seq 20000 --method streambp --memory-limit 80GiB",
+    "sbp run --objective grpo --lora-rank 32 --step train --out results/mine.csv",
+)
 
 
 @point_command(RUN_FIELDS)
 def run(settings: dict, methods: tuple[str, ...], out: OutOpt = None) -> None:
-    """Measure peak memory and step time of each method at one (model, T) point, one process per
-    method, and add the rows to a results CSV (default: results/runs.csv). With no options: a real
-    comparison on a GPU (Qwen/Qwen3-4B, T=9000, bf16), about a minute on an idle 2-core CPU
-    (small/qwen3, T=2048, fp32)."""
+    """Measure each method's peak memory and step time at one point.
+
+    One process per method; the rows go to a results CSV (default: results/runs.csv), replacing
+    rows of the same point. With no options: a real comparison on a GPU (Qwen/Qwen3-4B, T=9000,
+    bf16); on a CPU about a minute (small/qwen3, T=2048, fp32)."""
+    from ..config import point_specs
+    from ..config.run import check_measurable
+    from ..runner import run_points
+
     out = out or DEFAULT_OUT
     with user_errors():
         specs = point_specs(settings, methods)
+        check_measurable(specs)
         check_writable(out)
+        earlier = {row_key(row): row for row in read_rows(out)}  # to say what this run replaces
     console = Console()
     warn_if_busy()
     rows = []
-    with Progress(console, len(specs)) as progress:
-        progress.start(_measuring(specs[0]))
-        for row in run_points(specs, out):  # one environment capture for all points
-            rows.append(row)
-            progress.advance(point_line(row))
-            if len(rows) < len(specs):
-                progress.start(_measuring(specs[len(rows)]))
+    try:
+        # user_errors: a write that fails after a point was measured says where its row was kept
+        with user_errors(), Progress(console, len(specs)) as progress:
+            progress.start(_measuring(specs[0]))
+            for row in run_points(specs, out):  # one environment capture for all points
+                rows.append(row)
+                progress.advance(point_line(row))
+                if len(rows) < len(specs):
+                    progress.start(_measuring(specs[len(rows)]))
+    except KeyboardInterrupt:
+        console.print(interrupted_line(rows, specs, out), highlight=False, soft_wrap=True)
+        raise typer.Exit(130) from None
     first = rows[0]
     limit = f", limit {first.memory_limit_bytes / 2**30:.2f} GiB" if first.memory_limit_bytes else ""
     threads = f", {first.num_threads} thread(s)" if first.num_threads else ""
-    title = f"{point_title(rows)}{limit}\n{first.device_name} ({first.memory_source}{threads})"
-    print_table(console, results_table(rows, title))
+    point, notes = point_title(rows)
+    title = f"{point}{limit}\n{first.device_name} ({first.memory_source}{threads})"
+    print_table(console, results_table(rows, title, notes))
     for row in rows:
         if row.error:
             console.print(f"{row.method}: {row.status}: {row.error}", highlight=False, soft_wrap=True)
-    console.print(f"{len(rows)} row(s) written to {out}", highlight=False, soft_wrap=True)
+    console.print(written_line(rows, earlier, out), highlight=False, soft_wrap=True)
     if any(row.status in ("error", "timeout") for row in rows):
         raise typer.Exit(1)
+
+
+def interrupted_line(rows: list[ResultRow], specs: list[RunSpec], out: Path) -> str:
+    """What Ctrl-C left: the finished points' rows are in the CSV; the rest were not measured."""
+    line = f"interrupted: {len(rows)} of {len(specs)} row(s) kept in {out}"
+    line += f" ({', '.join(row.method for row in rows)})" if rows else ""
+    lost = ", ".join(spec.method for spec in specs[len(rows) :])
+    return line + (f"; not measured: {lost}" if lost else "")
+
+
+def written_line(rows: list[ResultRow], earlier: dict[tuple, dict], out: Path) -> str:
+    """Where the rows went, and what of an earlier run they replaced or sit beside (rows are
+    upserted by point: a rerun of the same point replaces its row)."""
+    replaced = [earlier[key] for key in (row_key(row) for row in rows) if key in earlier]
+    line = f"{len(rows)} row(s) written to {out}"
+    if replaced:
+        commits = sorted({_commit(row) for row in replaced})
+        times = sorted(row.get("timestamp_utc") or "time unknown" for row in replaced)
+        when = times[0] if times[0] == times[-1] else f"{times[0]} to {times[-1]}"
+        line += f", {len(replaced)} of them replacing rows of an earlier run (commit {', '.join(commits)}, {when})"
+    others = len(earlier) - len(replaced)
+    if others:
+        line += f"; {others} row(s) of other points from earlier runs are also in it"
+    return line
+
+
+def _commit(row: dict) -> str:
+    commit = (row.get("git_commit") or "unknown")[:7]
+    return commit + ("-dirty" if row.get("git_dirty") == "true" else "")
 
 
 def warn_if_busy() -> None:

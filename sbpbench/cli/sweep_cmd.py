@@ -3,24 +3,27 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
-from ..config.experiment import load_experiment
-from ..measure.environment import capture_environment
-from ..measure.units import gib
 from ..records import ResultRow, check_writable, decode_row, read_rows, row_key
-from ..runner.maxlen import ProbeFailed
-from ..runner.sweep import Job, plan, run_sweep
 from .errors import user_errors
 from .options import point_command
 from .progress import Progress
 from .run_cmd import point_line, warn_if_busy
-from .tables import maxlen_table, print_table, seq_bound
+from .tables import maxlen_table, points_table, print_table, seq_bound
+
+if TYPE_CHECKING:
+    from ..runner.sweep import Job
+
+EXAMPLES = (  # the end of its help (options.py examples)
+    "sbp sweep experiments/smoke_cpu.toml    # the paper's figures in miniature",
+    "sbp sweep experiments/paper_fig3.toml --out results/fig3.csv",
+    "sbp sweep experiments/paper_table1.toml --no-resume   # measure again",
+)
 
 
 @point_command(
@@ -41,12 +44,21 @@ def sweep(
         bool, typer.Option(help="Skip points already in --out (same settings); --no-resume reruns them.")
     ] = True,
 ) -> None:
-    """Run every point of an experiment file, each in its own process, with a progress bar.
-    Each finished point is in --out before the next starts: Ctrl-C or a kill loses at most the
-    point in flight, and the same command resumes. An OOM is recorded and the sweep goes on;
-    longer sequences of the same settings are then recorded as skipped (certain OOM)."""
+    """Run every point of an experiment file, resumable.
+
+    Each point runs in its own process, with a progress bar, and is in --out before the next
+    starts: Ctrl-C or a kill loses at most the point in flight, and the same command resumes. An
+    OOM is recorded and the sweep goes on; longer sequences of the same settings are then
+    recorded as skipped (certain OOM)."""
+    from ..config.experiment import load_experiment
+    from ..config.run import check_measurable
+    from ..measure.environment import capture_environment
+    from ..runner.maxlen import ProbeFailed
+    from ..runner.sweep import plan, run_sweep
+
     with user_errors():
         loaded = load_experiment(experiment, device=settings.get("device"), threads=settings.get("threads"))
+        check_measurable([*loaded.grid, *(s.base for s in loaded.searches)])
         out = out or Path("results") / f"{loaded.name}.csv"
         check_writable(out)
         first = (loaded.grid or [s.base for s in loaded.searches])[0]
@@ -62,7 +74,8 @@ def sweep(
     warn_if_busy()
     rows: list[ResultRow] = []
     try:
-        with Progress(console, len(todo)) as progress:
+        # user_errors: a write that fails after a point was measured says where its row was kept
+        with user_errors(), Progress(console, len(todo)) as progress:
 
             def start(job: Job) -> None:
                 progress.start(job.describe())
@@ -97,24 +110,8 @@ def _summary(console: Console, name: str, rows: list[ResultRow]) -> None:
     points = [row for row in rows if row.kind == "point"]
     if points:
         models = sorted({row.model for row in points})
-        one_model = len(models) == 1  # then named in the title: the table fits 80 columns
-        title = f"{name}: every point" + (f" ({models[0]})" if one_model else "")
-        table = Table(title=title, caption="GiB = 2^30 B; act: peak minus resident baseline")
-        headers = ("method", "T", "B", "status", "peak GiB", "act GiB", "time s")
-        for header in headers if one_model else ("model", *headers):
-            table.add_column(header, justify="left" if header in ("model", "method", "status") else "right")
-        for row in points:
-            table.add_row(
-                *(() if one_model else (row.model,)),
-                row.method,
-                f"{row.seq_len:,}",
-                str(row.batch_size),
-                row.status,
-                gib(row.peak_allocated_bytes),
-                gib(row.activation_peak_bytes),
-                "-" if row.time_median_s is None else f"{row.time_median_s:.3f}",
-            )
-        print_table(console, table)
+        title = f"{name}: every point" + (f" ({models[0]})" if len(models) == 1 else "")
+        print_table(console, points_table(title, points))
     searches: dict[tuple, list[ResultRow]] = {}
     for row in rows:
         if row.kind == "maxlen":

@@ -1,10 +1,17 @@
 """The tables commands print: measured points, predictions, max-length answers. Shared by the
-commands that print the same kind of row (`sbp run`/`sweep`, `sbp maxlen`/`sweep`)."""
+commands that print the same kind of row (`sbp run`/`sweep`, `sbp maxlen`/`sweep`).
+
+A table of result rows keeps only the columns some row has a value for (a CPU run has no
+reserved or NVML memory), and its caption explains exactly those columns and the terms of its
+title. `print_table` makes any table fit the console, 80 columns included."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import cache
 
+from rich import box
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -12,23 +19,24 @@ from rich.table import Table
 from ..measure.units import gib
 from ..records import ResultRow
 from ..records.select import MAXLEN_TABLE, paper_rows
-from ..simulate import MARGIN_NOTE
 
 
 def print_table(console: Console, table: Table) -> None:
-    """Print a table that fits the console: as built; else without its all-empty ("-") columns;
-    else transposed (a row per column, a column per row: three methods fit 80 columns); else one
-    block of "header  value" lines per row."""
-    for candidate in (table, _without_empty_columns(table)):
-        if _width(console, candidate) <= console.width:
-            console.print(candidate)
-            return
-    narrow = _without_empty_columns(table)
-    flipped = _transposed(narrow)
-    if _width(console, flipped) <= console.width:
-        console.print(flipped)
-        return
-    console.print(_records(narrow))
+    """Print a table that fits the console: as built; else without its outer border; else
+    transposed (a row per column, a column per row: three methods fit 80 columns); else one block
+    of "header  value" lines per row. Nothing is cut. The title and caption go above and below,
+    wrapped at the console's width (inside a narrow table they would wrap at its width)."""
+    chosen = next(
+        (t for t in (table, _compact(table), _transposed(table)) if _width(console, t) <= console.width),
+        _records(table),
+    )
+    title, caption = chosen.title, chosen.caption
+    chosen.title = chosen.caption = None
+    if title:
+        console.print(title, style="table.title", highlight=False)
+    console.print(chosen)
+    if caption:
+        console.print(caption, style="table.caption", highlight=False)
 
 
 def _width(console: Console, table: Table) -> int:
@@ -44,20 +52,24 @@ def _like(table: Table, **options) -> Table:
     return Table(title=table.title, caption=table.caption, **options)
 
 
-def _without_empty_columns(table: Table) -> Table:
-    narrow = _like(table)
-    kept = [(c, cells) for c, cells in zip(table.columns, _cells(table), strict=True) if any(v != "-" for v in cells)]
-    for column, _ in kept:
-        narrow.add_column(column.header, justify=column.justify, no_wrap=column.no_wrap)
-    for values in zip(*(cells for _, cells in kept), strict=True):
-        narrow.add_row(*values)
-    return narrow
+# a line under the header only, no outer border: 4 columns narrower than rich's default box
+_COMPACT = {"box": box.SIMPLE_HEAD, "show_edge": False, "pad_edge": False}
+
+
+def _compact(table: Table) -> Table:
+    compact = _like(table, **_COMPACT)
+    for column in table.columns:
+        compact.add_column(column.header, justify=column.justify, no_wrap=column.no_wrap)
+    for values in zip(*_cells(table), strict=True):
+        compact.add_row(*values)
+    return compact
 
 
 def _transposed(table: Table) -> Table:
-    """Columns become rows: the first column's values (a method, a model) head the new columns."""
+    """Columns become rows: the first column's values (a method, a model) head the new columns;
+    compact, so three methods' longest values (a peak phase) fit 80 columns."""
     columns = _cells(table)
-    flipped = _like(table)
+    flipped = _like(table, **_COMPACT)
     flipped.add_column(table.columns[0].header, justify="left", no_wrap=True)
     for name in columns[0]:
         flipped.add_column(name, justify="right", no_wrap=True)
@@ -67,26 +79,66 @@ def _transposed(table: Table) -> Table:
 
 
 def _records(table: Table) -> Table:
-    """One block per row, "header  value" per line: fits any width."""
+    """One block per row, "header  value" per line: fits any width (a long value folds)."""
     records = _like(table, show_header=False, show_lines=True)
     records.add_column("column", justify="left", no_wrap=True)
-    records.add_column("value", justify="left")
+    records.add_column("value", justify="left", overflow="fold")
     headers = [str(column.header) for column in table.columns]
     for values in zip(*_cells(table), strict=True):
         records.add_row("\n".join(headers), "\n".join(str(v) for v in values))
     return records
 
 
-def point_title(rows: list[ResultRow], *, seq_len: bool = True) -> str:
-    """The settings the rows of one table share (one point, several methods), for its title."""
+@dataclass(frozen=True)
+class Column:
+    """A column of result rows: its header, its cell, what it means (for the caption; "" for a
+    self-explanatory one such as the method)."""
+
+    header: str
+    cell: Callable[[ResultRow], str]
+    meaning: str = ""
+    left: bool = False
+
+
+def rows_table(title: str, columns: Sequence[Column], rows: list[ResultRow], notes: Sequence[str] = ()) -> Table:
+    """The columns some row has a value for ("-" is none); the caption explains each of those,
+    then the notes (the title's terms)."""
+    cells = {column.header: [column.cell(row) for row in rows] for column in columns}
+    kept = [column for column in columns if any(value != "-" for value in cells[column.header])]
+    legend = [f"{column.header}: {column.meaning}" for column in kept if column.meaning]
+    units = ["GiB = 2^30 B"] if any("GiB" in column.header for column in kept) else []
+    table = Table(title=title, caption=escape("; ".join([*units, *legend, *notes]) + "."))
+    for column in kept:
+        table.add_column(column.header, justify="left" if column.left else "right", no_wrap=True)
+    for i in range(len(rows)):
+        table.add_row(*(cells[column.header][i] for column in kept))
+    return table
+
+
+def point_title(rows: list[ResultRow], *, seq_len: bool = True) -> tuple[str, list[str]]:
+    """The settings the rows of one table share (one point, several methods), for its title, and
+    what its terms mean, for the caption."""
     row = rows[0]
     lora = f", LoRA r{row.lora_rank}" if row.lora_rank else ""
     title = f"{row.model} ({row.num_layers or '?'} layers{lora}), {row.objective}, step {row.step}, {row.dtype}"
     title += f", B={row.batch_size}" + (f", T={row.seq_len}" if seq_len else "")
+    notes = [
+        "B: rows per batch" + ("; T: tokens per row" if seq_len else ""),
+        f"step {row.step}: " + ("forward + backward" if row.step == "bp" else "forward + backward + AdamW"),
+    ]
     chunked = next((r for r in rows if r.chunk_size is not None), None)  # methods that read chunk sizes
     if chunked is not None:
         title += f", chunks {chunked.chunk_size}/{chunked.logits_chunk_size}"
-    return title + f", {row.protocol} protocol"
+        notes.append(f"chunks {chunked.chunk_size}/{chunked.logits_chunk_size}: positions per layer / logits chunk")
+    title += f", {row.protocol} protocol"
+    notes.append(f"{row.protocol} protocol: " + PROTOCOL_MEANING.get(row.protocol, row.protocol))
+    return title, notes
+
+
+PROTOCOL_MEANING = {
+    "steady": "gradients resident before the step, as in every step after a run's first",
+    "first": "gradients allocated in the step, as in a run's first",
+}
 
 
 def _status(row: ResultRow) -> str:
@@ -106,43 +158,38 @@ def _nvml(row: ResultRow) -> str:
     return gib(row.nvml_peak_used_bytes - row.nvml_idle_used_bytes)
 
 
-CAPTION = (
-    "GiB = 2^30 B. peak: max allocated (CPU: resident tensors + tracked peak); resv: max reserved; "
-    "nvml: device used minus idle; act: peak minus the resident baseline; time: median of the timed "
-    "steps, spread (max-min)/median"
-)
+def _peak_meaning(rows: list[ResultRow]) -> str:
+    if all(row.memory_source == "torch.cuda" for row in rows):
+        return "max allocated (torch.cuda)"
+    if all(row.memory_source == "tensor-tracker" for row in rows):
+        return "resident tensors + the peak of tracked live tensors (CPU)"
+    return "max allocated (CUDA), resident + tracked live tensors (CPU)"
 
 
-def results_table(rows: list[ResultRow], title: str) -> Table:
-    table = Table(title=title, caption=CAPTION)
-    headers = (
-        "method",
-        "status",
-        "peak GiB",
-        "resv GiB",
-        "nvml GiB",
-        "act GiB",
-        "time s",
-        "spread",
-        "tok/s",
-        "TFLOP/s",
+def _timed(row: ResultRow) -> str:
+    steps = f"{row.repeats} timed step(s)" if row.repeats else "the timed steps"
+    return f"median of {steps}" + (f" after {row.warmup_steps} warm-up" if row.warmup_steps else "")
+
+
+def results_table(rows: list[ResultRow], title: str, notes: Sequence[str] = ()) -> Table:
+    """Measured points, a row per method (`sbp run`)."""
+    columns = (
+        Column("method", lambda r: r.method, left=True),
+        Column("status", _status, left=True),
+        Column("peak GiB", lambda r: gib(r.peak_allocated_bytes), _peak_meaning(rows)),
+        Column("resv GiB", lambda r: gib(r.peak_reserved_bytes), "max reserved by the allocator"),
+        Column("nvml GiB", _nvml, "device memory used minus idle (NVML)"),
+        Column("act GiB", lambda r: gib(r.activation_peak_bytes), "the peak above what was resident before the step"),
+        Column("time s", lambda r: "-" if r.time_median_s is None else f"{r.time_median_s:.3f}", _timed(rows[0])),
+        Column("spread", _spread, "(max - min) / median time"),
+        Column("tok/s", lambda r: "-" if r.tokens_per_s is None else f"{r.tokens_per_s:,.0f}", "B x T / time"),
+        Column(
+            "TFLOP/s",
+            lambda r: "-" if r.tflops_per_s is None else f"{r.tflops_per_s:.3g}",
+            "model FLOPs of the step (recomputation not counted) / time",
+        ),
     )
-    for header in headers:
-        table.add_column(header, justify="left" if header in ("method", "status") else "right", no_wrap=True)
-    for row in rows:
-        table.add_row(
-            row.method,
-            _status(row),
-            gib(row.peak_allocated_bytes),
-            gib(row.peak_reserved_bytes),
-            _nvml(row),
-            gib(row.activation_peak_bytes),
-            "-" if row.time_median_s is None else f"{row.time_median_s:.3f}",
-            _spread(row),
-            "-" if row.tokens_per_s is None else f"{row.tokens_per_s:,.0f}",
-            "-" if row.tflops_per_s is None else f"{row.tflops_per_s:.3g}",
-        )
-    return table
+    return rows_table(title, columns, rows, notes)
 
 
 def _fits(row: ResultRow) -> str:
@@ -151,35 +198,29 @@ def _fits(row: ResultRow) -> str:
     return "[green]yes[/]" if row.status == "ok" else "[yellow]no[/]"
 
 
-def estimate_table(rows: list[ResultRow], gpu_memory_bytes: int) -> Table:
+def estimate_table(rows: list[ResultRow], gpu_memory_bytes: int, margin_note: str) -> Table:
+    """Predicted peaks, a row per method (`sbp estimate`); margin_note: how the margin is made
+    (simulate MARGIN_NOTE)."""
     first = rows[0]
-    title = f"predicted peak memory: {point_title(rows)}\n{first.device_name} ({first.device}), fake tensors"
-    caption = (
-        "GiB = 2^30 B. peak: predicted max_memory_allocated = weights + grads + optimizer + batch + activations "
-        "(act: the step's peak above them, in the phase shown). "
-        f"margin, not in peak: {MARGIN_NOTE}. fits: peak + margin <= the GPU memory."
+    title, notes = point_title(rows)
+    title = f"predicted peak memory: {title}\n{first.device_name} ({first.device}), fake tensors"
+    columns = (
+        Column("method", lambda r: r.method, left=True),
+        Column(
+            "peak GiB",
+            lambda r: gib(r.peak_allocated_bytes),
+            "predicted max allocated = weights + grads + optimizer state + batch + act",
+        ),
+        Column("weights", lambda r: gib(r.weights_bytes), "GiB of parameters"),
+        Column("grads", lambda r: gib(r.grads_bytes), "GiB of gradients"),
+        Column("optim", lambda r: gib(r.optimizer_state_bytes), "GiB of AdamW moments"),
+        Column("act GiB", lambda r: gib(r.activation_peak_bytes), "the step's peak above them"),
+        Column("peak phase", lambda r: escape(r.peak_phase or "-"), "where in the step the peak falls", left=True),
+        Column("attention", lambda r: r.attention_kernel or "-", "the CUDA attention kernel modelled", left=True),
+        Column("margin", lambda r: gib(r.margin_bytes), f"GiB not in peak: {margin_note}"),
+        Column(f"fits {gib(gpu_memory_bytes)} GiB", _fits, "peak + margin <= the GPU's memory"),
     )
-    table = Table(title=title, caption=caption)
-    fits = f"fits {gib(gpu_memory_bytes)} GiB"
-    headers = ("method", "peak GiB", "weights", "grads", "optim", "act GiB", "peak phase", "attention", "margin", fits)
-    for header in headers:
-        table.add_column(
-            header, justify="left" if header in ("method", "peak phase", "attention") else "right", no_wrap=True
-        )
-    for row in rows:
-        table.add_row(
-            row.method,
-            gib(row.peak_allocated_bytes),
-            gib(row.weights_bytes),
-            gib(row.grads_bytes),
-            gib(row.optimizer_state_bytes),
-            gib(row.activation_peak_bytes),
-            escape(row.peak_phase or "-"),
-            row.attention_kernel or "-",
-            gib(row.margin_bytes),
-            _fits(row),
-        )
-    return table
+    return rows_table(title, columns, rows, notes)
 
 
 def seq_bound(row: ResultRow) -> str:
@@ -195,40 +236,64 @@ def maxlen_table(rows: list[ResultRow]) -> Table:
     """Max T per method, the ratio to ckpt, and the paper's number where it has one."""
     first = rows[0]
     budget = first.device_total_memory_bytes if first.source == "simulated" else first.memory_limit_bytes
+    title, notes = point_title(rows, seq_len=False)
     title = (
-        f"max sequence length: {point_title(rows, seq_len=False)}, budget {gib(budget)} GiB\n"
+        f"max sequence length: {title}, budget {gib(budget)} GiB\n"
         f"{first.device_name} ({first.source}, {first.memory_source})"
     )
-    caption = "probes: lengths the search used, cached ones included. peak: max allocated at max T."
     if first.source == "simulated":
-        caption += (
-            " Simulated: a prediction, not a measurement. Our bp/ckpt free the logits after the loss; the paper's"
-            " script keeps them through the backward (sbpbench/simulate/paper_baseline.py), so ours reach longer."
+        notes.append(
+            "simulated: a prediction, not a measurement; our bp/ckpt free the logits after the loss, the paper's"
+            " script keeps them through the backward (sbpbench/simulate/paper_baseline.py), so ours reach longer"
         )
-    if first.objective != "sft":
-        caption += " grpo/dpo: the paper's number is the completion length; ours minus prompt_len is in brackets."
-    table = Table(title=title, caption=caption)
-    for header in ("method", "max T", "first OOM", "x ckpt", "paper", "probes", "peak GiB"):
-        table.add_column(header, justify="left" if header == "method" else "right", no_wrap=True)
+    prompted = first.objective != "sft"
     ckpt = next((r.max_seq_len for r in rows if r.method == "ckpt" and r.max_seq_len), None)
-    for row in rows:
-        ratio = f"{row.max_seq_len / ckpt:.2f}" if ckpt and row.max_seq_len else "-"
-        if ratio != "-" and row.oom_seq_len is None:
-            ratio = f">= {ratio}"  # the search stopped at its ceiling
-        shown = seq_bound(row)
-        if row.objective != "sft" and row.max_seq_len is not None and row.prompt_len:
-            shown += f" [{row.max_seq_len - row.prompt_len:,}]"
-        paper = paper_max_len(row)
-        table.add_row(
-            row.method,
+
+    def shown(row: ResultRow) -> str:
+        answer = seq_bound(row)
+        if prompted and row.max_seq_len is not None and row.prompt_len:
+            answer += f" [{row.max_seq_len - row.prompt_len:,}]"
+        return answer
+
+    def ratio(row: ResultRow) -> str:
+        if not (ckpt and row.max_seq_len):
+            return "-"
+        return f"{row.max_seq_len / ckpt:.2f}" if row.oom_seq_len is not None else f">= {row.max_seq_len / ckpt:.2f}"
+
+    columns = (
+        Column("method", lambda r: r.method, left=True),
+        Column(
+            "max T",
             shown,
-            "-" if row.oom_seq_len is None else f"{row.oom_seq_len:,}",
-            ratio,
-            "-" if paper is None else paper,
-            f"{row.num_probes}",
-            gib(row.peak_allocated_bytes),
-        )
-    return table
+            "the longest length that fit" + (" (in brackets: minus prompt_len, the completion)" if prompted else ""),
+        ),
+        Column("first OOM", lambda r: "-" if r.oom_seq_len is None else f"{r.oom_seq_len:,}", "shortest that failed"),
+        Column("x ckpt", ratio, "max T / ckpt's"),
+        Column(
+            "paper",
+            lambda r: paper_max_len(r) or "-",
+            "the paper's max T" + (" (its completion length)" if prompted else ""),
+        ),
+        Column("probes", lambda r: f"{r.num_probes}", "lengths the search used, cached ones included"),
+        Column("peak GiB", lambda r: gib(r.peak_allocated_bytes), "max allocated at max T"),
+    )
+    return rows_table(title, columns, rows, notes)
+
+
+def points_table(title: str, rows: list[ResultRow]) -> Table:
+    """Every point of a sweep, a row each (the model too when they differ)."""
+    one_model = len({row.model for row in rows}) == 1  # then the caller names it in the title
+    columns = (
+        *(() if one_model else (Column("model", lambda r: r.model, left=True),)),
+        Column("method", lambda r: r.method, left=True),
+        Column("T", lambda r: f"{r.seq_len:,}", "tokens per row"),
+        Column("B", lambda r: str(r.batch_size), "rows per batch"),
+        Column("status", lambda r: r.status, left=True),
+        Column("peak GiB", lambda r: gib(r.peak_allocated_bytes), _peak_meaning(rows)),
+        Column("act GiB", lambda r: gib(r.activation_peak_bytes), "the peak above what was resident before the step"),
+        Column("time s", lambda r: "-" if r.time_median_s is None else f"{r.time_median_s:.3f}", "median step time"),
+    )
+    return rows_table(title, columns, rows)
 
 
 @cache

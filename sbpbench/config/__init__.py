@@ -2,11 +2,10 @@
 (RunSpec, MaxlenSpec), their defaults and checks, device resolution, experiment files, and the
 model and batch a spec describes."""
 
+from ..settings import ConfigError
 from .device import resolve_device
-from .errors import ConfigError
 from .maxlen import MaxlenSpec, Resolution
 from .run import (
-    DEFAULT_TIMEOUT_S,
     DEVICE_DEFAULTS,
     DTYPES,
     FIELD_NAMES,
@@ -20,7 +19,6 @@ from .run import (
 )
 
 __all__ = [
-    "DEFAULT_TIMEOUT_S",
     "DEVICE_DEFAULTS",
     "DTYPES",
     "FIELD_NAMES",

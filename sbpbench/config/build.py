@@ -1,9 +1,10 @@
-"""A spec's model and batch: random weights (seeded), truncated depth, LoRA adapters, the
-objective's synthetic batch. Shared by the measured worker, `sbp check` and the estimator."""
+"""A spec's model and batch: random weights (seeded) or the real ones, truncated depth, LoRA
+adapters, the objective's synthetic batch. Shared by the measured worker, `sbp check` and the estimator."""
 
 from __future__ import annotations
 
 from ..methods.step import TrainingStep
+from .chunks import resolved_settings
 from .run import DTYPES, RunSpec
 
 
@@ -22,7 +23,8 @@ def build_model_and_batch(
 
     device = device or spec.device
     overrides = {"num_hidden_layers": spec.num_layers} if spec.num_layers else {}
-    model = build_model(spec.model, dtype=DTYPES[spec.dtype], device=device, seed=spec.seed, **overrides)
+    dtype = DTYPES[spec.dtype]
+    model = build_model(spec.model, dtype=dtype, device=device, seed=spec.seed, weights=spec.weights, **overrides)
     if spec.lora_rank:
         from ..models.lora import apply_lora
 
@@ -49,7 +51,14 @@ def make_spec_batch(spec: RunSpec, config, *, device: str = "cpu", seed: int | N
 
 
 def training_step(spec: RunSpec, model, batch, **options) -> TrainingStep:
-    """The spec's step over a model and batch already built (options: TrainingStep's)."""
+    """The spec's step over a model and batch already built (options: TrainingStep's), its "auto"
+    chunk sizes resolved."""
     return TrainingStep(
-        model, batch, method=spec.method, settings=spec.settings, step=spec.step, protocol=spec.protocol, **options
+        model,
+        batch,
+        method=spec.method,
+        settings=resolved_settings(spec),
+        step=spec.step,
+        protocol=spec.protocol,
+        **options,
     )

@@ -11,7 +11,7 @@ import re
 
 import torch
 
-from .errors import ConfigError
+from ..settings import ConfigError
 
 _CUDA = re.compile(r"^cuda(?::(\d+))?$")
 

@@ -29,17 +29,15 @@ from pathlib import Path
 
 import tomllib
 
-from ..models.registry import MODELS
+from ..settings import SEARCH_SETTINGS, SETTINGS, ConfigError, Setting
 from .device import device_kind, resolve_device
-from .errors import ConfigError
-from .fields import SEARCH_SETTINGS, SETTINGS, Setting
 from .maxlen import SEARCH_DEFAULTS, MaxlenSpec
 from .run import RunSpec, point_specs
 
 KINDS = ("grid", "maxlen")
 
 
-# Every key a [defaults] table or a [[points]] entry may hold: the settings (config/fields.py)
+# Every key a [defaults] table or a [[points]] entry may hold: the settings (sbpbench/settings)
 # and the point's kind.
 POINT_KEYS: dict[str, Setting] = {"kind": Setting(str, "grid or maxlen", KINDS), **SETTINGS}
 TOP_KEYS = {"name", "kind", "description", "reference", "defaults", "points"}
@@ -110,12 +108,13 @@ def _check_table(where: str, table) -> dict:
 
 
 def _check_model(where: str, name: str) -> None:
-    from ..models.build import is_local_checkpoint
+    """A registry name, a local checkpoint directory or a Hub id whose config.json can be read."""
+    from ..models import config_dict
 
-    if name not in MODELS and not is_local_checkpoint(name):
-        raise ExperimentError(
-            f"{where} model: unknown model {name!r}; allowed: {', '.join(MODELS)}, or a local checkpoint directory"
-        )
+    try:
+        config_dict(name)
+    except (OSError, ValueError) as error:
+        raise ExperimentError(f"{where} model: {str(error).splitlines()[0]}") from None
 
 
 def _as_list(value) -> list:

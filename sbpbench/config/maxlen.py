@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from .errors import ConfigError
+from ..settings import ConfigError
 from .run import RunSpec
 
 MIN_SEQ_LEN = 2  # one token to predict
@@ -52,7 +52,6 @@ SEARCH_DEFAULTS = {
     "cuda": {"seq_len": 1024, "seq_len_ceiling": 262_144, "memory_limit": "80GiB"},
     "cpu": {"seq_len": 512, "seq_len_ceiling": 16_384, "memory_limit": "1GiB"},
 }
-SEARCH_FIELDS = ("seq_len_ceiling", "resolution", "multiple_of")  # a search's own settings, beside RunSpec's
 
 
 @dataclass(frozen=True, kw_only=True)

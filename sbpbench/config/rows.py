@@ -7,6 +7,7 @@ from functools import cache
 from ..data import prompt_length
 from ..methods import METHODS
 from ..records import row_key
+from .chunks import auto_settings, resolved_settings
 from .run import RunSpec
 
 
@@ -38,10 +39,13 @@ def spec_fields(spec: RunSpec) -> dict:
         "dtype": spec.dtype,
         "device": spec.device,
         "protocol": spec.protocol,
-        **spec.settings.as_dict(),  # None where the method does not read the knob
+        **resolved_settings(spec).as_dict(),  # None where the method does not read it; "auto" as the number chosen
+        "auto_settings": ";".join(auto_settings(spec)),
         "attn_implementation": METHODS[spec.method].attn_implementation,
+        "sdpa_backend": spec.sdpa_backend,
         "memory_limit_bytes": spec.memory_limit,
         "seed": spec.seed,
+        "weights": "real" if spec.weights else "random",
         "warmup_steps": spec.warmup,
         "repeats": spec.repeats,
         "memory_source": "torch.cuda" if spec.device.startswith("cuda") else "tensor-tracker",

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
@@ -19,22 +20,17 @@ import torch
 from ..core.adapters import SUPPORTED_MODEL_TYPES, UnsupportedModelError, supported_families
 from ..core.placement import Placement
 from ..data import DEFAULT_PROMPT_LEN, OBJECTIVES
-from ..measure.threads import default_threads
+from ..measure.threads import available_cpus, default_threads
 from ..measure.units import parse_bytes
 from ..methods import METHODS, STEPS, MethodSettings, method_names
+from ..methods.chunk_sizes import AUTO, CHUNK_SETTINGS
 from ..methods.settings import SETTING_NAMES
 from ..records.select import DEFAULT_BATCH_SIZES
+from ..settings import PROTOCOLS, ConfigError
 from .device import device_kind, resolve_device
-from .errors import ConfigError
+from .sdpa import check_sdpa_backend
 
-DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
-
-# steady: gradient buffers are resident before the step, as in every training step after the
-#         first (the paper's Figure 3 curves); the peak above them is activations.
-# first:  gradients are None before the step and allocated during it (a run's first step).
-PROTOCOLS = ("steady", "first")
-
-DEFAULT_TIMEOUT_S = 3600.0
+DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}  # keys: settings DTYPE_NAMES
 
 # What a setting defaults to when nobody gave it, by the kind of device the point runs on: on a
 # GPU the paper's Table 2 point; on a CPU a one-minute comparison (a Qwen3 shape, 4 narrow layers).
@@ -49,6 +45,7 @@ EXACTNESS_DEFAULTS: dict[str, Any] = {
     "batch_size": 2,
     "dtype": "fp64",
     "chunk_size": 128,
+    "logits_chunk_size": 100,  # explicit, as the layer chunk: exactness is checked at sizes one chooses
     "num_layers": 2,
     "device": "cpu",
 }
@@ -60,7 +57,7 @@ def _is_int(value) -> bool:
 
 @dataclass(frozen=True, kw_only=True)
 class RunSpec:
-    model: str  # registry name (`sbp models`) or a local checkpoint directory
+    model: str  # registry name (`sbp models`), a Hub id ORG/NAME or a local checkpoint directory
     method: str
     seq_len: int  # tokens per row, prompt included
     batch_size: int = 1  # rows: a GRPO group; DPO chosen + rejected rows
@@ -78,7 +75,7 @@ class RunSpec:
     repeats: int = 3  # timed steps (0: memory only, as a max-length probe)
     memory_limit: int | None = None  # bytes; CUDA: per-process cap; CPU: cap on tracked bytes
     seed: int = 0
-    timeout_s: float = DEFAULT_TIMEOUT_S
+    timeout_s: float | None = None  # None: predicted from the FLOP model (config/timing.py)
     # torch intra-op threads in the worker (None: OMP_NUM_THREADS if set, else the physical cores this
     # process may use). Not part
     # of a row's key: it changes time, not memory or the work done, like the host's load; each row
@@ -88,6 +85,13 @@ class RunSpec:
     # unit per decoder layer plus the root); each rank its own batch of batch_size rows. On CUDA
     # rank r uses the device's index + r. Part of a row's key: it changes the per-GPU memory.
     nproc: int = 1
+    # the model's real weights (a local checkpoint's, or a Hub id's from the HF cache) instead of
+    # random ones. Not part of a row's key: memory and time do not depend on weight values (the loss
+    # does); each row records which it had (weights: real | random).
+    weights: bool = False
+    # scaled-dot-product-attention kernel forced on every method (config/sdpa.py); auto: torch's choice.
+    # Part of a row's key: it changes time, and memory (math keeps the scores).
+    sdpa_backend: str = "auto"
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -121,16 +125,24 @@ class RunSpec:
             )
         if self.memory_limit is not None and (not _is_int(self.memory_limit) or self.memory_limit <= 0):
             raise ConfigError("memory_limit", f"must be a positive number of bytes, got {self.memory_limit!r}")
-        if not isinstance(self.timeout_s, (int, float)) or isinstance(self.timeout_s, bool) or self.timeout_s <= 0:
-            raise ConfigError("timeout_s", f"must be a positive number of seconds, got {self.timeout_s!r}")
+        timeout = self.timeout_s
+        if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0):
+            raise ConfigError(
+                "timeout_s", f"must be a positive number of seconds (or unset to predict it), got {timeout!r}"
+            )
         for name in ("chunk_size", "logits_chunk_size", "mlp_tile_size"):
             value = getattr(self.settings, name)
+            if name in CHUNK_SETTINGS and value == AUTO:  # chosen per point (config/chunks.py)
+                continue
             if value is not None and (not _is_int(value) or value < 1):
-                raise ConfigError(name, f"must be a positive integer, got {value!r}")
+                auto = ' or "auto"' if name in CHUNK_SETTINGS else ""
+                raise ConfigError(name, f"must be a positive integer{auto}, got {value!r}")
         for name in ("fp32_grad_accumulation", "offload_checkpoints"):
             value = getattr(self.settings, name)
             if value is not None and not isinstance(value, bool):
                 raise ConfigError(name, f"must be true or false, got {value!r}")
+        if not isinstance(self.weights, bool):
+            raise ConfigError("weights", f"must be true or false, got {self.weights!r}")
         if self.settings.checkpoints is not None:
             try:  # stored by its canonical name, so "recompute:2+cpu" and "cpu+recompute:2" are one key
                 name = Placement.parse(self.settings.checkpoints).name
@@ -139,7 +151,8 @@ class RunSpec:
             object.__setattr__(self, "settings", replace(self.settings, checkpoints=name))
         # one resolution, here: every later torch.cuda call gets an indexed device
         object.__setattr__(self, "device", resolve_device(self.device))
-        if self.nproc > 1:
+        check_sdpa_backend(self.sdpa_backend, self.device)
+        if self.nproc > 1 and self.device.startswith("cuda"):  # a CPU spec may be a simulation's (check_measurable)
             check_nproc(self.nproc, self.device)
         object.__setattr__(self, "settings", self.settings.for_method(METHODS[self.method].uses))
 
@@ -168,8 +181,17 @@ FIELD_NAMES: tuple[str, ...] = SPEC_FIELDS + SETTING_NAMES
 
 
 def check_nproc(nproc: int, device: str) -> None:
-    """Refuse an nproc this machine cannot run: on CUDA each rank needs a GPU of its own."""
+    """Refuse an nproc this machine cannot run: on CUDA each rank needs a GPU of its own; on a CPU
+    each gloo rank a core of its own (more only share the cores: 64 ranks on 2 cores took a load
+    of 60 and two minutes for a tiny point)."""
     if not device.startswith("cuda"):
+        usable = len(available_cpus())
+        if nproc > usable:
+            raise ConfigError(
+                "nproc",
+                f"{nproc} needs {nproc} CPU cores (one per rank) but this process may use {usable}; give --nproc "
+                f"{usable} or fewer, or run on GPUs (--device cuda)",
+            )
         return
     first, count = int(device.split(":")[1]), torch.cuda.device_count()
     if first + nproc > count:
@@ -180,16 +202,24 @@ def check_nproc(nproc: int, device: str) -> None:
         )
 
 
-def chunk_size_for(value, seq_len: int) -> int:
-    """An integer, or "T/k": seq_len / k rounded up (the paper's timing runs use T/3)."""
-    if _is_int(value):
+def check_measurable(specs: Iterable[RunSpec]) -> None:
+    """What measuring the points (not simulating them: `sbp estimate` runs a GPU's ranks as fake
+    CPU tensors) needs of this machine, checked before the first runs: a core or a GPU per rank."""
+    for spec in specs:
+        check_nproc(spec.nproc, spec.device)
+
+
+def chunk_size_for(value, seq_len: int, field: str = "chunk_size") -> int | str:
+    """An integer, "T/k": seq_len / k rounded up (the paper's timing runs use T/3), or "auto" (kept:
+    chosen per point, config/chunks.py)."""
+    if _is_int(value) or value == AUTO:
         return value
     text = str(value).replace(" ", "")
     if text.isdigit():
         return int(text)
     if text.upper().startswith("T/") and text[2:].isdigit() and int(text[2:]) >= 1:
         return math.ceil(seq_len / int(text[2:]))
-    raise ConfigError("chunk_size", f'{value!r} is not a size: give a positive integer or "T/k", e.g. "T/3"')
+    raise ConfigError(field, f'{value!r} is not a size: give a positive integer, "T/k" (e.g. "T/3") or "auto"')
 
 
 def memory_limit_bytes(value) -> int | None:
@@ -213,7 +243,8 @@ def point_specs(
     means "not given"), filled from `defaults`, then the device's defaults (DEVICE_DEFAULTS of
     defaults_for, else of the resolved device), then the objective's batch size. The model is
     checked here, before any process starts."""
-    from ..models import load_config
+    from ..models import load_config, weights_source
+    from .timing import long_context_defaults
 
     given = {**(defaults or {}), **{k: v for k, v in values.items() if v is not None}}
     unknown = sorted(set(given) - set(FIELD_NAMES))
@@ -230,17 +261,42 @@ def point_specs(
     given.setdefault("batch_size", DEFAULT_BATCH_SIZES.get(objective, 1))
     if given.get("repeats") == 0:  # memory only (a max-length probe): one step, its peak needs no
         given.setdefault("warmup", 0)  # warm-up (runner/point.py `_measure_cuda` says why)
+    long_context_defaults(given)  # a long point: one memory step and one timed step
     seq_len = given["seq_len"]
     settings = {name: given.pop(name) for name in SETTING_NAMES if name in given}
-    if "chunk_size" in settings and _is_int(seq_len):
-        settings["chunk_size"] = chunk_size_for(settings["chunk_size"], seq_len)
+    for name in CHUNK_SETTINGS:  # StreamBP's chunks (and the chunked heads'): chosen per point unless given
+        settings.setdefault(name, AUTO)
+        if _is_int(seq_len):
+            settings[name] = chunk_size_for(settings[name], seq_len, name)
     given["memory_limit"] = memory_limit_bytes(given.get("memory_limit"))
     given["device"] = device
     given.pop("method", None)
     specs = [RunSpec(method=name, settings=MethodSettings(**settings), **given) for name in names]
     # fail here, before any process starts, on a model that cannot be built or a method cannot run
-    check_model_family(specs[0].model, load_config(specs[0].model), names)
+    config = load_config(specs[0].model)
+    check_model_family(specs[0].model, config, names)
+    if specs[0].weights:
+        weights_source(specs[0].model)  # real weights where asked for: in the directory or the HF cache
+    warn_beyond_context(specs[0].model, specs[0].seq_len, config)
     return specs
+
+
+class BeyondContextWarning(UserWarning):
+    """A sequence longer than the model's context: allowed (memory and time do not depend on what
+    the positions mean), but said, since the model was never trained on such positions."""
+
+
+def warn_beyond_context(model: str, seq_len: int, config) -> None:
+    """One line (a BeyondContextWarning) when seq_len exceeds the config's max_position_embeddings.
+    The text names the model, not T, so a sweep's many long points say it once per model."""
+    context = getattr(config, "max_position_embeddings", None)
+    if isinstance(context, int) and seq_len > context:
+        warnings.warn(
+            f"T past {model}'s context of {context:,} tokens (max_position_embeddings): allowed, as memory and "
+            "time do not depend on it, but the model was never trained that long",
+            BeyondContextWarning,
+            stacklevel=3,
+        )
 
 
 # Methods that run only some causal-LM families (model_type -> family name); a method not listed

@@ -31,6 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .cuda_calls import CUDA_CALLS, CudaCalls
+from .host_pool import HostBuffer
+
 PLACEMENTS = ("gpu", "cpu", "recompute:K", "cpu+recompute:K", "cpu+recompute:K+spill")  # K: a positive integer
 
 
@@ -89,40 +92,35 @@ class Placement:
 Rebuild = Callable[[int, torch.Tensor], torch.Tensor]  # (layer index l, X_l) -> X_{l+1}, no grad
 
 
-def _pinned_empty(like: torch.Tensor) -> torch.Tensor:
-    """Page-locked host memory of exactly like's size. torch's pinned allocator (pin_memory=True)
-    rounds every block up to a power of two, up to 2x the host memory for large checkpoints, so the
-    pages are registered with CUDA instead (as torch.cuda._pin_memory_utils does)."""
-    host = torch.empty(like.shape, dtype=like.dtype)
-    error = int(torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.nbytes, 0))
-    if error:
-        raise RuntimeError(
-            f"cudaHostRegister of {host.nbytes} bytes failed (cudaError {error}): not enough host memory to pin?"
-        )
-    return host
-
-
 class CheckpointStore:
     """The layer inputs of one step. put(l, X_l) during the checkpoint pass, layers first to last;
     then get(l) / release(l) for l = L-1 down to 0, each get before its release; close() at the end
     (also after an error).
 
+    calls: the CUDA runtime as the store uses it (cuda_calls.py): the process's CUDA_CALLS, whose
+    pool of page-locked host buffers outlives the store; tests pass a recording stand-in.
+
     Counters, for tests, rows and the estimator: `device_inputs` (layer inputs the store holds on
     the device now) and `max_device_inputs`; `host_bytes` / `max_host_bytes` (host copies held);
-    `transfer_bytes` (moved host <-> device, both directions)."""
+    `transfer_bytes` (moved host <-> device, both directions); `pins_host_memory` (its host copies
+    are page-locked buffers of the pool) and `host_register_s` (seconds spent registering buffers
+    the pool did not have: the first step's cost, 0.0 once the pool holds them)."""
 
-    def __init__(self, placement: Placement, num_layers: int):
+    def __init__(self, placement: Placement, num_layers: int, calls: CudaCalls = CUDA_CALLS):
         self.placement = placement
         self.num_layers = num_layers
         self.rebuild: Rebuild | None = None  # set before the first get that needs one (stream.py)
+        self._calls = calls
         self._device: dict[int, torch.Tensor] = {}  # kept or rebuilt inputs on the device
         self._host: dict[int, torch.Tensor] = {}  # offloaded inputs, until their layer is done
-        self._pinned: set[int] = set()  # host copies registered with CUDA
-        self._arrived: dict[int, torch.cuda.Event] = {}  # CUDA: the copy back to the device is done
-        self._side: torch.cuda.Stream | None = None
+        self._buffers: dict[int, HostBuffer] = {}  # the pool's page-locked buffers under _host
+        self._arrived: dict = {}  # index -> event: the copy back to the device is done
+        self._side = None  # the side stream of the copies, made on the first
         self.max_device_inputs = 0
         self.host_bytes = self.max_host_bytes = 0
         self.transfer_bytes = 0
+        self.pins_host_memory = False
+        self.host_register_s = 0.0
         for observer in _observers:
             observer(self)
 
@@ -134,9 +132,9 @@ class CheckpointStore:
         self.max_device_inputs = max(self.max_device_inputs, len(self._device))
         self.max_host_bytes = max(self.max_host_bytes, self.host_bytes)
 
-    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
+    def _side_stream(self, device: torch.device):
         if self._side is None:
-            self._side = torch.cuda.Stream(device)
+            self._side = self._calls.new_stream(device)
         return self._side
 
     # -- checkpoint pass -------------------------------------------------------------------------
@@ -156,14 +154,17 @@ class CheckpointStore:
         """Keep a host copy of X_index: pinned and copied on the side stream on CUDA."""
         if _shapes_only:
             self._host[index] = _HostShape(layer_input.shape, layer_input.dtype, layer_input.nbytes)
-        elif layer_input.is_cuda:
-            side = self._side_stream(layer_input.device)
-            host = _pinned_empty(layer_input)
-            self._pinned.add(index)
-            side.wait_stream(torch.cuda.current_stream(layer_input.device))  # X_l is written
-            with torch.cuda.stream(side):
+        elif self._calls.overlaps(layer_input.device):
+            calls, side = self._calls, self._side_stream(layer_input.device)
+            self.pins_host_memory = True
+            buffer, seconds = calls.pool.take(layer_input.nbytes)
+            self.host_register_s += seconds
+            self._buffers[index] = buffer
+            host = buffer.view(layer_input.shape, layer_input.dtype)
+            side.wait_stream(calls.current_stream(layer_input.device))  # X_l is written
+            with calls.use_stream(side):
                 host.copy_(layer_input, non_blocking=True)
-            layer_input.record_stream(side)  # its memory is not reused before the copy is done
+            calls.record_stream(layer_input, side)  # its memory is not reused before the copy is done
             self._host[index] = host
         else:
             self._host[index] = layer_input.to("cpu", copy=True)  # an ordinary copy off a GPU
@@ -184,16 +185,16 @@ class CheckpointStore:
         self.transfer_bytes += host.nbytes
         if _shapes_only:
             target = torch.empty(host.shape, dtype=host.dtype, device=device)
-        elif device.type == "cuda":
+        elif self._calls.overlaps(device):
             # allocated on the compute stream; the side stream first waits for the work queued so
             # far (it may still use this memory's previous owner), then copies while the current
             # layer's backward runs
+            calls, side = self._calls, self._side_stream(device)
             target = torch.empty(host.shape, dtype=host.dtype, device=device)
-            side = self._side_stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
+            side.wait_stream(calls.current_stream(device))
+            with calls.use_stream(side):
                 target.copy_(host, non_blocking=True)
-                event = torch.cuda.Event()
+                event = calls.new_event()
                 event.record(side)
             self._arrived[index] = event
         else:
@@ -236,29 +237,32 @@ class CheckpointStore:
     def _wait(self, index: int, device: torch.device) -> None:
         event = self._arrived.get(index)
         if event is not None:
-            torch.cuda.current_stream(device).wait_event(event)
+            self._calls.current_stream(device).wait_event(event)
 
     def release(self, index: int) -> None:
-        """X_index is no longer needed (its layer's backward is done): free it, and its host copy."""
+        """X_index is no longer needed (its layer's backward is done): free it, and hand its host
+        buffer back to the pool."""
         self._device.pop(index, None)
         host = self._host.pop(index, None)
         if host is None:
             return
         self.host_bytes -= host.nbytes
-        if index in self._pinned:
-            self._pinned.discard(index)
+        buffer = self._buffers.pop(index, None)
+        if buffer is not None:
             event = self._arrived.pop(index, None)
             if event is not None:
                 event.synchronize()  # the copy from these pages is done (long since: a layer ago)
-            torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
+            self._calls.pool.give(buffer)
 
     def close(self) -> None:
-        """Free everything still held (all of it after an error), unpinning host pages once no copy
-        uses them."""
+        """Free everything still held (all of it after an error), handing host buffers back once no
+        copy uses them; then the pool keeps what this step used (host_pool.py, "Policy")."""
         if self._side is not None:
             self._side.synchronize()
         for index in list(self._host) + list(self._device):
             self.release(index)
+        if self.pins_host_memory:
+            self._calls.pool.trim()
 
 
 @dataclass(frozen=True)

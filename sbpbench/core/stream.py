@@ -78,10 +78,13 @@ def stream_backward(
     where the layer inputs live between the checkpoint pass and their layer's backward, "gpu"
     (the model's device), "cpu", "recompute:K", "cpu+recompute:K" or "cpu+recompute:K+spill"
     (placement.py); the same
-    operations whatever the placement, so the same gradients. progress: see LayerProgress (per
-    layer of the backward, for long steps). scale_wrt_gas: a DeepSpeedEngine only, as
-    `engine.backward(loss, scale_wrt_gas=...)`: False leaves the gradients undivided by the engine's
-    gradient_accumulation_steps (transformers' Trainer: its loss is already scaled for accumulation).
+    operations whatever the placement, so the same gradients. On CUDA an offloading placement's host
+    copies live in page-locked buffers that the process keeps for later steps (registering them is
+    slow); `release_pinned_memory()` frees them (host_pool.py says what is kept when T changes).
+    progress: see LayerProgress (per layer of the backward, for long steps). scale_wrt_gas: a
+    DeepSpeedEngine only, as `engine.backward(loss, scale_wrt_gas=...)`: False leaves the gradients
+    undivided by the engine's gradient_accumulation_steps (transformers' Trainer: its loss is already
+    scaled for accumulation).
     """
     _check_sizes(chunk_size, logits_chunk_size)
     placement = Placement.parse(checkpoints)

@@ -1,9 +1,8 @@
 """Synthetic batches for the benchmark (no tokenizer, no dataset download)."""
 
+from ..settings import OBJECTIVES
 from .preference import DEFAULT_PROMPT_LEN, DPOBatch, GRPOBatch, make_dpo_batch, make_grpo_batch, prompt_length
 from .sft import SFTBatch, make_sft_batch, pad_lengths
-
-OBJECTIVES = ("sft", "grpo", "dpo")
 
 # Every batch has input_ids, attention_mask, labels (B, T), num_tokens, .to(device) and
 # .objective() (the core objective its tensors define).

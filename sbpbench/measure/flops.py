@@ -70,7 +70,8 @@ def _layer_shapes(config) -> tuple[int, int, int]:
     head_dim = getattr(config, "head_dim", None) or d // heads
     kv = getattr(config, "num_key_value_heads", None) or heads
     attention = 2 * d * heads * head_dim + 2 * d * kv * head_dim  # q, o; k, v
-    mlp = 3 * d * config.intermediate_size  # gate, up, down
+    # gate, up, down; a config without intermediate_size (GPT-2: n_inner, None for 4 d) priced as 4 d
+    mlp = 3 * d * (getattr(config, "intermediate_size", None) or 4 * d)
     return attention + mlp, 2 * d * kv * head_dim, heads * head_dim
 
 

@@ -3,7 +3,8 @@
 A Qwen3-8B StreamBP step at T=110k takes minutes; without a sign of life it is
 indistinguishable from a hang. `StepProgress` is the per-layer callback of
 core/stream.py (`progress(done, num_layers)`): silent for the first `after_s` seconds of a step
-(a normal point prints nothing), then one line per layer with the elapsed time. On a GPU the
+(a normal point prints nothing), then one line per layer with the elapsed time. A point runs
+several steps (warm-up, the memory step, timed steps); each line names its step. On a GPU the
 host runs ahead of the device, so once past `after_s` it synchronises before reading the clock
 (a sync per layer is nothing against a multi-second step).
 """
@@ -20,7 +21,8 @@ PROGRESS_PREFIX = "sbp progress:"  # the parent forwards stderr lines that start
 
 
 class StepProgress:
-    """progress = StepProgress("streambp T=110000"); progress.restart() before each step."""
+    """progress = StepProgress("streambp T=110000"); progress.restart("timed step 1 of 3") before
+    each step."""
 
     def __init__(
         self,
@@ -34,9 +36,11 @@ class StepProgress:
         self.label, self.after_s, self.synchronize, self.clock = label, after_s, synchronize, clock
         self.stream = stream
         self.start = clock()
+        self.step = ""
 
-    def restart(self) -> None:
-        self.start = self.clock()
+    def restart(self, step: str) -> None:
+        """A step starts: `step` says which (warm-up 1 of 1, memory step, timed step 2 of 3)."""
+        self.start, self.step = self.clock(), step
 
     def __call__(self, done: int, num_layers: int) -> None:
         if self.clock() - self.start < self.after_s:
@@ -44,4 +48,5 @@ class StepProgress:
         self.synchronize()
         elapsed = self.clock() - self.start
         what = "checkpoint pass and head done" if done == 0 else f"layer {done} of {num_layers} backward done"
-        print(f"{PROGRESS_PREFIX} {self.label}: {what}, {elapsed:.1f} s", file=self.stream or sys.stderr, flush=True)
+        line = f"{PROGRESS_PREFIX} {self.label}: {self.step}, {what}, {elapsed:.1f} s"
+        print(line, file=self.stream or sys.stderr, flush=True)

@@ -3,6 +3,7 @@ forward and backward step; training.py adds the optimizer step, exactness.py com
 
 from __future__ import annotations
 
+from ..settings import STEPS
 from .registry import (
     DEFAULT_METHODS,
     METHODS,
@@ -14,7 +15,7 @@ from .registry import (
     run_method,
 )
 from .settings import MethodSettings
-from .training import STEPS, make_optimizer, run_step
+from .training import make_optimizer, run_step
 from .unsupported import MethodUnsupported
 
 __all__ = [

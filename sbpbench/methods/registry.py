@@ -4,8 +4,9 @@ Each method is (model, batch, settings) -> loss: one forward and backward step t
 the trainable parameters (accumulating, like backward) and returns the detached loss. The names are
 what the CLI and the results files use.
 
-Adding a method: a module with its step function, and one `Method` entry below naming the
-settings it reads (methods/settings.py); the CLI, experiment files, runner and results key follow.
+Adding a method: a module with its step function, one `Method` entry below naming the
+settings it reads (methods/settings.py), and its name in settings/choices.py METHOD_NAMES (the CLI
+lists the names without importing torch); experiment files, runner and results key follow.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from ..core.attention import ATTENTION_NAME
 from ..core.labels import count_targets, shift_labels
 from ..data import Batch
+from ..settings import EVERY_METHOD
 from .chunked_ce import ckpt_chunked_ce
 from .hf_baseline import bp, ckpt
 from .liger import liger
@@ -40,6 +42,7 @@ class Method(NamedTuple):
     data_parallel: bool = False  # runs on several ranks with the model sharded by FSDP2 (--nproc > 1)
 
 
+# keys: settings METHOD_NAMES (the CLI lists those without importing this module)
 METHODS: dict[str, Method] = {
     "bp": Method(bp, (), "standard backpropagation: HF forward with full logits, no checkpointing", data_parallel=True),
     "ckpt": Method(ckpt, (), "the same with HF gradient checkpointing of every decoder layer", data_parallel=True),
@@ -86,14 +89,13 @@ METHODS: dict[str, Method] = {
 # What a command runs when no method is named: the paper's comparison. Peers are asked for by name
 # (`--method tiled`) or all at once (`--method all`).
 DEFAULT_METHODS = ("bp", "ckpt", "streambp")
-ALL = "all"  # stands for every registered method
 
 
 def method_names(names) -> tuple[str, ...]:
     """The methods to run: DEFAULT_METHODS when none is named; "all" expands to every method."""
     if not names:
         return DEFAULT_METHODS
-    expanded = [m for name in names for m in (METHODS if name == ALL else (name,))]
+    expanded = [m for name in names for m in (METHODS if name == EVERY_METHOD else (name,))]
     return tuple(dict.fromkeys(expanded))
 
 

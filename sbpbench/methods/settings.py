@@ -25,8 +25,8 @@ class MethodSettings:
     """None: the method's default (DEFAULTS) if it reads the knob, absent if it does not. Checked
     by the run config (sbpbench.config) and, for library callers, by stream_backward itself."""
 
-    chunk_size: int | None = None
-    logits_chunk_size: int | None = None
+    chunk_size: int | str | None = None  # "auto" in a run config: chosen per point (methods/chunk_sizes.py)
+    logits_chunk_size: int | str | None = None
     fp32_grad_accumulation: bool | None = None
     mlp_tile_size: int | None = None
     offload_checkpoints: bool | None = None

@@ -14,7 +14,6 @@ from ..data import Batch
 from .registry import run_method
 from .settings import MethodSettings
 
-STEPS = ("bp", "train")
 LEARNING_RATE = 1e-5  # value irrelevant to memory and time; small so repeated steps stay sane
 
 

@@ -1,9 +1,10 @@
-"""Model shapes and how to build them (no download: configs ship with the package)."""
+"""Model shapes and how to build them: shipped configs, local checkpoints, any Hub id (its config.json from the HF cache)."""
 
 from ..core import UnsupportedModelError  # what building or running an unsupported family raises
-from .build import build_model, count_parameters, is_local_checkpoint, load_config
+from .build import build_model, count_parameters, load_config, weights_source
 from .lora import apply_lora
 from .registry import MODELS, REAL_MODELS, SMALL_MODELS, TINY_MODELS, ModelSpec, config_dict, full_depth, get_spec
+from .source import is_hub_id, is_local_checkpoint
 
 __all__ = [
     "MODELS",
@@ -18,6 +19,8 @@ __all__ = [
     "count_parameters",
     "full_depth",
     "get_spec",
+    "is_hub_id",
     "is_local_checkpoint",
     "load_config",
+    "weights_source",
 ]

@@ -1,28 +1,35 @@
-"""Building models: from a named shape with random weights, or from a local checkpoint."""
+"""Building models: random weights (seeded) from a config (a named shape's, a local checkpoint's,
+a Hub id's), or real weights from a local checkpoint or the HF cache when asked for."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from .registry import config_dict
-
-_WEIGHT_PATTERNS = ("*.safetensors", "*.bin")
-
-
-def is_local_checkpoint(name: str) -> bool:
-    return Path(name).is_dir() and (Path(name) / "config.json").is_file()
+from ..core import UnsupportedModelError
+from .registry import MODELS, config_dict, is_registry_name
+from .source import checkpoint_weights
 
 
 def load_config(name: str, **overrides) -> PretrainedConfig:
-    if is_local_checkpoint(name):
-        config = AutoConfig.from_pretrained(name)
-        config.update(overrides)
-        return config
     values = config_dict(name, **overrides)
+    model_type = values.get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        raise UnsupportedModelError(
+            f"{name} has model_type {model_type!r}, which this transformers does not implement (sbpbench never "
+            "runs a repository's own code); pass a decoder-only causal LM that transformers implements"
+        )
     return AutoConfig.for_model(**values)
+
+
+def weights_source(name: str) -> Path:
+    """The directory real weights of `name` load from (--weights): a local checkpoint, or the
+    cached snapshot of a Hub id (registry names of real models included). Never downloads them."""
+    if is_registry_name(name) and MODELS[name].overrides:
+        raise ValueError(f"{name} is a shape of this registry with no published weights; drop --weights")
+    return checkpoint_weights(name)
 
 
 def build_model(
@@ -32,15 +39,17 @@ def build_model(
     device: str | torch.device = "cpu",
     seed: int = 0,
     attn_implementation: str = "sdpa",
+    weights: bool = False,
     **config_overrides,
 ) -> torch.nn.Module:
-    """A causal LM for `name`: a registry name (random weights, seeded), or a local directory with
-    config.json (real weights if it holds *.safetensors / *.bin, otherwise random)."""
-    path = Path(name)
-    if is_local_checkpoint(name) and not config_overrides and any(next(path.glob(p), None) for p in _WEIGHT_PATTERNS):
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation=attn_implementation)
-        return model.to(device)
+    """A causal LM for `name` (a registry name, a local checkpoint directory, a Hub id): random
+    weights (seeded), or with weights=True the real ones (weights_source)."""
     config = load_config(name, **config_overrides)
+    if weights:
+        model = AutoModelForCausalLM.from_pretrained(
+            weights_source(name), config=config, dtype=dtype, attn_implementation=attn_implementation
+        )
+        return model.to(device)
     torch.manual_seed(seed)
     with torch.device(device):  # initialise directly on the target device
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)

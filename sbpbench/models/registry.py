@@ -1,6 +1,7 @@
 """Named model shapes: real configs (verbatim config.json files from the Hugging Face Hub, shipped
-in configs/) and tiny test shapes of each family derived from them. Building a model from a
-shape gives random weights: memory and time do not depend on weight values."""
+in configs/) and tiny test shapes of each family derived from them; any other name is a local
+checkpoint directory or a Hub id (source.py). Building a model from a shape gives random weights:
+memory and time do not depend on weight values."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import json
 from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
+
+from .source import checkpoint_config, is_local_checkpoint
 
 # Hub id -> file in configs/ (one per model, copied verbatim from the model repository).
 REAL_MODELS = (
@@ -113,15 +116,25 @@ def get_spec(name: str) -> ModelSpec:
         return MODELS[name]
     except KeyError:
         raise ValueError(
-            f"unknown model {name!r}; known models: {', '.join(MODELS)} (or a local checkpoint directory)"
+            f"unknown model {name!r}; known models: {', '.join(MODELS)} (or a Hub id, or a local checkpoint directory)"
         ) from None
 
 
-def config_dict(name: str, **overrides) -> dict:
-    """The config.json values of a named shape, with overrides applied."""
-    spec = get_spec(name)
-    values = dict(_real_config_dict(spec.base))
-    merged = {**spec.overrides, **overrides}
+def is_registry_name(name: str) -> bool:
+    """A name the registry builds (a local checkpoint directory of the same name comes first)."""
+    return name in MODELS and not is_local_checkpoint(name)
+
+
+def config_dict(name: str, *, download: bool = True, **overrides) -> dict:
+    """The config.json values of a model, with overrides applied: a named shape's, else a local
+    checkpoint directory's or a Hub id's (models/source.py; download: fetch a config.json the HF
+    cache lacks unless HF_HUB_OFFLINE is set)."""
+    if is_registry_name(name):
+        spec = MODELS[name]
+        values = dict(_real_config_dict(spec.base))
+        merged = {**spec.overrides, **overrides}
+    else:
+        values, merged = checkpoint_config(name, download=download, known=tuple(MODELS)), overrides
     if "num_hidden_layers" in merged and "layer_types" not in merged:
         values.pop("layer_types", None)  # recomputed by the config class for the new depth
     values.update(merged)
@@ -130,8 +143,9 @@ def config_dict(name: str, **overrides) -> dict:
 
 @cache
 def full_depth(name: str) -> int | None:
-    """Decoder layers of a named shape (None for a local checkpoint or an unknown name): what a row
-    built with `--num-layers` is compared with to call it truncated (records.select.with_full_depth)."""
-    if name not in MODELS:
+    """Decoder layers of a model (None where its config cannot be read without the network): what
+    a row built with `--num-layers` is compared with to call it truncated (records.select.with_full_depth)."""
+    try:
+        return config_dict(name, download=False).get("num_hidden_layers")
+    except (OSError, ValueError):
         return None
-    return config_dict(name).get("num_hidden_layers")

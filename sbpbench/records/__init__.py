@@ -2,7 +2,20 @@
 comparability with the paper), shared by the plots, the report and the CLI."""
 
 from .schema import COLUMNS, KEY_COLUMNS, KINDS, PROVENANCE_COLUMNS, SCHEMA_VERSION, SOURCES, STATUSES, ResultRow
-from .store import check_writable, completed_keys, decode_row, load_results, one_line, read_rows, row_key, upsert_rows
+from .store import (
+    NotWritable,
+    RowsNotSaved,
+    check_writable,
+    completed_keys,
+    decode_row,
+    load_results,
+    not_writable,
+    one_line,
+    read_rows,
+    results_file,
+    row_key,
+    upsert_rows,
+)
 
 __all__ = [
     "COLUMNS",
@@ -12,13 +25,17 @@ __all__ = [
     "SCHEMA_VERSION",
     "SOURCES",
     "STATUSES",
+    "NotWritable",
     "ResultRow",
+    "RowsNotSaved",
     "check_writable",
     "completed_keys",
     "decode_row",
     "load_results",
+    "not_writable",
     "one_line",
     "read_rows",
+    "results_file",
     "row_key",
     "upsert_rows",
 ]

@@ -12,6 +12,8 @@ import csv
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from .store import RowsNotSaved, check_writable, csv_header, keep_unsaved
+
 
 @dataclass(kw_only=True)
 class ExactnessRow:
@@ -40,18 +42,32 @@ class ExactnessRow:
 
 
 EXACTNESS_COLUMNS = tuple(f.name for f in fields(ExactnessRow))
+# what a file must have to be appended to: a header without them is another program's CSV
+REQUIRED_EXACTNESS_COLUMNS = ("method", "reference", "result")
+
+
+def check_exactness_writable(path: str | Path) -> Path:
+    """Fail before the comparison runs if `path` cannot take exactness rows (records.store.check_writable)."""
+    return check_writable(path, required=REQUIRED_EXACTNESS_COLUMNS, kind="exactness CSV")
 
 
 def write_exactness(path: str | Path, rows: list[ExactnessRow]) -> None:
-    """Append rows (the header once)."""
+    """Append rows (the header once), under the file's own header if it has one (an older file
+    keeps its columns aligned). If the write fails, the rows go to a file beside it and
+    RowsNotSaved names that file."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    new = not path.exists() or path.stat().st_size == 0
-    with path.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=EXACTNESS_COLUMNS)
-        if new:
-            writer.writeheader()
-        writer.writerows(asdict(r) for r in rows)
+    values = [asdict(r) for r in rows]
+    try:
+        check_exactness_writable(path)
+        header = csv_header(path)
+        with path.open("a", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=header or EXACTNESS_COLUMNS, extrasaction="ignore")
+            if not header:
+                writer.writeheader()
+            writer.writerows(values)
+    except (OSError, ValueError) as error:
+        kept = keep_unsaved(path, EXACTNESS_COLUMNS, values)
+        raise RowsNotSaved(f"{error}; the {len(values)} comparison(s) are kept in {kept}") from None
 
 
 def read_exactness(path: str | Path) -> list[dict[str, str]]:

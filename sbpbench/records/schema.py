@@ -31,19 +31,35 @@ read back with the new columns empty):
      (each rank's peak_allocated_bytes, ';'-joined in rank order; the memory columns of a several-rank
      row are the max over ranks, its times the max over ranks of each step's time). Older rows read
      back with nproc 1 (one process, the only way they ran) and rank_peak_bytes empty.
+  7  host_register_s: seconds the point's first step spent allocating and page-locking host buffers
+     for offloaded checkpoints (CUDA; core/host_pool.py). The worker keeps the buffers for its later
+     steps, so the time columns (never the first step) exclude it. Older rows read back with it
+     empty (not recorded; their steps registered anew every step).
+  8  weights (real | random: a checkpoint's weights, or seeded random ones). Not a key column: memory
+     and time do not depend on weight values. Older rows read back with it empty (not recorded).
+  9  sdpa_backend (the SDPA kernel forced on the point, `--sdpa-backend`, or auto; part of the key;
+     older rows read back as auto, the only way they ran), memory_limit_effective_bytes (the cap that
+     applied: memory_limit_bytes, or the device's capacity where the limit was above it), timeout_s
+     (the timeout the point ran under, given or predicted), auto_settings (the chunk settings the
+     point's rule chose, methods/chunk_sizes.py), cuda_alloc_conf (the worker's CUDA allocator
+     setting); attention_kernel is now also filled on measured rows (the SDPA kernels that ran).
+     Older rows read back with these empty (not recorded).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 9
 
-# skipped: not run because a shorter sequence of the same point already ran out of memory
-# (certain OOM); plots and reports draw it as an OOM, and a resumed sweep does not retry it.
+# skipped: not run because a point of the same settings with no longer sequence and no larger batch
+# already ran out of memory (certain OOM: plots and reports draw it as an OOM) or timed out (certain
+# timeout: drawn as nothing, it says nothing about memory); its error starts with SKIPPED_OOM or
+# SKIPPED_TIMEOUT. A resumed sweep does not retry it.
 # unsupported: the method cannot run this point here (its library or hardware is missing, or it
 # does not implement the objective: methods.MethodUnsupported); the error says why. Not retried.
 STATUSES = ("ok", "oom", "error", "timeout", "skipped", "unsupported")
+SKIPPED_OOM, SKIPPED_TIMEOUT = "certain OOM", "certain timeout"
 KINDS = ("point", "maxlen")  # one step at one seq_len | the answer of a max-length search
 # measured: a real step on a real device; simulated: the same code under fake tensors (an estimate
 # of a GPU that may not be here). No plot or report may mix the two without saying so.
@@ -81,12 +97,20 @@ class ResultRow:
     mlp_tile_size: int | None = None  # tiled: positions per MLP tile
     offload_checkpoints: bool | None = None  # tiled: layer checkpoints in host memory
     checkpoints: str = ""  # streambp: where the layer inputs live (core/placement.py); empty for other methods
+    auto_settings: str = ""  # the chunk settings chosen by the point's rule ("chunk_size;logits_chunk_size")
     attn_implementation: str = ""
-    attention_kernel: str = ""  # simulated: the CUDA SDPA kernel modelled (flash | efficient | math)
-    memory_limit_bytes: int | None = None  # cap applied to the process (None: the device's own)
+    sdpa_backend: str = ""  # the SDPA kernel forced for the point (flash | efficient | cudnn | math) or auto
+    # the SDPA kernels that ran ('+'-joined): measured, seen in the memory step; simulated, modelled on CUDA
+    attention_kernel: str = ""  # flash | efficient | cudnn | math
+    memory_limit_bytes: int | None = None  # cap asked for (None: the device's own)
+    # the cap that applied: memory_limit_bytes, or where that was above the device's capacity the
+    # capacity (a GPU's total memory; on the CPU the machine's RAM, against the tracked bytes)
+    memory_limit_effective_bytes: int | None = None
     seed: int | None = None
+    weights: str = ""  # real (a checkpoint's: --weights) | random (seeded); not in the key
     warmup_steps: int | None = None
     repeats: int | None = None
+    timeout_s: float | None = None  # the point's timeout: given, or predicted from its FLOPs (config/timing.py)
     # what the step computed
     loss: float | None = None
     num_tokens: int | None = None  # non-padding tokens in the batch
@@ -104,10 +128,12 @@ class ResultRow:
     nvml_peak_used_bytes: int | None = None  # device-level used memory, peak over the step (all processes)
     nvml_idle_used_bytes: int | None = None  # the same before this process initialised CUDA
     cuda_context_bytes: int | None = None  # device memory of the CUDA context outside the allocator
+    cuda_alloc_conf: str = ""  # the worker's PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF (runner/allocator.py)
     cpu_peak_rss_bytes: int | None = None  # process peak resident set over the measured step
     rank_peak_bytes: str = ""  # nproc > 1: each rank's peak_allocated_bytes, ';'-joined in rank order
     host_pinned_peak_bytes: int | None = None  # checkpoints held in host memory (pinned on CUDA), peak of one step
     transfer_bytes: int | None = None  # checkpoint bytes moved host <-> device in one step (both directions)
+    host_register_s: float | None = None  # the first step's page-locking of host buffers (schema 7); empty: none pinned
     peak_phase: str = ""  # simulated: where in the step the peak happens (e.g. "backward, layer 3")
     margin_bytes: int | None = None  # simulated: CUDA context + allocator fragmentation, not in the peak
     # time: warm-up discarded, synchronised, `repeats` timed steps
@@ -176,6 +202,7 @@ KEY_COLUMNS: tuple[str, ...] = (
     "protocol",
     *METHOD_SETTING_COLUMNS,
     "attn_implementation",
+    "sdpa_backend",
     "memory_limit_bytes",
     "seed",
 )
@@ -201,6 +228,7 @@ PROVENANCE_COLUMNS: tuple[str, ...] = (
     "protocol",
     "dtype",
     "attn_implementation",
+    "sdpa_backend",
     "seed",
 )  # not the method settings (METHOD_SETTING_COLUMNS): empty for a method that does not read them
 
@@ -226,4 +254,6 @@ def upgrade(row: dict[str, str]) -> dict[str, str]:
         row["checkpoints"] = "gpu"  # schema 5: the placement every earlier streambp row used
     if version in ("1", "2", "3", "4", "5") and not row.get("nproc"):
         row["nproc"] = "1"  # schema 6: every earlier row ran in one process
+    if version in ("1", "2", "3", "4", "5", "6", "7", "8") and not row.get("sdpa_backend"):
+        row["sdpa_backend"] = "auto"  # schema 9: every earlier row left the kernel to torch
     return row

@@ -14,9 +14,10 @@ from collections.abc import Callable
 from dataclasses import fields
 
 from ..measure.units import GIB
-from .schema import ResultRow
+from .schema import SKIPPED_TIMEOUT, ResultRow
 
-# skipped = a certain OOM that was not run (records/schema.py): shown exactly like an OOM
+# skipped = a certain OOM that was not run (records/schema.py): shown exactly like an OOM, unless
+# it was skipped as a certain timeout (SKIPPED_TIMEOUT), which says nothing about memory
 OOM_STATUSES = ("oom", "skipped")
 # The paper's GPU is an A800-80GB; a CUDA row whose capacity is within 10% of 80 GiB stands in for
 # it (an H100 80GB has 79.6 GiB, an H200 capped with --memory-limit 80GiB exactly 80).
@@ -65,7 +66,9 @@ def cell(value) -> str:
 
 
 def is_oom(row) -> bool:
-    return row["status"] in OOM_STATUSES
+    """Ran out of memory, or was skipped as certain to (a results row, a dict of one, or a ResultRow)."""
+    status, error = (row.status, row.error) if isinstance(row, ResultRow) else (row["status"], row.get("error"))
+    return status in OOM_STATUSES and not (status == "skipped" and str(error or "").startswith(SKIPPED_TIMEOUT))
 
 
 def is_cuda(row) -> bool:
@@ -73,9 +76,10 @@ def is_cuda(row) -> bool:
 
 
 def capacity_bytes(row) -> float | None:
-    """Memory the step could use: the emulated cap if one was set, else a GPU's total; None for a
-    CPU row without a cap (host RAM is no meaningful limit for the tracked tensors)."""
-    limit = number(row.get("memory_limit_bytes"))
+    """Memory the step could use: the cap that applied if one was set (the one asked for, or the
+    device's capacity where that was smaller: memory_limit_effective_bytes), else a GPU's total;
+    None for a CPU row without a cap (host RAM is no meaningful limit for the tracked tensors)."""
+    limit = number(row.get("memory_limit_effective_bytes")) or number(row.get("memory_limit_bytes"))
     if limit:
         return limit
     total = number(row.get("device_total_memory_bytes"))
@@ -90,7 +94,7 @@ def is_paper_capacity(row) -> bool:
 
 def with_full_depth(table, full_depth: Callable[[str], int | None] | None):
     """The table with FULL_DEPTH_COLUMN: `full_depth(model)` for each row (`models.full_depth`: the
-    registry's depth, None for a local checkpoint or unknown name). full_depth None: every depth
+    model's depth from its config, None where it cannot be read offline). full_depth None: every depth
     unknown, so no row is called truncated."""
     depths = {} if full_depth is None else {m: full_depth(m) for m in set(map(str, table["model"]))}
     column = [math.nan if depths.get(str(m)) is None else float(depths[str(m)]) for m in table["model"]]
@@ -124,15 +128,29 @@ def short_model(model: str) -> str:
     return name or str(model)
 
 
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / GIB:.1f}".removesuffix(".0")
+
+
 def device_label(row) -> str:
-    """ "NVIDIA H200, limit 80 GiB" / "NVIDIA H100 80GB HBM3 (80 GiB)" / "AMD EPYC (cpu)"."""
+    """ "NVIDIA H200, limit 80 GiB" / "NVIDIA H100 80GB HBM3 (79.6 GiB, not the paper's 80)" /
+    "NVIDIA H100 80GB HBM3, limit 80 GiB capped at 79.6 (the device's)" / "AMD EPYC (cpu)". Marked:
+    a cap that applied below the one asked for, and a GPU row compared with the paper's 80 GiB card
+    (is_paper_capacity) whose capacity is not exactly that."""
     name = row["device_name"] or row["device"] or "unknown device"
     limit, total = number(row.get("memory_limit_bytes")), number(row.get("device_total_memory_bytes"))
+    applied = number(row.get("memory_limit_effective_bytes"))
+    not_paper = is_paper_capacity(row) and capacity_bytes(row) != PAPER_CAPACITY_BYTES
     if limit:
-        return f"{name}, limit {limit / GIB:g} GiB"
+        label = f"{name}, limit {limit / GIB:g} GiB"
+        if applied and applied < limit:
+            label += f" capped at {_gib(applied)} ({'the device' if is_cuda(row) else 'the RAM'}'s)"
+        return label + (f", not the paper's {PAPER_CAPACITY_BYTES / GIB:g} GiB" if not_paper else "")
     if not is_cuda(row):
         return f"{name} ({row['device'] or 'cpu'})"
-    return f"{name} ({total / GIB:.0f} GiB)" if total else name
+    if not total:
+        return name
+    return f"{name} ({_gib(total)} GiB, not the paper's 80)" if not_paper else f"{name} ({total / GIB:.0f} GiB)"
 
 
 def no_reference():

@@ -10,12 +10,14 @@ next writer.
 
 Reading checks every row against the schema: a file whose header lacks REQUIRED_COLUMNS is not
 a results CSV (ValueError); a row cut short or missing a required value is skipped with a
-warning (ResultsFileWarning) that names its line.
+warning (ResultsFileWarning) that names its line. check_writable checks the same header before
+any work, and a write that fails all the same keeps its new rows in a file beside (RowsNotSaved).
 """
 
 from __future__ import annotations
 
 import csv
+import errno
 import fcntl
 import os
 import tempfile
@@ -30,6 +32,15 @@ from .schema import COLUMNS, KEY_COLUMNS, REQUIRED_COLUMNS, ResultRow, upgrade
 
 class ResultsFileWarning(UserWarning):
     """A results CSV row that could not be read and was skipped."""
+
+
+class NotWritable(OSError):
+    """An output file that cannot be written for a reason other than permission (a file system
+    that takes no new files, such as /proc; a read-only one): the message says which and what to do."""
+
+
+class RowsNotSaved(OSError):
+    """A write that failed after rows were measured; the message names the file that keeps them."""
 
 
 def one_line(error: BaseException) -> str:
@@ -78,8 +89,12 @@ def row_key(row: ResultRow | dict) -> tuple[str, ...]:
     return tuple(encoded.get(column, "") for column in KEY_COLUMNS)
 
 
-def check_writable(path: str | Path) -> Path:
-    """Fail before any work is done if the results file cannot be written."""
+def check_writable(
+    path: str | Path, *, required: tuple[str, ...] = REQUIRED_COLUMNS, kind: str = "results CSV"
+) -> Path:
+    """Fail before any work is done if the CSV cannot be written: not a .csv name, a directory,
+    a folder that cannot be created or written, or an existing file whose header is not a `kind`
+    (lacks `required`): rows upserted into it would be lost at the end of a measurement."""
     path = Path(path)
     if path.exists() and path.is_dir():
         raise ValueError(f"{path} is a directory; pass a CSV file path such as {path / 'runs.csv'}")
@@ -88,18 +103,45 @@ def check_writable(path: str | Path) -> Path:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as error:
-        raise PermissionError(f"cannot create {path.parent} ({error.strerror}); pass a writable --out path") from None
+        raise not_writable(path, error, f"cannot create the folder {path.parent}") from None
+    if path.is_file():
+        advice = f"; pass another --out file name, or move {path} aside"
+        check_header(path, csv_header(path), required, kind, advice=advice)
     target = path if path.exists() else path.parent
     if not os.access(target, os.W_OK) or not os.access(path.parent, os.W_OK):
-        raise PermissionError(f"cannot write {path} (no write permission); pass a writable --out path")
+        raise PermissionError(f"{path}: no write permission in {path.parent}; pass a writable --out path")
     try:  # what a write will do: take the lock, create a temporary file beside the CSV
         with _locked(path):
             fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
             os.close(fd)
             os.unlink(tmp)
     except OSError as error:
-        raise PermissionError(f"cannot write {path} ({error.strerror or error}); pass a writable --out path") from None
+        raise not_writable(path, error, f"cannot create a file in {path.parent}") from None
     return path
+
+
+def not_writable(path: Path, error: OSError, doing: str) -> OSError:
+    """The error a failed write step raises, of the kind its cause is: PermissionError only when
+    permission was refused (root is refused nothing, yet /proc takes no new files)."""
+    why = error.strerror or str(error)
+    message = f"{path}: {doing} ({why}); pass a writable --out path"
+    return PermissionError(message) if error.errno in (errno.EACCES, errno.EPERM) else NotWritable(message)
+
+
+def check_header(
+    path: Path,
+    header: list[str],
+    required: tuple[str, ...] = REQUIRED_COLUMNS,
+    kind: str = "results CSV",
+    advice: str = "",
+) -> None:
+    """ValueError unless a header has the `required` columns of a `kind` ([]: an empty file, which any write may fill)."""
+    missing = [c for c in required if c not in header]
+    if header and missing:
+        shown = ",".join(header[:4])[:60]
+        raise ValueError(
+            f"{path} is not a {kind}: its first line ({shown!r}...) lacks the column(s) {', '.join(missing)}{advice}"
+        )
 
 
 def read_rows(path: str | Path) -> list[dict]:
@@ -128,12 +170,7 @@ def _checked_rows(path: Path) -> list[dict]:
         return []
     reader = csv.DictReader(text.splitlines(keepends=True))
     header = reader.fieldnames or []
-    missing = [c for c in REQUIRED_COLUMNS if c not in header]
-    if missing:
-        shown = ",".join(header[:4])[:60]
-        raise ValueError(
-            f"{path} is not a results CSV: its first line ({shown!r}...) lacks the column(s) {', '.join(missing)}"
-        )
+    check_header(path, header or ["(no header)"])
     rows, start = [], 2
     for record in reader:
         line, start = start, reader.line_num + 1
@@ -154,11 +191,15 @@ def _skip(path: Path, line: int, why: str) -> None:
     warnings.warn(f"{path} line {line} {why}; row skipped", ResultsFileWarning, stacklevel=4)
 
 
-def _columns_of(path: Path) -> list[str]:
+def csv_header(path: Path) -> list[str]:
+    """The header of a CSV ([] for a missing or empty file; a file that is not text has none that fits)."""
     if not path.exists():
         return []
-    with path.open(newline="") as f:
-        return next(csv.reader(f), [])
+    try:
+        with path.open(newline="") as f:
+            return next(csv.reader(f), [])
+    except UnicodeDecodeError:
+        return ["(not text)"]
 
 
 def lock_path(path: Path) -> Path:
@@ -217,21 +258,47 @@ def _write_atomic(path: Path, columns: list[str], rows: list[dict]) -> None:
 
 def upsert_rows(path: str | Path, rows: Iterable[ResultRow | dict], *, replace: bool = True) -> None:
     """Add rows to the CSV; a row whose key is already there replaces it (replace=True) or is
-    dropped (replace=False). Columns in the file that this schema does not know are kept."""
-    path = check_writable(path)
+    dropped (replace=False). Columns in the file that this schema does not know are kept. If the
+    write fails (the file changed since check_writable, a full disk), the new rows go to a file
+    beside it and RowsNotSaved names that file."""
+    path = Path(path)
     new = [encode_row(r) for r in rows]
-    with _write_errors(path), _locked(path):
-        existing = read_rows(path)
-        columns = list(COLUMNS) + [c for c in _columns_of(path) if c not in COLUMNS]
-        index = {row_key(row): i for i, row in enumerate(existing)}
-        for row in new:
-            i = index.get(row_key(row))
-            if i is None:
-                index[row_key(row)] = len(existing)
-                existing.append(row)
-            elif replace:
-                existing[i] = row
-        _write_atomic(path, columns, existing)
+    try:
+        check_writable(path)
+        with _write_errors(path), _locked(path):
+            existing = read_rows(path)
+            columns = list(COLUMNS) + [c for c in csv_header(path) if c not in COLUMNS]
+            index = {row_key(row): i for i, row in enumerate(existing)}
+            for row in new:
+                i = index.get(row_key(row))
+                if i is None:
+                    index[row_key(row)] = len(existing)
+                    existing.append(row)
+                elif replace:
+                    existing[i] = row
+            _write_atomic(path, columns, existing)
+    except (OSError, ValueError) as error:
+        raise RowsNotSaved(
+            f"{error}; the {len(new)} new row(s) are kept in {keep_unsaved(path, COLUMNS, new)}"
+        ) from None
+
+
+def keep_unsaved(path: Path, columns: Iterable[str], rows: list[dict]) -> Path:
+    """Rows that could not be added to `path`, in a new CSV of their own beside it (or in the
+    temporary folder when that folder takes no file): nothing measured is lost."""
+    for folder in (path.parent, Path(tempfile.gettempdir())):
+        name = None
+        try:
+            fd, name = tempfile.mkstemp(prefix=f"{path.stem}.unsaved-", suffix=".csv", dir=folder)
+            with os.fdopen(fd, "w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=list(columns), extrasaction="ignore")
+                writer.writeheader()
+                writer.writerows(rows)
+            return Path(name)
+        except OSError:
+            if name:
+                Path(name).unlink(missing_ok=True)
+    raise OSError(f"no folder takes a file for the rows meant for {path}")  # not even the temporary one
 
 
 @contextmanager
@@ -240,14 +307,21 @@ def _write_errors(path: Path) -> Iterator[None]:
     try:
         yield
     except OSError as error:
-        if isinstance(error, PermissionError) and str(path) in str(error):
+        if str(path) in str(error):
             raise
-        raise PermissionError(f"cannot write {path} ({error.strerror or error}); pass a writable --out path") from None
+        raise not_writable(path, error, "the write failed") from None
 
 
 def completed_keys(path: str | Path) -> set[tuple[str, ...]]:
     """Keys of the points already in a results file (for resuming)."""
     return {row_key(row) for row in read_rows(path)}
+
+
+def results_file(source: str | Path) -> Path:
+    """The CSV an `sbp run --out` should write for `source` to be read: itself if it names a CSV,
+    else a runs.csv inside it (a folder: every CSV under it is read)."""
+    source = Path(source)
+    return source if source.suffix.lower() == ".csv" else source / "runs.csv"
 
 
 def _numeric(table):
@@ -269,7 +343,7 @@ def load_results(source: str | Path):
     source = Path(source)
     files = sorted(source.rglob("*.csv")) if source.is_dir() else [source]
     if not files or not all(f.exists() for f in files):
-        raise FileNotFoundError(f"no results CSV at {source}; run `sbp run --out {source}` first")
+        raise FileNotFoundError(f"no results CSV at {source}; run `sbp run --out {results_file(source)}` first")
     rows = []
     for f in files:
         try:

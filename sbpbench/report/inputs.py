@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..records import load_results
+from ..records import load_results, results_file
 from ..records.reference import DEFAULT_REFERENCE, load_reference
 
 
@@ -12,7 +12,7 @@ def load_table(results: Path):
     """The results table; a missing, empty or header-only file is a user error saying what to run."""
     table = load_results(results)
     if table.empty or "kind" not in table.columns:
-        raise ValueError(f"no result rows in {results}; measure first, e.g. `sbp run --out {results}`")
+        raise ValueError(f"no result rows in {results}; measure first, e.g. `sbp run --out {results_file(results)}`")
     return table
 
 

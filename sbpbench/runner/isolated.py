@@ -28,11 +28,13 @@ from pathlib import Path
 
 from ..config import RunSpec
 from ..config.rows import spec_fields
+from ..config.timing import point_timeout_s
 from ..measure.environment import Environment, capture_environment
 from ..measure.progress import PROGRESS_PREFIX
 from ..methods import METHODS, data_parallel_unsupported
 from ..records import ResultRow, upsert_rows
 from . import fork_server
+from .allocator import worker_environment
 from .ranks import INIT_METHOD_ENV, merge_rank_rows
 
 _ROW_FIELDS = {f.name for f in fields(ResultRow)}
@@ -126,7 +128,32 @@ def run_isolated(spec: RunSpec, env: Environment | None = None) -> ResultRow:
     for name, value in provenance(env).items():
         setattr(row, name, value)
     row.timestamp_utc = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    notice = cap_notice(row)
+    if notice:
+        _say_once(notice)
     return row
+
+
+def cap_notice(row: ResultRow) -> str | None:
+    """One line when the point ran under a smaller cap than it asked for (measure/memory_cap.py):
+    the device had less."""
+    asked, used = row.memory_limit_bytes, row.memory_limit_effective_bytes
+    if asked is None or used is None or used >= asked:
+        return None
+    where = (
+        f"the total memory of {row.device_name or row.device}"
+        if row.device.startswith("cuda")
+        else "this machine's RAM"
+    )
+    return (
+        f"notice: --memory-limit {asked / 2**30:.2f} GiB ({asked:,} B) is above {where}: the point ran capped at "
+        f"{used / 2**30:.2f} GiB ({used:,} B), recorded as memory_limit_effective_bytes"
+    )
+
+
+@functools.cache  # once per command for each distinct line (a search's probes share theirs)
+def _say_once(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def _start_worker(spec: RunSpec, result_path: Path, env: dict | None, group: int | None) -> Worker:
@@ -186,6 +213,7 @@ def _run_workers(spec: RunSpec, tmp: Path) -> tuple[ResultRow, str]:
     """spec.nproc worker processes (ranks of one process group when several: runner/ranks.py), their
     merged row and stderr."""
     results = [tmp / (f"result.rank{r}.json" if spec.nproc > 1 else "result.json") for r in range(spec.nproc)]
+    timeout_s = point_timeout_s(spec)
     workers: list[Worker] = []
     lines: list[str] = []
     readers = []
@@ -195,11 +223,12 @@ def _run_workers(spec: RunSpec, tmp: Path) -> tuple[ResultRow, str]:
             if spec.nproc > 1:
                 env = {**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(spec.nproc)}
                 env[INIT_METHOD_ENV] = f"file://{tmp / 'rendezvous'}"
+            env = worker_environment(spec.device, spec.seq_len, env)
             workers.append(_start_worker(spec, result_path, env, workers[0].pid if workers else None))
             reader = threading.Thread(target=_read_stderr, args=(workers[-1].stderr, lines), daemon=True)
             reader.start()
             readers.append(reader)
-        timed_out = _wait(workers, results, spec.timeout_s)
+        timed_out = _wait(workers, results, timeout_s)
     except BaseException:  # Ctrl-C or a kill of this process: the workers must not outlive it
         if workers:
             _kill_group(workers)
@@ -216,7 +245,7 @@ def _run_workers(spec: RunSpec, tmp: Path) -> tuple[ResultRow, str]:
             continue
         row = ResultRow(**spec_fields(spec))
         if timed_out:
-            row.status, row.error = "timeout", f"no result after {spec.timeout_s:g} s (--timeout)"
+            row.status, row.error = "timeout", f"no result after {timeout_s:g} s (--timeout)"
         elif worker.returncode == -signal.SIGKILL:
             why = "out of host memory?" if spec.nproc == 1 else "another rank failed, or out of host memory?"
             row.status, row.error = "error", f"worker killed by SIGKILL ({why})"
@@ -224,7 +253,9 @@ def _run_workers(spec: RunSpec, tmp: Path) -> tuple[ResultRow, str]:
             reason = _last_error_line(stderr) or "no output"
             row.status, row.error = "error", f"worker exited with code {worker.returncode}: {reason}"
         rows.append(row)
-    return (rows[0] if spec.nproc == 1 else merge_rank_rows(rows)), stderr
+    row = rows[0] if spec.nproc == 1 else merge_rank_rows(rows)
+    row.timeout_s = timeout_s
+    return row, stderr
 
 
 def _kill_group(workers: list[Worker]) -> None:

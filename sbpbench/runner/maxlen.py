@@ -1,6 +1,13 @@
 """`sbp maxlen`'s search with real probes: each probe is one `sbp run` point (isolated process,
 status ok or oom), upserted to the results CSV as it finishes, so an interrupted search resumes
-from the CSV. The answer is one more row: kind maxlen, with the longest ok and shortest OOM."""
+from the CSV. The answer is one more row: kind maxlen, with the longest ok and shortest OOM.
+
+A probe that times out stops the search (ProbeFailed), as an error does, and is not taken as an
+upper bound: the answer is read as a memory limit (the paper's max T, the ratio to ckpt), and a
+length cut by time says nothing about memory. A probe is one memory step and its timeout is the
+FLOP model's, with a wide margin (config/timing.py), so a timeout is a hung or starved machine: the
+message says to rerun with a larger --timeout, and the probes so far are kept for the resume.
+(A sweep's grid, which answers no such question, skips the longer points of a timed-out series.)"""
 
 from __future__ import annotations
 
@@ -11,11 +18,9 @@ from ..config import MaxlenSpec, RunSpec
 from ..config.rows import spec_key
 from ..measure.environment import Environment, capture_environment
 from ..records import KEY_COLUMNS, ResultRow, decode_row, read_rows, row_key, upsert_rows
+from ..records.select import is_oom
 from .isolated import run_isolated
 from .length_search import search_max_len
-
-# Statuses a probe row can answer with; an error or timeout is not an answer (the search stops).
-_FITS = {"ok": True, "oom": False, "skipped": False}
 
 _SEQ_INDEX = KEY_COLUMNS.index("seq_len")
 
@@ -24,6 +29,14 @@ Measure = Callable[[RunSpec, Environment], ResultRow]
 
 class ProbeFailed(RuntimeError):
     """A probe ended in error or timeout: memory says nothing about that length."""
+
+
+def probe_answer(row: dict) -> bool | None:
+    """A probe row's answer: True (ok), False (out of memory, or skipped as certain to be), None (no
+    answer: an error, a timeout, a point skipped as certain to time out)."""
+    if row["status"] == "ok":
+        return True
+    return False if is_oom(row) else None
 
 
 class _Unsupported(Exception):
@@ -42,7 +55,7 @@ def cached_probes(search: MaxlenSpec, out, *, device_name: str, source: str = "m
     return {
         int(row["seq_len"]): decode_row(row)
         for row in read_rows(out)
-        if row.get("status") in _FITS and without_seq_len(row_key(row)) == wanted
+        if probe_answer(row) is not None and without_seq_len(row_key(row)) == wanted
     }
 
 
@@ -94,7 +107,7 @@ def find_max_len(
     env = env or capture_environment(search.base.device)
     device_name = device_name if device_name is not None else env.device_name
     rows = cached_probes(search, out, device_name=device_name, source=source) if resume else {}
-    cached = {seq_len: _FITS[row.status] for seq_len, row in rows.items()}
+    cached = {seq_len: probe_answer(row.as_dict()) for seq_len, row in rows.items()}
 
     def probe(seq_len: int) -> bool:
         row = measure(search.probe(seq_len), env)
@@ -105,9 +118,11 @@ def find_max_len(
             on_probe(row)
         if row.status == "unsupported":
             raise _Unsupported(row)
-        if row.status not in _FITS:
-            raise ProbeFailed(f"{search.method} at T={seq_len}: {row.status}: {row.error}")
-        return _FITS[row.status]
+        answer = probe_answer(row.as_dict())
+        if answer is None:
+            hint = "; a max length is a memory answer: rerun with a larger --timeout" if row.status == "timeout" else ""
+            raise ProbeFailed(f"{search.method} at T={seq_len}: {row.status}: {row.error}{hint}")
+        return answer
 
     try:
         result = search_max_len(

@@ -25,8 +25,10 @@ import torch
 
 from ..config import RunSpec
 from ..config.build import make_spec_batch
+from ..config.chunks import resolved_settings
 from ..config.rows import spec_fields
 from ..config.run import DTYPES
+from ..config.timing import point_timeout_s
 from ..measure.environment import Environment
 from ..records import ResultRow
 
@@ -71,6 +73,8 @@ def unsupported_reason(spec: RunSpec, model_type: str) -> str:
         return "only step bp (forward + backward) is driven through the official code"
     if model_type not in FAMILIES:
         return f"the official StreamModel handles {', '.join(FAMILIES)} layers, not {model_type}"
+    if spec.sdpa_backend != "auto":
+        return "--sdpa-backend is not forced inside the official code's environment: run it with auto"
     return ""
 
 
@@ -90,8 +94,8 @@ def _job(spec: RunSpec, tmp: Path, config, *, mode: str, weights: dict | None = 
         "dtype": spec.dtype,
         "device": spec.device,
         "seed": spec.seed,
-        "chunk_size": spec.settings.chunk_size,
-        "logits_chunk_size": spec.settings.logits_chunk_size,
+        "chunk_size": resolved_settings(spec).chunk_size,
+        "logits_chunk_size": resolved_settings(spec).logits_chunk_size,
         "warmup": spec.warmup,
         "repeats": spec.repeats,
         "memory_limit": spec.memory_limit,
@@ -134,6 +138,7 @@ def run_official(spec: RunSpec, env: Environment) -> ResultRow:
     from .isolated import provenance
 
     row = ResultRow(**spec_fields(spec))
+    row.weights = "random"  # the driver builds the config's model itself, never a checkpoint's weights
     for name, value in provenance(env).items():
         setattr(row, name, value)
     config = _config(spec)
@@ -143,8 +148,8 @@ def run_official(spec: RunSpec, env: Environment) -> ResultRow:
         return row
     with tempfile.TemporaryDirectory(prefix="sbp-official-") as tmp:
         job = _job(spec, Path(tmp), config, mode="measure")
-        result = run_driver(job, Path(tmp), spec.timeout_s)
-    row.num_tokens = job["num_tokens"]
+        result = run_driver(job, Path(tmp), point_timeout_s(spec))
+    row.num_tokens, row.timeout_s = job["num_tokens"], point_timeout_s(spec)
     _count_model(spec, config, row)
     row.transformers_version = result.pop("transformers_version", "")
     result.pop("streambp_version", None)
@@ -181,7 +186,7 @@ def official_gradients(spec: RunSpec, model) -> tuple[torch.Tensor, dict[str, to
     with tempfile.TemporaryDirectory(prefix="sbp-official-") as tmp:
         weights = {k: v.detach().cpu() for k, v in model.state_dict().items()}
         job = _job(spec, Path(tmp), model.config, mode="grads", weights=weights)
-        result = run_driver(job, Path(tmp), spec.timeout_s)
+        result = run_driver(job, Path(tmp), point_timeout_s(spec))
         if result["status"] != "ok":
             raise RuntimeError(result["error"])
         grads = torch.load(job["grads_path"])

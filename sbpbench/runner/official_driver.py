@@ -99,7 +99,8 @@ def step(model, stream, batch) -> float:
 
 
 def measure(job: dict, model, stream, batch, result: dict) -> None:
-    from sbpbench.measure.host_memory import peak_rss_bytes, reset_peak_rss
+    from sbpbench.measure.host_memory import peak_rss_bytes, reset_peak_rss, total_ram_bytes
+    from sbpbench.measure.memory_cap import memory_cap
     from sbpbench.measure.tensor_tracker import LiveTensorTracker
     from sbpbench.measure.timing import time_steps
 
@@ -112,10 +113,11 @@ def measure(job: dict, model, stream, batch, result: dict) -> None:
     resident += sum(t.numel() * t.element_size() for t in batch.values())
     if protocol == "steady":
         resident += sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
+    capacity = torch.cuda.get_device_properties(device).total_memory if cuda else total_ram_bytes()
+    cap = result["memory_limit_effective_bytes"] = memory_cap(job.get("memory_limit"), capacity)
     if cuda:
-        if job.get("memory_limit"):
-            total = torch.cuda.get_device_properties(device).total_memory
-            torch.cuda.set_per_process_memory_fraction(job["memory_limit"] / total, device)
+        if cap is not None and cap < capacity:
+            torch.cuda.set_per_process_memory_fraction(cap / capacity, device)
         for _ in range(job["warmup"]):
             prepare(model, protocol)
             step(model, stream, batch)
@@ -128,8 +130,7 @@ def measure(job: dict, model, stream, batch, result: dict) -> None:
         result["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
         result["activation_peak_bytes"] = result["peak_allocated_bytes"] - result["baseline_bytes"]
     else:
-        limit = job.get("memory_limit")
-        tracker = LiveTensorTracker(limit_bytes=None if limit is None else limit - resident)
+        tracker = LiveTensorTracker(limit_bytes=None if cap is None else cap - resident)
         reset_peak_rss()
         try:
             with tracker:

@@ -13,8 +13,16 @@ Protocol (recorded in every row):
      none for a memory-only point (repeats 0: a max-length probe).
 The worker runs spec.threads intra-op threads (default: OMP_NUM_THREADS, else the physical cores it
 may use); the row records them and the load average as the point started.
+A memory limit above the device's capacity (the paper's 80 GiB on an H100; 100TB on the CPU, whose
+cap is on the tracked bytes, against the machine's RAM) runs at the capacity; the row records the cap
+that applied (memory_limit_effective_bytes) and the parent says so (runner/isolated.py).
+Every step runs under the forced SDPA kernel, if any (spec.sdpa_backend, measure/sdpa.py); the
+memory step records the kernels that ran (attention_kernel).
 Gradients before each step follow the protocol: steady = resident and zeroed in place, first =
 None. An out-of-memory error anywhere is the point's result (status oom), not a crash.
+An offloading StreamBP point on CUDA page-locks its host buffers in its first step (the warm-up, or
+the memory step without one) and reuses them after (core/host_pool.py): host_register_s records that
+first step's registration, which no timed step pays.
 A step that runs past a few seconds prints "layer i of L" lines to stderr (measure/progress.py;
 StreamBP steps only: bp and ckpt are transformers' own backward, with no per-layer callback).
 With spec.nproc > 1 this process is one rank (runner/ranks.py): the model is sharded with FSDP2,
@@ -35,8 +43,10 @@ from ..config.build import build_model_and_batch, training_step
 from ..config.rows import spec_fields
 from ..measure.cuda_memory import NvmlPeakSampler, nvml_handle, start_cuda
 from ..measure.flops import training_flops
-from ..measure.host_memory import peak_rss_bytes, reset_peak_rss
+from ..measure.host_memory import peak_rss_bytes, reset_peak_rss, total_ram_bytes
+from ..measure.memory_cap import memory_cap
 from ..measure.progress import StepProgress
+from ..measure.sdpa import RecordingSdpaBackends, forcing_sdpa_backend, is_no_kernel_error
 from ..measure.tensor_tracker import LiveTensorTracker, TrackedOutOfMemoryError, counting_fsdp_resizes
 from ..measure.threads import load_average_1m, set_intra_op_threads
 from ..measure.timing import time_steps
@@ -45,6 +55,7 @@ from ..methods.step import TrainingStep, storage_bytes
 from ..methods.streambp import observe_stores, reporting_progress
 from ..records import ResultRow, one_line
 from . import ranks
+from .allocator import allocator_setting
 
 _HOST_OOM_MESSAGES = ("can't allocate memory", "out of memory")
 
@@ -55,6 +66,17 @@ def is_out_of_memory(error: BaseException) -> bool:
     # autograd may re-raise an error from inside backward as a plain RuntimeError
     message = str(error)
     return TrackedOutOfMemoryError.__name__ in message or any(m in message for m in _HOST_OOM_MESSAGES)
+
+
+def failure_outcome(spec: RunSpec, error: BaseException) -> tuple[str, str]:
+    """(status, error) of a step that raised: oom, error, or unsupported where the forced SDPA kernel
+    cannot run the point's attention on this device (e.g. flash in fp32)."""
+    if spec.sdpa_backend != "auto" and is_no_kernel_error(error):
+        return (
+            "unsupported",
+            f"--sdpa-backend {spec.sdpa_backend} cannot run this attention on {spec.device}: {one_line(error)}",
+        )
+    return ("oom" if is_out_of_memory(error) else "error"), one_line(error)
 
 
 def build_step(spec: RunSpec, row: ResultRow, device: torch.device, rank: ranks.Rank | None = None) -> TrainingStep:
@@ -76,29 +98,44 @@ def build_step(spec: RunSpec, row: ResultRow, device: torch.device, rank: ranks.
     return step
 
 
-def _measure_cpu(spec: RunSpec, step: TrainingStep, row: ResultRow, prepare: Callable[[], None]) -> Callable[[], None]:
-    prepare()
+def start_cuda_point(spec: RunSpec, row: ResultRow, device: torch.device) -> None:
+    """Before anything else touches the GPU: NVML's idle reading, the CUDA context, the memory cap
+    (set_per_process_memory_fraction of the device's total, the cap clamped to it) and the
+    allocator setting the worker runs with."""
+    startup = start_cuda(device)
+    row.nvml_idle_used_bytes, row.cuda_context_bytes = startup.idle_used_bytes, startup.context_bytes
+    row.cuda_alloc_conf = allocator_setting()
+    total = torch.cuda.get_device_properties(device).total_memory
+    row.memory_limit_effective_bytes = memory_cap(spec.memory_limit, total)
+    if row.memory_limit_effective_bytes is not None and row.memory_limit_effective_bytes < total:
+        torch.cuda.set_per_process_memory_fraction(row.memory_limit_effective_bytes / total, device)
+
+
+def _measure_cpu(
+    spec: RunSpec, step: TrainingStep, row: ResultRow, prepare: Callable[[str], None]
+) -> Callable[[], None]:
+    prepare("memory step")
     resident = storage_bytes(step.resident_tensors())
-    if spec.memory_limit is not None and resident > spec.memory_limit:
-        raise TrackedOutOfMemoryError(
-            f"weights, gradients and batch take {resident:,} B, over the limit of {spec.memory_limit:,} B"
-        )
-    limit = None if spec.memory_limit is None else spec.memory_limit - resident
+    cap = row.memory_limit_effective_bytes = memory_cap(spec.memory_limit, total_ram_bytes())
+    if cap is not None and resident > cap:
+        raise TrackedOutOfMemoryError(f"weights, gradients and batch take {resident:,} B, over the limit of {cap:,} B")
+    limit = None if cap is None else cap - resident
     row.baseline_bytes = resident
     tracker = LiveTensorTracker(limit_bytes=limit)
     reset_peak_rss()
-    stores = []
+    stores, kernels = [], RecordingSdpaBackends()
     try:
         resizes = counting_fsdp_resizes(tracker) if spec.nproc > 1 else nullcontext()
-        with tracker, resizes, observe_stores() as stores:
+        with tracker, resizes, observe_stores() as stores, kernels:
             row.loss = float(step.run())
     finally:  # an OOM row still says how far the step got
+        row.attention_kernel = kernels.names()
         _record_stores(row, stores)
         row.cpu_peak_rss_bytes = peak_rss_bytes()
         row.peak_allocated_bytes = resident + tracker.peak_bytes
         row.activation_peak_bytes = tracker.peak_bytes
-    for _ in range(spec.warmup):
-        prepare()
+    for i in range(1, spec.warmup + 1):
+        prepare(f"warm-up {i} of {spec.warmup}")
         step.run()
     return lambda: None
 
@@ -111,7 +148,7 @@ def _record_stores(row: ResultRow, stores) -> None:
 
 
 def _measure_cuda(
-    spec: RunSpec, step: TrainingStep, row: ResultRow, device: torch.device, prepare: Callable[[], None]
+    spec: RunSpec, step: TrainingStep, row: ResultRow, device: torch.device, prepare: Callable[[str], None]
 ) -> Callable[[], None]:
     """Warm-up, then the memory step. A memory-only probe needs no warm-up for its peak:
     max_memory_allocated counts live tensors, and what a first step creates lazily and keeps
@@ -124,21 +161,22 @@ def _measure_cuda(
     def synchronize() -> None:
         torch.cuda.synchronize(device)
 
-    for _ in range(spec.warmup):
-        prepare()
+    for i in range(1, spec.warmup + 1):
+        prepare(f"warm-up {i} of {spec.warmup}")
         step.run()
-    prepare()
+    prepare("memory step")
     synchronize()
     torch.cuda.reset_peak_memory_stats(device)
     row.baseline_bytes = torch.cuda.memory_allocated(device)
     reset_peak_rss()
     sampler = NvmlPeakSampler(nvml_handle(device))
-    stores = []
+    stores, kernels = [], RecordingSdpaBackends()
     try:
-        with sampler, observe_stores() as stores:
+        with sampler, observe_stores() as stores, kernels:
             row.loss = float(step.run())
             synchronize()
     finally:  # an OOM row still says how far the step got
+        row.attention_kernel = kernels.names()
         _record_stores(row, stores)
         row.peak_allocated_bytes = torch.cuda.max_memory_allocated(device)
         row.peak_reserved_bytes = torch.cuda.max_memory_reserved(device)
@@ -150,6 +188,14 @@ def _measure_cuda(
 
 def measure_point(spec: RunSpec) -> ResultRow:
     """Measure one point in this process. Never raises for a failed step: the row says what happened."""
+    with observe_stores() as stores:  # each step's checkpoint store (streambp), the first step's first
+        row = _measure(spec)
+    if stores and stores[0].pins_host_memory:
+        row.host_register_s = stores[0].host_register_s
+    return row
+
+
+def _measure(spec: RunSpec) -> ResultRow:
     row = ResultRow(**spec_fields(spec))
     row.load_avg_1m = load_average_1m()  # before this point adds its own threads to it
     row.num_threads = set_intra_op_threads(spec.threads)
@@ -160,13 +206,7 @@ def measure_point(spec: RunSpec) -> ResultRow:
             device = ranks.join(spec, rank)
             row.device = str(device)
         if device.type == "cuda":
-            startup = start_cuda(device)
-            row.nvml_idle_used_bytes, row.cuda_context_bytes = startup.idle_used_bytes, startup.context_bytes
-            if spec.memory_limit is not None:
-                total = torch.cuda.get_device_properties(device).total_memory
-                if spec.memory_limit > total:
-                    raise ValueError(f"memory_limit {spec.memory_limit:,} B exceeds the GPU's {total:,} B")
-                torch.cuda.set_per_process_memory_fraction(spec.memory_limit / total, device)
+            start_cuda_point(spec, row, device)
         step = build_step(spec, row, device, rank)
         row.optimizer_state_bytes = step.optimizer_state_bytes
         progress = StepProgress(
@@ -174,26 +214,28 @@ def measure_point(spec: RunSpec) -> ResultRow:
             synchronize=(lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else lambda: None,
         )
 
-        def prepare() -> None:  # before each step: gradients per protocol, the progress clock
+        def prepare(name: str) -> None:  # before each step: gradients per protocol, the progress clock and label
             step.prepare()
-            progress.restart()
+            progress.restart(name)
 
-        with reporting_progress(progress):
+        with reporting_progress(progress), forcing_sdpa_backend(spec.sdpa_backend):
             if device.type == "cuda":
                 synchronize = _measure_cuda(spec, step, row, device, prepare)
             else:
                 synchronize = _measure_cpu(spec, step, row, prepare)
             timing = None
             if spec.repeats:
-                timing = time_steps(step.run, repeats=spec.repeats, synchronize=synchronize, before_each=prepare)
+                timed = (f"timed step {i} of {spec.repeats}" for i in range(1, spec.repeats + 1))
+                timing = time_steps(
+                    step.run, repeats=spec.repeats, synchronize=synchronize, before_each=lambda: prepare(next(timed))
+                )
         row.optimizer_state_bytes = step.optimizer_state_bytes
     except MethodUnsupported as error:  # the method cannot run here: a result, with the reason
         row.status, row.error = "unsupported", one_line(error)
         return row
     except Exception as error:  # noqa: BLE001 (any failure is the point's outcome, classified; the traceback goes to the worker's stderr)
         traceback.print_exc()
-        row.status = "oom" if is_out_of_memory(error) else "error"
-        row.error = one_line(error)
+        row.status, row.error = failure_outcome(spec, error)
         return row
     row.status = "ok"
     if timing is None:

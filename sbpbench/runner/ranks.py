@@ -78,6 +78,7 @@ _MAX_COLUMNS = tuple(f.name for f in fields(ResultRow) if f.name.endswith("_byte
     "time_median_s",
     "time_min_s",
     "time_max_s",
+    "host_register_s",  # each rank page-locks its own buffers in its first step
 )
 # the row's status is its worst rank's; an OOM first, as the other ranks then fail in a collective
 _STATUS_ORDER = ("oom", "error", "timeout", "unsupported", "ok")

@@ -5,11 +5,22 @@ process with a time limit, its output appended to one raw log; what it decides i
 it (selftest_summary.py). The plan is pure data, so it is tested on any machine.
 
 On a GPU (at most GPU_BUDGET_S on one H100): the default `sbp run` (Qwen3-4B, T=9000: its ckpt
-and streambp rows are two of the estimate's points), memory-only probes of Qwen3-8B bp at T=4608
-and ckpt at T=20000, the gpu-marked tests, and the longest Qwen3-8B StreamBP memory-only point
+and streambp rows are two of the estimate's points), two Qwen3-8B StreamBP points at T=64k with
+the checkpoints offloaded (`cpu`) and recomputed (`recompute:4`), one memory step and one timed
+step each (so that first contact runs the offload path), the gpu-marked tests, memory-only probes
+of Qwen3-8B bp at T=4608 and ckpt at T=20000, and the longest Qwen3-8B StreamBP memory-only point
 whose predicted step fits what is left of the budget (`long_seq_len`). The `sbp estimate` of
 each point runs beside them on the host CPU (fake tensors, no GPU). Written to
 OUT/gpu/<device name>/.
+
+Budget: the steps run in that order, each cut to what the budget leaves less the time kept for
+the `reserved` steps after it (the offload points: the default run cannot eat their time). A step
+left less than MIN_STEP_S is not started: "not run (budget)", which is not a failure. The offload
+points' timeouts come from the FLOP model at the assumed H100 rate (`offload_timeout_s`); with the
+default run's cap they fit the budget, which test_selftest.py checks. Their limits (about 2.2 and
+2.5 minutes, predictions) and the default run's cap (3) take most of the 8 minutes: the gpu-marked
+tests, the probes and the long point share what is left, and whichever it cannot start is "not run
+(budget)".
 On a CPU: a small `sbp check`, a short default-like `sbp run` and its `sbp estimate --target
 cpu`, within CPU_BUDGET_S on 2 cores. Written to OUT/cpu-selftest/.
 """
@@ -24,9 +35,10 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from ..config.timing import executed_flops
 from ..measure.environment import Environment
 from ..measure.flops import phase_flops
 from ..models import load_config
@@ -46,6 +58,14 @@ LONG_SEQ_LENS = (110_000, 96_000, 80_000, 64_000, 48_000, 32_000)
 # transformers, build 8B random bf16 weights on the GPU (a guess of a few tens of seconds; the
 # selftest log shows each point's real wall time, and the long point's progress lines its step).
 POINT_OVERHEAD_S = 40.0
+# The offload path on first contact: Qwen3-8B StreamBP at 64k, checkpoints in pinned host memory or
+# recomputed per segment of 4 layers, one memory step and one timed step (no warm-up).
+OFFLOAD_SEQ_LEN = 65_536
+OFFLOAD_PLACEMENTS = ("cpu", "recompute:4")
+OFFLOAD_MARGIN = 1.25  # on the two predicted steps: the host copies and the first step's set-up
+DEFAULT_RUN_S = 180.0  # the default run's cap
+MIN_STEP_S = 30.0  # a step left less than this is not started
+NOT_RUN = "not run (budget)"
 # Model TFLOP/s assumed for StreamBP when the default run gave no streambp time (the issue's
 # H100: 187 at Qwen3-4B T=9000, 208 at T=24000).
 ASSUMED_MODEL_TFLOPS = 187.0
@@ -64,6 +84,7 @@ class Step:
     argv: tuple[str, ...]  # after `python -m`
     timeout_s: float
     background: bool = False  # host-only work (an estimate) that runs beside the GPU steps
+    reserved: bool = False  # its timeout is kept free while the steps before it run
 
 
 @dataclass
@@ -73,6 +94,11 @@ class Outcome:
     seconds: float = 0.0
     cpu_seconds: float | None = None  # user + system of the step's processes (foreground steps)
     returncode: int | None = None
+
+    @property
+    def failed(self) -> bool:
+        """Anything but ok, except a step the budget left no time for."""
+        return self.status not in ("ok", NOT_RUN)
 
 
 @dataclass
@@ -125,15 +151,12 @@ def cpu_plan(test: Selftest) -> list[Step]:
     ]
 
 
-def _estimate(test: Selftest, model: str, seq_len: int, methods: tuple[str, ...]) -> Step:
-    return Step(
-        f"estimate {model} T={seq_len} {' '.join(methods)}",
-        _sbp(
-            "estimate", "--model", model, "--seq", str(seq_len), "--method", *methods, "--out", str(test.estimates_csv)
-        ),
-        300,
-        background=True,
-    )
+def _estimate(test: Selftest, model: str, seq_len: int, methods: tuple[str, ...], checkpoints: str = "") -> Step:
+    argv = ("estimate", "--model", model, "--seq", str(seq_len))
+    argv += ("--checkpoints", checkpoints) if checkpoints else ()
+    argv += ("--method", *methods, "--out", str(test.estimates_csv))
+    name = f"estimate {model} T={seq_len} {' '.join(methods)}" + (f" {checkpoints}" if checkpoints else "")
+    return Step(name, _sbp(*argv), 300, background=True)
 
 
 def _probe(test: Selftest, model: str, seq_len: int, method: str, timeout_s: float) -> Step:
@@ -143,18 +166,41 @@ def _probe(test: Selftest, model: str, seq_len: int, method: str, timeout_s: flo
     return Step(f"run {model} T={seq_len} {method} (memory only)", _sbp(*argv), timeout_s + 30)
 
 
+def offload_timeout_s(placement: str, config) -> float:
+    """The offload point's time limit: POINT_OVERHEAD_S plus OFFLOAD_MARGIN x its two steps' executed
+    FLOPs (config/timing.py: a recompute placement runs one forward more) at the assumed rate."""
+    flops = executed_flops(config, method="streambp", batch_size=1, seq_len=OFFLOAD_SEQ_LEN, checkpoints=placement)
+    return POINT_OVERHEAD_S + OFFLOAD_MARGIN * 2 * flops * seconds_per_executed_flop(None, config)
+
+
+def _offload_point(test: Selftest, placement: str, config) -> Step:
+    """Qwen3-8B StreamBP at OFFLOAD_SEQ_LEN with its checkpoints placed: one memory step, one timed."""
+    timeout_s = offload_timeout_s(placement, config)
+    argv = ("run", "--model", LONG_MODEL, "--seq", str(OFFLOAD_SEQ_LEN), "--method", "streambp")
+    argv += ("--checkpoints", placement, "--warmup", "0", "--repeats", "1")
+    argv += ("--timeout", f"{timeout_s - 30:.0f}", "--out", str(test.runs_csv))
+    name = f"run {LONG_MODEL} T={OFFLOAD_SEQ_LEN} streambp --checkpoints {placement} (memory, then one timed step)"
+    return Step(name, _sbp(*argv), timeout_s, reserved=True)
+
+
 def gpu_plan(test: Selftest, tests_dir: Path | None) -> list[Step]:
     """The fixed GPU steps, in order; the long point is added once the default run's speed is known."""
+    config = load_config(LONG_MODEL)
     steps = [
         _estimate(test, "Qwen/Qwen3-4B", 9000, ("ckpt", "streambp")),
+        *(_estimate(test, LONG_MODEL, OFFLOAD_SEQ_LEN, ("streambp",), p) for p in OFFLOAD_PLACEMENTS),
         _estimate(test, "Qwen/Qwen3-8B", 4608, ("bp",)),
         _estimate(test, "Qwen/Qwen3-8B", 20000, ("ckpt",)),
-        Step("run (the default: Qwen/Qwen3-4B, T=9000, every method)", _sbp("run", "--out", str(test.runs_csv)), 180),
-        _probe(test, "Qwen/Qwen3-8B", 4608, "bp", 90),
-        _probe(test, "Qwen/Qwen3-8B", 20000, "ckpt", 120),
+        Step(
+            "run (the default: Qwen/Qwen3-4B, T=9000, every method)",
+            _sbp("run", "--out", str(test.runs_csv)),
+            DEFAULT_RUN_S,
+        ),
+        *(_offload_point(test, p, config) for p in OFFLOAD_PLACEMENTS),
     ]
     if tests_dir is not None:
         steps.append(Step("pytest -m gpu", ("pytest", "-v", "-m", "gpu", str(tests_dir)), 180))
+    steps += [_probe(test, "Qwen/Qwen3-8B", 4608, "bp", 90), _probe(test, "Qwen/Qwen3-8B", 20000, "ckpt", 120)]
     return steps
 
 
@@ -256,10 +302,7 @@ class Background:
 def _budget(step: Step, deadline: float, reserve_s: float = 0.0) -> Step:
     """The step with its timeout cut to what the budget leaves (less `reserve_s` for later steps)."""
     left = deadline - time.perf_counter() - reserve_s
-    return Step(step.name, step.argv, max(10.0, min(step.timeout_s, left)), step.background)
-
-
-LONG_RESERVE_S = 150.0  # kept for the long point while the fixed GPU steps run
+    return replace(step, timeout_s=max(10.0, min(step.timeout_s, left)))
 
 
 def run_selftest(test: Selftest, *, tests_dir: Path | None, echo=print) -> Selftest:
@@ -273,18 +316,23 @@ def run_selftest(test: Selftest, *, tests_dir: Path | None, echo=print) -> Selft
         return test
 
     background = Background(test.out_dir / "selftest-estimates.log")
-    for step in gpu_plan(test, tests_dir):
+    steps = gpu_plan(test, tests_dir)
+    for i, step in enumerate(steps):
         if step.background:
             background.submit(_budget(step, deadline))
             continue
-        test.outcomes.append(run_step(_budget(step, deadline, LONG_RESERVE_S), test.log))
+        reserve = sum(s.timeout_s for s in steps[i + 1 :] if s.reserved)
+        if deadline - time.perf_counter() - reserve < MIN_STEP_S:
+            test.outcomes.append(Outcome(step, NOT_RUN))
+        else:
+            test.outcomes.append(run_step(_budget(step, deadline, reserve), test.log))
         test.outcomes[-1].cpu_seconds = None  # mixed with the background estimates'
         echo(_line(test.outcomes[-1]))
     config = load_config(LONG_MODEL)
     streambp = _default_run_row(test, "streambp")
     left = deadline - time.perf_counter()
     test.long_seq_len = long_seq_len(left, seconds_per_flop=seconds_per_executed_flop(streambp, config), config=config)
-    if test.long_seq_len is None:
+    if test.long_seq_len is None:  # not a failure: the budget went to the steps before it
         echo(f"no time left for a long point ({left:.0f} s of the budget)")
     else:
         background.submit(_budget(_estimate(test, LONG_MODEL, test.long_seq_len, ("streambp",)), deadline))
@@ -365,7 +413,10 @@ def write_summary(test: Selftest, env: Environment) -> Path:
     measured, simulated = _rows(test.runs_csv), _rows(test.estimates_csv)
     log_text = test.log.read_text() if test.log.exists() else ""
     if test.kind == "cuda":
-        points = list(GPU_POINTS) + ([(LONG_MODEL, test.long_seq_len, "streambp")] if test.long_seq_len else [])
+        offload = [(LONG_MODEL, OFFLOAD_SEQ_LEN, "streambp", p) for p in OFFLOAD_PLACEMENTS]
+        points = (
+            list(GPU_POINTS) + offload + ([(LONG_MODEL, test.long_seq_len, "streambp")] if test.long_seq_len else [])
+        )
         title = f"sbp selftest on {env.device_name}"
     else:
         points = [(CPU_POINT["model"], CPU_POINT["seq_len"], m) for m in ("bp", "ckpt", "streambp")]

@@ -25,6 +25,11 @@ class PointError:
     measured_bytes: int | None
     estimated_status: str
     estimated_bytes: int | None
+    checkpoints: str = ""  # streambp's placement when not the default gpu
+
+    @property
+    def label(self) -> str:
+        return f"{self.method} ({self.checkpoints})" if self.checkpoints else self.method
 
     @property
     def error(self) -> float | None:
@@ -38,23 +43,31 @@ def _int(value) -> int | None:
     return None if value in (None, "") else int(float(value))
 
 
-def _point(row: dict) -> tuple[str, int, str]:
-    return row["model"], int(row["seq_len"]), row["method"]
+Point = tuple  # (model, seq_len, method) or (model, seq_len, method, checkpoints placement)
 
 
-def estimate_errors(
-    measured: list[dict], simulated: list[dict], points: list[tuple[str, int, str]]
-) -> list[PointError]:
-    """One PointError per (model, seq_len, method) in `points`, from measured rows (sbp run) and
-    simulated ones (sbp estimate): the last row of each point wins, as in an upserted CSV."""
+def _point(row: dict) -> tuple[str, int, str, str]:
+    placement = row.get("checkpoints") or ""
+    return row["model"], int(row["seq_len"]), row["method"], "" if placement == "gpu" else placement
+
+
+def estimate_errors(measured: list[dict], simulated: list[dict], points: list[Point]) -> list[PointError]:
+    """One PointError per (model, seq_len, method[, placement]) in `points`, from measured rows
+    (sbp run) and simulated ones (sbp estimate): the last row of each point wins, as in an upserted
+    CSV. A placement left out (or gpu) is StreamBP's default."""
     ours = {_point(r): r for r in measured if r.get("kind", "point") == "point" and r.get("seq_len")}
     theirs = {_point(r): r for r in simulated if r.get("seq_len")}
     errors = []
     for point in points:
-        m, s = ours.get(point, {}), theirs.get(point, {})
+        model, seq_len, method, placement = (*point, "")[:4]
+        key = (model, seq_len, method, "" if placement == "gpu" else placement)
+        m, s = ours.get(key, {}), theirs.get(key, {})
         errors.append(
             PointError(
-                *point,
+                model,
+                seq_len,
+                method,
+                checkpoints=key[3],
                 chunk_size=m.get("chunk_size") or s.get("chunk_size") or "",
                 measured_status=m.get("status", "missing"),
                 measured_bytes=_int(m.get("peak_allocated_bytes")),
@@ -84,7 +97,7 @@ def estimate_table(errors: list[PointError]) -> list[str]:
         if e.error is not None and abs(e.error) > GOOD_ESTIMATE:
             notes.append(f"off by more than {GOOD_ESTIMATE:.0%}")
         lines.append(
-            f"| {e.model} | {e.seq_len} | {e.method} | {e.chunk_size or '-'} | {_gib(e.measured_bytes)} "
+            f"| {e.model} | {e.seq_len} | {e.label} | {e.chunk_size or '-'} | {_gib(e.measured_bytes)} "
             f"| {_gib(e.estimated_bytes)} | {error} | {'; '.join(notes)} |"
         )
     return lines

@@ -3,7 +3,10 @@
 Every finished point is upserted to the CSV before the next starts (atomic writes), so a Ctrl-C
 or a SIGKILL loses at most the point in flight, and a rerun skips what the CSV already holds
 (same key). A point is certain OOM, and recorded as `skipped` without running, when a point of
-the same settings with no longer sequence and no larger batch already ran out of memory.
+the same settings with no longer sequence and no larger batch already ran out of memory; likewise
+certain to time out when such a point timed out: a timeout is predicted from the point's FLOPs
+(config/timing.py), so a machine that missed it at T is too slow by the same factor at longer T, and
+the longer points of the series are not run for their full (longer) timeouts.
 """
 
 from __future__ import annotations
@@ -16,12 +19,13 @@ from ..config import MaxlenSpec, RunSpec
 from ..config.rows import spec_fields, spec_key
 from ..measure.environment import Environment, capture_environment
 from ..records import KEY_COLUMNS, ResultRow, read_rows, row_key, upsert_rows
+from ..records.schema import SKIPPED_OOM, SKIPPED_TIMEOUT
+from ..records.select import is_oom
 from .isolated import provenance, run_isolated
 from .maxlen import Measure, find_max_len
 
 # Rows a resumed sweep keeps; an error is retried (a fixed bug or a freed device may cure it).
 DONE_STATUSES = ("ok", "oom", "skipped", "timeout", "unsupported")
-_OOM_STATUSES = ("oom", "skipped")
 
 
 @dataclass
@@ -80,30 +84,42 @@ def _below_new_ceiling(answer: dict, ceiling: int) -> bool:
     return reached not in (None, "") and int(reached) < ceiling
 
 
-class _OomMemory:
-    """The (seq_len, batch) points of each settings group that ran out of memory."""
+class _Bounds:
+    """The (seq_len, batch) points of each settings group that ran out of memory or timed out: a
+    point of the group with no shorter T and no smaller batch would too."""
 
     def __init__(self, rows: list[dict]):
-        self.ooms: dict[tuple, list[tuple[int, int]]] = {}
+        self.bounds: dict[tuple, list[tuple[int, int, str]]] = {}
         for row in rows:
-            if row.get("kind", "point") == "point" and row.get("status") in _OOM_STATUSES and row.get("seq_len"):
-                self.add(row_key(row), int(row["seq_len"]), int(row["batch_size"] or 1))
+            outcome = _bound(row)
+            if row.get("kind", "point") == "point" and outcome and row.get("seq_len"):
+                self.add(row_key(row), int(row["seq_len"]), int(row["batch_size"] or 1), outcome)
 
-    def add(self, key, seq_len: int, batch_size: int) -> None:
-        self.ooms.setdefault(_oom_group(key), []).append((seq_len, batch_size))
+    def add(self, key, seq_len: int, batch_size: int, outcome: str) -> None:
+        self.bounds.setdefault(_oom_group(key), []).append((seq_len, batch_size, outcome))
 
-    def certain(self, key, seq_len: int, batch_size: int) -> tuple[int, int] | None:
-        """An OOM point that proves this one OOMs too, if any."""
-        for oom_seq, oom_batch in self.ooms.get(_oom_group(key), []):
-            if oom_seq <= seq_len and oom_batch <= batch_size:
-                return oom_seq, oom_batch
-        return None
+    def certain(self, key, seq_len: int, batch_size: int) -> tuple[int, int, str] | None:
+        """A point that proves this one runs out of memory (outcome "oom") or time ("timeout"), if
+        any; an OOM proof first (it says more)."""
+        proofs = [b for b in self.bounds.get(_oom_group(key), []) if b[0] <= seq_len and b[1] <= batch_size]
+        return min(proofs, key=lambda b: b[2] != "oom", default=None)
 
 
-def skipped_row(spec: RunSpec, env: Environment, proof: tuple[int, int]) -> ResultRow:
+def _bound(row: dict) -> str | None:
+    """ "oom", "timeout" or None: what a row proves of the longer points of its group."""
+    if is_oom(row):
+        return "oom"
+    return "timeout" if row.get("status") in ("timeout", "skipped") else None
+
+
+def skipped_row(spec: RunSpec, env: Environment, proof: tuple[int, int, str]) -> ResultRow:
     row = ResultRow(**spec_fields(spec))
     row.status = "skipped"
-    row.error = f"certain OOM: T={proof[0]}, batch {proof[1]} already ran out of memory; not run"
+    seq_len, batch, outcome = proof
+    if outcome == "oom":
+        row.error = f"{SKIPPED_OOM}: T={seq_len}, batch {batch} already ran out of memory; not run"
+    else:
+        row.error = f"{SKIPPED_TIMEOUT}: T={seq_len}, batch {batch} timed out; not run"
     for name, value in provenance(env).items():
         setattr(row, name, value)
     row.timestamp_utc = datetime.now(timezone.utc).isoformat(timespec="seconds")
@@ -128,7 +144,7 @@ def run_sweep(
     env = env or capture_environment(todo[0].spec.device)
     # An earlier OOM proves a longer point OOMs, but a point being run again proves nothing about itself.
     rerun = {job.key for job in todo}
-    oom = _OomMemory([r for r in read_rows(out) if row_key(r) not in rerun] if out else [])
+    bounds = _Bounds([r for r in read_rows(out) if row_key(r) not in rerun] if out else [])
     rows = []
     for job in todo:
         if on_start:
@@ -142,12 +158,12 @@ def run_sweep(
             row = find_max_len(job.point, out, measure=measure, env=env, on_probe=told)
         else:
             spec = job.point
-            proof = oom.certain(job.key, spec.seq_len, spec.batch_size)
+            proof = bounds.certain(job.key, spec.seq_len, spec.batch_size)
             row = skipped_row(spec, env, proof) if proof else measure(spec, env)
             if out is not None:
                 upsert_rows(out, [row])
-            if row.status == "oom":
-                oom.add(job.key, spec.seq_len, spec.batch_size)
+            if row.status in ("oom", "timeout"):
+                bounds.add(job.key, spec.seq_len, spec.batch_size, row.status)
         rows.append(row)
         if on_done:
             on_done(job, row)

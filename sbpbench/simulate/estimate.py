@@ -131,7 +131,7 @@ def estimate(spec: RunSpec, *, target: str = "cuda", method: MethodFn | None = N
         if method is None:
             step.run()
         else:
-            method(model, step.batch, spec.settings)
+            method(model, step.batch, step.settings)
             if step.optimizer is not None:
                 step.optimizer.step()
     trainable = step.trainable

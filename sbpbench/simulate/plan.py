@@ -12,7 +12,10 @@ Time model (a ranking, not a measurement; its constants are assumptions stated h
   copy out overlaps the next layer's forward, each copy back the current layer's backward; only
   what a copy takes beyond the compute it overlaps is added, plus the first copy back, which
   nothing overlaps. spill adds its rebuilt inputs' copies out (overlapping the rebuild) and back,
-  and a second copy back of each rebuilt segment's kept input.
+  and a second copy back of each rebuilt segment's kept input;
+- the first step of a process also page-locks a host buffer per layer input the host holds at
+  HOST_REGISTER_BYTES_S (core/host_pool.py); later steps reuse them, so candidates rank by the
+  steady step and `first_step=True` adds it.
 Candidates run in order of predicted time through the estimator; the first that fits is the plan.
 """
 
@@ -34,6 +37,10 @@ from .estimate import host_peak_bytes
 
 ACHIEVED_FLOP_S = 400e12
 PCIE_BYTES_S = 25e9
+# cudaHostRegister of fresh pages (faulted in and pinned): page-locking "is itself expensive (~1-2
+# GB/s)" (openvm-org/stark-backend#384); 5-19 s for the 18 GiB of a Qwen3-8B cpu step at 64k (1.0-3.9
+# GB/s, the reading in issue 26). An assumption until a GPU row's host_register_s measures it.
+HOST_REGISTER_BYTES_S = 2e9
 RECOMPUTE_EVERY = (2, 3, 4, 6, 9, 12)  # K candidates
 CHUNK_SIZES = (500, 1000, 2000)  # layer chunks tried, the paper's 500 first (fewer chunks: fewer kernel launches)
 
@@ -52,9 +59,21 @@ class PlanOutcome:
 
 
 def predicted_time_s(
-    spec: RunSpec, placement: Placement, *, num_layers: int, model_flops: float, layer_bytes: int
+    spec: RunSpec,
+    placement: Placement,
+    *,
+    num_layers: int,
+    model_flops: float,
+    layer_bytes: int,
+    first_step: bool = False,
 ) -> float:
-    """The time model above for one step. layer_bytes: one layer input X_l (B x T x d x s)."""
+    """The time model above for one step (the process's first with first_step: host buffers are
+    registered then). layer_bytes: one layer input X_l (B x T x d x s)."""
+    if first_step:
+        register_s = placement.host_inputs(num_layers) * layer_bytes / HOST_REGISTER_BYTES_S
+        return register_s + predicted_time_s(
+            spec, placement, num_layers=num_layers, model_flops=model_flops, layer_bytes=layer_bytes
+        )
     forward = model_flops / 3  # one forward of the whole model, attention included
     layer_forward_s = forward / num_layers / ACHIEVED_FLOP_S
     every = placement.recompute_every

@@ -1,0 +1,24 @@
+"""`--sdpa-backend`: one scaled-dot-product-attention kernel forced for every method of a point.
+
+bp and ckpt reach SDPA through transformers' sdpa attention, streambp through its own attention
+function (core/attention.py); both call torch's SDPA, so `torch.nn.attention.sdpa_kernel` around the
+step (measure/sdpa.py) holds for all of them, StreamBP's lower-right causal bias included (torch's
+CausalBias dispatch checks the same enabled flags, and materialises the mask for math or cuDNN).
+The names are settings/choices.py's (the CLI lists them without torch).
+"""
+
+from __future__ import annotations
+
+from ..settings import ConfigError
+from ..settings.choices import CPU_SDPA_BACKENDS, SDPA_BACKENDS
+
+
+def check_sdpa_backend(name: str, device: str) -> None:
+    """Refuse, before anything runs, a backend unknown or absent on the device kind."""
+    if name not in SDPA_BACKENDS:
+        raise ConfigError("sdpa_backend", f"unknown {{field}} {name!r}; choose from {', '.join(SDPA_BACKENDS)}")
+    if not device.startswith("cuda") and name not in CPU_SDPA_BACKENDS:
+        raise ConfigError(
+            "sdpa_backend",
+            f"{name} has no CPU kernel; on {device} choose from {', '.join(CPU_SDPA_BACKENDS)} (or run on a GPU)",
+        )

@@ -1,0 +1,137 @@
+"""`sbp --help` answers at once: the CLI loads no torch or transformers until a command runs, each
+command's help is whole and ends with examples, and its options come from the settings table
+through Typer's public API."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from sbpbench.cli import peers_cmd, selftest_cmd
+from sbpbench.cli.errors import error_kind, user_errors
+from sbpbench.cli.options import FLAGS, point_command
+from sbpbench.core import UnsupportedModelError
+from sbpbench.runner import official, selftest
+from sbpbench.settings import ConfigError
+
+HEAVY = ("torch", "transformers")
+
+# In a fresh interpreter: import the CLI, then ask for every help (the commands listed by `sbp
+# --help`, and a group's own commands), and report the helps and which heavy modules got loaded.
+_HELPS = textwrap.dedent(
+    """
+    import json, sys
+    imported = sorted(set(sys.argv[1:]) & set(sys.modules))
+    from typer.testing import CliRunner
+    from sbpbench.cli import app
+    after_import = sorted(set(sys.argv[1:]) & set(sys.modules))
+
+    def listed(text):
+        return [line.split()[0] for line in text.partition("Commands:")[2].splitlines() if line.strip()]
+
+    runner = CliRunner()
+    helps = {"": runner.invoke(app, ["--help"], env={"COLUMNS": "80"}).output}
+    for name in listed(helps[""]):
+        helps[name] = runner.invoke(app, [name, "--help"], env={"COLUMNS": "80"}).output
+        for sub in listed(helps[name]):
+            helps[f"{name} {sub}"] = runner.invoke(app, [name, sub, "--help"], env={"COLUMNS": "80"}).output
+    after_helps = sorted(set(sys.argv[1:]) & set(sys.modules))
+    print(json.dumps({"before": imported, "import": after_import, "helps": helps, "after": after_helps}))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def helps() -> dict:
+    done = subprocess.run(
+        [sys.executable, "-c", _HELPS, *HEAVY], capture_output=True, text=True, timeout=120, check=True
+    )
+    return json.loads(done.stdout)
+
+
+def test_importing_the_cli_and_every_help_load_no_torch(helps):
+    """`import sbpbench.cli`, `sbp --help` and every `sbp <command> --help` leave torch and
+    transformers out of sys.modules."""
+    assert helps["before"] == [] and helps["import"] == [] and helps["after"] == []
+    assert {"", "run", "maxlen", "sweep", "estimate", "plan", "check", "peers", "peers setup"} <= set(helps["helps"])
+
+
+def test_sbp_help_shows_whole_summaries(helps):
+    """Each command's summary in `sbp --help` is a whole sentence (not cut with "..."), on one line."""
+    commands = helps["helps"][""].partition("Commands:")[2].splitlines()
+    summaries = [line.split(maxsplit=1)[1] for line in commands if line.strip()]
+    assert len(summaries) >= 12
+    assert all(summary.endswith(".") and not summary.endswith("...") for summary in summaries), summaries
+
+
+def test_every_command_help_ends_with_examples_within_80_columns(helps):
+    """Every command's help (groups aside) ends with two or three `sbp <command> ...` examples, and
+    every line of every help fits 80 columns."""
+    for name, text in helps["helps"].items():
+        wide = [line for line in text.splitlines() if len(line) > 80]
+        assert not wide, f"sbp {name} --help: {wide[0]!r}"
+        if name in ("", "peers"):
+            continue
+        lines = [line.strip() for line in text.rstrip().splitlines()]
+        examples = lines[lines.index("Examples:") + 1 :]
+        assert 2 <= len(examples) <= 3 and all(line.startswith(f"sbp {name}") for line in examples), (name, examples)
+
+
+def test_run_help_is_short_and_its_options_come_in_the_table_order(helps):
+    """`sbp run --help` fits one screen and a half (it was 79 lines with no example): the point's
+    settings first, then how it is measured, then the methods' knobs."""
+    text = helps["helps"]["run"]
+    assert len(text.splitlines()) <= 70
+    order = [text.index(flag) for flag in ("--method", "--seq", "--dtype", "--protocol", "--repeats", "--chunk-size")]
+    assert order == sorted(order)
+    assert "<str>" not in text and "<list[str]>" not in text
+
+
+def test_help_names_what_the_heavy_modules_define():
+    """The help's copies of runner constants (so that help imports no torch) agree with them."""
+    assert peers_cmd.VENV_VARIABLE == official.VENV_VARIABLE
+    assert peers_cmd.DEFAULT_VENV.replace("~", str(official.Path.home()), 1) == str(official.DEFAULT_VENV)
+    assert selftest_cmd.BUDGET_S == {"cuda": selftest.GPU_BUDGET_S, "cpu": selftest.CPU_BUDGET_S}
+
+
+def test_point_command_builds_options_from_the_settings_table():
+    """A command's options are its settings' flags (older spellings kept, aliases added, help
+    replaced where asked); what it receives is the settings given, numbers parsed, and the methods."""
+    received = {}
+
+    @point_command(("method", "seq_len", "dtype"), helps={"dtype": "Only fp64 here."}, aliases={"seq_len": ("--start",)})
+    def command(settings: dict, methods: tuple[str, ...], verbose: bool = False) -> None:
+        received.update(settings=settings, methods=methods, verbose=verbose)
+
+    app = typer.Typer(rich_markup_mode=None)  # as sbp's: plain help
+    app.command()(command)
+    app.command("other")(lambda: None)  # two commands: the first is called by name
+    runner = CliRunner()
+    text = runner.invoke(app, ["command", "--help"], env={"COLUMNS": "120"}).output
+    for flag in ("--method", "-T, --seq", "--start", "--dtype", "--verbose", "Only fp64 here.", "One of: bp, ckpt"):
+        assert flag in text, flag
+    result = runner.invoke(app, ["command", "--start", "64", "--method", "bp", "ckpt,streambp", "--verbose"])
+    assert result.exit_code == 0, result.output
+    assert received == {"settings": {"seq_len": 64}, "methods": ("bp", "ckpt", "streambp"), "verbose": True}
+    result = runner.invoke(app, ["command", "-T", "abc"])
+    assert result.exit_code == 2 and "--seq must be an integer, got 'abc'" in result.output
+    assert FLAGS["seq_len"] == "--seq" and FLAGS["fp32_grad_accumulation"] == "--fp32-grad-accumulation"
+
+
+def test_user_errors_are_known_by_class_without_importing_them():
+    """The error table names classes: core's UnsupportedModelError (a ValueError) gets its own
+    prefix, a ConfigError is shown with the flag, anything else is not a user error."""
+    assert error_kind(UnsupportedModelError("x")) == "unsupported model"
+    assert error_kind(ConfigError("seq_len", "must be at least 2")) == "invalid input"
+    assert error_kind(FileNotFoundError("x")) == "file not found" and error_kind(KeyError("x")) is None
+    with pytest.raises(typer.Exit) as exit_info, user_errors():
+        raise ConfigError("seq_len", "must be at least 2, got 1")
+    assert exit_info.value.exit_code == 2
+    with pytest.raises(KeyError), user_errors():
+        raise KeyError("a bug, not a mistake")
