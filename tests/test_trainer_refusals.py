@@ -41,7 +41,7 @@ def _make_trl(kind: str, **options):
     import trl
     from datasets import Dataset
 
-    import sbpbench.integrations as integrations
+    from sbpbench import integrations
 
     config = {"sft": trl.SFTConfig, "dpo": trl.DPOConfig, "grpo": trl.GRPOConfig}[kind]
     extra = {"grpo": {"num_generations": 2}}.get(kind, {})
@@ -224,7 +224,7 @@ def test_streambp_keyword_takes_a_config():
 
 def test_trl_trainer_without_trl_says_how_to_install(monkeypatch):
     """Without TRL, asking for a TRL trainer raises ImportError naming the extra to install."""
-    import sbpbench.integrations as integrations
+    from sbpbench import integrations
 
     monkeypatch.setitem(sys.modules, "trl", None)  # `import trl` fails as if not installed
     monkeypatch.delitem(sys.modules, "sbpbench.integrations.sft", raising=False)

@@ -246,9 +246,7 @@ def _run_dpo(cls, tmp_path, options, **kwargs):
 
 
 @needs_trl
-@pytest.mark.parametrize(
-    "case", [c if c == "sigmoid" else pytest.param(c, marks=pytest.mark.slow) for c in DPO_CASES]
-)
+@pytest.mark.parametrize("case", [c if c == "sigmoid" else pytest.param(c, marks=pytest.mark.slow) for c in DPO_CASES])
 def test_dpo_trainer_matches_stock(tmp_path, case):
     """TRL's DPOTrainer with an explicit reference model: sigmoid, IPO with the forward-KL
     f-divergence, a weighted sigmoid + SFT mix on precomputed reference log-probs; rewards,

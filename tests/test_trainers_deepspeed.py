@@ -38,7 +38,7 @@ def _train(case, streambp: bool, rank: int) -> dict:
     from datasets import Dataset
     from transformers import Trainer, TrainingArguments
 
-    import sbpbench.integrations as integrations
+    from sbpbench import integrations
 
     from .conftest import tiny_model
     from .test_trainers import _common, _pad_collator, _token_rows
@@ -50,7 +50,8 @@ def _train(case, streambp: bool, rank: int) -> dict:
         "gradient_accumulation_steps": 2,
         "zero_optimization": {"stage": case["stage"], "stage3_param_persistence_threshold": 0},
         "zero_allow_untested_optimizer": True,
-        "gradient_clipping": 0.0,  # Accelerate's default clips at 1.0: a scale-invariant update would hide a wrong scale
+        # no clipping (Accelerate's default clips at 1.0): a clipped update would hide a wrong scale
+        "gradient_clipping": 0.0,
     }
     # one optimizer step (2 micro-batches: off and on the boundary): fp32 differences compound over
     # SGD steps at rate 0.5 (one process, stock vs StreamBP, fp32: 2.3e-5 after 2 steps)

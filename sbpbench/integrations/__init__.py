@@ -23,7 +23,7 @@ _TRAINERS = {  # class -> module defining it
     "StreamBPGRPOTrainer": ".grpo",
 }
 
-__all__ = ["StreamBPConfig", *_TRAINERS]
+__all__ = ["StreamBPConfig", "StreamBPDPOTrainer", "StreamBPGRPOTrainer", "StreamBPSFTTrainer", "StreamBPTrainer"]
 
 
 def __getattr__(name: str):

@@ -64,7 +64,7 @@ class StreamBPDPOTrainer(StreamBPInit, DPOTrainer, StreamBPStep):
             label_smoothing=self.label_smoothing,
             f_divergence_type=self.f_divergence_type,
             discopop_tau=self.args.discopop_tau,
-            gradient_accumulation_steps=1 if self._scaled_for_accumulation(num_items_in_batch) else self._steps(),
+            gradient_accumulation_steps=self.accumulation_divisor(num_items_in_batch),
         )
         return StreamedBatch(input_ids, objective, inputs["attention_mask"])
 

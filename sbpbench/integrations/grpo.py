@@ -109,7 +109,7 @@ class StreamBPGRPOTrainer(StreamBPInit, GRPOTrainer, StreamBPStep):
             max_completion_length=self.max_completion_length,
             num_items_in_batch=inputs["num_items_in_batch"],
             num_processes=self.accelerator.num_processes,
-            gradient_accumulation_steps=self._steps(),
+            gradient_accumulation_steps=self.current_gradient_accumulation_steps,
             steps_per_generation=self.args.steps_per_generation,
         )
         attention_mask = torch.cat([inputs["prompt_mask"], completion_mask], dim=1)

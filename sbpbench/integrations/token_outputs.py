@@ -54,7 +54,9 @@ class TokenRecorder:
             values["is_top1"] = scaled.argmax(dim=-1) == targets  # the first maximum, as TRL's kernel
         for name, value in values.items():
             if name not in self._values:
-                self._values[name] = torch.zeros(mask.shape[0], objective.mask.shape[1], dtype=value.dtype, device=value.device)
+                self._values[name] = torch.zeros(
+                    mask.shape[0], objective.mask.shape[1], dtype=value.dtype, device=value.device
+                )
             self._values[name][:, start:end] = torch.where(mask, value, torch.zeros_like(value))
 
     def outputs(self) -> SimpleNamespace:

@@ -8,8 +8,8 @@ carries the stock scaling (the summed loss over `num_items_in_batch`, the target
 accumulation window, or a per-batch mean over the accumulation steps; times the number of processes
 under `average_tokens_across_devices`, as the stock loss is), so loss and gradients equal the stock
 step's to rounding. StreamBPStep sits just above `Trainer` in each trainer's MRO
-(`class StreamBPSFTTrainer(StreamBPInit, SFTTrainer, StreamBPStep)`): TRL's own `training_step` wrappers (GRPO's
-`_step` counter and step timing) still run and call this step in place of Trainer's.
+(`class StreamBPSFTTrainer(StreamBPInit, SFTTrainer, StreamBPStep)`): TRL's own `training_step`
+wrappers (GRPO's `_step` counter and step timing) still run and call this step in place of Trainer's.
 
 Under DeepSpeed the step takes Accelerate's engine, as `accelerator.backward` does (the accumulation
 boundary set, `engine.step()` at it, gradients not divided again by the accumulation steps); under
@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 
 import torch
 from accelerate.utils import DistributedType
+from accelerate.utils.memory import clear_device_cache
 from transformers import Trainer
 from transformers.training_args import OptimizerNames
 
@@ -82,8 +83,8 @@ class StreamBPStep(Trainer):
             self.log_streamed(inputs, num_items_in_batch, recorder.outputs())
         del inputs
         steps = self.args.torch_empty_cache_steps
-        if steps is not None and self.state.global_step % steps == 0 and torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        if steps is not None and self.state.global_step % steps == 0:
+            clear_device_cache()
         return loss
 
     def _stream(self, model: torch.nn.Module, batch: StreamedBatch, objective) -> torch.Tensor:
@@ -123,17 +124,17 @@ class StreamBPStep(Trainer):
         objective = SFT(
             inputs["labels"],
             num_items_in_batch=self._items_per_process(num_items_in_batch),
-            gradient_accumulation_steps=1 if self._scaled_for_accumulation(num_items_in_batch) else self._steps(),
+            gradient_accumulation_steps=self.accumulation_divisor(num_items_in_batch),
         )
         return StreamedBatch(inputs["input_ids"], objective, inputs.get("attention_mask"), inputs.get("position_ids"))
 
-    def _scaled_for_accumulation(self, num_items_in_batch) -> bool:
-        """Trainer.training_step's rule: whether the loss is already scaled for gradient accumulation
-        (normalised by num_items_in_batch) or is a per-batch mean it divides by the accumulation steps."""
+    def accumulation_divisor(self, num_items_in_batch) -> int:
+        """Trainer.training_step's rule: 1 where the loss is already scaled for gradient accumulation
+        (normalised by num_items_in_batch), else the accumulation steps it divides a per-batch mean by."""
         scaled = getattr(self, "loss_is_scaled_for_ga", None)  # transformers >= 5.19; TRL sets it per trainer
-        if scaled is not None:
-            return scaled
-        return self.model_accepts_loss_kwargs and num_items_in_batch is not None
+        if scaled is None:
+            scaled = self.model_accepts_loss_kwargs and num_items_in_batch is not None
+        return 1 if scaled else self.current_gradient_accumulation_steps
 
     def _items_per_process(self, num_items_in_batch):
         """num_items_in_batch counts the target tokens of every process; with
@@ -142,9 +143,6 @@ class StreamBPStep(Trainer):
         if num_items_in_batch is None or not self.args.average_tokens_across_devices:
             return num_items_in_batch
         return num_items_in_batch / self.accelerator.num_processes
-
-    def _steps(self) -> int:
-        return self.current_gradient_accumulation_steps
 
     def log_streamed(self, inputs: Mapping[str, Any], num_items_in_batch, outputs) -> None:
         """Run the stock trainer's metric code on the recorded per-token outputs (TRL trainers)."""
