@@ -72,6 +72,19 @@ def test_trl_default_matches_bp_to_float32_rounding(family, objective):
             assert 1e-10 < grads < 1e-5, f"fp64: worst gradient error {grads:.3e}, expected fp32 rounding"
 
 
+@needs_trl
+def test_trl_default_with_lora_matches_bp():
+    """With LoRA adapters (TRL patches the base model under the PEFT wrapper), trl-default equals bp
+    in fp32 and leaves no patched forward behind."""
+    from sbpbench.models.lora import apply_lora
+
+    model = apply_lora(tiny_model("tiny/llama", torch.float32), rank=4, alpha=8, init_nonzero_seed=0)
+    batch = padded_batch(model, batch_size=2, seq_len=20, lengths=[20, 13])
+    (result,) = compare_methods(model, batch, ["trl-default"], MethodSettings())
+    assert result.ok, "\n".join(d.describe() for d in result.failures())
+    assert "forward" not in vars(model.get_base_model())
+
+
 def test_trl_default_without_trl_is_unsupported(monkeypatch):
     """Without TRL, trl-default raises MethodUnsupported saying how to install it, and the worker
     records the point as status unsupported."""
