@@ -191,29 +191,37 @@ def test_trainer_matches_stock(tmp_path, layout):
 # --- TRL's SFTTrainer --------------------------------------------------------------------------
 
 
-def _run_sft(cls, tmp_path, padding_free: bool, **kwargs):
+SFT_LAYOUTS = {  # name -> SFTConfig options
+    "padded": {},
+    "padding-free": {"padding_free": True, "max_length": None},  # each batch's rows concatenated into one
+    "packing": {"packing": True, "max_length": 24},  # TRL's best-fit packing, padding-free rows
+}
+
+
+def _run_sft(cls, tmp_path, layout: str, **kwargs):
     from datasets import Dataset
     from trl import SFTConfig
 
-    options = {"padding_free": True, "max_length": None} if padding_free else {}
-    args = SFTConfig(**_common(tmp_path), bf16=False, train_sampling_strategy="sequential", **options)
+    args = SFTConfig(**_common(tmp_path), bf16=False, train_sampling_strategy="sequential", **SFT_LAYOUTS[layout])
     dataset = Dataset.from_dict({"text": _texts(12, 5, 20, seed=0)})
     make = lambda model: cls(model=model, args=args, train_dataset=dataset, processing_class=_tokenizer(), **kwargs)
     return _train(make, tiny_model("tiny/qwen3"))
 
 
 @needs_trl
-@pytest.mark.parametrize("padding_free", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["padded", "packed"])
-def test_sft_trainer_matches_stock(tmp_path, padding_free):
-    """TRL's SFTTrainer, padded and padding-free (one packed row per batch); its entropy, token
-    accuracy and token count logged from the streamed step."""
+@pytest.mark.parametrize(
+    "layout", [c if c == "padded" else pytest.param(c, marks=pytest.mark.slow) for c in SFT_LAYOUTS]
+)
+def test_sft_trainer_matches_stock(tmp_path, layout):
+    """TRL's SFTTrainer, padded, padding-free and packed (one row of documents, position_ids
+    restarting per document); its entropy, token accuracy and token count logged from the streamed step."""
     from trl import SFTTrainer
 
     from sbpbench.integrations import StreamBPConfig, StreamBPSFTTrainer
 
-    stock = _run_sft(SFTTrainer, tmp_path, padding_free)
+    stock = _run_sft(SFTTrainer, tmp_path, layout)
     config = StreamBPConfig(chunk_size=5, logits_chunk_size=7)
-    _assert_same_training(stock, _run_sft(StreamBPSFTTrainer, tmp_path, padding_free, streambp=config))
+    _assert_same_training(stock, _run_sft(StreamBPSFTTrainer, tmp_path, layout, streambp=config))
 
 
 # --- TRL's DPOTrainer --------------------------------------------------------------------------
