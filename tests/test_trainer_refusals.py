@@ -17,6 +17,11 @@ from .conftest import needs_trl, tiny_model
 from .test_trainers import _common, _pad_collator, _texts, _token_rows, _tokenizer
 
 
+@pytest.fixture(autouse=True)
+def _in_tmp_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # where the trainers' relative output_dir lands
+
+
 def _assert_refused(make, match: str):
     with pytest.raises(ValueError, match=match) as error:
         make()
@@ -29,7 +34,7 @@ def _make_trainer(**options):
 
     from sbpbench.integrations import StreamBPTrainer
 
-    args = TrainingArguments(**_common("unused") | options, remove_unused_columns=False)
+    args = TrainingArguments(**_common("out") | options, remove_unused_columns=False)
     dataset = Dataset.from_list(_token_rows(4))
     return lambda model=None: StreamBPTrainer(
         model=model or tiny_model("tiny/qwen3"), args=args, train_dataset=dataset, data_collator=_pad_collator
@@ -46,7 +51,7 @@ def _make_trl(kind: str, **options):
     config = {"sft": trl.SFTConfig, "dpo": trl.DPOConfig, "grpo": trl.GRPOConfig}[kind]
     extra = {"grpo": {"num_generations": 2}}.get(kind, {})
     defaults = {"bf16": False, "activation_checkpointing": False}
-    args = config(**_common("unused") | defaults | extra | options)
+    args = config(**_common("out") | defaults | extra | options)
     columns = {
         "sft": {"text": _texts(4, 3, 6, seed=0)},
         "dpo": {key: _texts(4, 3, 6, seed=i) for i, key in enumerate(("prompt", "chosen", "rejected"))},
@@ -104,7 +109,7 @@ def test_compute_loss_func_is_refused():
     _assert_refused(
         lambda: StreamBPTrainer(
             model=tiny_model("tiny/qwen3"),
-            args=TrainingArguments(**_common("unused"), remove_unused_columns=False),
+            args=TrainingArguments(**_common("out"), remove_unused_columns=False),
             train_dataset=Dataset.from_list(_token_rows(4)),
             data_collator=_pad_collator,
             compute_loss_func=lambda outputs, labels, num_items_in_batch=None: outputs.logits.sum(),

@@ -35,13 +35,6 @@ STEPS, ACCUMULATION, BATCH = 3, 2, 2
 TIMING_KEYS = ("train_runtime", "train_samples_per_second", "train_steps_per_second", "step_time")
 
 
-@pytest.fixture(autouse=True)
-def _no_telemetry(monkeypatch):
-    import huggingface_hub.constants
-
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_TELEMETRY", True)
-
-
 def _tokenizer():
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

@@ -12,6 +12,7 @@ in tests/test_distributed.py ("accelerate" cases)."""
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import traceback
 
@@ -69,15 +70,13 @@ def _train(case, streambp: bool, rank: int) -> dict:
     with deepspeed.zero.GatheredParameters([p for _, p in params]):  # no-op below ZeRO-3
         updates = {name: (p.detach() - before[name]).numpy().copy() for name, p in params}
     trainer.model_wrapped.destroy()
+    shutil.rmtree(output, ignore_errors=True)  # save_strategy "no": nothing of use there
     AcceleratorState._reset_state()  # one DeepSpeed Accelerator per process otherwise
     return updates
 
 
 def _worker(rank, port, cases, queue):
-    import huggingface_hub.constants
-
-    deepspeed_rank(rank, port)  # the Trainer's Accelerator starts the process group
-    huggingface_hub.constants.HF_HUB_DISABLE_TELEMETRY = True
+    deepspeed_rank(rank, port)  # the Trainer's Accelerator starts the process group (HF_HUB_OFFLINE: conftest's)
     try:
         for case in cases:
             stock, ours = _train(case, False, rank), _train(case, True, rank)
