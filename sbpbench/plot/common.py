@@ -58,7 +58,7 @@ def placements_of(rows):
     """Each row's StreamBP checkpoint placement; gpu where none is recorded (other methods, older rows)."""
     if "checkpoints" not in rows:
         return rows["method"].map(lambda _: "gpu")
-    return rows["checkpoints"].fillna("").astype(str).replace("", "gpu")
+    return rows["checkpoints"].map(lambda value: cell(value) or "gpu")  # an all-empty column reads as float NaN
 
 
 def series_marker(method: str, part) -> str:
