@@ -403,7 +403,9 @@ def _ds_engine(*, fp16=False, amp=None, optimizer_scales=None, autocast_scaler=N
     optimizer = SimpleNamespace()
     if optimizer_scales is not None:
         optimizer.needs_scaler = lambda: optimizer_scales
-    engine = SimpleNamespace(fp16_enabled=lambda: fp16, optimizer=optimizer, torch_autocast_z0_gradscaler=autocast_scaler)
+    engine = SimpleNamespace(
+        fp16_enabled=lambda: fp16, optimizer=optimizer, torch_autocast_z0_gradscaler=autocast_scaler
+    )
     if amp is not None:
         engine.amp_enabled = lambda: amp
     return engine

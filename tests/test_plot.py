@@ -150,7 +150,9 @@ def test_time_plot_ooms_sit_on_the_axis_and_bars_are_named_only_when_drawn(tmp_p
 UNRELIABLE = "times unreliable (warm-up 0, 1 repeat): not a ranking of the methods"
 
 
-@pytest.mark.parametrize(("warmup", "repeats", "said"), [(0, 1, UNRELIABLE), (0, 3, "(warm-up 0)"), (1, 1, "(1 repeat)"), (1, 3, None)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("warmup", "repeats", "said"), [(0, 1, UNRELIABLE), (0, 3, "(warm-up 0)"), (1, 1, "(1 repeat)"), (1, 3, None)]
+)
 def test_time_figures_say_when_warmup_and_repeats_make_times_unreliable(tmp_path, warmup, repeats, said):
     """Step-time and time-per-sample figures of rows timed without a warm-up step or from one timed
     step say so in the title, and that they rank nothing; with a warm-up and repeats they say nothing."""

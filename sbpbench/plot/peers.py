@@ -97,7 +97,7 @@ def _figure(rows, out_dir: Path, formats) -> list[Path]:
     if notes:
         ax.text(0.01, 0.01, "\n".join(notes), transform=ax.transAxes, fontsize=style.LEGEND_FONT_SIZE, va="bottom")
     ax.margins(x=0.25, y=0.2)
-    title = f"{model_title(like)}: max T vs time per token, per method\n{setting_title(like)}; {where_title(like)}{caveat}"
-    finish(fig, ax, title)
+    title = f"{model_title(like)}: max T vs time per token, per method\n{setting_title(like)}; {where_title(like)}"
+    finish(fig, ax, title + caveat)
     name = stem("max_len_vs_time_per_token", short(like), *setting_parts(like), device_part(like), like["protocol"])
     return save(fig, out_dir, name, formats)

@@ -3,8 +3,9 @@ size at one T (paper Table 2), per method, median with min-max error bars.
 
 The paper's times are drawn faint on figures of a CUDA device only (it timed an A800-80GB; a CPU
 time beside it says nothing). Times without a warm-up step or from a single timed step say so in
-the title (records.select.timing_caveat): a smoke run's cold single steps rank methods wrongly. "x" on the x axis (drawn over it, outside the data area): an OOM
-at that x, which has no time; the legend says so. The y label mentions min-max bars only when a
+the title (records.select.timing_caveat): a smoke run's cold single steps rank methods wrongly.
+"x" on the x axis (drawn over it, outside the data area): an OOM at that x, which has no time; the
+legend says so. The y label mentions min-max bars only when a
 point has a spread to draw.
 """
 
