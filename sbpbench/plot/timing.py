@@ -5,8 +5,7 @@ The paper's times are drawn faint on figures of a CUDA device only (it timed an 
 time beside it says nothing). Times without a warm-up step or from a single timed step say so in
 the title (records.select.timing_caveat): a smoke run's cold single steps rank methods wrongly.
 "x" on the x axis (drawn over it, outside the data area): an OOM at that x, which has no time; the
-legend says so. The y label mentions min-max bars only when a
-point has a spread to draw.
+legend says so. The y label mentions min-max bars only when a point has a spread to draw.
 """
 
 from __future__ import annotations
