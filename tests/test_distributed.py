@@ -406,3 +406,33 @@ def test_zero_module_without_its_engine_is_refused():
     next(model.parameters()).ds_id = 0  # what deepspeed.zero.Init leaves on a partitioned parameter
     with pytest.raises(ValueError, match="pass the DeepSpeedEngine"):
         stream_backward(model, batch.input_ids, batch.labels)
+
+
+def _ds_engine(*, fp16=False, amp=None, optimizer_scales=None, autocast_scaler=None):
+    """A stand-in for a DeepSpeedEngine with only what scales_loss probes; `amp=None`: no
+    amp_enabled() at all (DeepSpeed >= 0.19.8 removed it), `optimizer_scales=None`: no needs_scaler()."""
+    from types import SimpleNamespace
+
+    optimizer = SimpleNamespace()
+    if optimizer_scales is not None:
+        optimizer.needs_scaler = lambda: optimizer_scales
+    engine = SimpleNamespace(
+        fp16_enabled=lambda: fp16, optimizer=optimizer, torch_autocast_z0_gradscaler=autocast_scaler
+    )
+    if amp is not None:
+        engine.amp_enabled = lambda: amp
+    return engine
+
+
+def test_deepspeed_loss_scaling_found_with_or_without_amp_enabled():
+    """The fp16 loss-scaling check works on engines with amp_enabled() (DeepSpeed < 0.19.8) and without
+    it (0.19.8+), and sees each way an engine scales the loss: fp16, Apex AMP, a ZeRO optimizer's
+    scaler, torch.autocast fp16's GradScaler at ZeRO-0."""
+    from sbpbench.core.grad_sync_deepspeed import scales_loss
+
+    assert not scales_loss(_ds_engine())  # 0.19.8+: no amp_enabled attribute
+    assert not scales_loss(_ds_engine(amp=False, optimizer_scales=False))
+    assert scales_loss(_ds_engine(fp16=True))
+    assert scales_loss(_ds_engine(amp=True))
+    assert scales_loss(_ds_engine(optimizer_scales=True))
+    assert scales_loss(_ds_engine(autocast_scaler=object()))

@@ -269,6 +269,26 @@ def test_plot_draws_max_len_vs_time_per_token(tmp_path):
     assert [p.name for p in paths] == ["max_len_vs_time_per_token__small-qwen3__fp32__AMD-EPYC-limit1GiB__steady.png"]
 
 
+def test_max_len_vs_time_per_token_ranks_nothing_from_unreliable_times(tmp_path):
+    """Where the times at the reference T had no warm-up step and one timed step (a smoke run's), the
+    max T vs time per token figure says the times are unreliable and no ranking, and draws its
+    markers hollow; times with a warm-up and repeats are drawn filled, without the caveat."""
+    from dataclasses import replace
+
+    from sbpbench.plot import max_len_vs_time_per_token
+    from sbpbench.records import load_results, upsert_rows
+
+    svg = {}
+    for warmup, repeats in ((0, 1), (1, 3)):
+        csv = tmp_path / f"w{warmup}.csv"
+        upsert_rows(csv, [replace(r, warmup_steps=warmup, repeats=repeats) for r in _peer_rows()])
+        (path,) = max_len_vs_time_per_token(load_results(csv), tmp_path / csv.stem, formats=("svg",))
+        svg[warmup] = path.read_text()
+    assert "times unreliable (warm-up 0, 1 repeat): not a ranking of the methods" in svg[0]
+    assert "unreliable" not in svg[1]
+    assert svg[0].count("fill: none") > svg[1].count("fill: none")  # hollow markers
+
+
 def test_a_max_length_search_of_an_unsupported_method_answers_unsupported(tmp_path):
     """A search whose first probe is unsupported stops there: its answer row is kind maxlen, status
     unsupported, with the probe's reason (no error, no guessed length)."""
