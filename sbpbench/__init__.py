@@ -19,6 +19,7 @@ and __main__.py.
     report: the results table beside the paper's numbers, as Markdown -> records, measure
     plot: figures of a results table -> records, measure
     cli: the `sbp` commands (each imports torch's side inside its function) -> settings, config, runner, simulate, report, plot, records, measure, models
+    integrations: StreamBP trainers for transformers and TRL (nothing of ours imports it but tests) -> core
     sbpbench: the version, this map, `python -m sbpbench` -> cli
 """
 

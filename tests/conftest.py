@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from collections.abc import Callable
@@ -26,6 +27,9 @@ from sbpbench.data import SFTBatch, make_sft_batch
 from sbpbench.models import build_model
 
 FAMILIES = ("tiny/qwen3", "tiny/qwen2", "tiny/llama", "tiny/mistral", "tiny/gemma3")
+
+# TRL is an optional extra (`pip install -e ".[trl]"`, installed by .ci/run): its tests skip without it.
+needs_trl = pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="needs TRL: pip install -e '.[trl]'")
 
 
 def tiny_model(name: str, dtype=torch.float64, seed: int = 0, **overrides):

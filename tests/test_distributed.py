@@ -85,7 +85,11 @@ CASES = [
     _case("bf16_stream_fp32_sums", chunk=2, bf16=True),
     _case("bf16_stream_bf16_sums", chunk=2, bf16=False),
     _case("refused_layer_not_a_unit", wrap="root_only"),
-    _case("refused_head_in_own_unit", wrap="head_unit"),
+    _case("refused_head_in_a_unit_with_layers", wrap="decoder_unit"),
+    # head modules in units of their own: the final norm alone, and Accelerate's FSDP2 layout
+    _case("head_in_own_unit", wrap="head_unit"),
+    _case("accelerate_untied_two_micro_batches", wrap="accelerate", micro=2),
+    _case("accelerate_tied_grpo_left_padded", wrap="accelerate", tied=True, objective="grpo", left_pad=True),
     *[_case(f"{wrap}_bp", wrap=wrap, method="bp") for wrap in ("full", "zero2", "replicate")],
     *[
         _case(f"{wrap}_chunks{SEQ // chunk}", wrap=wrap, chunk=chunk)
@@ -147,7 +151,7 @@ def _wrap(case, model):
     if case["wrap"] == "replicate":
         from torch.distributed._composable.replicate_with_fsdp import replicate as shard
     else:
-        reshard = case["wrap"] == "full"
+        reshard = case["wrap"] in ("full", "accelerate")
 
         def shard(module):
             return fully_shard(module, reshard_after_forward=reshard, mp_policy=policy)
@@ -155,8 +159,17 @@ def _wrap(case, model):
     layers = model.get_decoder().layers
     for layer in layers if case["wrap"] != "root_only" else layers[1:]:
         shard(layer)
+    decoder = model.get_decoder()
     if case["wrap"] == "head_unit":
-        fully_shard(model.get_decoder().norm)
+        fully_shard(decoder.norm)
+    if case["wrap"] == "decoder_unit":
+        fully_shard(decoder)
+    if case["wrap"] == "accelerate":  # accelerate 1.15's fsdp2_prepare_model: embedding and tail units of their own
+        tied = model.lm_head.weight is decoder.embed_tokens.weight
+        if not tied:
+            fully_shard(decoder.embed_tokens, mp_policy=policy)
+        tail = [decoder.norm, decoder.embed_tokens, model.lm_head] if tied else [decoder.norm, model.lm_head]
+        fully_shard(tail, reshard_after_forward=False, mp_policy=policy)
     if case["wrap"] == "replicate":
         shard(model)
     else:
@@ -335,9 +348,9 @@ def test_a_rebuild_adds_one_all_gather_per_rebuilt_layer(results):
 
 @pytest.mark.slow
 def test_layout_refusals(results):
-    """A decoder layer that is not its own FSDP unit, or a final norm outside the root unit, is refused."""
+    """A decoder layer that is not its own FSDP unit, or a final norm in a unit with decoder layers, is refused."""
     assert "not FSDP units" in results["refused_layer_not_a_unit"][1]["error"]
-    assert "root FSDP unit" in results["refused_head_in_own_unit"][1]["error"]
+    assert "a unit without decoder layers" in results["refused_head_in_a_unit_with_layers"][1]["error"]
 
 
 def test_sequence_parallel_attention_is_refused():
@@ -393,3 +406,33 @@ def test_zero_module_without_its_engine_is_refused():
     next(model.parameters()).ds_id = 0  # what deepspeed.zero.Init leaves on a partitioned parameter
     with pytest.raises(ValueError, match="pass the DeepSpeedEngine"):
         stream_backward(model, batch.input_ids, batch.labels)
+
+
+def _ds_engine(*, fp16=False, amp=None, optimizer_scales=None, autocast_scaler=None):
+    """A stand-in for a DeepSpeedEngine with only what scales_loss probes; `amp=None`: no
+    amp_enabled() at all (DeepSpeed >= 0.19.8 removed it), `optimizer_scales=None`: no needs_scaler()."""
+    from types import SimpleNamespace
+
+    optimizer = SimpleNamespace()
+    if optimizer_scales is not None:
+        optimizer.needs_scaler = lambda: optimizer_scales
+    engine = SimpleNamespace(
+        fp16_enabled=lambda: fp16, optimizer=optimizer, torch_autocast_z0_gradscaler=autocast_scaler
+    )
+    if amp is not None:
+        engine.amp_enabled = lambda: amp
+    return engine
+
+
+def test_deepspeed_loss_scaling_found_with_or_without_amp_enabled():
+    """The fp16 loss-scaling check works on engines with amp_enabled() (DeepSpeed < 0.19.8) and without
+    it (0.19.8+), and sees each way an engine scales the loss: fp16, Apex AMP, a ZeRO optimizer's
+    scaler, torch.autocast fp16's GradScaler at ZeRO-0."""
+    from sbpbench.core.grad_sync_deepspeed import scales_loss
+
+    assert not scales_loss(_ds_engine())  # 0.19.8+: no amp_enabled attribute
+    assert not scales_loss(_ds_engine(amp=False, optimizer_scales=False))
+    assert scales_loss(_ds_engine(fp16=True))
+    assert scales_loss(_ds_engine(amp=True))
+    assert scales_loss(_ds_engine(optimizer_scales=True))
+    assert scales_loss(_ds_engine(autocast_scaler=object()))

@@ -44,8 +44,10 @@ def _case(
     lora=False,
     checkpoints="gpu",
     left_pad=False,
+    scale_wrt_gas=True,
 ):
     return {
+        "scale_wrt_gas": scale_wrt_gas,
         "checkpoints": checkpoints,
         "left_pad": left_pad,
         "name": name,
@@ -72,6 +74,8 @@ CASES = [
     _case("zero3_lora", stage=3, lora=True),
     _case("zero2_recompute", stage=2, checkpoints="recompute:2"),
     _case("zero3_cpu_recompute_tied", stage=3, tied=True, checkpoints="cpu+recompute:2"),
+    # as transformers' Trainer steps: engine.backward(loss, scale_wrt_gas=False), its loss already scaled
+    _case("zero2_two_micro_batches_unscaled", stage=2, micro=2, scale_wrt_gas=False),
     # collectives: engine.backward against 1, 3 and 12 chunks (SEQ / chunk)
     *[_case(f"zero{stage}_bp", stage=stage, method="bp") for stage in STAGES],
     *[_case(f"zero{stage}_chunks{24 // chunk}", stage=stage, chunk=chunk) for stage in STAGES for chunk in (24, 8, 2)],
@@ -126,6 +130,7 @@ def _step(case, engine, batch):
             chunk_size=case["chunk"],
             logits_chunk_size=case["chunk"],
             checkpoints=case["checkpoints"],
+            scale_wrt_gas=case["scale_wrt_gas"],
         )
 
 
@@ -191,7 +196,9 @@ def _run_case(case, rank):
     return grads, dict(counter.counts)
 
 
-def _worker(rank, port, cases, queue):
+def deepspeed_rank(rank: int, port: int) -> None:
+    """Make this spawned process rank `rank` of WORLD for DeepSpeed on CPU (the environment variables
+    deepspeed and Accelerate read), before any process group exists."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -211,6 +218,12 @@ def _worker(rank, port, cases, queue):
     # The CPU accelerator JIT-compiles a shared-memory all-reduce op on first use (a minute of g++ on
     # 2 cores, then a file lock on ~/.cache/torch_extensions); gloo alone is what is tested here.
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # deepspeed.comm.torch is torch itself
+
+
+def _worker(rank, port, cases, queue):
+    import deepspeed
+
+    deepspeed_rank(rank, port)
     deepspeed.init_distributed(dist_backend="gloo")
     try:
         for case in cases:
@@ -240,8 +253,10 @@ EXACT = [
 
 @pytest.mark.parametrize("case", EXACT, ids=[case["name"] for case in EXACT])
 def test_gradients_match_one_process(results, case):
-    """StreamBP on 2 ZeRO ranks gives the one-process gradients / gradient_accumulation_steps (fp32 rounding)."""
-    reference = {key: grad / case["micro"] for key, grad in _reference(case).items()}
+    """StreamBP on 2 ZeRO ranks gives the one-process gradients / gradient_accumulation_steps (fp32
+    rounding); with scale_wrt_gas=False, undivided."""
+    divisor = case["micro"] if case["scale_wrt_gas"] else 1
+    reference = {key: grad / divisor for key, grad in _reference(case).items()}
     _assert_close(case["name"], results[case["name"]][0], reference)
 
 

@@ -50,8 +50,11 @@ def test_the_paper_experiments_hold_the_papers_settings():
 
 
 def test_smoke_cpu_is_a_cpu_experiment_with_a_grid_a_batch_series_and_searches():
+    """The smoke experiment runs on the CPU, with a batch series and max-T searches, and times each
+    point with a warm-up step and two timed steps, so its time figures can rank methods."""
     smoke = load_experiment(EXPERIMENTS / "smoke_cpu.toml")
     assert {p.device for p in smoke.grid} == {"cpu"}
+    assert {(p.warmup, p.repeats) for p in smoke.grid} == {(1, 2)}
     assert {p.batch_size for p in smoke.grid} == {1, 2}
     assert {s.method for s in smoke.searches} == {"bp", "ckpt", "streambp"}
 

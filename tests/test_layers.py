@@ -90,6 +90,14 @@ def test_every_module_keeps_to_the_layer_map():
     assert not found, "imports that break the layer map in sbpbench/__init__.py:\n" + "\n".join(found)
 
 
+def test_nothing_of_ours_imports_integrations():
+    """integrations (the trainer subclasses) sits on top: it may import core only, and no package's
+    line in the map lists it, so no module of ours imports it (tests and docs do)."""
+    allowed = layer_map(sbpbench.__doc__)
+    assert allowed["integrations"] == ("core",)
+    assert not [package for package, targets in allowed.items() if "integrations" in targets]
+
+
 def test_checker_catches_forbidden_imports():
     """Relative, absolute and function-level imports of a package not in the map are each reported."""
     allowed = layer_map("    core: x -> nothing\n    records: y -> measure\n    measure: z -> nothing\n")

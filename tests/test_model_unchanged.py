@@ -7,7 +7,7 @@ import torch
 
 from sbpbench.methods import MethodSettings, run_method
 
-from .conftest import FAMILIES, padded_batch, tiny_model
+from .conftest import FAMILIES, needs_trl, padded_batch, tiny_model
 
 
 def _is_checkpointing(model) -> list[bool]:
@@ -29,7 +29,10 @@ def _snapshot(model, batch):
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "hf_checkpointing_on"])
-@pytest.mark.parametrize("method", ["ckpt", "streambp", "ckpt-offload", "ckpt-chunked-ce", "tiled"])
+@pytest.mark.parametrize(
+    "method",
+    ["ckpt", "streambp", "ckpt-offload", "ckpt-chunked-ce", "tiled", pytest.param("trl-default", marks=needs_trl)],
+)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_step_leaves_model_as_found(family, method, checkpointing):
     """state_dict keys, attention implementation, checkpointing flags, training flags, hooks,

@@ -13,7 +13,7 @@ from sbpbench.methods import MethodSettings, MethodUnsupported, offload, run_met
 from sbpbench.methods.exactness import compare_methods
 from sbpbench.runner.point import measure_point
 
-from .conftest import FAMILIES, padded_batch, tiny_model
+from .conftest import FAMILIES, needs_trl, padded_batch, tiny_model
 
 PEERS = ["ckpt-offload", "ckpt-chunked-ce", "tiled"]  # the ones that run on a CPU
 # logits chunks and MLP tiles that do not divide T, and ones >= T
@@ -50,6 +50,52 @@ def test_peers_match_bp_on_grpo_and_dpo(objective, lora):
         model = apply_lora(model, rank=4, alpha=8, init_nonzero_seed=0)
     batch = make_batch(objective, batch_size=4, seq_len=30, vocab_size=model.config.vocab_size, prompt_len=8)
     _assert_exact(model, batch, SETTINGS["uneven"])
+
+
+@needs_trl
+@pytest.mark.parametrize("objective", ["sft", "grpo", "dpo"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_trl_default_matches_bp_to_float32_rounding(family, objective):
+    """trl-default (ckpt + TRL's fused LM head) equals bp in fp32 (1e-5); in fp64 to fp32 rounding
+    only (TRL folds its logit tiles in fp32 whatever the model dtype), above fp64's 1e-10."""
+    for dtype in (torch.float32, torch.float64):
+        model = tiny_model(family, dtype)
+        if objective == "sft":
+            batch = padded_batch(model, batch_size=3, seq_len=37, lengths=[37, 30, 21])
+        else:
+            batch = make_batch(objective, batch_size=4, seq_len=30, vocab_size=model.config.vocab_size, prompt_len=8)
+        (result,) = compare_methods(model, batch, ["trl-default"], MethodSettings())
+        grads = max(d.rel_error for d in result.grads)
+        if dtype is torch.float32:
+            assert result.ok, "\n".join(d.describe() for d in result.failures())
+        else:
+            assert 1e-10 < grads < 1e-5, f"fp64: worst gradient error {grads:.3e}, expected fp32 rounding"
+
+
+@needs_trl
+def test_trl_default_with_lora_matches_bp():
+    """With LoRA adapters (TRL patches the base model under the PEFT wrapper), trl-default equals bp
+    in fp32 and leaves no patched forward behind."""
+    from sbpbench.models.lora import apply_lora
+
+    model = apply_lora(tiny_model("tiny/llama", torch.float32), rank=4, alpha=8, init_nonzero_seed=0)
+    batch = padded_batch(model, batch_size=2, seq_len=20, lengths=[20, 13])
+    (result,) = compare_methods(model, batch, ["trl-default"], MethodSettings())
+    assert result.ok, "\n".join(d.describe() for d in result.failures())
+    assert "forward" not in vars(model.get_base_model())
+
+
+def test_trl_default_without_trl_is_unsupported(monkeypatch):
+    """Without TRL, trl-default raises MethodUnsupported saying how to install it, and the worker
+    records the point as status unsupported."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "trl.trainer.utils", None)  # `from trl.trainer.utils import ...` fails
+    model = tiny_model("tiny/qwen3")
+    with pytest.raises(MethodUnsupported, match=r"pip install -e \.\[trl\]"):
+        run_method("trl-default", model, padded_batch(model, batch_size=1, seq_len=8), MethodSettings())
+    row = measure_point(RunSpec(model="tiny/qwen3", method="trl-default", seq_len=16, repeats=0, warmup=0))
+    assert row.status == "unsupported" and "TRL is not installed" in row.error
 
 
 def test_tied_embeddings_get_both_contributions():
@@ -221,6 +267,26 @@ def test_plot_draws_max_len_vs_time_per_token(tmp_path):
     upsert_rows(tmp_path / "r.csv", _peer_rows())
     paths = max_len_vs_time_per_token(load_results(tmp_path / "r.csv"), tmp_path / "plots", formats=("png",))
     assert [p.name for p in paths] == ["max_len_vs_time_per_token__small-qwen3__fp32__AMD-EPYC-limit1GiB__steady.png"]
+
+
+def test_max_len_vs_time_per_token_ranks_nothing_from_unreliable_times(tmp_path):
+    """Where the times at the reference T had no warm-up step and one timed step (a smoke run's), the
+    max T vs time per token figure says the times are unreliable and no ranking, and draws its
+    markers hollow; times with a warm-up and repeats are drawn filled, without the caveat."""
+    from dataclasses import replace
+
+    from sbpbench.plot import max_len_vs_time_per_token
+    from sbpbench.records import load_results, upsert_rows
+
+    svg = {}
+    for warmup, repeats in ((0, 1), (1, 3)):
+        csv = tmp_path / f"w{warmup}.csv"
+        upsert_rows(csv, [replace(r, warmup_steps=warmup, repeats=repeats) for r in _peer_rows()])
+        (path,) = max_len_vs_time_per_token(load_results(csv), tmp_path / csv.stem, formats=("svg",))
+        svg[warmup] = path.read_text()
+    assert "times unreliable (warm-up 0, 1 repeat): not a ranking of the methods" in svg[0]
+    assert "unreliable" not in svg[1]
+    assert svg[0].count("fill: none") > svg[1].count("fill: none")  # hollow markers
 
 
 def test_a_max_length_search_of_an_unsupported_method_answers_unsupported(tmp_path):

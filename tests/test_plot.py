@@ -147,6 +147,26 @@ def test_time_plot_ooms_sit_on_the_axis_and_bars_are_named_only_when_drawn(tmp_p
     assert "bars min-max" not in without.read_text() and "median" in without.read_text()
 
 
+UNRELIABLE = "times unreliable (warm-up 0, 1 repeat): not a ranking of the methods"
+
+
+@pytest.mark.parametrize(
+    ("warmup", "repeats", "said"), [(0, 1, UNRELIABLE), (0, 3, "(warm-up 0)"), (1, 1, "(1 repeat)"), (1, 3, None)]
+)
+def test_time_figures_say_when_warmup_and_repeats_make_times_unreliable(tmp_path, warmup, repeats, said):
+    """Step-time and time-per-sample figures of rows timed without a warm-up step or from one timed
+    step say so in the title, and that they rank nothing; with a warm-up and repeats they say nothing."""
+    from sbpbench.plot.timing import time_per_sample_vs_batch, time_vs_seq
+
+    table = load_results(FIXTURE)
+    table["warmup_steps"], table["repeats"] = warmup, repeats
+    paths = time_vs_seq(table, tmp_path, formats=("svg",)) + time_per_sample_vs_batch(table, tmp_path, formats=("svg",))
+    assert len(paths) == 3
+    for path in paths:
+        svg = path.read_text()
+        assert (said in svg) if said else ("unreliable" not in svg), path.name
+
+
 def test_streambp_placements_are_separate_series():
     """Rows of several checkpoint placements draw one series each, labelled by the placement."""
     import pandas as pd

@@ -173,7 +173,8 @@ def test_bad_input_is_a_one_line_error(tmp_path):
 
 
 def test_peers_verdict_judges_the_issue_16_target_from_the_rows():
-    """StreamBP's max T over the best other method's, and its step time at the longest common T."""
+    """StreamBP's max T over the best other method's, and its step time at the longest common T;
+    the step-time half is not judged from single cold steps (warm-up 0, 1 repeat)."""
     import pandas as pd
 
     from sbpbench.report.markdown import _verdict
@@ -198,6 +199,10 @@ def test_peers_verdict_judges_the_issue_16_target_from_the_rows():
     rows.loc[rows["method"] == "streambp", "time_median_s"] = 0.9
     assert "median): met." in " ".join(_verdict(rows))
     assert _verdict(rows[rows["method"] != "streambp"]) == []
+    rows["warmup_steps"], rows["repeats"] = 0, 1  # a smoke run's single cold steps
+    cold = " ".join(_verdict(rows))
+    assert "times unreliable (warm-up 0, 1 repeat), so the target" in cold and "not judged" in cold
+    assert "met." not in cold  # neither "met." nor "not met."
 
 
 def test_placements_section_compares_streambp_placements(tmp_path):

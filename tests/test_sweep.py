@@ -128,7 +128,10 @@ def test_a_bad_experiment_file_is_one_line_and_exit_2(tmp_path):
 # scaled down 4x and memory only, no timed step, so the slow tier stays within CI's budget): under
 # 300 MiB of tracked tensors bp fits at T=256 only, ckpt to 512, streambp to the 1024 ceiling.
 MINI_SMOKE = (
-    SMOKE.read_text().replace('name = "smoke_cpu"', 'name = "mini_smoke"').replace("repeats = 1", "repeats = 0")
+    SMOKE.read_text()
+    .replace('name = "smoke_cpu"', 'name = "mini_smoke"')
+    .replace("warmup = 1", "warmup = 0")
+    .replace("repeats = 2", "repeats = 0")
 )
 MINI_SMOKE = MINI_SMOKE.replace('memory_limit = "1GiB"', 'memory_limit = "300MiB"').replace(
     "chunk_size = 500", "chunk_size = 128"
@@ -155,7 +158,7 @@ def test_smoke_sweep_killed_mid_way_then_resumed_has_every_point_once(tmp_path):
     experiment, out = tmp_path / "mini_smoke.toml", tmp_path / "smoke.csv"
     experiment.write_text(MINI_SMOKE)
     assert "1024, 2048" not in MINI_SMOKE and "300MiB" in MINI_SMOKE and "seq_len_ceiling = 1024" in MINI_SMOKE
-    assert "repeats = 0" in MINI_SMOKE
+    assert "repeats = 0" in MINI_SMOKE and "warmup = 0" in MINI_SMOKE
     started = time.monotonic()
     first = _sweep(experiment, out)
     while len(read_rows(out)) < 3:

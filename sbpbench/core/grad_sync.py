@@ -8,7 +8,10 @@ reduces only the first chunk's gradient (the later chunks take FSDP's activation
 shortcut, register no hook and are never reduced). So a `GradSync` owns the communication:
 
     begin_step()     before the checkpoint pass: gather the root unit (embedding, final norm, lm_head)
+                     and any unit of their own those three are in (Accelerate's FSDP2 layout)
     call(layer)      what to call per chunk: the layer itself, or its hook-free `forward`
+    head(module)     the same for the embedding, final norm and lm_head; gather_head() gathers
+                     their units again where the checkpoint pass resharded one
     begin(layer)     before a layer's backward: gather its parameters (once)
     end(layer)       after it, the chunks' gradients summed in the unsharded `.grad`: reduce (once)
     end_step()       after the embedding's backward: reduce the root unit, finish the backward
@@ -61,6 +64,14 @@ class GradSync:
         output chunk by chunk through `call(layer)` (placement.py): one gather per rebuild."""
         return nullcontext()
 
+    def head(self, module: nn.Module):
+        """What to call for the embedding, the final norm or the lm_head."""
+        return module
+
+    def gather_head(self) -> None:
+        """Before the head and the embedding's backward: their parameters gathered (no collective
+        when still gathered)."""
+
     def begin(self, layer: nn.Module) -> None:
         pass
 
@@ -102,8 +113,9 @@ def unwrap(model: nn.Module) -> nn.Module:
 def for_model(model: nn.Module, parts: DecoderParts) -> GradSync:
     """The adapter for `model`: `DeepSpeedSync` for a DeepSpeedEngine, FSDP2 when any module is an
     FSDPModule, else `NoSync`. FSDP2: each decoder layer must be its own FSDP unit; embedding, final
-    norm and lm_head must belong to the root unit. A module under ZeRO given without its engine is
-    refused, and so is sequence/context parallelism (check_no_sequence_parallel)."""
+    norm and lm_head must belong to the root unit or to units holding no decoder layer. A module
+    under ZeRO given without its engine is refused, and so is sequence/context parallelism
+    (check_no_sequence_parallel)."""
     from .grad_sync_deepspeed import DeepSpeedSync, is_engine, under_zero
 
     check_no_sequence_parallel(model, parts.config)
@@ -167,40 +179,58 @@ def _param_groups(state) -> list:
 
 class FSDP2Sync(GradSync):
     """FSDP2 (`fully_shard`, `replicate`, HSDP). The StreamBP unit must be the FSDP unit:
-    `fully_shard` each decoder layer, then the whole model (embedding, final norm and lm_head, tied
-    or not, in the root unit)."""
+    `fully_shard` each decoder layer, then the whole model. Embedding, final norm and lm_head (tied
+    or not) are in the root unit, or in units of their own as Accelerate's FSDP2 shards them
+    (`fully_shard(embedding)`, `fully_shard([final norm, lm_head])`): such a head unit is gathered
+    for the step like the root (again after the checkpoint pass where it resharded), called
+    hook-free, and reduced by the root's end-of-backward callback, once, as the root is."""
 
     def __init__(self, root: nn.Module, layers: nn.ModuleList, head_modules: list[nn.Module], fsdp_module):
         self.root = root
         self.root_state = root._get_fsdp_state()
-        groups = _param_groups(self.root_state)
-        missing = [n for n in ("_lazy_init", "_root_post_backward_final_callback") if not hasattr(self.root_state, n)]
-        missing += [] if groups and hasattr(groups[0], "post_backward") else ["FSDPParamGroup.post_backward"]
-        if missing:
-            raise RuntimeError(f"this torch's FSDP2 lacks {missing}: StreamBP's FSDP2 sync is tested on torch 2.13")
         unwrapped = [i for i, layer in enumerate(layers) if not isinstance(layer, fsdp_module)]
         if unwrapped:
             raise ValueError(
                 f"decoder layers {unwrapped} are not FSDP units: StreamBP gathers and reduces one decoder layer "
                 "at a time, so call fully_shard(layer) on every decoder layer, then fully_shard(model)"
             )
+        groups = _param_groups(layers[0]._get_fsdp_state())  # the root may hold no parameter (Accelerate's layout)
+        missing = [n for n in ("_lazy_init", "_root_post_backward_final_callback") if not hasattr(self.root_state, n)]
+        missing += [] if groups and hasattr(groups[0], "post_backward") else ["FSDPParamGroup.post_backward"]
+        if missing:
+            raise RuntimeError(f"this torch's FSDP2 lacks {missing}: StreamBP's FSDP2 sync is tested on torch 2.13")
+        self.fsdp_module = fsdp_module
+        self.head_units: list[nn.Module] = []  # units other than the root holding head modules, one per state
         for module in head_modules:
             owner = _owning_unit(root, module, fsdp_module)
-            if owner is not root:
+            if owner is root:
+                continue
+            if owner is None or any(layer is inner for inner in owner.modules() for layer in layers):
                 raise ValueError(
-                    f"{type(module).__name__} must be in the root FSDP unit (the one fully_shard(model) makes), "
-                    "not its own or an inner one: StreamBP runs embedding, final norm and lm_head outside the "
-                    "decoder's forward, so only the root's parameters stay gathered for the whole step"
+                    f"{type(module).__name__} must be in the root FSDP unit (the one fully_shard(model) makes) or in "
+                    "a unit without decoder layers (fully_shard(module) after the layers): StreamBP runs embedding, "
+                    "final norm and lm_head outside the decoder layers and keeps their parameters gathered all step"
                 )
+            if all(owner._get_fsdp_state() is not unit._get_fsdp_state() for unit in self.head_units):
+                self.head_units.append(owner)
 
     def begin_step(self) -> None:
         # The root's forward would initialise FSDP lazily; StreamBP never calls it (it would build
         # full logits), so initialise here, before the first layer's hook could claim to be the root.
         self.root_state._lazy_init()
         self.root.unshard()  # embedding, final norm, lm_head: gathered for the whole step
+        self.gather_head()
 
     def call(self, layer: nn.Module):
         return layer.forward  # hook-free: no per-chunk gather, reshard or post-backward hook
+
+    def head(self, module: nn.Module):
+        # a head module in a unit of its own: hook-free, as the layers (root submodules have no hooks)
+        return module.forward if isinstance(module, self.fsdp_module) else module
+
+    def gather_head(self) -> None:
+        for unit in self.head_units:
+            unit.unshard()  # no collective where still gathered
 
     @contextmanager
     def rebuilding(self, layer: nn.Module):

@@ -69,6 +69,21 @@ def _check_internals(engine) -> None:
         )
 
 
+def scales_loss(engine) -> bool:
+    """Whether the engine applies fp16 loss scaling, which this sync does not. Feature-detected, as
+    DeepSpeed changes within a minor series (0.19.8 removed Apex AMP and engine.amp_enabled(),
+    deepspeedai/DeepSpeed#8564): each probe counts only where the engine has it."""
+    amp_enabled = getattr(engine, "amp_enabled", None)  # Apex AMP, DeepSpeed < 0.19.8
+    needs_scaler = getattr(engine.optimizer, "needs_scaler", None)  # ZeRO optimizers: fp16 or a custom scaler
+    return bool(
+        engine.fp16_enabled()
+        or (amp_enabled is not None and amp_enabled())
+        or (needs_scaler is not None and needs_scaler())
+        # torch.autocast in fp16 without ZeRO: the engine scales the loss with a torch GradScaler
+        or getattr(engine, "torch_autocast_z0_gradscaler", None) is not None
+    )
+
+
 class _ScaledGradient:
     """The objective with each chunk loss's gradient divided by `divisor` (its value unchanged), as
     engine.forward's output hook divides the loss's gradient by gradient_accumulation_steps()."""
@@ -94,10 +109,7 @@ class DeepSpeedSync(GradSync):
         _check_internals(engine)
         if engine.optimizer is None or type(engine.optimizer).__name__ == "DummyOptim":
             raise ValueError("the DeepSpeed engine has no optimizer: give deepspeed.initialize an optimizer")
-        needs_scaler = getattr(engine.optimizer, "needs_scaler", None)
-        amp_enabled = getattr(engine, "amp_enabled", None)  # Apex AMP; DeepSpeed 0.19.8 removed it
-        amp = amp_enabled is not None and amp_enabled()
-        if engine.fp16_enabled() or amp or (needs_scaler is not None and needs_scaler()):
+        if scales_loss(engine):
             raise ValueError(
                 "StreamBP's DeepSpeed sync does not apply fp16 loss scaling: train in bf16 or fp32 "
                 '(DeepSpeed config "bf16": {"enabled": true})'

@@ -10,7 +10,10 @@ core/README.md, "Head and loss".
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+from torch import nn
 
 from .adapters import DecoderParts
 from .chunking import chunk_bounds
@@ -19,8 +22,8 @@ from .labels import loss_dtype
 from .objectives import Objective
 
 
-def _chunk_logits(parts: DecoderParts, hidden: torch.Tensor) -> torch.Tensor:
-    logits = parts.lm_head(parts.norm(hidden))  # (B, c, V) in the model dtype
+def _chunk_logits(parts: DecoderParts, hidden: torch.Tensor, call: Callable[[nn.Module], Callable]) -> torch.Tensor:
+    logits = call(parts.lm_head)(call(parts.norm)(hidden))  # (B, c, V) in the model dtype
     cap = parts.final_logit_softcap
     if cap is not None:  # Gemma-style softcapping, applied before the upcast as transformers does
         logits = torch.tanh(logits / cap) * cap
@@ -55,20 +58,22 @@ def head_backward(
     *,
     chunk_size: int,
     accumulator: ChunkGradAccumulator,
+    call: Callable[[nn.Module], Callable] = lambda module: module,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """last_hidden (B, T, d): last layer output. Returns (loss, dZ) with dZ (B, T, d) in the hidden
     dtype. The chunks' norm and lm_head weight gradients are collected into `accumulator`; the
-    caller finishes it."""
+    caller finishes it. call(module): what to run for the final norm and the lm_head (a sharded
+    unit's hook-free forward: grad_sync.py)."""
     seq_len = last_hidden.shape[1]
     if objective.needs_sequence_sums:
-        logits_of = lambda start, end: _chunk_logits(parts, last_hidden[:, start:end])
+        logits_of = lambda start, end: _chunk_logits(parts, last_hidden[:, start:end], call)
         objective.prepare(sequence_sums(objective, logits_of, seq_len, chunk_size, last_hidden.dtype))
     grad_hidden = torch.zeros_like(last_hidden)
     total = torch.zeros((), dtype=loss_dtype(last_hidden.dtype), device=last_hidden.device)
     for start, end in counted_chunks(seq_len, chunk_size, objective):
         hidden = last_hidden[:, start:end].detach().requires_grad_()
         with torch.enable_grad():
-            part = objective.chunk_loss(_chunk_logits(parts, hidden), start, end)
+            part = objective.chunk_loss(_chunk_logits(parts, hidden, call), start, end)
         part.backward()
         grad_hidden[:, start:end] = hidden.grad
         total += part.detach()

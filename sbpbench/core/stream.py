@@ -53,6 +53,7 @@ def stream_backward(
     fp32_grad_accumulation: bool = True,
     checkpoints: str | Placement = "gpu",
     progress: LayerProgress | None = None,
+    scale_wrt_gas: bool = True,
 ) -> torch.Tensor:
     """Forward + backward of a training objective with StreamBP.
 
@@ -80,7 +81,10 @@ def stream_backward(
     operations whatever the placement, so the same gradients. On CUDA an offloading placement's host
     copies live in page-locked buffers that the process keeps for later steps (registering them is
     slow); `release_pinned_memory()` frees them (host_pool.py says what is kept when T changes).
-    progress: see LayerProgress (per layer of the backward, for long steps).
+    progress: see LayerProgress (per layer of the backward, for long steps). scale_wrt_gas: a
+    DeepSpeedEngine only, as `engine.backward(loss, scale_wrt_gas=...)`: False leaves the gradients
+    undivided by the engine's gradient_accumulation_steps (transformers' Trainer: its loss is already
+    scaled for accumulation).
     """
     _check_sizes(chunk_size, logits_chunk_size)
     placement = Placement.parse(checkpoints)
@@ -92,7 +96,8 @@ def stream_backward(
     parts = resolve_parts(unwrap(model))  # a DeepSpeedEngine: its module
     check_no_attention_dropout(parts)
     sync = grad_sync_for(model, parts)  # FSDP2, DeepSpeed or one process; refuses sequence parallelism
-    objective = sync.objective(objective)  # DeepSpeed: each chunk's gradient / accumulation steps
+    if scale_wrt_gas:
+        objective = sync.objective(objective)  # DeepSpeed: each chunk's gradient / accumulation steps
 
     store = CheckpointStore(placement, len(parts.layers))
     with _streaming_mode(parts), sync.step(), closing(store):  # close: frees (and unpins) what an error left
@@ -100,9 +105,10 @@ def stream_backward(
             parts, input_ids, chunk_size, store, gathered=sync.gathered, position_ids=position_ids, layout=layout
         )
         store.rebuild = lambda index, x: _rebuild(parts, saved, index, x, chunk_size, sync)
+        sync.gather_head()  # a head unit of its own that the checkpoint pass resharded
         head_grads = ChunkGradAccumulator(trainable(parts.norm) + trainable(parts.lm_head), fp32_grad_accumulation)
         loss, grad = head_backward(
-            parts, saved.last_hidden, objective, chunk_size=logits_chunk_size, accumulator=head_grads
+            parts, saved.last_hidden, objective, chunk_size=logits_chunk_size, accumulator=head_grads, call=sync.head
         )
         saved.last_hidden = None
         embed_trainable = bool(trainable(parts.embed))
@@ -132,8 +138,9 @@ def stream_backward(
             if progress is not None:
                 progress(num_layers - index, num_layers)
         if embed_trainable:
+            sync.gather_head()
             with torch.enable_grad():
-                parts.embed(input_ids).backward(grad)
+                sync.head(parts.embed)(input_ids).backward(grad)
         head_grads.finish()  # no-op unless tied
     return loss
 

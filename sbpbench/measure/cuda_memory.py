@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import Self
 
 import torch
 
@@ -64,7 +65,7 @@ class NvmlPeakSampler:
             self._sample()
             self._stop.wait(self.period_s)
 
-    def __enter__(self) -> NvmlPeakSampler:  # noqa: PYI034 (typing.Self needs Python 3.11)
+    def __enter__(self) -> Self:
         if self.handle is not None:
             self._sample()
             self._thread.start()

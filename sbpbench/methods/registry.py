@@ -28,6 +28,7 @@ from .offload import ckpt_offload
 from .settings import MethodSettings
 from .streambp import streambp
 from .tiled import tiled
+from .trl_default import trl_default
 
 MethodFn = Callable[[torch.nn.Module, Batch, MethodSettings], torch.Tensor]
 
@@ -70,6 +71,11 @@ METHODS: dict[str, Method] = {
         liger,
         (),
         "ckpt + liger-kernel's LigerFusedLinearCrossEntropyLoss (Triton, CUDA only; pip install -e .[peers])",
+    ),
+    "trl-default": Method(
+        trl_default,
+        (),
+        "what TRL's trainers run by default: ckpt + TRL's fused LM head (log-probs in vocabulary tiles; pip install -e .[trl])",
     ),
     "official": Method(
         official,

@@ -19,7 +19,9 @@ from ..records.select import (
     is_truncated,
     natural_key,
     number,
+    present,
     short_model,
+    timing_caveat,
     where,
 )
 from . import style
@@ -58,7 +60,7 @@ def placements_of(rows):
     """Each row's StreamBP checkpoint placement; gpu where none is recorded (other methods, older rows)."""
     if "checkpoints" not in rows:
         return rows["method"].map(lambda _: "gpu")
-    return rows["checkpoints"].fillna("").astype(str).replace("", "gpu")
+    return rows["checkpoints"].map(lambda value: cell(value) or "gpu")  # an all-empty column reads as float NaN
 
 
 def series_marker(method: str, part) -> str:
@@ -139,6 +141,14 @@ def setting_title(like, *, batch: bool = True) -> str:
     rank, size = int(number(like.get("lora_rank")) or 0), number(like.get("batch_size"))
     parts = [like["objective"], f"LoRA r{rank}" if rank else "full", f"step {like['step']}", like["dtype"]]
     return ", ".join(parts + ([f"B={size:.0f}"] if batch and size is not None else []))
+
+
+def timing_title(rows) -> str:
+    """The title line a time figure of `rows` gets where their warm-up and repeats make the times
+    unreliable, so that no one ranks methods by it; "" otherwise."""
+    timed = rows[(rows["status"] == "ok") & rows["time_median_s"].map(present)]
+    caveat = timing_caveat(timed)
+    return f"\n{caveat}: not a ranking of the methods" if caveat else ""
 
 
 def where_title(like) -> str:

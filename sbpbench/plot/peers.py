@@ -5,7 +5,8 @@ One figure per model and setting (PEERS_GROUP) that has both kind=maxlen answers
 y: the method's max T (kind maxlen, "≥" when the search reached its ceiling). x: its median step
 time / (B x T) at one common length T_ref, the length at which the most methods have a timed ok
 row (the longest such). A method without a timed row there is named under the axes, and so is
-one whose rows are status unsupported (with the reason's start).
+one whose rows are status unsupported (with the reason's start). Where the times at T_ref had no
+warm-up or a single timed step, the markers are hollow and the title says the x order is no ranking.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from .common import (
     setting_title,
     short,
     stem,
+    timing_title,
     where_title,
 )
 
@@ -58,6 +60,7 @@ def _figure(rows, out_dir: Path, formats) -> list[Path]:
     t_ref = max(counts[counts == counts.max()].index)
     at_ref = _latest(timed[timed["seq_len"] == t_ref]).drop_duplicates("method", keep="last").set_index("method")
     like = rows.iloc[0]
+    caveat = timing_title(at_ref)
     fig, ax = new_figure()
     missing = []
     for _, answer in answers.iterrows():
@@ -72,7 +75,8 @@ def _figure(rows, out_dir: Path, formats) -> list[Path]:
         ax.scatter(
             [per_token * 1e3],
             [max_t],
-            color=style.colour(method),
+            edgecolors=style.colour(method),
+            facecolors="none" if caveat else style.colour(method),  # hollow: its x is no ranking
             marker=style.marker(method),
             s=60,
             label=style.label(method) + (" (≥: no OOM up to the ceiling)" if ceiling else ""),
@@ -94,6 +98,6 @@ def _figure(rows, out_dir: Path, formats) -> list[Path]:
         ax.text(0.01, 0.01, "\n".join(notes), transform=ax.transAxes, fontsize=style.LEGEND_FONT_SIZE, va="bottom")
     ax.margins(x=0.25, y=0.2)
     title = f"{model_title(like)}: max T vs time per token, per method\n{setting_title(like)}; {where_title(like)}"
-    finish(fig, ax, title)
+    finish(fig, ax, title + caveat)
     name = stem("max_len_vs_time_per_token", short(like), *setting_parts(like), device_part(like), like["protocol"])
     return save(fig, out_dir, name, formats)

@@ -10,13 +10,25 @@ from __future__ import annotations
 
 import re
 
-METHOD_ORDER = ("bp", "ckpt", "mst", "streambp", "ckpt-offload", "ckpt-chunked-ce", "tiled", "liger", "official")
+METHOD_ORDER = (
+    "bp",
+    "ckpt",
+    "mst",
+    "streambp",
+    "ckpt-offload",
+    "ckpt-chunked-ce",
+    "tiled",
+    "liger",
+    "trl-default",
+    "official",
+)
 METHOD_LABELS = {
     "bp": "bp (w/o ckpt)",
     "ckpt": "ckpt (w/ ckpt)",
     "mst": "MsT (paper only)",
     "streambp": "StreamBP",
     "tiled": "tiled (ALST)",
+    "trl-default": "TRL default (ckpt + fused head)",
     "official": "official StreamBP 1.0",
 }
 METHOD_COLOURS = {
@@ -28,6 +40,7 @@ METHOD_COLOURS = {
     "ckpt-chunked-ce": "#E69F00",
     "tiled": "#000000",
     "liger": "#F0E442",
+    "trl-default": "#882255",  # outside Okabe-Ito's eight (all taken): Tol's wine
     "official": "#7F7F7F",
 }
 METHOD_MARKERS = {
@@ -39,6 +52,7 @@ METHOD_MARKERS = {
     "ckpt-chunked-ce": "X",
     "tiled": "*",
     "liger": "h",
+    "trl-default": "p",
     "official": "d",
 }
 OTHER_COLOUR, OTHER_MARKER = "#7F7F7F", "v"  # a method added later, until it gets its own

@@ -2,9 +2,10 @@
 size at one T (paper Table 2), per method, median with min-max error bars.
 
 The paper's times are drawn faint on figures of a CUDA device only (it timed an A800-80GB; a CPU
-time beside it says nothing). "x" on the x axis (drawn over it, outside the data area): an OOM
-at that x, which has no time; the legend says so. The y label mentions min-max bars only when a
-point has a spread to draw.
+time beside it says nothing). Times without a warm-up step or from a single timed step say so in
+the title (records.select.timing_caveat): a smoke run's cold single steps rank methods wrongly.
+"x" on the x axis (drawn over it, outside the data area): an OOM at that x, which has no time; the
+legend says so. The y label mentions min-max bars only when a point has a spread to draw.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from .common import (
     setting_title,
     short,
     stem,
+    timing_title,
     where_title,
 )
 
@@ -97,7 +99,8 @@ def _figure(rows, x: str, reference, out_dir: Path, formats) -> list[Path]:
     fixed = f"T={like['seq_len']:.0f}, " if per_sample else ""
     setting = setting_title(like, batch=not per_sample)
     versus = "batch size" if per_sample else "T"
-    finish(fig, ax, f"{model_title(like)}: {what} vs {versus}, {fixed}{setting}\n{where_title(like)}")
+    title = f"{model_title(like)}: {what} vs {versus}, {fixed}{setting}\n{where_title(like)}{timing_title(rows)}"
+    finish(fig, ax, title)
     parts = setting_parts(like)
     if per_sample:
         parts = [p for p in parts if not p.startswith("B")] + [f"T{like['seq_len']:.0f}"]

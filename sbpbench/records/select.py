@@ -27,6 +27,10 @@ CAPACITY_TOLERANCE = 0.10
 DEFAULT_BATCH_SIZES = {"sft": 1, "grpo": 8, "dpo": 2}
 PROMPTED_OBJECTIVES = ("grpo", "dpo")  # seq_len includes prompt_len; the paper's T is the completion
 MAXLEN_TABLE = {"bp": "Figure 3", "train": "Table 3"}  # the paper's max-T table for each step
+# Times that can rank methods: at least one warm-up step (the first step pays one-off costs: the
+# allocator's growth, kernel selection, cold caches) and two timed steps (a spread to tell noise from
+# a difference). A smoke run's single cold step made every method faster at T=2048 than at 1024.
+MIN_RELIABLE_WARMUP, MIN_RELIABLE_REPEATS = 1, 2
 # Not a schema column: the named model's decoder layers, written by `with_full_depth` (NaN: unknown).
 FULL_DEPTH_COLUMN = "full_num_layers"
 
@@ -69,6 +73,17 @@ def is_oom(row) -> bool:
     """Ran out of memory, or was skipped as certain to (a results row, a dict of one, or a ResultRow)."""
     status, error = (row.status, row.error) if isinstance(row, ResultRow) else (row["status"], row.get("error"))
     return status in OOM_STATUSES and not (status == "skipped" and str(error or "").startswith(SKIPPED_TIMEOUT))
+
+
+def timing_caveat(rows) -> str:
+    """Why the timed `rows`' times cannot rank methods ("times unreliable (warm-up 0, 1 repeat)"), or
+    "" when the warm-up and repeats they record allow it. A row that records neither says nothing."""
+    warmups = [w for w in map(number, rows.get("warmup_steps", ())) if w is not None]
+    repeats = [r for r in map(number, rows.get("repeats", ())) if r is not None]
+    reasons = [f"warm-up {min(warmups):.0f}"] if warmups and min(warmups) < MIN_RELIABLE_WARMUP else []
+    if repeats and min(repeats) < MIN_RELIABLE_REPEATS:
+        reasons.append(f"{min(repeats):.0f} repeat")
+    return f"times unreliable ({', '.join(reasons)})" if reasons else ""
 
 
 def is_cuda(row) -> bool:

@@ -176,8 +176,7 @@ def _start_worker(spec: RunSpec, result_path: Path, env: dict | None, group: int
         text=True,
         env=env,
         start_new_session=spec.nproc == 1,
-        # one syscall, no lock taken (Popen's process_group= needs Python 3.11)
-        preexec_fn=None if spec.nproc == 1 else functools.partial(os.setpgid, 0, group or 0),  # noqa: PLW1509
+        process_group=None if spec.nproc == 1 else (group or 0),
     )
     try:
         worker.stdin.write(spec.to_json())

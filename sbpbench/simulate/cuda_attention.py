@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from typing import Self
 
 import torch
 import torch.nn.functional as F
@@ -146,7 +147,7 @@ class CudaAttention:
         self.kernels: Counter[str] = Counter()
         self._original = None
 
-    def __enter__(self) -> CudaAttention:  # noqa: PYI034 (typing.Self needs Python 3.11)
+    def __enter__(self) -> Self:
         self._original = F.scaled_dot_product_attention
         F.scaled_dot_product_attention = self.attention
         return self

@@ -1,0 +1,27 @@
+"""StreamBPConfig: how the trainers run `stream_backward` (chunk sizes, checkpoint placement)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..core import DEFAULT_CHUNK_SIZE, DEFAULT_LOGITS_CHUNK_SIZE
+from ..core.placement import Placement
+
+
+@dataclass(frozen=True, kw_only=True)
+class StreamBPConfig:
+    """chunk_size: positions per chunk in the checkpoint pass and the layer backward;
+    logits_chunk_size: positions per chunk of the LM head and loss; checkpoints: where the layer
+    inputs live between the two ("gpu", "cpu", "recompute:K", "cpu+recompute:K",
+    "cpu+recompute:K+spill"; sbpbench/core/placement.py). None of them changes the gradients."""
+
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    logits_chunk_size: int = DEFAULT_LOGITS_CHUNK_SIZE
+    checkpoints: str = "gpu"
+
+    def __post_init__(self):
+        for name in ("chunk_size", "logits_chunk_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"StreamBPConfig.{name} must be a positive integer, got {value!r}")
+        Placement.parse(self.checkpoints)  # raises ValueError naming the accepted placements
