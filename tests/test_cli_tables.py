@@ -18,7 +18,9 @@ from sbpbench.core.placement import Placement
 from sbpbench.methods.exactness import MethodComparison, TensorDiff
 from sbpbench.records import ResultRow
 from sbpbench.simulate import MARGIN_NOTE
+from sbpbench.simulate.depth import StoreCounts
 from sbpbench.simulate.plan import Candidate, PlanOutcome
+from sbpbench.simulate.timing import Rates, StepTime
 
 GIB = 2**30
 ALL_METHODS = ("bp", "ckpt", "streambp", "ckpt-offload", "ckpt-chunked-ce", "tiled", "liger", "official")
@@ -61,9 +63,13 @@ def _render(table, *, fit: bool = True) -> str:
 
 def _plan_outcomes() -> list[PlanOutcome]:
     placements = ("gpu", "cpu", "recompute:4", "cpu+recompute:4", "cpu+recompute:4+spill")
+    time = StepTime(3012.3, 1234.5, 2345.6, 12.3, 4.5, 38.6)
+    counts = StoreCounts(10, 45, 2, 2)
     return [
-        PlanOutcome(Candidate(Placement.parse(name), 4096, 1234.5), _row("streambp", status=status))
-        for name, status in zip(placements, ("oom", "oom", "oom", "oom", "ok"), strict=True)
+        PlanOutcome(Candidate(Placement.parse(name), 4096, time, counts), _row("streambp", status=status), bound)
+        for name, status, bound in zip(
+            placements, ("oom", "oom", "oom", "oom", "ok"), ("needs over 300 GiB", "", "", "", ""), strict=True
+        )
     ]
 
 
@@ -100,7 +106,7 @@ TABLES = {
         "smoke: every point", [_row(m, model=f"meta-llama/Llama-3.1-{n}B") for m in ALL_METHODS for n in (8, 70)]
     ),
     "plan": lambda: plan_table(RunSpec(model="Qwen/Qwen3-8B", method="streambp", seq_len=1_048_576), _plan_outcomes(),
-                               80 * GIB, 2000 * GIB),  # fmt: skip
+                               80 * GIB, 2000 * GIB, Rates()),  # fmt: skip
 }
 PRINTED_AS_IS = {  # commands that print with console.print: their long cells fold
     "check, fp32, every method": lambda: exactness_table(*_comparisons()),

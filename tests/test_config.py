@@ -29,13 +29,13 @@ EXPECTED_OPTIONS = {
         "--lora-alpha", "--step", "--dtype", "--chunk-size", "--logits-chunk-size", "--fp32-grad-accumulation",
         "--mlp-tile-size", "--offload-checkpoints", "--checkpoints", "--device", "--num-layers", "--protocol",
         "--warmup", "--memory-limit", "--timeout", "--seed", "--threads", "--nproc", "--sdpa-backend", "--max-seq",
-        "--resolution", "--multiple-of", "--resume", "--simulate", "--gpu-memory", "--host-memory", "--out",
+        "--resolution", "--multiple-of", "--resume", "--simulate", "--gpu-memory", "--host-memory", "--exact", "--out",
     },
     "estimate": {
         "--method", "--model", "--seq", "--batch", "--objective", "--prompt-len", "--lora-rank", "--lora-alpha",
         "--step", "--dtype", "--chunk-size", "--logits-chunk-size", "--fp32-grad-accumulation", "--mlp-tile-size",
         "--offload-checkpoints", "--checkpoints", "--num-layers", "--protocol", "--seed", "--nproc", "--gpu-memory",
-        "--target",
+        "--target", "--exact",
         "--out",
     },
     "check": {
@@ -46,7 +46,7 @@ EXPECTED_OPTIONS = {
     "plan": {
         "--model", "--seq", "--batch", "--objective", "--prompt-len", "--lora-rank", "--lora-alpha", "--step",
         "--dtype", "--logits-chunk-size", "--fp32-grad-accumulation", "--num-layers", "--protocol", "--seed",
-        "--gpu-memory", "--host-memory",
+        "--gpu-memory", "--host-memory", "--gpu", "--results",
     },
     "sweep": {"--device", "--threads", "--out", "--resume"},
 }  # fmt: skip

@@ -145,27 +145,21 @@ def test_release_pinned_memory_frees_the_process_pool(monkeypatch):
 
 @pytest.mark.parametrize("checkpoints", ["cpu", "cpu+recompute:2"])
 def test_the_planner_counts_registration_in_the_first_step_only(monkeypatch, checkpoints):
-    """simulate/plan.py adds the page-locking of every layer input the host holds to the first step
-    (at HOST_REGISTER_BYTES_S), never to a steady one, for as many buffers as the store registers."""
+    """simulate/plan.py prices the page-locking of every layer input the host holds (at the pinning
+    rate, HOST_REGISTER_BYTES_S by default) apart from the steady step, for as many buffers as the
+    store registers; the gpu placement pins nothing."""
     from sbpbench.config import RunSpec
-    from sbpbench.simulate.plan import HOST_REGISTER_BYTES_S, predicted_time_s
+    from sbpbench.simulate.plan import candidates, meta_model
+    from sbpbench.simulate.timing import HOST_REGISTER_BYTES_S, Rates
 
     calls = RecordingCalls()
     _steps(monkeypatch, calls, [20], checkpoints)
+    spec = RunSpec(model="tiny/qwen3", method="streambp", seq_len=20, num_layers=NUM_LAYERS, dtype="fp64")
     layer_bytes = 20 * 64 * 8
-    spec = RunSpec(model="tiny/qwen3", method="streambp", seq_len=20)
-    placement = Placement.parse(checkpoints)
-    timed = {
-        first: predicted_time_s(
-            spec, placement, num_layers=NUM_LAYERS, model_flops=1e9, layer_bytes=layer_bytes, first_step=first
-        )
-        for first in (False, True)
-    }
-    extra = (timed[True] - timed[False]) * HOST_REGISTER_BYTES_S
-    assert extra == pytest.approx(len(calls.registrations) * layer_bytes)
-    gpu = [predicted_time_s(spec, Placement(), num_layers=NUM_LAYERS, model_flops=1e9, layer_bytes=layer_bytes,
-                            first_step=first) for first in (False, True)]  # fmt: skip
-    assert gpu[0] == gpu[1]
+    found = {(c.placement, c.chunk_size): c for c in candidates(spec, meta_model(spec), Rates())}
+    pinned = found[Placement.parse(checkpoints), 500].time.first_step_pinning_s * HOST_REGISTER_BYTES_S
+    assert pinned == pytest.approx(len(calls.registrations) * layer_bytes)
+    assert found[Placement(), 500].time.first_step_pinning_s == 0
 
 
 def test_a_measured_point_records_its_first_steps_registration(monkeypatch):

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from sbpbench.config import MaxlenSpec, Resolution, RunSpec
+from sbpbench.config import MaxlenSpec, Resolution, RunSpec, point_specs
 from sbpbench.config.rows import spec_fields
 from sbpbench.measure.environment import capture_environment
 from sbpbench.records import ResultRow, read_rows
@@ -138,6 +138,19 @@ def test_find_max_len_writes_probes_and_an_answer_row_and_resumes_from_the_csv(t
     other: list[int] = []  # another method's search shares no probe
     find_max_len(_search("ckpt"), out, measure=_fake_measure(3000, other), env=env)
     assert other == calls
+
+
+def test_a_streambp_search_with_auto_chunks_resumes_at_every_length(tmp_path):
+    """Chunk sizes left to the rule ("auto") differ by length (T/3 at short T), so each cached probe
+    is matched with its own length's key: a rerun probes nothing again."""
+    out, env, calls = tmp_path / "maxlen.csv", capture_environment("cpu"), []
+    (base,) = point_specs({"model": "tiny/qwen3", "seq_len": 256, "repeats": 0, "memory_limit": 1 << 30}, ["streambp"])
+    search = MaxlenSpec(base=base, resolution=Resolution.parse("1%"), seq_len_ceiling=1 << 16)
+    find_max_len(search, out, measure=_fake_measure(3000, calls), env=env)
+    assert len({int(r["chunk_size"]) for r in read_rows(out) if r["kind"] == "point"}) > 1
+    again: list[int] = []
+    assert find_max_len(search, out, measure=_fake_measure(3000, again), env=env).max_seq_len == 2992
+    assert again == []
 
 
 def test_a_probe_that_errors_stops_the_search_and_keeps_what_it_had(tmp_path):

@@ -276,15 +276,18 @@ def test_a_sharded_rebuild_gathers_each_layer_once_and_runs_it_hook_free(monkeyp
 
 @pytest.mark.parametrize("checkpoints", ["cpu", "cpu+recompute:2", "cpu+recompute:4+spill", "cpu+recompute:5+spill"])
 def test_the_planner_counts_the_copies_the_store_makes(monkeypatch, checkpoints):
-    """simulate/plan.py's time model, copy-bound (no compute to hide a copy), is one copy time per
-    layer input the store moved in the step."""
-    from sbpbench.config import RunSpec
-    from sbpbench.simulate.plan import PCIE_BYTES_S, predicted_time_s
+    """simulate/depth.py's store_counts, which the planner's time model and bounds use, gives the
+    layer inputs a real step's store moved and held: copy-bound (no compute to hide a copy), the
+    modelled copy time is one copy per layer input moved."""
+    from sbpbench.simulate.depth import store_counts
+    from sbpbench.simulate.timing import Rates, Work, step_time
 
     store = _recorded_step(monkeypatch, checkpoints)
     layer_bytes = 20 * 64 * 8  # B=1, T=20, hidden 64, fp64
-    spec = RunSpec(model="tiny/qwen3", method="streambp", seq_len=20)
-    seconds = predicted_time_s(
-        spec, Placement.parse(checkpoints), num_layers=NUM_LAYERS, model_flops=0.0, layer_bytes=layer_bytes
-    )
-    assert round(seconds * PCIE_BYTES_S) == store.transfer_bytes
+    counts = store_counts(Placement.parse(checkpoints), NUM_LAYERS)
+    assert counts.transfers * layer_bytes == store.transfer_bytes
+    assert counts.max_host_inputs * layer_bytes == store.max_host_bytes
+    idle = Work(0.0, 0.0, 0.0, 0.0, 0, 0, 0.0, 0.0)
+    rates = Rates()
+    time = step_time(idle, rates, layer_input_bytes=layer_bytes, copies_out=1, copies_back=counts.transfers - 1)
+    assert round(time.host_copies_s * rates.host_copy_bytes_s) == store.transfer_bytes

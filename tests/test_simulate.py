@@ -18,7 +18,15 @@ from sbpbench.records import read_rows
 from sbpbench.runner.length_search import search_max_len
 from sbpbench.runner.point import measure_point
 from sbpbench.simulate import CUDA_CONTEXT_BYTES, FRAGMENTATION_FRACTION, estimate, estimate_point, fake_mode
-from sbpbench.simulate.cuda_attention import EFFICIENT, FLASH, MATH, CudaAttention, choose_kernel, hidden_bytes
+from sbpbench.simulate.cuda_attention import (
+    EFFICIENT,
+    FLASH,
+    MATH,
+    CudaAttention,
+    choose_kernel,
+    hidden_buffers,
+    hidden_bytes,
+)
 from sbpbench.simulate.depth import estimate_point_by_depth
 from sbpbench.simulate.memory_counter import SimulatedMemory
 from sbpbench.simulate.paper_baseline import PAPER_METHODS
@@ -162,7 +170,7 @@ def test_hidden_terms_raise_the_simulated_peak_during_the_kernel():
     with mode:  # (B, T, heads, d) storage seen as (B, heads, T, d), as the q/k/v projections leave it
         leaves = [torch.empty(1, 256, h, 64, dtype=torch.bfloat16, requires_grad=True) for h in (8, 2, 2)]
     peaks = []
-    for hidden in (None, lambda f, a: hidden_bytes(f, a)):
+    for hidden in (None, hidden_buffers):
         counter = SimulatedMemory(512, hidden=hidden)
         with CudaAttention() as attention, mode, counter:
             q, k, v = (t.transpose(1, 2) for t in leaves)

@@ -12,6 +12,7 @@ from ..measure.units import parse_bytes
 from ..records import check_writable, upsert_rows
 from .errors import user_errors
 from .options import OutOpt, point_command, run_fields_but
+from .progress import Progress
 from .tables import estimate_table, print_table
 
 # a prediction is for a GPU: the GPU defaults (Qwen/Qwen3-4B, T=9000, bf16) unless told
@@ -46,15 +47,18 @@ def estimate(
         str,
         typer.Option(help="cuda: predict a GPU run; cpu: reproduce what `sbp run --device cpu` measures."),
     ] = "cuda",
+    exact: Annotated[
+        bool, typer.Option("--exact", help="Run the fake step at the point's own depth and length (slow).")
+    ] = False,
     out: OutOpt = None,
 ) -> None:
     """Predict each method's peak GPU memory, without a GPU.
 
     The step `sbp run` measures runs on fake tensors (no memory behind them), with CUDA's
     attention kernels and allocator rounding modelled. Prints the breakdown, the phase of the
-    peak and whether it fits --gpu-memory. A model whose layers are all alike runs at depths 2
-    and 3 and is extrapolated to its full depth, exactly (sbpbench/simulate/depth.py): Qwen3-8B at
-    T=20k takes about 30 s for all three methods on a 2-core CPU."""
+    peak and whether it fits --gpu-memory. Unless --exact, the step runs on a shallow model and at
+    short lengths and is extrapolated to the full depth (sbpbench/simulate/depth.py) and length
+    (length.py), equal to the full run to the byte in tests: Qwen3-8B LoRA at T = 1M, 26 s."""
     from ..config import point_specs
     from ..simulate import MARGIN_NOTE, TARGETS
     from ..simulate.depth import estimate_point_by_depth
@@ -70,13 +74,18 @@ def estimate(
             check_writable(out)
     console = Console()
     rows = []
-    for spec in specs:
-        with console.status(f"simulating {spec.method} ({spec.model}, T={spec.seq_len})"):
-            row = estimate_point_by_depth(spec, target=target, gpu_memory_bytes=gpu_memory_bytes)
-        rows.append(row)
-        if out is not None:
-            with user_errors():  # a failed write says where the rows are
-                upsert_rows(out, [row])
+    with Progress(console, len(specs)) as progress:
+        for spec in specs:
+            progress.start(f"simulating {spec.method} ({spec.model}, T={spec.seq_len})")
+            note = lambda line, method=spec.method: progress.note(f"{method}: {line}")
+            row = estimate_point_by_depth(
+                spec, target=target, gpu_memory_bytes=gpu_memory_bytes, exact=exact, note=note
+            )
+            progress.advance(f"{spec.method}: {row.status}")
+            rows.append(row)
+            if out is not None:
+                with user_errors():  # a failed write says where the rows are
+                    upsert_rows(out, [row])
     print_table(console, estimate_table(rows, gpu_memory_bytes, MARGIN_NOTE))
     for row in rows:
         if row.status == "error":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
@@ -63,6 +64,10 @@ def maxlen(
             "machine's RAM)."
         ),
     ] = None,
+    exact: Annotated[
+        bool,
+        typer.Option("--exact", help="--simulate: each probe's fake step at its own depth and length (slow)."),
+    ] = False,
     out: Annotated[
         Path | None,
         typer.Option(
@@ -75,8 +80,9 @@ def maxlen(
     Doubling from --seq until a probe runs out of memory, then bisection to --resolution. Each
     probe is one isolated `sbp run` point (memory only), kept in --out so an interrupted search
     resumes; the answer is a row of kind maxlen. Several methods give one table with the ratio to
-    ckpt. With --simulate each probe is a prediction for a GPU of --gpu-memory instead (seconds
-    each, on any machine).
+    ckpt. With --simulate each probe is a prediction for a GPU of --gpu-memory instead, extrapolated
+    from short fake runs (simulate/length.py): the search first probes lengths that share those runs
+    (multiples of the layer chunk), then bisects what is left to --resolution.
 
     How long: on a CPU the defaults (three methods, 1% resolution, ceiling 16384) run about 25
     probes, each a new process. Measured on a 2-core machine at load average 7 (other work):
@@ -87,12 +93,15 @@ def maxlen(
     from ..config.maxlen import SEARCH_DEFAULTS
     from ..config.run import check_measurable
     from ..runner.maxlen import ProbeFailed, find_max_len
+    from ..simulate.length import shared_multiple
 
     with user_errors():
         if gpu_memory and not simulate:
             raise ValueError("--gpu-memory is the simulated GPU's size: add --simulate, or use --memory-limit")
         if host_memory and not simulate:
             raise ValueError("--host-memory is the simulated host's size: add --simulate")
+        if exact and not simulate:
+            raise ValueError("--exact is how --simulate predicts a probe: add --simulate")
         if simulate and settings.get("weights"):
             raise ValueError("--weights does not apply to --simulate (fake tensors hold no values); drop it")
         host_bytes = parse_bytes(host_memory) if host_memory else total_ram_bytes()
@@ -117,10 +126,10 @@ def maxlen(
         ]
         out = out or (SIMULATED_OUT if simulate else DEFAULT_OUT)
         check_writable(out)
-        probing = _simulated_probe(specs[0].memory_limit, host_bytes) if simulate else {}
         console = Console()
         answers = []
         with Progress(console, len(searches)) as progress:
+            probing = _simulated_probe(specs[0].memory_limit, host_bytes, exact, progress) if simulate else {}
             for search_spec in searches:
                 progress.start(f"{search_spec.method}: searching")
 
@@ -128,7 +137,11 @@ def maxlen(
                     progress.note(f"{search_spec.method}: probe {point_line(row)}")
 
                 try:
-                    answer = find_max_len(search_spec, out, resume=resume, on_probe=told, **probing)
+                    if simulate and not exact:  # first the lengths whose probes share their short runs
+                        coarse = replace(search_spec, multiple_of=shared_multiple(search_spec))
+                        find_max_len(coarse, out, resume=resume, on_probe=told, **probing)
+                    again = simulate and not exact  # then the rest of the bracket, from those probes
+                    answer = find_max_len(search_spec, out, resume=resume or again, on_probe=told, **probing)
                 except ProbeFailed as error:
                     console.print(f"[red]{escape(str(error))}[/]; probes so far are in {out}", highlight=False)
                     raise typer.Exit(1) from None
@@ -138,13 +151,18 @@ def maxlen(
     console.print(f"{len(answers)} max-length row(s) written to {out}", highlight=False, soft_wrap=True)
 
 
-def _simulated_probe(gpu_memory_bytes: int, host_memory_bytes: int) -> dict:
+def _simulated_probe(gpu_memory_bytes: int, host_memory_bytes: int, exact: bool, progress: Progress) -> dict:
     """find_max_len's arguments for probes that are predictions (sbpbench.simulate)."""
     from ..simulate.depth import estimate_point_by_depth
 
     def measure(spec, env) -> ResultRow:
         return estimate_point_by_depth(
-            spec, target="cuda", gpu_memory_bytes=gpu_memory_bytes, host_memory_bytes=host_memory_bytes
+            spec,
+            target="cuda",
+            gpu_memory_bytes=gpu_memory_bytes,
+            host_memory_bytes=host_memory_bytes,
+            exact=exact,
+            note=lambda line: progress.note(f"{spec.method} T={spec.seq_len}: {line}"),
         )
 
     return {"measure": measure, "device_name": SIMULATED_DEVICE, "source": "simulated"}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -12,11 +13,13 @@ from ..measure.host_memory import total_ram_bytes
 from ..measure.units import parse_bytes
 from .errors import user_errors
 from .options import point_command, run_fields_but
+from .progress import Progress
 from .tables import print_table
 
 if TYPE_CHECKING:
     from ..config import RunSpec
     from ..simulate.plan import PlanOutcome
+    from ..simulate.timing import Rates
 
 GIB = 2**30
 # the planner chooses method settings for streambp itself; nothing is measured (no threads)
@@ -59,53 +62,71 @@ def plan_command(
     host_memory: Annotated[
         str | None, typer.Option(help="Host memory the step may use, e.g. 100GiB (default: this machine's RAM).")
     ] = None,
+    gpu: Annotated[
+        str, typer.Option(help="The GPU whose measured rows give the rates: its device name contains this.")
+    ] = "H100",
+    results: Annotated[Path, typer.Option(help="Results CSV or folder with those measured rows.")] = Path("results"),
 ) -> None:
     """Pick StreamBP's checkpoint placement and chunk size for a GPU.
 
     Candidate --checkpoints placements and layer chunk sizes, in order of predicted step time
-    (FLOPs, one more forward per recomputed layer, PCIe copies beyond the compute they overlap),
-    go through the memory estimator (`sbp estimate`) until one fits both the GPU and the host.
-    Predictions, not measurements."""
+    (matmul and attention rates, chunk overheads, PCIe copies beyond the compute they overlap),
+    are ruled out by bounds or estimated (`sbp estimate`, from short fake runs) until one fits
+    both the GPU and the host. The rates come from measured rows of --gpu in --results when there
+    are any, else published H100 figures. Predictions, not measurements."""
     from ..config import point_specs
-    from ..simulate.plan import describe, plan
+    from ..simulate.plan import describe, meta_model, plan
+    from ..simulate.timing import fitted_rates
 
     with user_errors():
         gpu_bytes = parse_bytes(gpu_memory)
         host_bytes = parse_bytes(host_memory) if host_memory else total_ram_bytes()
         fixed = {"device": "cpu", "warmup": 0, "repeats": 0}
         (spec,) = point_specs({**settings, **fixed}, ["streambp"], defaults_for="cuda")
+        rates = fitted_rates(results, gpu, meta_model)
     console = Console()
-    with console.status(f"planning {spec.model}, T={spec.seq_len}"):
-        chosen, tried = plan(spec, gpu_memory_bytes=gpu_bytes, host_memory_bytes=host_bytes)
-    print_table(console, plan_table(spec, tried, gpu_bytes, host_bytes))
+    with Progress(console, None) as progress:
+        progress.start(f"planning {spec.model}, T={spec.seq_len}")
+        chosen, tried = plan(
+            spec, gpu_memory_bytes=gpu_bytes, host_memory_bytes=host_bytes, rates=rates, note=progress.note
+        )
+    print_table(console, plan_table(spec, tried, gpu_bytes, host_bytes, rates))
+    for outcome in tried:
+        if outcome.bound:
+            console.print(f"{outcome.candidate.placement.name}: {outcome.bound}", highlight=False, soft_wrap=True)
     if chosen is None:
         console.print("[red]nothing fits[/]: a shorter --seq, LoRA, or more host memory", highlight=False)
         raise typer.Exit(1)
-    d = describe(chosen)
+    d = describe(chosen, spec.batch_size * spec.seq_len)
     console.print(
         f"plan: --checkpoints {d['checkpoints']} --chunk-size {d['chunk_size']} --logits-chunk-size "
-        f"{d['logits_chunk_size']}  (predicted {d['predicted_time_s']:.1f} s per step)",
+        f"{d['logits_chunk_size']}  (predicted {d['predicted_time_s']:.1f} s per step, "
+        f"{d['tokens_per_s']:,.0f} tokens/s)",
         highlight=False,
     )
 
 
-def plan_table(spec: RunSpec, tried: list[PlanOutcome], gpu_bytes: int, host_bytes: int) -> Table:
-    """The candidates estimated, in the order tried (simulate/plan.py PlanOutcome)."""
-    from ..simulate.plan import ACHIEVED_FLOP_S, PCIE_BYTES_S, describe
+def plan_table(spec: RunSpec, tried: list[PlanOutcome], gpu_bytes: int, host_bytes: int, rates: Rates) -> Table:
+    """The candidates decided, in order (simulate/plan.py PlanOutcome), with the rates their times use."""
+    from ..simulate.plan import describe
 
     caption = (
-        f"GiB = 2^30 B. GPU: peak allocated + margin, of {gpu_bytes / GIB:.1f} GiB; host: pinned checkpoints + "
-        f"process, of {host_bytes / GIB:.1f} GiB; time: predicted at {ACHIEVED_FLOP_S / 1e12:.0f} TFLOP/s and "
-        f"{PCIE_BYTES_S / 1e9:.0f} GB/s"
+        f"GiB = 2^30 B. GPU: peak allocated + margin, of {gpu_bytes / GIB:.1f} GiB (bound: ruled out without "
+        f"a simulation, below); host: pinned checkpoints + process, of {host_bytes / GIB:.1f} GiB. step s: "
+        f"predicted step time; pin s: the first step's page-locking of the host copies, once per process. "
+        f"Rates: {rates.describe()}"
     )
-    title = f"{spec.model}, T={spec.seq_len}, B={spec.batch_size}: candidates estimated (simulated)"
+    title = f"{spec.model}, T={spec.seq_len}, B={spec.batch_size}: candidates (simulated)"
     table = Table(title=title, caption=caption)
-    for column in ("checkpoints", "chunk", "logits", "status", "GPU GiB", "host GiB", "time s"):
+    for column in ("checkpoints", "chunk", "logits", "status", "GPU GiB", "host GiB", "step s", "tokens/s", "pin s"):
         table.add_column(column, justify="left" if column in ("checkpoints", "status") else "right", no_wrap=True)
     for outcome in tried:
-        d = describe(outcome)
+        d = describe(outcome, spec.batch_size * spec.seq_len)
+        device = "bound" if d["device_bytes"] is None else f"{d['device_bytes'] / GIB:.2f}"
+        chunk = "any" if outcome.any_chunk else str(d["chunk_size"])
         table.add_row(
-            d["checkpoints"], str(d["chunk_size"]), str(d["logits_chunk_size"]), d["status"],
-            f"{d['device_bytes'] / GIB:.2f}", f"{d['host_bytes'] / GIB:.2f}", f"{d['predicted_time_s']:.1f}",
+            d["checkpoints"], chunk, str(d["logits_chunk_size"]), d["status"], device,
+            f"{d['host_bytes'] / GIB:.2f}", f"{d['predicted_time_s']:.1f}", f"{d['tokens_per_s']:,.0f}",
+            f"{d['first_step_pinning_s']:.1f}",
         )  # fmt: skip
     return table

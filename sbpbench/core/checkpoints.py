@@ -96,11 +96,23 @@ def _skipped(norm: nn.Module):
 
 @contextmanager
 def _chunked_layers(layers: nn.ModuleList, saved: Checkpoints, chunk_size: int, gathered):
-    """Wrap each layer's forward on the instance (hooks and __call__ still run as usual); restore
-    whatever was there before (a plain method, or another library's wrapper), whatever happens."""
+    """Each layer's forward runs chunk by chunk for the duration (`forwards_wrapped`)."""
+
+    def chunked(index: int, forward):
+        return _chunked_forward(forward, index, saved, chunk_size, partial(gathered, layers[index]))
+
+    with forwards_wrapped(layers, chunked):
+        yield
+
+
+@contextmanager
+def forwards_wrapped(layers, wrap: Callable[[int, Callable], Callable]):
+    """Each layer's forward replaced by wrap(index, forward) on the instance for the duration (hooks
+    and __call__ still run as usual); whatever was there before (a plain method, or another
+    library's wrapper) restored, whatever happens."""
     previous = [layer.__dict__.get("forward") for layer in layers]
     for index, layer in enumerate(layers):
-        layer.forward = _chunked_forward(layer.forward, index, saved, chunk_size, partial(gathered, layer))
+        layer.forward = wrap(index, layer.forward)
     try:
         yield
     finally:

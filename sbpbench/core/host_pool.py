@@ -2,7 +2,7 @@
 
 A checkpoint copied to the host on a side stream needs page-locked memory, or the copy is neither
 asynchronous nor fast. Page-locking is slow (cudaHostRegister faults in and pins every page, at a
-few GB/s: simulate/plan.py HOST_REGISTER_BYTES_S and its sources), so each buffer is registered once
+few GB/s: simulate/timing.py HOST_REGISTER_BYTES_S and its sources), so each buffer is registered once
 and reused by every later step of the process: a training loop calling stream_backward, a measured
 point's warm-up, memory and timed steps.
 

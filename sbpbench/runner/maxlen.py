@@ -17,12 +17,10 @@ from datetime import datetime, timezone
 from ..config import MaxlenSpec, RunSpec
 from ..config.rows import spec_key
 from ..measure.environment import Environment, capture_environment
-from ..records import KEY_COLUMNS, ResultRow, decode_row, read_rows, row_key, upsert_rows
+from ..records import ResultRow, decode_row, read_rows, row_key, upsert_rows
 from ..records.select import is_oom
 from .isolated import run_isolated
 from .length_search import search_max_len
-
-_SEQ_INDEX = KEY_COLUMNS.index("seq_len")
 
 Measure = Callable[[RunSpec, Environment], ResultRow]
 
@@ -48,19 +46,18 @@ class _Unsupported(Exception):
 
 
 def cached_probes(search: MaxlenSpec, out, *, device_name: str, source: str = "measured") -> dict[int, ResultRow]:
-    """Probe rows already in the CSV for this search: the same key but for seq_len, with an answer."""
+    """Probe rows already in the CSV for this search, with an answer: each with the key its own
+    length's probe gives (chunk sizes left to the rule, "auto", are the rule's at that length)."""
     if out is None:
         return {}
-    wanted = without_seq_len(spec_key(search.base, device_name=device_name, source=source))
-    return {
-        int(row["seq_len"]): decode_row(row)
-        for row in read_rows(out)
-        if probe_answer(row) is not None and without_seq_len(row_key(row)) == wanted
-    }
-
-
-def without_seq_len(key: tuple[str, ...]) -> tuple[str, ...]:
-    return key[:_SEQ_INDEX] + key[_SEQ_INDEX + 1 :]
+    found = {}
+    for row in read_rows(out):
+        if probe_answer(row) is None or not row.get("seq_len"):
+            continue
+        seq_len = int(row["seq_len"])
+        if row_key(row) == spec_key(search.probe(seq_len), device_name=device_name, source=source):
+            found[seq_len] = decode_row(row)
+    return found
 
 
 def maxlen_row(search: MaxlenSpec, result, probe_rows: dict[int, ResultRow]) -> ResultRow:

@@ -220,67 +220,72 @@ def streambp_cuda_branch():
     return force_cuda_branch(causal_bias=_causal_lower_right_outside_fake_mode)
 
 
-def _bytes(*shape: int, dtype: torch.dtype, granularity: int) -> int:
-    nbytes = math.prod(shape) * dtype.itemsize
-    return _round_up(nbytes, granularity) if nbytes else 0
+def _bytes(*shape: int, dtype: torch.dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
 
 
-def _copy_bytes(t: torch.Tensor, granularity: int) -> int:
+def _copy_bytes(t: torch.Tensor) -> list[int]:
     """A `.contiguous()` copy of t, when t is strided."""
-    return 0 if t.is_contiguous() else _bytes(t.numel(), dtype=t.dtype, granularity=granularity)
+    return [] if t.is_contiguous() else [_bytes(t.numel(), dtype=t.dtype)]
 
 
-def _flash_backward(args, granularity: int) -> int:
+def _flash_backward(args) -> list[int]:
     """flash_api.cpp mha_bwd (non-deterministic). q, k, v are (B, H, T, d) here."""
     grad_out, query, key, _, out = args[:5]
     batch, heads, seq_q, head_dim = query.shape
     kv_heads, seq_k = key.shape[1], key.shape[2]
     seq_q_rounded = _round_up(seq_q, 128)
     head_dim_rounded = _round_up(head_dim, 32 if head_dim <= 128 else 64)
-    total = _copy_bytes(grad_out.transpose(1, 2), granularity) + _copy_bytes(out.transpose(1, 2), granularity)
-    total += _bytes(batch, heads, seq_q_rounded, dtype=torch.float32, granularity=granularity)  # softmax_d
-    total += _bytes(batch, seq_q_rounded, heads, head_dim_rounded, dtype=torch.float32, granularity=granularity)
+    buffers = _copy_bytes(grad_out.transpose(1, 2)) + _copy_bytes(out.transpose(1, 2))
+    buffers.append(_bytes(batch, heads, seq_q_rounded, dtype=torch.float32))  # softmax_d
+    buffers.append(_bytes(batch, seq_q_rounded, heads, head_dim_rounded, dtype=torch.float32))  # dq_accum
     if kv_heads != heads:  # dk_expanded, dv_expanded
-        total += 2 * _bytes(batch, seq_k, heads, head_dim, dtype=query.dtype, granularity=granularity)
-    return total
+        buffers += 2 * [_bytes(batch, seq_k, heads, head_dim, dtype=query.dtype)]
+    return buffers
 
 
-def _efficient_backward(grad_out, query, value, granularity: int) -> int:
+def _efficient_backward(grad_out, query, value) -> list[int]:
     """attention_backward.cu _efficient_attention_backward; tensors (B, M, H, K) here."""
     batch, seq_q, heads, head_dim = query.shape
-    total = _copy_bytes(grad_out, granularity)
+    buffers = _copy_bytes(grad_out)
     if query.dtype in _HALF:  # the kernel computes delta; dQ accumulates in an fp32 workspace
-        total += _bytes(batch, heads, seq_q, dtype=torch.float32, granularity=granularity)
+        buffers.append(_bytes(batch, heads, seq_q, dtype=torch.float32))
         column_tile = 64 if head_dim <= 64 else 128
         workspace = (batch, heads, _round_up(seq_q, 64), _round_up(head_dim, column_tile))
-        return total + _bytes(*workspace, dtype=torch.float32, granularity=granularity)
+        return [*buffers, _bytes(*workspace, dtype=torch.float32)]
     # fp32: delta = (grad_out * out).sum(-1), a (B, M, H, Kv) temporary, then (B, M, H)
-    product = _bytes(batch, seq_q, heads, value.shape[-1], dtype=torch.float32, granularity=granularity)
-    return total + product + 2 * _bytes(batch, seq_q, heads, dtype=torch.float32, granularity=granularity)
+    product = _bytes(batch, seq_q, heads, value.shape[-1], dtype=torch.float32)
+    return [*buffers, product, *2 * [_bytes(batch, seq_q, heads, dtype=torch.float32)]]
 
 
-def _efficient_forward(query, value, granularity: int) -> int:
+def _efficient_forward(query, value) -> list[int]:
     """attention.cu _efficient_attention_forward: fp32 output accumulator when half-precision
     kernels iterate over a value dim > 128. Tensors (B, M, H, K) here."""
     if query.dtype not in _HALF or value.shape[-1] <= 128:
-        return 0
+        return []
     batch, seq_q, heads, _ = query.shape
-    return _bytes(batch, seq_q, heads, value.shape[-1], dtype=torch.float32, granularity=granularity)
+    return [_bytes(batch, seq_q, heads, value.shape[-1], dtype=torch.float32)]
+
+
+def hidden_buffers(func, args) -> list[int]:
+    """Sizes in bytes (not rounded) of the buffers the CUDA implementation of `func` allocates and
+    frees inside the op; [] for other ops. Each is a block of the caching allocator of its own."""
+    if func is aten._scaled_dot_product_flash_attention_backward.default:
+        return _flash_backward(args)
+    if func is aten._scaled_dot_product_efficient_attention_backward.default:  # (B, H, T, d) arguments
+        grad_out, query, _, value = args[:4]
+        return _efficient_backward(grad_out.transpose(1, 2), query.transpose(1, 2), value)
+    if func is aten._efficient_attention_backward.default:  # (B, T, H, d) arguments
+        grad_out, query, _, value = args[:4]
+        return _efficient_backward(grad_out, query, value)
+    if func is aten._scaled_dot_product_efficient_attention.default:
+        return _efficient_forward(args[0].transpose(1, 2), args[2])
+    if func is aten._efficient_attention_forward.default:
+        return _efficient_forward(args[0], args[2])
+    return []
 
 
 def hidden_bytes(func, args, granularity: int = 512) -> int:
-    """Bytes the CUDA implementation of `func` allocates and frees inside the op (0 for other
-    ops), each buffer rounded to `granularity` as the caching allocator rounds."""
-    if func is aten._scaled_dot_product_flash_attention_backward.default:
-        return _flash_backward(args, granularity)
-    if func is aten._scaled_dot_product_efficient_attention_backward.default:  # (B, H, T, d) arguments
-        grad_out, query, _, value = args[:4]
-        return _efficient_backward(grad_out.transpose(1, 2), query.transpose(1, 2), value, granularity)
-    if func is aten._efficient_attention_backward.default:  # (B, T, H, d) arguments
-        grad_out, query, _, value = args[:4]
-        return _efficient_backward(grad_out, query, value, granularity)
-    if func is aten._scaled_dot_product_efficient_attention.default:
-        return _efficient_forward(args[0].transpose(1, 2), args[2], granularity)
-    if func is aten._efficient_attention_forward.default:
-        return _efficient_forward(args[0], args[2], granularity)
-    return 0
+    """The bytes of hidden_buffers(func, args), each rounded up to `granularity` as the caching
+    allocator rounds."""
+    return sum(_round_up(n, granularity) for n in hidden_buffers(func, args))

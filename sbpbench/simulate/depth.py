@@ -9,19 +9,37 @@ backward). So the full-depth value is v(2) + (L - 2) * (v(3) - v(2)); with recom
 remainder mod K (`probe_depths`). tests/test_simulate_depth.py checks this against full-depth runs
 to the byte; models whose layers differ (Gemma 3's sliding
 and global layers) are always run at full depth.
+
+Each shallow model is itself predicted at T from shorter sequences (length.py) unless `exact`:
+depth outermost, since its affine law holds at any fixed T, length innermost, since its fit needs
+the step's instants, which only a run at one depth has. `exact` runs the full step: the point's
+own depth and length, nothing extrapolated.
+
+For StreamBP on one GPU the slope is known, so the deeper model need not run (`_lifted`): when
+the depth is a multiple of K, every segment below the top one is the top one's twin but for what
+it keeps, and adds to the device only its kept input (one layer input, B x T x d; nothing when
+offloaded), to what is live at every instant from the top segment up (its backward, the head, the
+forward of its layers), and to the host and the copies what the checkpoint store counts for it
+(`store_counts`, the store itself run on one-element tensors). So the full model's peak is the low
+model's plus that, when the low model's peak is at such an instant (else both depths run); its
+resident bytes are counted on the full model's fake step, built but not run.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from functools import partial
+
+import torch
 
 from ..config import RunSpec
-from ..core.placement import Placement
+from ..core.placement import CheckpointStore, Placement
 from ..methods import MethodFn
 from ..models import load_config
 from ..records import ResultRow
-from .estimate import estimate_point, judge, margin_bytes
+from .estimate import Estimate, StepMemory, assemble_unrun, estimate_point, granularity_bytes, judge, margin_bytes
+from .length import Note, predict
 
 AFFINE_COLUMNS = (
     "num_params",
@@ -37,6 +55,7 @@ AFFINE_COLUMNS = (
     "transfer_bytes",
 )
 MIN_DEPTH = 6  # below this a full-depth run costs about as much as the two shallow ones
+LIFTED_METHODS = ("streambp",)  # whose per-segment slope is known (`lifted`)
 
 
 def uniform_layers(model: str) -> bool:
@@ -68,18 +87,37 @@ def estimate_point_by_depth(
     gpu_memory_bytes: int | None = None,
     host_memory_bytes: int | None = None,
     method: MethodFn | None = None,
+    exact: bool = False,
+    note: Note | None = None,
 ) -> ResultRow:
-    """estimate_point's row, from two shallower models when that is exact (see above)."""
+    """estimate_point's row, from two shallower models when that is exact (see above), each
+    predicted from shorter sequences (length.py) unless `exact`. note: progress lines."""
+    estimator = None if exact else partial(predict, note=note)
     depth = spec.num_layers or load_config(spec.model).num_hidden_layers
     every = Placement.parse(spec.settings.checkpoints).recompute_every if spec.settings.checkpoints else 1
-    depths = probe_depths(depth, every)
+    depths = None if exact else probe_depths(depth, every)
     if depths is None or not uniform_layers(spec.model):
         return estimate_point(
-            spec, target=target, gpu_memory_bytes=gpu_memory_bytes, host_memory_bytes=host_memory_bytes, method=method
+            spec,
+            target=target,
+            gpu_memory_bytes=gpu_memory_bytes,
+            host_memory_bytes=host_memory_bytes,
+            method=method,
+            estimator=estimator,
         )
     low, high = depths
-    shallow = estimate_point(replace(spec, num_layers=low), target=target, method=method)
-    row = estimate_point(replace(spec, num_layers=high), target=target, method=method)
+    if not exact and spec.method in LIFTED_METHODS and spec.nproc == 1:
+        lifted = _lifted(spec, low, target=target, method=method, note=note)
+        if lifted is not None:
+            return estimate_point(
+                spec,
+                target=target,
+                gpu_memory_bytes=gpu_memory_bytes,
+                host_memory_bytes=host_memory_bytes,
+                estimator=lambda *_, **__: lifted,
+            )
+    shallow = estimate_point(replace(spec, num_layers=low), target=target, method=method, estimator=estimator)
+    row = estimate_point(replace(spec, num_layers=high), target=target, method=method, estimator=estimator)
     if "error" in (shallow.status, row.status):
         return row
     steps = (depth - low) // (high - low)  # whole segments: depth = low (mod high - low)
@@ -92,3 +130,75 @@ def estimate_point_by_depth(
     # a layer counted from the top of the `high`-layer model is the same layer from the top of the full one
     row.peak_phase = re.sub(r"layer (\d+)", lambda m: f"layer {int(m.group(1)) + depth - high}", row.peak_phase)
     return judge(row, gpu_memory_bytes, host_memory_bytes)
+
+
+@dataclass(frozen=True)
+class StoreCounts:
+    """What a CheckpointStore holds and moves in one step, in layer inputs."""
+
+    max_host_inputs: int
+    transfers: int  # copies host <-> device
+    top_device_inputs: int  # on the device during the top layer's backward
+    max_device_inputs: int
+
+
+def store_counts(placement: Placement, num_layers: int) -> StoreCounts:
+    """The checkpoint store (core/placement.py) of `placement` put, got and released as
+    stream_backward does, on one-element CPU tensors: its own counters, in layer inputs."""
+    store = CheckpointStore(placement, num_layers)
+    store.rebuild = lambda index, layer_input: layer_input.clone()
+    one = torch.zeros(1, dtype=torch.uint8)
+    for index in range(num_layers):
+        store.put(index, one.clone())
+    top = 0
+    for index in reversed(range(num_layers)):
+        store.get(index, one.device)
+        top = top or store.device_inputs
+        store.release(index)
+    store.close()
+    return StoreCounts(store.max_host_bytes, store.transfer_bytes, top, store.max_device_inputs)
+
+
+def layer_input_bytes(spec: RunSpec) -> int:
+    """One layer input X_l of the point: B x T x d in the model dtype."""
+    return spec.batch_size * spec.seq_len * load_config(spec.model).hidden_size * spec.torch_dtype.itemsize
+
+
+def _lifted(spec: RunSpec, low: int, *, target: str, method: MethodFn | None, note: Note | None) -> Estimate | None:
+    """The full model's Estimate from the `low`-layer model's and the known slope (module
+    docstring); None where the slope does not apply: a top segment shorter than the others (a
+    full segment below it would hold more rebuilt inputs), or the low model's peak below its top
+    segment."""
+    if spec.step == "train" and spec.protocol == "first":  # moments made in the step, per layer: measure the slope
+        return None
+    placement = Placement.parse(spec.settings.checkpoints)
+    depth = spec.num_layers or load_config(spec.model).num_hidden_layers
+    shallow = predict(replace(spec, num_layers=low), target=target, method=method, note=note)
+    layer_input = layer_input_bytes(spec)
+    counts, full = store_counts(placement, low), store_counts(placement, depth)
+    if (shallow.host_pinned_bytes, shallow.transfer_bytes) != (
+        counts.max_host_inputs * layer_input,
+        counts.transfers * layer_input,
+    ):
+        return None
+    every = placement.recompute_every
+    if depth % every or not _from_top_segment(shallow.peak_phase, low - every):
+        return None
+    kept = 0 if placement.offload else (depth - low) // every  # more kept inputs on the device
+    granularity = granularity_bytes(target)
+    memory = StepMemory(
+        activation_peak_bytes=shallow.activation_peak_bytes + kept * -(-layer_input // granularity) * granularity,
+        # a layer counted from the top of the shallow model is the same layer from the top of the full one
+        peak_phase=re.sub(r"layer (\d+)", lambda m: f"layer {int(m.group(1)) + depth - low}", shallow.peak_phase),
+        attention_kernel=shallow.attention_kernel,
+        host_pinned_bytes=full.max_host_inputs * layer_input,
+        transfer_bytes=full.transfers * layer_input,
+    )
+    return assemble_unrun(spec, memory, target)
+
+
+def _from_top_segment(phase: str, top_segment: int) -> bool:
+    """Whether every kept input below the top segment is live at this phase: the head, and the
+    forward and backward of the top segment's layers."""
+    match = re.fullmatch(r"(?:forward|backward) layer (\d+)", phase)
+    return phase.startswith("head") or (match is not None and int(match.group(1)) >= top_segment)

@@ -21,19 +21,21 @@ itself; a point fits when both the device and the host side fit.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
+from functools import lru_cache
 
 from ..config import RunSpec
 from ..config.rows import spec_fields
 from ..core.placement import observe_stores
 from ..measure.environment import capture_environment
 from ..measure.flops import training_flops
-from ..methods import MethodFn, MethodUnsupported
+from ..methods import MethodFn, MethodSettings, MethodUnsupported
 from ..methods.step import storage_bytes
 from ..records import ResultRow, one_line
-from .cuda_attention import CudaAttention, hidden_bytes, streambp_cuda_branch
+from .cuda_attention import CudaAttention, hidden_buffers, streambp_cuda_branch
 from .fake_mode import build_fake_step
 from .memory_counter import CUDA_ALLOCATOR_ROUNDING, SimulatedMemory
 from .phases import PhaseLabels
@@ -109,54 +111,109 @@ def estimate(spec: RunSpec, *, target: str = "cuda", method: MethodFn | None = N
 
     method: a stand-in for the registered spec.method with the same signature (e.g.
     paper_baseline.PAPER_METHODS["ckpt"]), followed by the optimizer step as run_step does."""
+    return simulate(spec, target=target, method=method)[0]
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """What only running the step tells: its activation peak (one GPU), where, the kernels, the host copies."""
+
+    activation_peak_bytes: int
+    peak_phase: str
+    attention_kernel: str
+    host_pinned_bytes: int
+    transfer_bytes: int
+
+
+def simulate(
+    spec: RunSpec, *, target: str = "cuda", method: MethodFn | None = None, counter_type=SimulatedMemory
+) -> tuple[Estimate, SimulatedMemory]:
+    """estimate(), and the counter it ran (counter_type: SimulatedMemory or a subclass that records
+    more, length.py), for callers that read more of the step than its peak."""
     if target not in TARGETS:
         raise ValueError(f"unknown target {target!r}; choose from {', '.join(TARGETS)}")
     cuda = target == "cuda"
-    granularity = CUDA_ALLOCATOR_ROUNDING if cuda else 1
     check_sharded_spec(spec)
     fake = build_fake_step(spec, foreach_optimizer=cuda)
     step = fake.step
-    model = step.model
-    baseline = storage_bytes(step.resident_tensors(), granularity)
-    counter = SimulatedMemory(granularity, hidden=(lambda f, a: hidden_bytes(f, a, granularity)) if cuda else None)
+    baseline = storage_bytes(step.resident_tensors(), granularity_bytes(target))
+    counter = counter_type(granularity_bytes(target), hidden=hidden_buffers if cuda else None)
     phases = PhaseLabels(counter, chunked_head=spec.method == "streambp")
     with ExitStack() as stack:
         attention = stack.enter_context(_cuda_attention()) if cuda else None
-        stack.enter_context(phases.attached(model, step.optimizer))
+        stack.enter_context(phases.attached(step.model, step.optimizer))
         # On a GPU the host copies are another memory; on the CPU they are in the same one, as the
         # tracker counts them: fake copies, so the counter sees them.
         stores = stack.enter_context(observe_stores(shapes_only=cuda))
+        stack.enter_context(counter.attached(step.model))
         stack.enter_context(fake.mode)
         stack.enter_context(counter)
         if method is None:
             step.run()
         else:
-            method(model, step.batch, step.settings)
+            method(step.model, step.batch, step.settings)
             if step.optimizer is not None:
                 step.optimizer.step()
-    trainable = step.trainable
+    memory = StepMemory(
+        activation_peak_bytes=counter.peak_bytes,
+        peak_phase=counter.peak_phase,
+        attention_kernel=attention.kernel_names() if attention is not None else "",
+        host_pinned_bytes=max((s.max_host_bytes for s in stores), default=0),
+        transfer_bytes=sum(s.transfer_bytes for s in stores),
+    )
+    return assemble(spec, step, memory, target, baseline=baseline), counter
+
+
+def granularity_bytes(target: str) -> int:
+    return CUDA_ALLOCATOR_ROUNDING if target == "cuda" else 1
+
+
+@lru_cache(maxsize=4)
+def _unrun(spec: RunSpec, cuda: bool):
+    return build_fake_step(spec, foreach_optimizer=cuda).step
+
+
+def unrun_step(spec: RunSpec, target: str):
+    """The point's fake step, built and not run: what is resident before it. Its method settings
+    do not change that, so one is built per point whatever the placement or chunk sizes."""
+    return _unrun(replace(spec, settings=MethodSettings()), target == "cuda")
+
+
+def assemble_unrun(spec: RunSpec, memory: StepMemory, target: str) -> Estimate:
+    """The Estimate of a point whose `memory` comes from elsewhere (an extrapolation), its resident
+    bytes counted on `unrun_step`."""
+    step = unrun_step(spec, target)
+    return assemble(
+        spec, step, memory, target, baseline=storage_bytes(step.resident_tensors(), granularity_bytes(target))
+    )
+
+
+def assemble(spec: RunSpec, step, memory: StepMemory, target: str, *, baseline: int) -> Estimate:
+    """The Estimate of the point from its fake `step` (run or not) and `memory` from running it
+    (baseline: the resident bytes before the step); per rank under FSDP2 (sharded.py)."""
+    granularity = granularity_bytes(target)
+    model = step.model
     result = Estimate(
         target=target,
         weights_bytes=storage_bytes(model.parameters()),
         grads_bytes=step.grads_bytes,
         optimizer_state_bytes=step.optimizer_state_bytes,
         baseline_bytes=baseline,
-        activation_peak_bytes=counter.peak_bytes,
-        peak_phase=counter.peak_phase,
-        attention_kernel=attention.kernel_names() if attention is not None else "",
-        margin_bytes=margin_bytes(counter.peak_bytes) if cuda else 0,
+        activation_peak_bytes=memory.activation_peak_bytes,
+        peak_phase=memory.peak_phase,
+        attention_kernel=memory.attention_kernel,
+        margin_bytes=0,
         num_layers=model.config.num_hidden_layers,
         num_params=sum(p.numel() for p in model.parameters()),
-        trainable_params=sum(p.numel() for p in trainable),
+        trainable_params=sum(p.numel() for p in step.trainable),
         num_tokens=step.batch.num_tokens,
         model_flops=training_flops(model, batch_size=spec.batch_size, seq_len=spec.seq_len),
-        host_pinned_bytes=max((s.max_host_bytes for s in stores), default=0),
-        transfer_bytes=sum(s.transfer_bytes for s in stores),
+        host_pinned_bytes=memory.host_pinned_bytes,
+        transfer_bytes=memory.transfer_bytes,
     )
-    if spec.nproc == 1:
-        return result
-    result = per_rank(result, sharded_terms(step, spec.nproc, granularity))
-    return replace(result, margin_bytes=margin_bytes(result.activation_peak_bytes) if cuda else 0)
+    if spec.nproc > 1:
+        result = per_rank(result, sharded_terms(step, spec.nproc, granularity))
+    return replace(result, margin_bytes=margin_bytes(result.activation_peak_bytes) if target == "cuda" else 0)
 
 
 def estimate_point(
@@ -166,10 +223,12 @@ def estimate_point(
     gpu_memory_bytes: int | None = None,
     host_memory_bytes: int | None = None,
     method: MethodFn | None = None,
+    estimator: Callable[..., Estimate] | None = None,
 ) -> ResultRow:
     """A results row for the point: status ok, or oom when peak + margin exceeds gpu_memory_bytes
     or the host side exceeds host_memory_bytes, or error (the row says why). Provenance is this
-    machine's software, not a GPU's. method: as in `estimate`."""
+    machine's software, not a GPU's. method: as in `estimate`. estimator: what gives the Estimate
+    (default `estimate`, the full fake run; length.predict extrapolates from shorter ones)."""
     row = ResultRow(**spec_fields(spec))
     row.source, row.memory_source = "simulated", "fake-tensor"
     row.device = target
@@ -181,7 +240,7 @@ def estimate_point(
     row.git_commit, row.git_dirty = env.git_commit, env.git_dirty
     row.timestamp_utc = datetime.now(timezone.utc).isoformat(timespec="seconds")
     try:
-        result = estimate(spec, target=target, method=method)
+        result = (estimator or estimate)(spec, target=target, method=method)
     except MethodUnsupported as error:
         row.status, row.error = "unsupported", one_line(error)
         return row

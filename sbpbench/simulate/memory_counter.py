@@ -7,14 +7,16 @@ additions:
 - ops whose tensor arguments are all real (the batch and what is computed from it: labels,
   masks, token counts) run for real, outside the fake mode, so the step's data-dependent Python
   (`int(mask.sum())`, `if mask.any()`) works; everything touching the model stays fake;
-- `hidden`: bytes a CUDA kernel allocates and frees inside one op, invisible to the dispatcher
-  (cuda_attention.hidden_bytes), added to the live bytes for the duration of that op;
+- `hidden`: buffers a CUDA kernel allocates and frees inside one op, invisible to the dispatcher
+  (cuda_attention.hidden_buffers), each rounded as a block and added to the live bytes for the
+  duration of that op;
 - `phase`: a label set from outside (phases.py); `peak_phase` is the label when the peak was set.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -25,7 +27,7 @@ from ..measure.tensor_tracker import LiveTensorTracker
 CUDA_ALLOCATOR_ROUNDING = 512  # c10/cuda/CUDACachingAllocator.cpp kMinBlockSize: every block is a multiple of 512 B
 
 _DEVICE = torch.ops.prim.device.default
-HiddenBytes = Callable[[object, tuple], int]  # (aten op, its args) -> bytes allocated inside it
+HiddenBuffers = Callable[[object, tuple], list[int]]  # (aten op, its args) -> sizes of the buffers made inside it
 
 
 def _all_real(args, kwargs) -> bool:
@@ -43,7 +45,7 @@ def _all_real(args, kwargs) -> bool:
 class SimulatedMemory(LiveTensorTracker):
     """with fake_mode, SimulatedMemory(...) as memory: step(); memory.peak_bytes, memory.peak_phase."""
 
-    def __init__(self, granularity_bytes: int = 1, hidden: HiddenBytes | None = None):
+    def __init__(self, granularity_bytes: int = 1, hidden: HiddenBuffers | None = None):
         super().__init__(granularity_bytes=granularity_bytes)
         self.hidden = hidden
         self.phase = "forward"
@@ -65,8 +67,19 @@ class SimulatedMemory(LiveTensorTracker):
             return func(*args, **(kwargs or {}))
         peak = self.peak_bytes
         out = super().__torch_dispatch__(func, types, args, kwargs)
-        inside = self.hidden(func, args) if self.hidden is not None else 0
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes + inside)
+        inside = self.hidden(func, args) if self.hidden is not None else []
+        now = self.live_bytes + sum(self._rounded(n) for n in inside)
+        self.peak_bytes = max(self.peak_bytes, now)
         if self.peak_bytes > peak:
             self.peak_phase = self.phase
+        self.observe(func, now, inside)
         return out
+
+    def attached(self, model):
+        """A context the step on `model` runs in besides this mode (nothing here; the recorder of
+        instants.py watches StreamBP's chunks in it)."""
+        return nullcontext()
+
+    def observe(self, func, live_bytes: int, inside: list[int]) -> None:
+        """Called after every op with the op, the live bytes during it (its hidden buffers included)
+        and the sizes of those buffers; a subclass records them (instants.py)."""

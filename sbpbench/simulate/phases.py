@@ -3,7 +3,8 @@
 Hooks on the model's parts (core.adapters.resolve_parts: embedding, decoder layers, lm_head) and
 on the optimizer set `counter.phase`; they allocate nothing, so the count is unchanged. Labels:
 "forward", "embedding", "forward layer i", "head" (lm_head and loss, and their backward),
-"head chunk k" (StreamBP's k-th lm_head call), "backward layer i" (a layer's gradient has
+"head chunk k" (StreamBP's k-th lm_head call with grad), "head sums chunk k" (the k-th of the
+no-grad pass an objective of sequence sums takes first: DPO), "backward layer i" (a layer's gradient has
 arrived, or it is re-run after the head: checkpoint recompute, StreamBP), "backward embedding",
 "optimizer".
 """
@@ -22,6 +23,7 @@ class PhaseLabels:
         self.counter = counter  # anything with a writable `phase`
         self.chunked_head = chunked_head
         self.head_calls = 0
+        self._sums_calls = 0  # StreamBP's no-grad head pass (DPO's sequence sums)
 
     def _set(self, label: str) -> None:
         self.counter.phase = label
@@ -49,7 +51,13 @@ class PhaseLabels:
 
     def _head(self, module, stack: ExitStack) -> None:
         def before(module, args):
-            self._set(f"head chunk {self.head_calls}" if self.chunked_head else "head")
+            if not self.chunked_head:
+                self._set("head")
+            elif torch.is_grad_enabled():
+                self._set(f"head chunk {self.head_calls - self._sums_calls}")
+            else:
+                self._set(f"head sums chunk {self._sums_calls}")
+                self._sums_calls += 1
             self.head_calls += 1
 
         stack.callback(module.register_forward_pre_hook(before).remove)

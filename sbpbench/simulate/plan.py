@@ -1,181 +1,280 @@
-"""The planner behind `sbp plan`: the fastest checkpoint placement and chunk sizes that fit a GPU and
-a host, from the memory estimator (estimate.py, depth.py) and a time model from the FLOP count.
+"""The planner behind `sbp plan`: the fastest checkpoint placement and chunk size that fit a GPU and
+a host, from the time model (timing.py) and the memory estimator (estimate.py, length.py, depth.py).
 
-Time model (a ranking, not a measurement; its constants are assumptions stated here):
-- StreamBP executes about 4 forwards' worth of matmuls per step: the checkpoint pass, the chunked
-  forward with grad and the backward (2x), so 4/3 of the model FLOPs (measure/flops.py, whose count
-  is 3 forwards: PaLM's 6N per token plus attention);
-- recompute:K adds one more forward of the layers it rebuilds: (L - ceil(L/K)) of L layers;
-- the device computes ACHIEVED_FLOP_S (an H100 in bf16 at about 40% of its 989 TFLOP/s dense peak,
-  what attention-bound long-context steps reach);
-- cpu moves every kept input out and back over PCIe at PCIE_BYTES_S (Gen5 x16 in practice): each
-  copy out overlaps the next layer's forward, each copy back the current layer's backward; only
-  what a copy takes beyond the compute it overlaps is added, plus the first copy back, which
-  nothing overlaps. spill adds its rebuilt inputs' copies out (overlapping the rebuild) and back,
-  and a second copy back of each rebuilt segment's kept input;
-- the first step of a process also page-locks a host buffer per layer input the host holds at
-  HOST_REGISTER_BYTES_S (core/host_pool.py); later steps reuse them, so candidates rank by the
-  steady step and `first_step=True` adds it.
-Candidates run in order of predicted time through the estimator; the first that fits is the plan.
+Candidates are every placement x chunk size, fastest predicted first, decided in that order; the
+first that fits is the plan. What cannot fit is ruled out without a simulation where it can be:
+- for every chunk size of a placement: the host the checkpoint store would fill (its own count of
+  the layer inputs it holds there, `depth.store_counts`, the bytes the estimator reports), or the
+  device's resident bytes plus the layer inputs the store holds there at once;
+- a chunk size larger than one of the same placement that ran out of device memory (a larger chunk
+  needs at least as much);
+- from an estimate of another placement at the same chunk size whose peak is in the top layer's
+  backward (`_Bounds.by_estimates`): a cpu+recompute:K candidate has its spill twin, which holds
+  fewer layer inputs on the device at every instant, estimated first for that.
+The rest are estimated (estimate_point_by_depth, extrapolated from short runs).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 import torch
 from transformers import AutoModelForCausalLM
 
 from ..config import DTYPES, RunSpec
+from ..config.chunks import resolved_settings
 from ..core.placement import Placement
-from ..measure.flops import training_flops
+from ..methods.step import storage_bytes
 from ..models import apply_lora, load_config
 from ..records import ResultRow
-from .depth import estimate_point_by_depth
-from .estimate import host_peak_bytes
+from .depth import StoreCounts, estimate_point_by_depth, layer_input_bytes, store_counts
+from .estimate import (
+    CUDA_CONTEXT_BYTES,
+    FRAGMENTATION_FRACTION,
+    HOST_PROCESS_BYTES,
+    granularity_bytes,
+    host_peak_bytes,
+    margin_bytes,
+    unrun_step,
+)
+from .length import Note
+from .timing import Rates, StepTime, step_time, work
 
-ACHIEVED_FLOP_S = 400e12
-PCIE_BYTES_S = 25e9
-# cudaHostRegister of fresh pages (faulted in and pinned): page-locking "is itself expensive (~1-2
-# GB/s)" (openvm-org/stark-backend#384); 5-19 s for the 18 GiB of a Qwen3-8B cpu step at 64k (1.0-3.9
-# GB/s, the reading in issue 26). An assumption until a GPU row's host_register_s measures it.
-HOST_REGISTER_BYTES_S = 2e9
 RECOMPUTE_EVERY = (2, 3, 4, 6, 9, 12)  # K candidates
-CHUNK_SIZES = (500, 1000, 2000)  # layer chunks tried, the paper's 500 first (fewer chunks: fewer kernel launches)
+CHUNK_SIZES = (500, 1000, 2000)  # layer chunks tried (the paper's 500 the smallest)
+GIB = 2**30
 
 
 @dataclass(frozen=True)
 class Candidate:
     placement: Placement
     chunk_size: int
-    predicted_time_s: float
+    time: StepTime
+    counts: StoreCounts
+
+    @property
+    def predicted_time_s(self) -> float:
+        return self.time.total_s
 
 
 @dataclass
 class PlanOutcome:
     candidate: Candidate
-    row: ResultRow  # the estimator's row (status ok / oom / error)
+    row: ResultRow  # the estimator's row (status ok / oom / error), or a bound's (status oom, no peak)
+    bound: str = ""  # why it was dropped without a simulation
+    any_chunk: bool = False  # the bound holds for every chunk size of its placement
 
 
-def predicted_time_s(
-    spec: RunSpec,
-    placement: Placement,
-    *,
-    num_layers: int,
-    model_flops: float,
-    layer_bytes: int,
-    first_step: bool = False,
-) -> float:
-    """The time model above for one step (the process's first with first_step: host buffers are
-    registered then). layer_bytes: one layer input X_l (B x T x d x s)."""
-    if first_step:
-        register_s = placement.host_inputs(num_layers) * layer_bytes / HOST_REGISTER_BYTES_S
-        return register_s + predicted_time_s(
-            spec, placement, num_layers=num_layers, model_flops=model_flops, layer_bytes=layer_bytes
-        )
-    forward = model_flops / 3  # one forward of the whole model, attention included
-    layer_forward_s = forward / num_layers / ACHIEVED_FLOP_S
-    every = placement.recompute_every
-    kept = math.ceil(num_layers / every)
-    compute = (4 * forward + forward * (num_layers - kept) / num_layers) / ACHIEVED_FLOP_S
-    if not placement.offload:
-        return compute
-    spilled = refetched = 0
-    if placement.spill:  # segment [s, top]: X_{s+1} .. X_{top-2} spilled; X_s dropped, back twice, if top > s + 1
-        heights = [min(every, num_layers - s) - 1 for s in range(0, num_layers, every)]  # top - s
-        spilled = sum(max(0, h - 2) for h in heights)
-        refetched = sum(h >= 2 for h in heights)
-    copy_s = layer_bytes / PCIE_BYTES_S
-    exposed_out = (kept + spilled) * max(0.0, copy_s - layer_forward_s)
-    exposed_back = (kept + spilled + refetched - 1) * max(0.0, copy_s - 3 * layer_forward_s) + copy_s
-    return compute + exposed_out + exposed_back
+def meta_model(point: RunSpec | ResultRow) -> torch.nn.Module:
+    """A point's model (a spec's, or a results row's: depth, dtype, LoRA) on the meta device: shapes
+    for the work, no memory."""
+    overrides = {"num_hidden_layers": point.num_layers} if point.num_layers else {}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(load_config(point.model, **overrides), dtype=DTYPES[point.dtype])
+    return apply_lora(model, rank=point.lora_rank, alpha=point.lora_alpha) if point.lora_rank else model
 
 
-def candidates(spec: RunSpec, *, num_layers: int, model_flops: float, layer_bytes: int) -> list[Candidate]:
-    """Every placement x chunk size, fastest predicted first (ties: the larger chunk, fewer launches)."""
-    placements = [Placement(), Placement(offload=True)]
+def placements(num_layers: int) -> list[Placement]:
+    found = [Placement(), Placement(offload=True)]
     for k in RECOMPUTE_EVERY:
         if k < num_layers:
-            placements += [Placement(recompute_every=k), Placement(offload=True, recompute_every=k)]
+            found += [Placement(recompute_every=k), Placement(offload=True, recompute_every=k)]
             if k > 3:  # below 4 a segment has nothing to spill
-                placements.append(Placement(offload=True, recompute_every=k, spill=True))
-    found = [
-        Candidate(
-            p, c, predicted_time_s(spec, p, num_layers=num_layers, model_flops=model_flops, layer_bytes=layer_bytes)
-        )
-        for p in placements
-        for c in CHUNK_SIZES
-        if c <= spec.seq_len or c == CHUNK_SIZES[0]
-    ]
+                found.append(Placement(offload=True, recompute_every=k, spill=True))
+    return found
+
+
+def candidates(spec: RunSpec, model: torch.nn.Module, rates: Rates) -> list[Candidate]:
+    """Every placement x chunk size, fastest predicted first (ties: the larger chunk)."""
+    num_layers = model.config.num_hidden_layers
+    layer_input = layer_input_bytes(spec)
+    found = []
+    for placement in placements(num_layers):
+        counts = store_counts(placement, num_layers)
+        kept = -(-num_layers // placement.recompute_every)  # copied out in the checkpoint pass when offloaded
+        for chunk in CHUNK_SIZES:
+            if chunk > spec.seq_len and chunk != CHUNK_SIZES[0]:
+                continue
+            step = work(
+                model,
+                method="streambp",
+                batch_size=spec.batch_size,
+                seq_len=spec.seq_len,
+                placement=placement,
+                chunk_size=chunk,
+                logits_chunk_size=spec.settings.logits_chunk_size,
+            )
+            copies_out = kept if placement.offload else 0
+            time = step_time(
+                step,
+                rates,
+                layer_input_bytes=layer_input,
+                copies_out=copies_out,
+                copies_back=counts.transfers - copies_out,
+                pinned_bytes=counts.max_host_inputs * layer_input,
+            )
+            found.append(Candidate(placement, chunk, time, counts))
     return sorted(found, key=lambda c: (c.predicted_time_s, -c.chunk_size))
 
 
 def plan(
-    spec: RunSpec, *, gpu_memory_bytes: int, host_memory_bytes: int, max_estimates: int = 12
+    spec: RunSpec,
+    *,
+    gpu_memory_bytes: int,
+    host_memory_bytes: int,
+    rates: Rates | None = None,
+    note: Note | None = None,
+    max_estimates: int = 12,
 ) -> tuple[PlanOutcome | None, list[PlanOutcome]]:
-    """(the fastest fitting candidate or None, every candidate estimated on the way). spec: a
-    streambp point; its placement and chunk size are what the planner chooses."""
-    model = _meta_model(spec)
-    num_layers = model.config.num_hidden_layers
-    layer_bytes = spec.batch_size * spec.seq_len * model.config.hidden_size * DTYPES[spec.dtype].itemsize
-    flops = training_flops(model, batch_size=spec.batch_size, seq_len=spec.seq_len)
-    tried: list[PlanOutcome] = []
-    for candidate in candidates(spec, num_layers=num_layers, model_flops=flops, layer_bytes=layer_bytes):
-        if len(tried) >= max_estimates:
-            break
-        if _dominated(candidate, tried):
-            continue
+    """(the fastest candidate that fits, or None; every candidate decided on the way, by a bound or
+    an estimate). spec: a streambp point; its placement and chunk size are what the planner picks."""
+    rates = rates or Rates()
+    spec = replace(spec, settings=resolved_settings(spec))  # the logits chunk the rule gives, if left to it
+    model = meta_model(spec)
+    found = candidates(spec, model, rates)
+    bounds = _Bounds(spec, gpu_memory_bytes, host_memory_bytes, model.config.num_hidden_layers)
+    decided: dict[tuple[Placement, int], PlanOutcome] = {}
+
+    def estimate(candidate: Candidate) -> PlanOutcome:
+        if note:
+            note(f"{candidate.placement.name} --chunk-size {candidate.chunk_size}: estimating")
         settings = replace(spec.settings, checkpoints=candidate.placement.name, chunk_size=candidate.chunk_size)
         row = estimate_point_by_depth(
             replace(spec, settings=settings),
             target="cuda",
             gpu_memory_bytes=gpu_memory_bytes,
             host_memory_bytes=host_memory_bytes,
+            note=note,
         )
-        outcome = PlanOutcome(candidate, row)
-        tried.append(outcome)
-        if row.status == "ok":
-            return outcome, tried
-    return None, tried
+        if note:
+            note(f"{candidate.placement.name} --chunk-size {candidate.chunk_size}: {row.status} {row.error}".rstrip())
+        return PlanOutcome(candidate, row)
+
+    for candidate in found:
+        key = (candidate.placement, candidate.chunk_size)
+        if key not in decided and not _dominated(candidate, decided.values()):
+            twin = _spill_twin(candidate, found)
+            if twin is not None and (twin.placement, twin.chunk_size) not in decided and not bounds.refuses(twin):
+                decided[twin.placement, twin.chunk_size] = estimate(twin)  # holds less: it bounds this one
+            placement_bound = bounds.refuses(candidate)
+            why = placement_bound or bounds.by_estimates(candidate, decided.values())
+            if why:
+                decided[key] = PlanOutcome(candidate, bounds.row(candidate, why), why, bool(placement_bound))
+            elif sum(not o.bound for o in decided.values()) >= max_estimates:
+                break
+            else:
+                decided[key] = estimate(candidate)
+        if key in decided and decided[key].row.status == "ok":  # the fastest left: those before it did not fit
+            return decided[key], list(decided.values())
+    return None, list(decided.values())
 
 
-def _meta_model(spec: RunSpec) -> torch.nn.Module:
-    """The point's model (depth, LoRA) on the meta device: shapes for the FLOP count, no memory."""
-    overrides = {"num_hidden_layers": spec.num_layers} if spec.num_layers else {}
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(load_config(spec.model, **overrides), dtype=DTYPES[spec.dtype])
-    return apply_lora(model, rank=spec.lora_rank, alpha=spec.lora_alpha) if spec.lora_rank else model
+def _spill_of(placement: Placement) -> Placement | None:
+    """cpu+recompute:K+spill for cpu+recompute:K (K >= 4, with something to spill), else None: it
+    holds no more layer inputs on the device at any instant (at most two)."""
+    if not placement.offload or placement.spill or placement.recompute_every < 4:
+        return None
+    return replace(placement, spill=True)
 
 
-def _dominated(candidate: Candidate, tried: list[PlanOutcome]) -> bool:
-    """Skip what cannot fit: the same placement with a smaller chunk already ran out of device
-    memory (a larger chunk needs at least as much), or the host was already too small for a
-    placement that keeps at least as many inputs there."""
-    for outcome in tried:
-        if outcome.row.status != "oom":
-            continue
+def _spill_twin(candidate: Candidate, found: list[Candidate]) -> Candidate | None:
+    """The candidate's spill twin (`_spill_of`, same chunk), estimated first: where it does not fit
+    neither does the candidate, and where it fits, its top layer's peak bounds the candidate's
+    (`_Bounds.by_estimates`)."""
+    spill = _spill_of(candidate.placement)
+    return next((c for c in found if c.placement == spill and c.chunk_size == candidate.chunk_size), None)
+
+
+def _dominated(candidate: Candidate, decided) -> bool:
+    """Cannot fit: its placement was ruled out by a bound that holds for any chunk size, or a chunk no
+    larger of the same placement ran out of device memory (a larger one needs at least as much)."""
+    for outcome in decided:
         done = outcome.candidate
-        host_short = outcome.row.error.startswith("host")
-        offloads = done.placement.offload and candidate.placement.offload
-        layers = outcome.row.num_layers
-        if host_short and offloads and candidate.placement.host_inputs(layers) >= done.placement.host_inputs(layers):
+        if done.placement != candidate.placement or outcome.row.status != "oom":
+            continue
+        if outcome.any_chunk:
             return True
-        if not host_short and done.placement == candidate.placement and candidate.chunk_size >= done.chunk_size:
+        if not outcome.row.error.startswith("host") and done.chunk_size <= candidate.chunk_size:
             return True
     return False
 
 
-def describe(outcome: PlanOutcome) -> dict:
-    """The numbers `sbp plan` prints for one estimated candidate."""
+class _Bounds:
+    """What rules a candidate out without simulating it (module docstring)."""
+
+    def __init__(self, spec: RunSpec, gpu_memory_bytes: int, host_memory_bytes: int, num_layers: int):
+        self.spec, self.gpu, self.host = spec, gpu_memory_bytes, host_memory_bytes
+        self.top_layer = f"backward layer {num_layers - 1}"
+        step = unrun_step(spec, "cuda")
+        granularity = granularity_bytes("cuda")
+        self.baseline = storage_bytes(step.resident_tensors(), granularity)
+        self.layer_input = layer_input_bytes(spec)
+        self.device_input = -(-self.layer_input // granularity) * granularity
+
+    def refuses(self, candidate: Candidate) -> str:
+        """Why no chunk size of the candidate's placement fits, from the store's counts alone."""
+        host = HOST_PROCESS_BYTES + candidate.counts.max_host_inputs * self.layer_input
+        if host > self.host:
+            return f"host: needs {host / GIB:.2f} GiB (pinned checkpoints + process) of {self.host / GIB:.2f} GiB"
+        inputs = candidate.counts.max_device_inputs * self.device_input
+        device = self.baseline + inputs + CUDA_CONTEXT_BYTES + round(FRAGMENTATION_FRACTION * inputs)
+        if device > self.gpu:
+            return (
+                f"needs over {device / GIB:.2f} GiB: resident {self.baseline / GIB:.2f} GiB and "
+                f"{candidate.counts.max_device_inputs} layer inputs at once, of {self.gpu / GIB:.2f} GiB"
+            )
+        return ""
+
+    def by_estimates(self, candidate: Candidate, decided) -> str:
+        """Why the candidate does not fit, from an estimate of its chunk size whose peak is in the top
+        layer's backward: there every placement runs the same ops and holds the same besides its
+        layer inputs on the device (the store's count then, `top_device_inputs`), so the candidate's
+        value at that instant is the estimate's with the difference in layer inputs; a lower bound
+        of its peak. A spill twin that does not fit bounds it too (it holds no more at any instant)."""
+        for outcome in decided:
+            done, row = outcome.candidate, outcome.row
+            if done.chunk_size != candidate.chunk_size or outcome.bound or row.peak_allocated_bytes is None:
+                continue
+            if (
+                done.placement == _spill_of(candidate.placement)
+                and row.status == "oom"
+                and not row.error.startswith("host")
+            ):
+                return f"its spill twin ({done.placement.name}) does not fit: {row.error}"
+            if row.peak_phase != self.top_layer:
+                continue
+            more = (candidate.counts.top_device_inputs - done.counts.top_device_inputs) * self.device_input
+            peak = row.peak_allocated_bytes + more
+            need = peak + margin_bytes(peak - self.baseline)
+            if need > self.gpu:
+                return (
+                    f"needs over {need / GIB:.2f} GiB: {done.placement.name}'s top layer (estimated) with "
+                    f"{candidate.counts.top_device_inputs} layer inputs on the device, of {self.gpu / GIB:.2f} GiB"
+                )
+        return ""
+
+    def row(self, candidate: Candidate, why: str) -> ResultRow:
+        row = ResultRow(model=self.spec.model, method="streambp", seq_len=self.spec.seq_len, source="simulated")
+        row.checkpoints, row.chunk_size = candidate.placement.name, candidate.chunk_size
+        row.logits_chunk_size = self.spec.settings.logits_chunk_size
+        row.status, row.error = "oom", why
+        row.host_pinned_peak_bytes = candidate.counts.max_host_inputs * self.layer_input
+        return row
+
+
+def describe(outcome: PlanOutcome, tokens: int) -> dict:
+    """The numbers `sbp plan` prints for one decided candidate (tokens: B x T, for tokens/s)."""
     row = outcome.row
+    time = outcome.candidate.time
     return {
         "checkpoints": outcome.candidate.placement.name,
         "chunk_size": outcome.candidate.chunk_size,
         "logits_chunk_size": row.logits_chunk_size,
         "status": row.status,
-        "device_bytes": (row.peak_allocated_bytes or 0) + (row.margin_bytes or 0),
+        "device_bytes": None if outcome.bound else (row.peak_allocated_bytes or 0) + (row.margin_bytes or 0),
         "host_bytes": host_peak_bytes(row),
-        "predicted_time_s": outcome.candidate.predicted_time_s,
+        "predicted_time_s": time.total_s,
+        "tokens_per_s": tokens / time.total_s,
+        "first_step_pinning_s": time.first_step_pinning_s,
         "error": row.error,
     }

@@ -10,7 +10,8 @@ activations, which depend on the rank's batch only. So, per rank:
       forward, HF head, embedding:  the root unit (embedding, final norm, lm_head: gathered from the
                                     first forward to the end of backward, core/grad_sync.py) and one
                                     decoder layer's unsharded parameters
-      StreamBP head chunks:         the root unit and its unsharded gradients (lm_head's)
+      StreamBP head chunks (both     the root unit and its unsharded gradients (lm_head's)
+      of DPO's passes):
       backward layer i / embedding: the root unit and its unsharded gradients, one layer's unsharded
                                     parameters and its unsharded gradients (its reduce-scatter comes
                                     after its chunks' activations are freed)
@@ -81,7 +82,7 @@ class ShardedTerms:
         """What FSDP2 holds gathered beyond the shards at a phase of the step (module docstring)."""
         if phase.startswith("backward"):
             return self.root_bytes + self.root_grad_bytes + self.layer_bytes + self.layer_grad_bytes
-        if phase.startswith("head chunk"):
+        if phase.startswith(("head chunk", "head sums chunk")):
             return self.root_bytes + self.root_grad_bytes
         if phase == "optimizer":
             return 0
