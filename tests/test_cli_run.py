@@ -188,3 +188,4 @@ def test_a_memory_limit_above_the_machine_runs_capped_at_its_ram_with_a_notice(t
     assert row["memory_limit_effective_bytes"] == str(total_ram_bytes())
     notices = [line for line in done.stderr.splitlines() if line.startswith("notice:")]
     assert len(notices) == 1 and "this machine's RAM" in notices[0], done.stderr
+    assert f"(ran at {total_ram_bytes() / 2**30:.2f})" in done.stdout  # the table's title says the cap it ran at

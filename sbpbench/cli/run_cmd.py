@@ -63,6 +63,9 @@ def run(settings: dict, methods: tuple[str, ...], out: OutOpt = None) -> None:
         raise typer.Exit(130) from None
     first = rows[0]
     limit = f", limit {first.memory_limit_bytes / 2**30:.2f} GiB" if first.memory_limit_bytes else ""
+    effective = first.memory_limit_effective_bytes
+    if limit and effective and effective != first.memory_limit_bytes:  # a cap above the device ran at its capacity
+        limit += f" (ran at {effective / 2**30:.2f})"
     threads = f", {first.num_threads} thread(s)" if first.num_threads else ""
     point, notes = point_title(rows)
     title = f"{point}{limit}\n{first.device_name} ({first.memory_source}{threads})"
