@@ -14,7 +14,7 @@ from sbpbench.cli import app
 from sbpbench.config import MaxlenSpec, RunSpec
 from sbpbench.core.attention import ChunkState, KVBuffer
 from sbpbench.methods import MethodSettings
-from sbpbench.records import read_rows
+from sbpbench.records import decode_row, read_rows, upsert_rows
 from sbpbench.simulate import estimate, estimate_point
 from sbpbench.simulate.depth import estimate_point_by_depth
 from sbpbench.simulate.instants import FIRST, chunk_of
@@ -208,3 +208,27 @@ def test_simulated_max_length_is_bracketed_by_full_runs(tmp_path):
     for seq_len, status in ((fits, "ok"), (oom, "oom")):
         spec = _spec("tiny/qwen3", "streambp", seq_len)
         assert estimate_point(spec, gpu_memory_bytes=budget).status == status, seq_len
+
+
+@pytest.mark.slow
+def test_a_simulated_search_without_resume_ignores_stale_probes_in_its_csv(tmp_path):
+    """`sbp maxlen --simulate --no-resume` on a CSV holding another run's contradicting probe (an
+    OOM below the answer) searches from its own probes only: its second pass reuses the first
+    pass's probes, not the file's (it stopped with "cached probes are not monotone")."""
+    out = tmp_path / "maxlen.csv"
+    args = ["maxlen", "--simulate", "--model", "tiny/qwen3", "--method", "streambp", "--num-layers", "2"]
+    args += ["--chunk-size", "48", "--logits-chunk-size", "32", "--dtype", "bf16", "--gpu-memory", "772.5MiB"]
+    args += ["--start", "256", "--max-seq", "8192", "--resolution", "10%", "--out", str(out)]
+    first = CliRunner().invoke(app, args)
+    assert first.exit_code == 0, first.output
+    (answer,) = [row for row in read_rows(out) if row["kind"] == "maxlen"]
+    fits = int(answer["max_seq_len"])
+    # a stale probe from another code version: the shortest length above 256 of the search's grid, oom
+    rows = read_rows(out)
+    stale = next(r for r in rows if r["kind"] == "point" and r["status"] == "ok" and 256 < int(r["seq_len"]) < fits)
+    stale |= {"status": "oom", "seq_len": str(int(stale["seq_len"]) - 8)}
+    upsert_rows(out, [decode_row(stale)])
+    again = CliRunner().invoke(app, [*args, "--no-resume"])
+    assert again.exit_code == 0, again.output
+    (answer,) = [row for row in read_rows(out) if row["kind"] == "maxlen"]
+    assert int(answer["max_seq_len"]) == fits

@@ -133,15 +133,18 @@ def maxlen(
             for search_spec in searches:
                 progress.start(f"{search_spec.method}: searching")
 
+                probed: dict[int, ResultRow] = {}  # this run's probes, by length
+
                 def told(row: ResultRow, search_spec=search_spec) -> None:
+                    probed[row.seq_len] = row
                     progress.note(f"{search_spec.method}: probe {point_line(row)}")
 
                 try:
                     if simulate and not exact:  # first the lengths whose probes share their short runs
                         coarse = replace(search_spec, multiple_of=shared_multiple(search_spec))
                         find_max_len(coarse, out, resume=resume, on_probe=told, **probing)
-                    again = simulate and not exact  # then the rest of the bracket, from those probes
-                    answer = find_max_len(search_spec, out, resume=resume or again, on_probe=told, **probing)
+                    # then the rest of the bracket, from those probes (and, resuming, the CSV's)
+                    answer = find_max_len(search_spec, out, resume=resume, known=probed, on_probe=told, **probing)
                 except ProbeFailed as error:
                     console.print(f"[red]{escape(str(error))}[/]; probes so far are in {out}", highlight=False)
                     raise typer.Exit(1) from None

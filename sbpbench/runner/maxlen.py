@@ -11,7 +11,7 @@ message says to rerun with a larger --timeout, and the probes so far are kept fo
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import datetime, timezone
 
 from ..config import MaxlenSpec, RunSpec
@@ -97,13 +97,17 @@ def find_max_len(
     device_name: str | None = None,
     source: str = "measured",
     resume: bool = True,
+    known: Mapping[int, ResultRow] | None = None,
     on_probe: Callable[[ResultRow], None] | None = None,
 ) -> ResultRow:
     """Search, probing through `measure` (a real isolated run, or a simulation), and upsert the
-    probes and the answer row to `out`. on_probe(row) sees each probe that ran (not cached ones)."""
+    probes and the answer row to `out`. known: probe rows of this search by length, taken as
+    answered whether or not `resume` reads the CSV (a first pass's probes). on_probe(row) sees
+    each probe that ran (not cached or known ones)."""
     env = env or capture_environment(search.base.device)
     device_name = device_name if device_name is not None else env.device_name
     rows = cached_probes(search, out, device_name=device_name, source=source) if resume else {}
+    rows |= known or {}
     cached = {seq_len: probe_answer(row.as_dict()) for seq_len, row in rows.items()}
 
     def probe(seq_len: int) -> bool:
