@@ -92,7 +92,7 @@ def test_a_method_holds_only_the_settings_it_reads():
     [
         ({"seq_len": 1}, "seq_len", "at least 2"),
         ({"batch_size": 3, "objective": "dpo"}, "batch_size", "even"),
-        ({"chunk_size": 0}, "chunk_size", ">= 1 or \"auto\""),
+        ({"chunk_size": 0}, "chunk_size", '>= 1 or "auto"'),
         ({"chunk_size": "half"}, "chunk_size", "T/3"),
         ({"memory_limit": "lots"}, "memory_limit", "cannot read the size"),
         ({"objective": "ppo"}, "objective", "sft, grpo, dpo"),

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from ..settings import AUTO, CHUNK_SETTINGS, SETTINGS  # CHUNK_SETTINGS: those that may be AUTO
+from ..settings import SETTINGS
 
 PAPER_CHUNK: int = SETTINGS["chunk_size"].default  # the paper's layer chunk at T = 9000 for max length (appendix D)
 LAYER_CHUNK_MAX = 4096  # sums' traffic ~5% of a chunk's matmul time (module docstring)

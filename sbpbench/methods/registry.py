@@ -53,9 +53,7 @@ METHODS: dict[str, Method] = {
         data_parallel=True,
     ),
     # peers: what users reach for instead (issue 16)
-    "ckpt-offload": Method(
-        ckpt_offload, "ckpt with the layer checkpoints in host memory (transformers' offload=True)"
-    ),
+    "ckpt-offload": Method(ckpt_offload, "ckpt with the layer checkpoints in host memory (transformers' offload=True)"),
     "ckpt-chunked-ce": Method(
         ckpt_chunked_ce,
         "ckpt + a chunked linear+loss head recomputed in backward (no B x T x V logits)",

@@ -119,9 +119,7 @@ SETTINGS: dict[str, Setting] = {
     ),
     "timeout_s": Setting((int, float), "Seconds per point (default: from its FLOPs).", flags=("--timeout",)),
     "seed": Setting(int, "Seed for weights and batch (default: 0).", default=0, minimum=0),
-    "threads": Setting(
-        int, "torch threads per point (default: OMP_NUM_THREADS, else the physical cores).", minimum=1
-    ),
+    "threads": Setting(int, "torch threads per point (default: OMP_NUM_THREADS, else the physical cores).", minimum=1),
     "nproc": Setting(
         int,
         "Data-parallel ranks, the model sharded by FSDP2: gloo on cpu, a GPU each on cuda (default: 1).",
