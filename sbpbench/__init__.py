@@ -6,7 +6,7 @@ module or function level. A module that needs a back-edge is in the wrong packag
 import this root module (it runs before any of them anyway); `sbpbench` here is the root itself
 and __main__.py.
 
-    settings: every setting a user can give (name, type, choices, help, flag), ConfigError; torch-free -> nothing
+    settings: every setting a user can give (type, default, check, help, flag, which methods read it), ConfigError; torch-free -> nothing
     core: exact StreamBP (layer-wise backward, chunked LM head, objectives) -> nothing
     measure: memory, time and FLOPs of a step, and the environment it ran in -> nothing
     records: the results schema, its CSV files, and reading their rows (select.py) -> measure, settings

@@ -1,5 +1,5 @@
 """Run configuration: the typed specs every command, experiment file and Python caller builds
-(RunSpec, MaxlenSpec), their defaults and checks, device resolution, experiment files, and the
+(RunSpec, MaxlenSpec) with the settings table's defaults and checks, device resolution, experiment files, and the
 model and batch a spec describes."""
 
 from ..settings import ConfigError

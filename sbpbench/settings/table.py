@@ -7,9 +7,10 @@ in the table's order: the point, how it is measured, the methods' knobs, a searc
 of experiment files (config/experiment.py), the generic checks and the defaults of the specs
 (config/run.py RunSpec, config/maxlen.py MaxlenSpec), MethodSettings and which knobs each method
 reads (methods/settings.py, methods/registry.py), and the method-setting columns of the results
-(records/schema.py). Adding a setting: one entry here, its field on the spec that holds it (RunSpec
-or MaxlenSpec; a method's knob needs none), and its test; tests/test_settings.py checks that the
-names agree and that no module outside this package writes a list of setting names by hand.
+(records/schema.py). Adding a setting is one entry here plus its test (docs/settings.md walks
+through one); a setting the runner reads, not a method, also has its typed field on RunSpec (or
+MaxlenSpec) defaulting to `default_of(name)`. tests/test_settings.py checks that the names agree
+and that no module outside this package writes a list of setting names by hand.
 """
 
 from __future__ import annotations
