@@ -6,10 +6,10 @@ module or function level. A module that needs a back-edge is in the wrong packag
 import this root module (it runs before any of them anyway); `sbpbench` here is the root itself
 and __main__.py.
 
-    settings: every setting a user can give (name, type, choices, help, flag), ConfigError; torch-free -> nothing
+    settings: every setting a user can give (type, default, check, help, flag, which methods read it), ConfigError; torch-free -> nothing
     core: exact StreamBP (layer-wise backward, chunked LM head, objectives) -> nothing
     measure: memory, time and FLOPs of a step, and the environment it ran in -> nothing
-    records: the results schema, its CSV files, and reading their rows (select.py) -> measure
+    records: the results schema, its CSV files, and reading their rows (select.py) -> measure, settings
     models: named model shapes (shipped configs), local checkpoints and Hub ids, building them, LoRA -> core
     data: synthetic batches per objective (of core: objective types, label constants) -> core, settings
     methods: the compared methods by name, the training step, exactness checks -> core, data, models, settings
@@ -17,7 +17,7 @@ and __main__.py.
     runner: points measured in own processes, sweeps, max-T search -> config, methods, measure, records, models, data
     simulate: peak memory predicted under fake tensors -> config, methods, measure, records, models, data, core
     report: the results table beside the paper's numbers, as Markdown -> records, measure
-    plot: figures of a results table -> records, measure
+    plot: figures of a results table -> records, measure, settings
     cli: the `sbp` commands (each imports torch's side inside its function) -> settings, config, runner, simulate, report, plot, records, measure, models
     integrations: StreamBP trainers for transformers and TRL (nothing of ours imports it but tests) -> core
     sbpbench: the version, this map, `python -m sbpbench` -> cli

@@ -72,7 +72,7 @@ def test_rerun_replaces_the_point_and_memory_limit_gives_an_oom_row(tmp_path):
         (["--method", "bp", "bogus"], "unknown --method 'bogus'"),
         (["--seq", "0"], "--seq must be at least 2"),
         (["--seq", "1"], "--seq must be at least 2"),
-        (["--chunk-size", "0"], "error: invalid input: --chunk-size must be a positive integer"),
+        (["--chunk-size", "0"], 'error: invalid input: --chunk-size must be an integer >= 1 or "auto", got 0'),
         (["--logits-chunk-size", "-3"], "logits-chunk-size"),
         (["--device", "cuda"], "no CUDA GPU"),
         (["--memory-limit", "lots"], "80GiB"),

@@ -10,13 +10,7 @@ from sbpbench.cli.options import FLAGS
 from sbpbench.config import FIELD_NAMES, ConfigError, MaxlenSpec, RunSpec, point_specs
 from sbpbench.config.experiment import POINT_KEYS
 
-# Frozen on purpose: a new option or key is a deliberate change to this list and to the README.
-EXPECTED_FIELDS = (
-    "model", "method", "seq_len", "batch_size", "objective", "prompt_len", "lora_rank", "lora_alpha", "step",
-    "dtype", "device", "num_layers", "protocol", "warmup", "repeats", "memory_limit", "seed", "timeout_s",
-    "threads", "nproc", "weights", "sdpa_backend", "chunk_size", "logits_chunk_size", "fp32_grad_accumulation", "mlp_tile_size", "offload_checkpoints",
-    "checkpoints",
-)  # fmt: skip
+# Frozen on purpose: the user-facing surface (DESIGN.md); a new option is a deliberate change here.
 EXPECTED_OPTIONS = {
     "run": {
         "--method", "--model", "--weights", "--seq", "--batch", "--objective", "--prompt-len", "--lora-rank",
@@ -60,11 +54,6 @@ def _flags(command_name: str) -> set[str]:
     return flags
 
 
-def test_the_setting_names_are_frozen():
-    """RunSpec + MethodSettings fields are the one list of setting names; changing it is deliberate."""
-    assert FIELD_NAMES == EXPECTED_FIELDS
-
-
 @pytest.mark.parametrize("command", sorted(EXPECTED_OPTIONS))
 def test_each_command_has_exactly_its_frozen_options(command):
     """Every point command's flags, so that a new option is a deliberate change."""
@@ -103,7 +92,7 @@ def test_a_method_holds_only_the_settings_it_reads():
     [
         ({"seq_len": 1}, "seq_len", "at least 2"),
         ({"batch_size": 3, "objective": "dpo"}, "batch_size", "even"),
-        ({"chunk_size": 0}, "chunk_size", "positive"),
+        ({"chunk_size": 0}, "chunk_size", '>= 1 or "auto"'),
         ({"chunk_size": "half"}, "chunk_size", "T/3"),
         ({"memory_limit": "lots"}, "memory_limit", "cannot read the size"),
         ({"objective": "ppo"}, "objective", "sft, grpo, dpo"),

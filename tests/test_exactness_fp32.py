@@ -49,7 +49,7 @@ def _wrong_element(params, relative=1e-4):
 @pytest.fixture
 def stand_ins(monkeypatch):
     for name, change in (("noisy", _rounding_noise), ("wrong", _wrong_element)):
-        monkeypatch.setitem(METHODS, name, Method(_bp_then(change), (), "test stand-in"))
+        monkeypatch.setitem(METHODS, name, Method(_bp_then(change), "test stand-in"))
 
 
 def _model_and_batch():
@@ -99,7 +99,7 @@ def _scaled_everywhere(model, batch, settings):
 def test_wrong_fp64_reference_is_caught(monkeypatch):
     """A broken reference method cannot make every method pass: bp's own fp32 step, judged
     against it, fails the sanity bound."""
-    monkeypatch.setitem(METHODS, "scaled", Method(_scaled_everywhere, (), "test stand-in"))
+    monkeypatch.setitem(METHODS, "scaled", Method(_scaled_everywhere, "test stand-in"))
     model, batch = _model_and_batch()
     results = judge_against_fp64(model, batch, ["streambp"], SETTINGS, reference_method="scaled")
     assert not results[0].ok

@@ -1,23 +1,40 @@
 """The settings table (sbpbench/settings) is the one torch-free declaration of every setting: its
-choices are the registries' names and its names are the specs' fields."""
+choices are the registries' names, its names the specs' fields, and every list of settings is
+derived from it (a scan of the source fails on one written out by hand)."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+import textwrap
 from dataclasses import fields
+from pathlib import Path
 
-from sbpbench.config import DTYPES, FIELD_NAMES, MaxlenSpec
+import pytest
+
+import sbpbench
+from sbpbench.config import DTYPES, FIELD_NAMES, MaxlenSpec, RunSpec
+from sbpbench.core import DEFAULT_CHUNK_SIZE, DEFAULT_LOGITS_CHUNK_SIZE
 from sbpbench.data import OBJECTIVES
-from sbpbench.methods import METHODS, STEPS
+from sbpbench.methods import METHODS, STEPS, MethodSettings
+from sbpbench.methods.settings import DEFAULTS
+from sbpbench.records.schema import COLUMNS, METHOD_SETTING_COLUMNS
 from sbpbench.settings import (
+    AUTO,
     DTYPE_NAMES,
     EVERY_METHOD,
+    METHOD_KNOBS,
     METHOD_NAMES,
     POINT_SETTINGS,
     PROTOCOLS,
     SEARCH_SETTINGS,
     SETTINGS,
+    ConfigError,
+    Setting,
+    check,
+    default_of,
+    knobs_read_by,
 )
 from sbpbench.settings import OBJECTIVES as SETTING_OBJECTIVES
 from sbpbench.settings import STEPS as SETTING_STEPS
@@ -36,8 +53,64 @@ def test_choices_are_the_registries_names():
 def test_every_spec_field_has_one_entry():
     """The point settings are RunSpec's fields with MethodSettings' in place of `settings`; the
     search settings are MaxlenSpec's own fields (besides its base point)."""
-    assert set(POINT_SETTINGS) == set(FIELD_NAMES) and len(POINT_SETTINGS) == len(FIELD_NAMES)
+    spec_fields = [f.name for f in fields(RunSpec) if f.name != "settings"] + [f.name for f in fields(MethodSettings)]
+    assert sorted(spec_fields) == sorted(POINT_SETTINGS) and FIELD_NAMES == POINT_SETTINGS
     assert set(SEARCH_SETTINGS) == {f.name for f in fields(MaxlenSpec)} - {"base"}
+
+
+def test_derived_lists_are_the_table():
+    """MethodSettings' fields and DEFAULTS, the results' method-setting columns (one run of them, in
+    the row) and each method's knobs are the table's method knobs and their `read_by`."""
+    assert tuple(f.name for f in fields(MethodSettings)) == METHOD_KNOBS == METHOD_SETTING_COLUMNS
+    assert DEFAULTS == {name: SETTINGS[name].default for name in METHOD_KNOBS}
+    start = COLUMNS.index(METHOD_KNOBS[0])
+    assert COLUMNS[start : start + len(METHOD_KNOBS)] == METHOD_KNOBS
+    assert {reader for name in METHOD_KNOBS for reader in SETTINGS[name].read_by} <= set(METHODS)
+    assert knobs_read_by("tiled") == ("logits_chunk_size", "mlp_tile_size", "offload_checkpoints")
+    assert knobs_read_by("bp") == ()
+
+
+def test_core_defaults_are_the_tables():
+    """core's chunk defaults (a library of its own: it imports nothing of ours) equal the table's."""
+    assert DEFAULT_CHUNK_SIZE == SETTINGS["chunk_size"].default
+    assert DEFAULT_LOGITS_CHUNK_SIZE == SETTINGS["logits_chunk_size"].default
+
+
+def _spoken(value) -> str | None:
+    """A default as a help text says it (None: nothing to say)."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return "on"
+    return " ".join(value) if isinstance(value, tuple) else str(value)
+
+
+def test_each_help_says_its_default():
+    """A setting's help names its default (a point's: "auto" where chosen per point), per device and
+    per objective where it has those, so the help cannot drift from the value."""
+    for name, setting in SETTINGS.items():
+        point_default = AUTO if setting.auto else setting.default
+        for value in (point_default, *setting.by_device.values(), *setting.by_objective.values()):
+            said = _spoken(value)
+            assert said is None or said in setting.help, f"{name}'s help does not say its default {said}"
+
+
+def test_a_declared_check_applies_to_any_setting(monkeypatch):
+    """`check` enforces what an entry declares (choices, an integer minimum, a bool), so a new
+    setting is checked without code of its own."""
+    monkeypatch.setitem(SETTINGS, "toy_count", Setting(int, "Toys (default: 3).", default=3, minimum=2))
+    monkeypatch.setitem(SETTINGS, "toy_color", Setting(str, "Color (default: red).", ("red", "blue"), default="red"))
+    check("toy_count", 2)
+    check("toy_color", "blue")
+    with pytest.raises(ConfigError, match="toy_count must be at least 2, got 1"):
+        check("toy_count", 1)
+    with pytest.raises(ConfigError, match="toy_count must be an integer >= 2, got True"):
+        check("toy_count", True)
+    with pytest.raises(ConfigError, match="unknown toy_color 'green'; choose from red, blue"):
+        check("toy_color", "green")
+    with pytest.raises(ConfigError, match="lora_alpha must be at least 1"):
+        RunSpec(model="tiny/qwen3", method="bp", seq_len=8, lora_alpha=0)
+    assert default_of("batch_size", objective="grpo") == 8 and default_of("seq_len", "cuda", search=True) == 1024
 
 
 def test_the_table_imports_no_torch():
@@ -45,3 +118,95 @@ def test_the_table_imports_no_torch():
     code = "import sys, sbpbench.settings; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+# A literal of this many setting names written outside sbpbench/settings/ is a hand-kept copy of a
+# settings list, unless it is one of the selections below.
+LIST_THRESHOLD = 3
+# Literals that choose settings or columns for one purpose (a command's options, a figure's fixed
+# columns, a row's key): no table property says which, so each is written where it is used.
+# "path::owner" (owner: the module-level name assigned, or the function, that holds the literal).
+SELECTIONS = {
+    "cli/check_cmd.py::UNTIMED": "the point options `sbp check` does not take (nothing is timed)",
+    "cli/check_cmd.py::check": "`sbp check`'s help for its options",
+    "cli/estimate_cmd.py::estimate": "`sbp estimate`'s help, and the options a simulation refuses",
+    "cli/maxlen_cmd.py::maxlen": "`sbp maxlen`'s help for the point options a search reads its own way",
+    "cli/plan_cmd.py::plan_command": "`sbp plan`'s help, and the options a plan refuses",
+    "config/run.py::EXACTNESS_DEFAULTS": "`sbp check`'s own point: its values, not the settings' defaults",
+    "config/rows.py::spec_fields": "a spec's values as results columns, each converted for its column",
+    "plot/common.py::POINT_GROUP": "the columns a memory figure holds fixed",
+    "plot/maxlen.py::MAXLEN_GROUP": "the columns a max-length figure holds fixed",
+    "records/reference.py::REQUIRED_COLUMNS": "the paper's reference table's columns",
+    "records/schema.py::KEY_COLUMNS": "a results row's key: columns, several of them not settings",
+    "records/schema.py::PROVENANCE_COLUMNS": "the columns that say where a row was measured",
+    "records/schema.py::UPGRADES": "what an old schema's rows meant (history, fixed)",
+    "records/select.py::no_reference": "the reference table's columns",
+    "report/markdown.py::PEERS_GROUP": "the columns a report's peers table holds fixed",
+    "report/markdown.py::exactness_section": "the exactness table's columns",
+    "report/placements.py::GROUP": "the columns a placements table holds fixed",
+    "runner/official.py::_job": "the official code's job file: its own keys",
+    "simulate/plan.py::describe": "the numbers `sbp plan` prints",
+}
+
+
+def setting_lists(source: str, names) -> list[tuple[int, str, list[str]]]:
+    """(line, owner, setting names) of every tuple, list, set or dict literal in `source` that holds
+    LIST_THRESHOLD or more of `names` as string constants (a dict: among its keys). The owner is
+    the module-level name assigned, or the module-level function or class, the literal lies in."""
+    found = []
+    for statement in ast.parse(source).body:
+        if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            owner = statement.name
+        else:
+            targets = getattr(statement, "targets", None) or [getattr(statement, "target", None)]
+            owner = next((t.id for t in targets if isinstance(t, ast.Name)), "")
+        for node in ast.walk(statement):
+            if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+                items = node.elts
+            elif isinstance(node, ast.Dict):
+                items = [key for key in node.keys if key is not None]
+            else:
+                continue
+            named = [i.value for i in items if isinstance(i, ast.Constant) and i.value in names]
+            if len(named) >= LIST_THRESHOLD:
+                found.append((node.lineno, owner, named))
+    return found
+
+
+def _hand_kept_lists() -> dict[str, list[str]]:
+    """'path::owner' -> 'line: names' of every setting list written out under sbpbench/ but settings/."""
+    root = Path(sbpbench.__file__).parent
+    found: dict[str, list[str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        relative = path.relative_to(root).as_posix()
+        if relative.startswith("settings/"):
+            continue
+        for line, owner, named in setting_lists(path.read_text(), SETTINGS):
+            found.setdefault(f"{relative}::{owner}", []).append(f"{line}: {', '.join(named)}")
+    return found
+
+
+def test_no_module_writes_out_a_settings_list():
+    """Outside sbpbench/settings/ no literal names 3 or more settings, except the listed selections
+    (and each listed selection still exists): a list of settings is derived from the table."""
+    found = _hand_kept_lists()
+    copies = {where: lines for where, lines in found.items() if where not in SELECTIONS}
+    assert not copies, f"derive these from sbpbench/settings/table.py (docs/settings.md): {copies}"
+    assert not set(SELECTIONS) - set(found), "a listed selection is gone: remove it from SELECTIONS"
+
+
+def test_the_list_check_catches_a_copy():
+    """The scan finds a hand-written knob list, a dict of defaults and a set in a function, and
+    names their owners; two names or unrelated strings are not a list of settings."""
+    sample = textwrap.dedent(
+        """
+        KNOBS = ("chunk_size", "logits_chunk_size", "mlp_tile_size")
+        DEFAULTS = {"seq_len": 2048, "dtype": "fp32", "model": "small/qwen3", "other": 1}
+        def uses(name):
+            return name in {"warmup", "repeats", "seed"}
+        PAIR = ("chunk_size", "logits_chunk_size")
+        WORDS = ("alpha", "beta", "gamma")
+        """
+    )
+    found = setting_lists(sample, SETTINGS)
+    assert [(owner, len(named)) for _, owner, named in found] == [("KNOBS", 3), ("DEFAULTS", 3), ("uses", 3)]

@@ -1,5 +1,5 @@
 """Run configuration: the typed specs every command, experiment file and Python caller builds
-(RunSpec, MaxlenSpec), their defaults and checks, device resolution, experiment files, and the
+(RunSpec, MaxlenSpec) with the settings table's defaults and checks, device resolution, experiment files, and the
 model and batch a spec describes."""
 
 from ..settings import ConfigError
@@ -10,9 +10,6 @@ from .run import (
     DTYPES,
     FIELD_NAMES,
     METHODS,
-    OBJECTIVES,
-    PROTOCOLS,
-    STEPS,
     RunSpec,
     method_names,
     point_specs,
@@ -23,9 +20,6 @@ __all__ = [
     "DTYPES",
     "FIELD_NAMES",
     "METHODS",
-    "OBJECTIVES",
-    "PROTOCOLS",
-    "STEPS",
     "ConfigError",
     "MaxlenSpec",
     "Resolution",

@@ -11,8 +11,9 @@ from __future__ import annotations
 from dataclasses import replace
 from functools import cache
 
-from ..methods.chunk_sizes import AUTO, CHUNK_SETTINGS, auto_chunk_sizes
+from ..methods.chunk_sizes import auto_chunk_sizes
 from ..methods.settings import MethodSettings
+from ..settings import AUTO, CHUNK_SETTINGS
 from .run import DTYPES, RunSpec
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import tomllib
 
-from ..settings import SEARCH_SETTINGS, SETTINGS, ConfigError, Setting
+from ..settings import SEARCH_SETTINGS, SETTINGS, ConfigError, Setting, default_of
 from .device import device_kind, resolve_device
 from .maxlen import SEARCH_DEFAULTS, MaxlenSpec
 from .run import RunSpec, point_specs
@@ -142,9 +142,9 @@ def _expand(values: dict, kind: str, overrides: dict) -> list[RunSpec | MaxlenSp
     return [
         MaxlenSpec(
             base=base,
-            resolution=values.get("resolution", "1%"),
+            resolution=values.get("resolution", default_of("resolution")),
             seq_len_ceiling=values.get("seq_len_ceiling", defaults["seq_len_ceiling"]),
-            multiple_of=values.get("multiple_of", 8),
+            multiple_of=values.get("multiple_of", default_of("multiple_of")),
         )
         for base in point_specs({"repeats": 0, **settings}, methods)
     ]

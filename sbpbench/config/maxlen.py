@@ -6,10 +6,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from ..settings import ConfigError
+from ..settings import SETTINGS, ConfigError, check, default_of, device_defaults
+from ..settings.table import DEVICE_KINDS
 from .run import RunSpec
 
-MIN_SEQ_LEN = 2  # one token to predict
+MIN_SEQ_LEN: int = SETTINGS["seq_len"].minimum  # one token to predict
 
 
 @dataclass(frozen=True)
@@ -45,27 +46,25 @@ class Resolution:
         return f"{self.percent:g}%" if self.percent is not None else str(self.tokens)
 
 
-DEFAULT_RESOLUTION = Resolution(percent=1.0)
-# The first probe, ceiling and budget when none is given: the paper's 80 GB GPU; on a CPU a 1 GiB
-# cap on tracked tensors keeps a search within minutes.
-SEARCH_DEFAULTS = {
-    "cuda": {"seq_len": 1024, "seq_len_ceiling": 262_144, "memory_limit": "80GiB"},
-    "cpu": {"seq_len": 512, "seq_len_ceiling": 16_384, "memory_limit": "1GiB"},
-}
+DEFAULT_RESOLUTION = Resolution.parse(default_of("resolution"))
+# The first probe, ceiling and budget when none is given (the settings table's): the paper's 80 GB
+# GPU; on a CPU a 1 GiB cap on tracked tensors keeps a search within minutes.
+SEARCH_DEFAULTS = {kind: device_defaults(kind, search=True) for kind in DEVICE_KINDS}
 
 
 @dataclass(frozen=True, kw_only=True)
 class MaxlenSpec:
+    """A search; a field left out takes the settings table's default (a CPU search's)."""
+
     base: RunSpec  # every probe setting; base.seq_len is the first probe
     resolution: Resolution = DEFAULT_RESOLUTION
-    seq_len_ceiling: int = 262_144  # longest length tried (the answer is ">= ceiling" if that fits)
-    multiple_of: int = 8  # probe lengths are multiples of this
+    seq_len_ceiling: int = default_of("seq_len_ceiling")  # longest length tried (">= ceiling" if that fits)
+    multiple_of: int = default_of("multiple_of")  # probe lengths are multiples of this
 
     def __post_init__(self):
         if not isinstance(self.resolution, Resolution):
             object.__setattr__(self, "resolution", Resolution.parse(self.resolution))
-        if not isinstance(self.multiple_of, int) or self.multiple_of < 1:
-            raise ConfigError("multiple_of", f"must be an integer >= 1, got {self.multiple_of!r}")
+        check("multiple_of", self.multiple_of)
         if not isinstance(self.seq_len_ceiling, int) or not MIN_SEQ_LEN <= self.base.seq_len <= self.seq_len_ceiling:
             raise ConfigError(
                 "seq_len_ceiling",

@@ -1,9 +1,13 @@
-"""One measured point: a typed RunSpec that owns every default and every check of a run setting.
+"""One measured point: a typed RunSpec, its defaults and checks those the settings table declares.
 
 The CLI (`sbp run`, `maxlen`, `estimate`, `check`), experiment files and Python callers all build
 it through `point_specs`, with the same defaults and the same messages. A bad value raises
 ConfigError naming the field; each front end shows the name its user typed (a CLI flag, a TOML
 key). The spec travels to the worker process as JSON.
+
+Each field's default and generic check (choices, an integer's minimum, a bool) is the settings
+table's (sbpbench/settings/table.py); the field says only what the spec stores, which is not always
+what a user types (bytes for "80GiB", a resolved device, the method's knobs in one MethodSettings).
 """
 
 from __future__ import annotations
@@ -19,130 +23,105 @@ import torch
 
 from ..core.adapters import SUPPORTED_MODEL_TYPES, UnsupportedModelError, supported_families
 from ..core.placement import Placement
-from ..data import DEFAULT_PROMPT_LEN, OBJECTIVES
 from ..measure.threads import available_cpus, default_threads
 from ..measure.units import parse_bytes
-from ..methods import METHODS, STEPS, MethodSettings, method_names
-from ..methods.chunk_sizes import AUTO, CHUNK_SETTINGS
-from ..methods.settings import SETTING_NAMES
-from ..records.select import DEFAULT_BATCH_SIZES
-from ..settings import PROTOCOLS, ConfigError
+from ..methods import METHODS, MethodSettings, method_names
+from ..settings import (
+    AUTO,
+    CHUNK_SETTINGS,
+    METHOD_KNOBS,
+    POINT_SETTINGS,
+    ConfigError,
+    check,
+    default_of,
+    device_defaults,
+    knobs_read_by,
+)
+from ..settings.table import DEVICE_KINDS, is_int
 from .device import device_kind, resolve_device
 from .sdpa import check_sdpa_backend
 
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}  # keys: settings DTYPE_NAMES
 
-# What a setting defaults to when nobody gave it, by the kind of device the point runs on: on a
-# GPU the paper's Table 2 point; on a CPU a one-minute comparison (a Qwen3 shape, 4 narrow layers).
-DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
-    "cuda": {"model": "Qwen/Qwen3-4B", "seq_len": 9000, "dtype": "bf16"},
-    "cpu": {"model": "small/qwen3", "seq_len": 2048, "dtype": "fp32"},
-}
-# `sbp check`: a real shape, two layers, fp64 (exactness is per layer; time is not the point).
+# What a setting defaults to when nobody gave it, by the kind of device the point runs on (the
+# table's `by_device`): on a GPU the paper's Table 2 point; on a CPU a one-minute comparison.
+DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {kind: device_defaults(kind) for kind in DEVICE_KINDS}
+# `sbp check`'s own choice of a point: a real shape, two layers, fp64 (exactness is per layer; time
+# is not the point); chunks explicit, as exactness is checked at sizes one chooses.
 EXACTNESS_DEFAULTS: dict[str, Any] = {
     "model": "Qwen/Qwen3-0.6B",
     "seq_len": 300,
     "batch_size": 2,
     "dtype": "fp64",
     "chunk_size": 128,
-    "logits_chunk_size": 100,  # explicit, as the layer chunk: exactness is checked at sizes one chooses
+    "logits_chunk_size": 100,
     "num_layers": 2,
     "device": "cpu",
 }
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 @dataclass(frozen=True, kw_only=True)
 class RunSpec:
+    """A point; a field left out takes the settings table's default for a CPU point (`default_of`)."""
+
     model: str  # registry name (`sbp models`), a Hub id ORG/NAME or a local checkpoint directory
     method: str
     seq_len: int  # tokens per row, prompt included
-    batch_size: int = 1  # rows: a GRPO group; DPO chosen + rejected rows
-    objective: str = "sft"
-    prompt_len: int = DEFAULT_PROMPT_LEN  # grpo / dpo (capped at seq_len // 2)
-    lora_rank: int = 0  # 0: full fine-tuning; else LoRA on all linear layers (peft)
-    lora_alpha: int = 128
-    step: str = "bp"  # bp: forward + backward; train: + AdamW
-    dtype: str = "fp32"
-    device: str = "cpu"  # auto | cpu | cuda | cuda:N, stored resolved (cpu or cuda:N)
+    batch_size: int = default_of("batch_size")  # rows: a GRPO group; DPO chosen + rejected rows
+    objective: str = default_of("objective")
+    prompt_len: int = default_of("prompt_len")  # grpo / dpo (capped at seq_len // 2)
+    lora_rank: int = default_of("lora_rank")  # 0: full fine-tuning; else LoRA on all linear layers (peft)
+    lora_alpha: int = default_of("lora_alpha")
+    step: str = default_of("step")  # bp: forward + backward; train: + AdamW
+    dtype: str = default_of("dtype")
+    # auto | cpu | cuda | cuda:N, stored resolved (cpu or cuda:N). A spec built directly is a CPU
+    # point (the table's default, auto, is point_specs'): its other defaults are the CPU's
+    device: str = "cpu"
     settings: MethodSettings = field(default_factory=MethodSettings)  # only what `method` reads is set
-    num_layers: int | None = None  # keep the first N decoder layers (None: the model's depth)
-    protocol: str = "steady"
-    warmup: int = 1  # steps run and discarded before the measured ones (point_specs: 0 if repeats is 0)
-    repeats: int = 3  # timed steps (0: memory only, as a max-length probe)
-    memory_limit: int | None = None  # bytes; CUDA: per-process cap; CPU: cap on tracked bytes
-    seed: int = 0
-    timeout_s: float | None = None  # None: predicted from the FLOP model (config/timing.py)
+    num_layers: int | None = default_of("num_layers")  # keep the first N decoder layers (None: the model's depth)
+    protocol: str = default_of("protocol")
+    warmup: int = default_of("warmup")  # steps run and discarded before the measured ones
+    repeats: int = default_of("repeats")  # timed steps (0: memory only, as a max-length probe)
+    memory_limit: int | None = default_of("memory_limit")  # bytes; CUDA: per-process cap; CPU: on tracked bytes
+    seed: int = default_of("seed")
+    timeout_s: float | None = default_of("timeout_s")  # None: predicted from the FLOP model (config/timing.py)
     # torch intra-op threads in the worker (None: OMP_NUM_THREADS if set, else the physical cores this
-    # process may use). Not part
-    # of a row's key: it changes time, not memory or the work done, like the host's load; each row
-    # records it (num_threads), and a rerun with another count replaces the point's row.
-    threads: int | None = None
+    # process may use). Not part of a row's key: it changes time, not memory or the work done, like
+    # the host's load; each row records it (num_threads), and a rerun with another count replaces
+    # the point's row.
+    threads: int | None = default_of("threads")
     # data-parallel processes (ranks) the step runs on, the model sharded with FSDP2 (FULL_SHARD, one
     # unit per decoder layer plus the root); each rank its own batch of batch_size rows. On CUDA
     # rank r uses the device's index + r. Part of a row's key: it changes the per-GPU memory.
-    nproc: int = 1
+    nproc: int = default_of("nproc")
     # the model's real weights (a local checkpoint's, or a Hub id's from the HF cache) instead of
     # random ones. Not part of a row's key: memory and time do not depend on weight values (the loss
     # does); each row records which it had (weights: real | random).
-    weights: bool = False
+    weights: bool = default_of("weights")
     # scaled-dot-product-attention kernel forced on every method (config/sdpa.py); auto: torch's choice.
     # Part of a row's key: it changes time, and memory (math keeps the scores).
-    sdpa_backend: str = "auto"
+    sdpa_backend: str = default_of("sdpa_backend")
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ConfigError("method", f"unknown {{field}} {self.method!r}; choose from {', '.join(METHODS)}")
-        for name, choices in (("objective", OBJECTIVES), ("step", STEPS), ("dtype", DTYPES), ("protocol", PROTOCOLS)):
-            if getattr(self, name) not in choices:
-                raise ConfigError(name, f"unknown {{field}} {getattr(self, name)!r}; choose from {', '.join(choices)}")
-        minimums = {"seq_len": 2, "batch_size": 1, "prompt_len": 1, "lora_rank": 0, "lora_alpha": 1}
-        minimums |= {"warmup": 0, "repeats": 0, "seed": 0, "nproc": 1}
-        for name, least in minimums.items():
-            value = getattr(self, name)
-            if not _is_int(value):
-                raise ConfigError(name, f"must be an integer, got {value!r}")
-            if value < least:
-                why = " (one token to predict)" if name == "seq_len" else ""
-                raise ConfigError(name, f"must be at least {least}{why}, got {value!r}")
-        if self.num_layers is not None and (not _is_int(self.num_layers) or self.num_layers < 1):
-            raise ConfigError(
-                "num_layers", f"must be an integer >= 1 (or unset for every layer), got {self.num_layers!r}"
-            )
+        for name in SPEC_CHECKED:  # the table's checks: choices, integer minimums, bools
+            check(name, getattr(self, name))
+        for name in METHOD_KNOBS:
+            check(name, getattr(self.settings, name))
         if self.objective == "dpo" and self.batch_size % 2:
             raise ConfigError(
                 "batch_size", f"counts chosen + rejected rows for dpo: give an even number, got {self.batch_size}"
             )
         if self.threads is None:
             object.__setattr__(self, "threads", default_threads())
-        elif not _is_int(self.threads) or self.threads < 1:
-            raise ConfigError(
-                "threads",
-                f"must be an integer >= 1 (or unset for OMP_NUM_THREADS or the physical cores), got {self.threads!r}",
-            )
-        if self.memory_limit is not None and (not _is_int(self.memory_limit) or self.memory_limit <= 0):
+        if self.memory_limit is not None and (not is_int(self.memory_limit) or self.memory_limit <= 0):
             raise ConfigError("memory_limit", f"must be a positive number of bytes, got {self.memory_limit!r}")
         timeout = self.timeout_s
         if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0):
             raise ConfigError(
                 "timeout_s", f"must be a positive number of seconds (or unset to predict it), got {timeout!r}"
             )
-        for name in ("chunk_size", "logits_chunk_size", "mlp_tile_size"):
-            value = getattr(self.settings, name)
-            if name in CHUNK_SETTINGS and value == AUTO:  # chosen per point (config/chunks.py)
-                continue
-            if value is not None and (not _is_int(value) or value < 1):
-                auto = ' or "auto"' if name in CHUNK_SETTINGS else ""
-                raise ConfigError(name, f"must be a positive integer{auto}, got {value!r}")
-        for name in ("fp32_grad_accumulation", "offload_checkpoints"):
-            value = getattr(self.settings, name)
-            if value is not None and not isinstance(value, bool):
-                raise ConfigError(name, f"must be true or false, got {value!r}")
-        if not isinstance(self.weights, bool):
-            raise ConfigError("weights", f"must be true or false, got {self.weights!r}")
         if self.settings.checkpoints is not None:
             try:  # stored by its canonical name, so "recompute:2+cpu" and "cpu+recompute:2" are one key
                 name = Placement.parse(self.settings.checkpoints).name
@@ -154,7 +133,7 @@ class RunSpec:
         check_sdpa_backend(self.sdpa_backend, self.device)
         if self.nproc > 1 and self.device.startswith("cuda"):  # a CPU spec may be a simulation's (check_measurable)
             check_nproc(self.nproc, self.device)
-        object.__setattr__(self, "settings", self.settings.for_method(METHODS[self.method].uses))
+        object.__setattr__(self, "settings", self.settings.for_method(knobs_read_by(self.method)))
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -174,10 +153,11 @@ class RunSpec:
         return cls(**values)
 
 
-# The names a point's settings go by everywhere (CLI option names, experiment-file keys):
-# RunSpec's fields, with MethodSettings' fields in place of `settings`.
-SPEC_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(RunSpec) if f.name != "settings")
-FIELD_NAMES: tuple[str, ...] = SPEC_FIELDS + SETTING_NAMES
+# The names a point's settings go by everywhere (CLI option names, experiment-file keys): the
+# table's point settings, which are RunSpec's fields with MethodSettings' in place of `settings`
+# (tests/test_settings.py checks); the table checks those it declares a check for.
+FIELD_NAMES: tuple[str, ...] = POINT_SETTINGS
+SPEC_CHECKED = tuple(f.name for f in fields(RunSpec) if f.name in POINT_SETTINGS and f.name != "method")
 
 
 def check_nproc(nproc: int, device: str) -> None:
@@ -212,7 +192,7 @@ def check_measurable(specs: Iterable[RunSpec]) -> None:
 def chunk_size_for(value, seq_len: int, field: str = "chunk_size") -> int | str:
     """An integer, "T/k": seq_len / k rounded up (the paper's timing runs use T/3), or "auto" (kept:
     chosen per point, config/chunks.py)."""
-    if _is_int(value) or value == AUTO:
+    if is_int(value) or value == AUTO:
         return value
     text = str(value).replace(" ", "")
     if text.isdigit():
@@ -224,7 +204,7 @@ def chunk_size_for(value, seq_len: int, field: str = "chunk_size") -> int | str:
 
 def memory_limit_bytes(value) -> int | None:
     """A byte count, or a size such as "80GiB" / "24GB"."""
-    if value is None or _is_int(value):
+    if value is None or is_int(value):
         return value
     try:
         return parse_bytes(value)
@@ -257,16 +237,16 @@ def point_specs(
     device = resolve_device(given.get("device", "auto"))
     for name, value in DEVICE_DEFAULTS[defaults_for or device_kind(device)].items():
         given.setdefault(name, value)
-    objective = given.get("objective", "sft")
-    given.setdefault("batch_size", DEFAULT_BATCH_SIZES.get(objective, 1))
+    objective = given.get("objective", default_of("objective"))
+    given.setdefault("batch_size", default_of("batch_size", objective=objective))
     if given.get("repeats") == 0:  # memory only (a max-length probe): one step, its peak needs no
         given.setdefault("warmup", 0)  # warm-up (runner/point.py `_measure_cuda` says why)
     long_context_defaults(given)  # a long point: one memory step and one timed step
     seq_len = given["seq_len"]
-    settings = {name: given.pop(name) for name in SETTING_NAMES if name in given}
+    settings = {name: given.pop(name) for name in METHOD_KNOBS if name in given}
     for name in CHUNK_SETTINGS:  # StreamBP's chunks (and the chunked heads'): chosen per point unless given
         settings.setdefault(name, AUTO)
-        if _is_int(seq_len):
+        if is_int(seq_len):
             settings[name] = chunk_size_for(settings[name], seq_len, name)
     given["memory_limit"] = memory_limit_bytes(given.get("memory_limit"))
     given["device"] = device

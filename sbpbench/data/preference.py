@@ -21,9 +21,10 @@ import torch
 
 from ..core.labels import IGNORE_INDEX
 from ..core.objectives import DPO, GRPO
+from ..settings import SETTINGS
 from .sft import TokenBatch, pad_lengths
 
-DEFAULT_PROMPT_LEN = 1000  # the paper's GRPO and DPO prompt length
+DEFAULT_PROMPT_LEN: int = SETTINGS["prompt_len"].default  # the paper's GRPO and DPO prompt length
 REF_LOGP_NOISE = 0.1  # std of the reference log-probs around -log(V)
 
 

@@ -23,10 +23,9 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-AUTO = "auto"
-CHUNK_SETTINGS = ("chunk_size", "logits_chunk_size")  # the settings that may be AUTO
+from ..settings import SETTINGS
 
-PAPER_CHUNK = 500  # the paper's layer chunk at T = 9000 for max length (appendix D)
+PAPER_CHUNK: int = SETTINGS["chunk_size"].default  # the paper's layer chunk at T = 9000 for max length (appendix D)
 LAYER_CHUNK_MAX = 4096  # sums' traffic ~5% of a chunk's matmul time (module docstring)
 LOGITS_CHUNK_MAX = 1024  # the same ~25% of the head's, and the head is O(T) of an O(T^2) step
 MIN_CHUNK = 16  # a floor for a budget so small that the memory share allows less

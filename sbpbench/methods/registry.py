@@ -4,9 +4,9 @@ Each method is (model, batch, settings) -> loss: one forward and backward step t
 the trainable parameters (accumulating, like backward) and returns the detached loss. The names are
 what the CLI and the results files use.
 
-Adding a method: a module with its step function, one `Method` entry below naming the
-settings it reads (methods/settings.py), and its name in settings/choices.py METHOD_NAMES (the CLI
-lists the names without importing torch); experiment files, runner and results key follow.
+Adding a method: a module with its step function, one `Method` entry below, its name in
+settings/choices.py METHOD_NAMES (the CLI lists the names without importing torch) and in the
+`read_by` of each knob it reads (settings/table.py); experiment files, runner and results key follow.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from ..core.attention import ATTENTION_NAME
 from ..core.labels import count_targets, shift_labels
 from ..data import Batch
-from ..settings import EVERY_METHOD
+from ..settings import EVERY_METHOD, SETTINGS, knobs_read_by
 from .chunked_ce import ckpt_chunked_ce
 from .hf_baseline import bp, ckpt
 from .liger import liger
@@ -34,8 +34,8 @@ MethodFn = Callable[[torch.nn.Module, Batch, MethodSettings], torch.Tensor]
 
 
 class Method(NamedTuple):
+    # the knobs it reads are those whose setting names it in `read_by` (settings.knobs_read_by)
     fn: MethodFn
-    uses: tuple[str, ...]  # MethodSettings fields it reads; the rest stay None in its spec and row
     summary: str
     attn_implementation: str = "sdpa"  # what its rows record: transformers' name for the attention it runs
     external: bool = False  # runs in an environment of its own (runner/official.py), never in this process
@@ -44,51 +44,43 @@ class Method(NamedTuple):
 
 # keys: settings METHOD_NAMES (the CLI lists those without importing this module)
 METHODS: dict[str, Method] = {
-    "bp": Method(bp, (), "standard backpropagation: HF forward with full logits, no checkpointing", data_parallel=True),
-    "ckpt": Method(ckpt, (), "the same with HF gradient checkpointing of every decoder layer", data_parallel=True),
+    "bp": Method(bp, "standard backpropagation: HF forward with full logits, no checkpointing", data_parallel=True),
+    "ckpt": Method(ckpt, "the same with HF gradient checkpointing of every decoder layer", data_parallel=True),
     "streambp": Method(
         streambp,
-        ("chunk_size", "logits_chunk_size", "fp32_grad_accumulation", "checkpoints"),
         "exact StreamBP (sbpbench.core)",
         ATTENTION_NAME,
         data_parallel=True,
     ),
     # peers: what users reach for instead (issue 16)
-    "ckpt-offload": Method(
-        ckpt_offload, (), "ckpt with the layer checkpoints in host memory (transformers' offload=True)"
-    ),
+    "ckpt-offload": Method(ckpt_offload, "ckpt with the layer checkpoints in host memory (transformers' offload=True)"),
     "ckpt-chunked-ce": Method(
         ckpt_chunked_ce,
-        ("logits_chunk_size",),
         "ckpt + a chunked linear+loss head recomputed in backward (no B x T x V logits)",
     ),
     "tiled": Method(
         tiled,
-        ("logits_chunk_size", "mlp_tile_size", "offload_checkpoints"),
         "ALST: offloaded ckpt + chunked loss head + tiled MLP (DeepSpeed TiledMLP), in PyTorch",
     ),
     "liger": Method(
         liger,
-        (),
         "ckpt + liger-kernel's LigerFusedLinearCrossEntropyLoss (Triton, CUDA only; pip install -e .[peers])",
     ),
     "trl-default": Method(
         trl_default,
-        (),
         "what TRL's trainers run by default: ckpt + TRL's fused LM head (log-probs in vocabulary tiles; pip install -e .[trl])",
     ),
     "official": Method(
         official,
-        ("chunk_size", "logits_chunk_size"),
         "the official StreamBP code (streambp 1.0, transformers 4.51.3) in its own virtualenv",
         external=True,
     ),
 }
 
 
-# What a command runs when no method is named: the paper's comparison. Peers are asked for by name
-# (`--method tiled`) or all at once (`--method all`).
-DEFAULT_METHODS = ("bp", "ckpt", "streambp")
+# What a command runs when no method is named (the settings table's default): the paper's
+# comparison. Peers are asked for by name (`--method tiled`) or all at once (`--method all`).
+DEFAULT_METHODS: tuple[str, ...] = SETTINGS["method"].default
 
 
 def method_names(names) -> tuple[str, ...]:
@@ -119,4 +111,4 @@ def run_method(name: str, model, batch: Batch, settings: MethodSettings | None =
     reads (unset ones at their defaults)."""
     method = get_method(name)
     count_targets(shift_labels(batch.labels))  # every method refuses a batch with nothing to predict
-    return method.fn(model, batch, (settings or MethodSettings()).for_method(method.uses))
+    return method.fn(model, batch, (settings or MethodSettings()).for_method(knobs_read_by(name)))

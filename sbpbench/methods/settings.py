@@ -1,36 +1,22 @@
-"""The knobs a method may read. Each method declares which (`Method.uses` in the registry); in a
-spec and its results row the others are None, so a method's key holds only what changes it
-(two `bp` rows never differ by a StreamBP chunk size)."""
+"""The knobs a method may read: MethodSettings, made from the settings table's method knobs
+(sbpbench/settings, those with `read_by`). In a spec and its results row the knobs a method does
+not read are None, so a method's key holds only what changes it (two `bp` rows never differ by a
+StreamBP chunk size)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, field, fields, make_dataclass, replace
 
-from ..core import DEFAULT_CHUNK_SIZE, DEFAULT_LOGITS_CHUNK_SIZE
+from ..settings import METHOD_KNOBS, SETTINGS
 
-DEFAULTS = {
-    "chunk_size": DEFAULT_CHUNK_SIZE,  # positions per chunk in the layer backward
-    "logits_chunk_size": DEFAULT_LOGITS_CHUNK_SIZE,  # positions per chunk in the head and loss
-    "fp32_grad_accumulation": True,  # sum bf16 chunk gradients in fp32
-    # tiled (ALST): positions per MLP tile; DeepSpeed's TiledMLP example uses tiles of about
-    # hidden_size positions (2560 for Qwen3-4B, 4096 for Qwen3-8B), 2048 is that order
-    "mlp_tile_size": 2048,
-    "offload_checkpoints": True,  # tiled: layer checkpoints in host memory, as ALST does
-    "checkpoints": "gpu",  # where the layer inputs live: gpu | cpu | recompute:K | cpu+recompute:K[+spill]
-}
+# What a method that reads a knob uses when it is unset (core's DEFAULT_*_CHUNK_SIZE equal the table's).
+DEFAULTS = {name: SETTINGS[name].default for name in METHOD_KNOBS}
 
 
-@dataclass(frozen=True, kw_only=True)
-class MethodSettings:
-    """None: the method's default (DEFAULTS) if it reads the knob, absent if it does not. Checked
-    by the run config (sbpbench.config) and, for library callers, by stream_backward itself."""
-
-    chunk_size: int | str | None = None  # "auto" in a run config: chosen per point (methods/chunk_sizes.py)
-    logits_chunk_size: int | str | None = None
-    fp32_grad_accumulation: bool | None = None
-    mlp_tile_size: int | None = None
-    offload_checkpoints: bool | None = None
-    checkpoints: str | None = None  # a checkpoint placement's name (core/placement.py)
+class _Knobs:
+    """MethodSettings' behaviour. None: the method's default (DEFAULTS) if it reads the knob,
+    absent if it does not. Checked by the run config (sbpbench.config) and, for library callers,
+    by stream_backward itself."""
 
     def for_method(self, uses: tuple[str, ...]) -> MethodSettings:
         """The knobs in `uses` set (given or default), every other one None."""
@@ -44,4 +30,21 @@ class MethodSettings:
         return asdict(self)
 
 
-SETTING_NAMES = tuple(f.name for f in fields(MethodSettings))
+def _annotation(name: str) -> str:
+    """A knob's field type: what its setting takes (an int knob may also hold "auto"), or None."""
+    kind = SETTINGS[name].kind
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " | ".join([k.__name__ for k in kinds] + ["None"])
+
+
+# Generated, not written out: its fields are exactly the table's method knobs, each `<kind> | None
+# = None`, so a knob is declared once (in the table) and this class cannot drift from it. A frozen,
+# keyword-only dataclass like the other specs: MethodSettings(chunk_size=256, checkpoints="cpu").
+MethodSettings = make_dataclass(
+    "MethodSettings",
+    [(name, _annotation(name), field(default=None)) for name in METHOD_KNOBS],
+    bases=(_Knobs,),
+    namespace={"__doc__": _Knobs.__doc__, "__module__": __name__},
+    frozen=True,
+    kw_only=True,
+)

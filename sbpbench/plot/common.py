@@ -13,7 +13,6 @@ from pathlib import Path
 from matplotlib.figure import Figure
 
 from ..records.select import (
-    DEFAULT_BATCH_SIZES,
     cell,
     device_label,
     is_truncated,
@@ -24,6 +23,7 @@ from ..records.select import (
     timing_caveat,
     where,
 )
+from ..settings import default_of
 from . import style
 
 FORMATS = ("png", "svg")
@@ -112,7 +112,7 @@ def setting_parts(like, *, always: bool = False) -> list[str]:
         f"lora{rank}" if rank else ("full" if always else ""),
         like["step"] if always or like["step"] != "bp" else "",
         like["dtype"] if like["dtype"] != "bf16" else "",
-        f"B{batch:.0f}" if batch is not None and batch != DEFAULT_BATCH_SIZES.get(objective, 1) else "",
+        f"B{batch:.0f}" if batch is not None and batch != default_of("batch_size", objective=objective) else "",
         f"{cell(like['num_layers'])}layers" if is_truncated(like) else "",
     ]
     return [p for p in parts if p]

@@ -1,5 +1,8 @@
 """The results schema: one dataclass whose fields, in order, are the CSV columns.
 
+The method settings' columns are the settings table's method knobs (sbpbench/settings), in its
+order; the rest are written out here.
+
 Raw units live in the column names (`*_bytes`, `*_s`); GiB exist only on screen. Every row
 carries its provenance (when, where, which versions and commit, every setting that changes the
 number), so a CSV row read alone says how it was measured. A row is keyed by the settings that
@@ -48,7 +51,9 @@ read back with the new columns empty):
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields, make_dataclass
+
+from ..settings import METHOD_KNOBS, SETTINGS
 
 SCHEMA_VERSION = 9
 
@@ -67,7 +72,9 @@ SOURCES = ("measured", "simulated")
 
 
 @dataclass(kw_only=True)
-class ResultRow:
+class _PointColumns:
+    """ResultRow's columns before the method settings'."""
+
     schema_version: int = SCHEMA_VERSION
     timestamp_utc: str = ""  # ISO 8601, when the point finished
     status: str = ""  # ok | oom | error | timeout | skipped | unsupported
@@ -91,12 +98,34 @@ class ResultRow:
     device: str = ""  # cpu | cuda | cuda:N (several ranks: rank 0's; rank r runs on cuda:N+r)
     nproc: int | None = None  # data-parallel ranks (FSDP2 FULL_SHARD); 1: one process
     protocol: str = ""  # steady (gradient buffers resident before the step) | first (allocated in it)
-    chunk_size: int | None = None  # streambp positions per layer chunk (empty for methods that ignore it)
-    logits_chunk_size: int | None = None
-    fp32_grad_accumulation: bool | None = None
-    mlp_tile_size: int | None = None  # tiled: positions per MLP tile
-    offload_checkpoints: bool | None = None  # tiled: layer checkpoints in host memory
-    checkpoints: str = ""  # streambp: where the layer inputs live (core/placement.py); empty for other methods
+
+
+def _knob_column(name: str) -> tuple[str, str, object]:
+    """A method knob's column: a text knob is text ("" when the method does not read it), any other
+    the number or bool the point ran with (a chunk's "auto" as the number chosen), empty as None."""
+    kind = SETTINGS[name].kind
+    first = (kind if isinstance(kind, tuple) else (kind,))[0]
+    if first is str:
+        return name, "str", field(default="")
+    return name, f"{first.__name__} | None", field(default=None)
+
+
+# The method settings' columns, one per knob of the settings table in its order (schema 4: empty in
+# a row whose method does not read the knob). Generated, so that a knob is declared once, in the table;
+# the columns before and after are written out.
+_MethodColumns = make_dataclass(
+    "_MethodColumns",
+    [_knob_column(name) for name in METHOD_KNOBS],
+    bases=(_PointColumns,),
+    namespace={"__module__": __name__},
+    kw_only=True,
+)
+
+
+@dataclass(kw_only=True)
+class ResultRow(_MethodColumns):
+    """One CSV row: _PointColumns' columns, the method settings', then these."""
+
     auto_settings: str = ""  # the chunk settings chosen by the point's rule ("chunk_size;logits_chunk_size")
     attn_implementation: str = ""
     sdpa_backend: str = ""  # the SDPA kernel forced for the point (flash | efficient | cudnn | math) or auto
@@ -172,15 +201,8 @@ COLUMNS: tuple[str, ...] = tuple(f.name for f in fields(ResultRow))
 # and a row with one of them empty is skipped when read (a torn or hand-damaged line).
 REQUIRED_COLUMNS: tuple[str, ...] = ("schema_version", "status", "model", "method")
 
-# The method settings (methods/settings.py): empty in a row whose method does not read them (schema 4).
-METHOD_SETTING_COLUMNS = (
-    "chunk_size",
-    "logits_chunk_size",
-    "fp32_grad_accumulation",
-    "mlp_tile_size",
-    "offload_checkpoints",
-    "checkpoints",
-)
+# The method settings (the settings table's knobs): empty in a row whose method does not read them (schema 4).
+METHOD_SETTING_COLUMNS: tuple[str, ...] = METHOD_KNOBS
 
 # The settings that define a point: same key, same measurement (a rerun replaces it).
 KEY_COLUMNS: tuple[str, ...] = (

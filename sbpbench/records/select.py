@@ -23,8 +23,6 @@ OOM_STATUSES = ("oom", "skipped")
 # it (an H100 80GB has 79.6 GiB, an H200 capped with --memory-limit 80GiB exactly 80).
 PAPER_CAPACITY_BYTES = 80 * GIB
 CAPACITY_TOLERANCE = 0.10
-# Group sizes the paper (and `sbp run`) use per objective: one sample, a GRPO group, a DPO pair.
-DEFAULT_BATCH_SIZES = {"sft": 1, "grpo": 8, "dpo": 2}
 PROMPTED_OBJECTIVES = ("grpo", "dpo")  # seq_len includes prompt_len; the paper's T is the completion
 MAXLEN_TABLE = {"bp": "Figure 3", "train": "Table 3"}  # the paper's max-T table for each step
 # Times that can rank methods: at least one warm-up step (the first step pays one-off costs: the

@@ -8,14 +8,13 @@ small factor of bp's own fp32 error (`judge_against_fp64`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from ..config import RunSpec
 from ..config.build import build_model_and_batch
 from ..config.chunks import resolved_settings
 from ..methods import METHODS, MethodSettings
 from ..methods.exactness import MethodComparison, compare_methods, compare_step, judge_against_fp64, step_gradients
-from ..methods.settings import SETTING_NAMES
 
 
 @dataclass(frozen=True)
@@ -39,7 +38,7 @@ def check_exactness(spec: ExactnessSpec) -> list[MethodComparison]:
     settings = MethodSettings(
         **{
             name: next((v for s in spec.specs if (v := getattr(resolved_settings(s), name)) is not None), None)
-            for name in SETTING_NAMES
+            for name in (f.name for f in fields(MethodSettings))
         }
     )
     methods = [s.method for s in spec.specs[1:]]

@@ -1,14 +1,29 @@
-"""Every setting a user can give, declared once (name, value type, choices, help, flag), and
-ConfigError, the error of a bad one. Imports nothing heavy: the CLI builds its options and help
-from it without loading torch or transformers."""
+"""Every setting a user can give, declared once (name, value type, default, check, choices, help,
+flag, the methods that read it), and ConfigError, the error of a bad one. Imports nothing heavy:
+the CLI builds its options and help from it without loading torch or transformers."""
 
 from .choices import DTYPE_NAMES, EVERY_METHOD, METHOD_NAMES, OBJECTIVES, PROTOCOLS, STEPS
 from .errors import ConfigError
-from .table import POINT_SETTINGS, SEARCH_SETTINGS, SETTINGS, Setting
+from .table import (
+    AUTO,
+    CHUNK_SETTINGS,
+    METHOD_KNOBS,
+    POINT_SETTINGS,
+    SEARCH_SETTINGS,
+    SETTINGS,
+    Setting,
+    check,
+    default_of,
+    device_defaults,
+    knobs_read_by,
+)
 
 __all__ = [
+    "AUTO",
+    "CHUNK_SETTINGS",
     "DTYPE_NAMES",
     "EVERY_METHOD",
+    "METHOD_KNOBS",
     "METHOD_NAMES",
     "OBJECTIVES",
     "POINT_SETTINGS",
@@ -18,4 +33,8 @@ __all__ = [
     "STEPS",
     "ConfigError",
     "Setting",
+    "check",
+    "default_of",
+    "device_defaults",
+    "knobs_read_by",
 ]
