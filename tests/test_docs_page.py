@@ -92,3 +92,15 @@ def test_every_examples_epilog_is_shown_in_its_section():
     assert len(declared) >= 11
     for name, examples in declared.items():
         assert shell_block(page[name]) == list(examples), name
+
+
+def test_no_option_shows_a_python_type_for_its_value():
+    """Every option's value is named for a user (SIZE, CSV, DIR, N%|TOKENS), never Typer's fallback
+    of the Python type (`<str>`, `<path>`, `<float range>`, `<list[str]>`)."""
+    flag_columns = [  # an option line's flags and value name, before the help's column
+        f"sbp {h.name}: {match.group(1)}"
+        for h in docs_page.command_helps()
+        for match in re.finditer(r"^ +(-\S.*?)(?: {2,}|$)", h.text, flags=re.MULTILINE)
+    ]
+    fallbacks = [line for line in flag_columns if re.search(r"<[a-z][a-z \[\]]*>", line)]
+    assert flag_columns and not fallbacks, "options without a metavar:\n" + "\n".join(fallbacks)

@@ -41,11 +41,11 @@ def estimate(
     settings: dict,
     methods: tuple[str, ...],
     gpu_memory: Annotated[
-        str, typer.Option(help="GPU memory to check the prediction against, e.g. 80GiB, 24GB.")
+        str, typer.Option(metavar="SIZE", help="GPU memory to check the prediction against, e.g. 80GiB, 24GB.")
     ] = "80GiB",
     target: Annotated[
         str,
-        typer.Option(help="cuda: predict a GPU run; cpu: reproduce what `sbp run --device cpu` measures."),
+        typer.Option(metavar="[cuda|cpu]", help="cuda: predict a GPU run; cpu: reproduce what `sbp run --device cpu` measures."),
     ] = "cuda",
     exact: Annotated[
         bool, typer.Option("--exact", help="Run the fake step at the point's own depth and length (slow).")

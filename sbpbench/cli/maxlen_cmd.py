@@ -55,11 +55,12 @@ def maxlen(
         ),
     ] = False,
     gpu_memory: Annotated[
-        str | None, typer.Option(help="--simulate: the GPU's memory, e.g. 80GiB (default: --memory-limit, or 80GiB).")
+        str | None, typer.Option(metavar="SIZE", help="--simulate: the GPU's memory, e.g. 80GiB (default: --memory-limit, or 80GiB).")
     ] = None,
     host_memory: Annotated[
         str | None,
         typer.Option(
+            metavar="SIZE",
             help="--simulate: host memory for checkpoints a placement keeps there, e.g. 100GiB (default: this "
             "machine's RAM)."
         ),
@@ -71,7 +72,7 @@ def maxlen(
     out: Annotated[
         Path | None,
         typer.Option(
-            "--out", "-o", help="Results CSV (default: results/maxlen.csv; simulated: results/estimates.csv)."
+            "--out", "-o", metavar="CSV", help="Results CSV (default: results/maxlen.csv; simulated: results/estimates.csv)."
         ),
     ] = None,
 ) -> None:

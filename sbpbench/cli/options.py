@@ -78,16 +78,16 @@ OutOpt = Annotated[
 # `sbp check` (here: a point command's own options resolve in this module)
 ExactnessOutOpt = Annotated[
     Path | None,
-    typer.Option("--out", "-o", help="Append the comparison to this exactness CSV (read by `sbp report --exactness`)."),
+    typer.Option("--out", "-o", metavar="CSV", help="Append the comparison to this exactness CSV (read by `sbp report --exactness`)."),
 ]
 # `sbp plot` and `sbp report`
 ResultsArg = Annotated[
-    Path, typer.Argument(help="Results CSV, or a directory whose CSVs are read together (written by `sbp run --out`).")
+    Path, typer.Argument(metavar="RESULTS", help="Results CSV, or a directory whose CSVs are read together (written by `sbp run --out`).")
 ]
 ReferenceOpt = Annotated[
     Path | None,
     typer.Option(
-        "--reference", help="The paper's numbers (default: experiments/reference/streambp_paper.csv in the repository)."
+        "--reference", metavar="CSV", help="The paper's numbers (default: experiments/reference/streambp_paper.csv in the repository)."
     ),
 ]
 

@@ -29,11 +29,11 @@ class Peer(str, Enum):
     )
 )
 def setup(
-    name: Annotated[Peer, typer.Argument(help="The peer: official (streambp 1.0, transformers 4.51.3).")],
+    name: Annotated[Peer, typer.Argument(metavar="PEER", help="The peer: official (streambp 1.0, transformers 4.51.3).")],
     path: Annotated[
         Path | None,
         typer.Option(
-            "--path", help=f"Where to create it (default: ${VENV_VARIABLE} or {DEFAULT_VENV})."
+            "--path", metavar="DIR", help=f"Where to create it (default: ${VENV_VARIABLE} or {DEFAULT_VENV})."
         ),
     ] = None,
 ) -> None:

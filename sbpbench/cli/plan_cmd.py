@@ -58,14 +58,14 @@ EXAMPLES = (  # the end of its help (options.py examples)
 def plan_command(
     settings: dict,
     methods: tuple[str, ...],
-    gpu_memory: Annotated[str, typer.Option(help="The GPU's memory, e.g. 80GiB.")] = "80GiB",
+    gpu_memory: Annotated[str, typer.Option(metavar="SIZE", help="The GPU's memory, e.g. 80GiB.")] = "80GiB",
     host_memory: Annotated[
-        str | None, typer.Option(help="Host memory the step may use, e.g. 100GiB (default: this machine's RAM).")
+        str | None, typer.Option(metavar="SIZE", help="Host memory the step may use, e.g. 100GiB (default: this machine's RAM).")
     ] = None,
     gpu: Annotated[
-        str, typer.Option(help="The GPU whose measured rows give the rates: its device name contains this.")
+        str, typer.Option(metavar="NAME", help="The GPU whose measured rows give the rates: its device name contains this.")
     ] = "H100",
-    results: Annotated[Path, typer.Option(help="Results CSV or folder with those measured rows.")] = Path("results"),
+    results: Annotated[Path, typer.Option(metavar="CSV|DIR", help="Results CSV or folder with those measured rows.")] = Path("results"),
 ) -> None:
     """Pick StreamBP's checkpoint placement and chunk size for a GPU.
 

@@ -21,13 +21,13 @@ EXAMPLES = (  # the end of its help (options.py examples)
 def report(
     results: ResultsArg,
     out: Annotated[
-        Path | None, typer.Option("--out", "-o", help="Write the Markdown to this file (default: print it).")
+        Path | None, typer.Option("--out", "-o", metavar="FILE", help="Write the Markdown to this file (default: print it).")
     ] = None,
     reference: ReferenceOpt = None,
     exactness: Annotated[
         Path | None,
         typer.Option(
-            "--exactness", help="An exactness CSV written by `sbp check --out`: its table, and the peers' column."
+            "--exactness", metavar="CSV", help="An exactness CSV written by `sbp check --out`: its table, and the peers' column."
         ),
     ] = None,
 ) -> None:

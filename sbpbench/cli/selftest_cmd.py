@@ -20,12 +20,13 @@ EXAMPLES = (  # the end of its help (options.py examples)
 
 def selftest(
     out: Annotated[
-        Path, typer.Option("--out", "-o", help="Results directory: writes OUT/gpu/<device name>/ or OUT/cpu-selftest/.")
+        Path, typer.Option("--out", "-o", metavar="DIR", help="Results directory: writes OUT/gpu/<device name>/ or OUT/cpu-selftest/.")
     ] = Path("results"),
     budget: Annotated[
         float | None,
         typer.Option(
             min=30,
+            metavar="SECONDS",
             help=f"Seconds for the whole test (default: {BUDGET_S['cuda']:g} on a GPU, {BUDGET_S['cpu']:g} on a CPU).",
         ),
     ] = None,

@@ -187,6 +187,7 @@ SETTINGS: dict[str, Setting] = {
         str,
         "Stop when the bracket is this narrow: 1% of the answer (default) or tokens (256).",
         default="1%",
+        metavar="N%|TOKENS",
         search=True,
     ),
     "multiple_of": Setting(int, "Probe lengths are multiples of this (default: 8).", default=8, minimum=1, search=True),
