@@ -1,7 +1,7 @@
 """Numerical identity of methods: loss and every parameter gradient against a reference method.
 
 The error of a tensor is max|ours - ref| / max|ref| (infinity norms), so a tensor of tiny entries
-beside large ones cannot hide a wrong sign. Tolerances are the project's invariants (README.md, "Exactness"):
+beside large ones cannot hide a wrong sign. Tolerances are the project's invariants (docs/exactness.md):
 fp64 1e-10, fp32 1e-5; bf16 is reported, never judged (both sides round differently by design).
 
 fp32 at scale (`judge_against_fp64`): a fixed 1e-5 between two fp32 methods fails on rounding
