@@ -15,7 +15,7 @@ from .options import ReferenceOpt, ResultsArg
 EXAMPLES = (  # the end of its help (options.py examples)
     "sbp report results/                        # print Markdown",
     "sbp report results/ --out report.md --exactness results/exactness.csv",
-    "sbp report results/cpu/peers_cpu.csv --exactness results/cpu/peers_exactness.csv --glance",
+    "sbp report results/cpu/peers_cpu.csv --glance   # one row per method",
 )
 
 
