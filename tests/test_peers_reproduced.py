@@ -1,8 +1,8 @@
 """The committed CPU peers comparison (issue 16) is what this code measures: CI re-measures the peak
 of every method at the comparison's T = 1024 point with the live-tensor tracker (deterministic on a
 CPU) and compares it to the byte with results/cpu/peers_cpu.csv, whose rows feed the committed
-figures (plots/cpu/) and README's "Choosing a method" table. A change that moves a method's memory
-fails here until the comparison is re-run and re-committed.
+figures (plots/cpu/peers/), README.md's results table and benchmarks/peers_cpu_2026-11-23.md. A
+change that moves a method's memory fails here until the comparison is re-run and re-committed.
 
 In-process (runner.point.measure_point, memory only) rather than `sbp sweep`: the same measurement
 without a worker process per method, so the tier stays within its CI budget.
@@ -47,7 +47,7 @@ def test_every_method_of_the_comparison_has_a_committed_row():
     assert committed.loc["liger", "status"] == "unsupported"  # Triton: CUDA only
     ok = committed[committed["status"] == "ok"]
     peaks = ok["activation_peak_bytes"]
-    # What README's table claims: StreamBP holds the least; the chunked head removes the logits.
+    # What those tables show: StreamBP holds the least; the chunked head removes the logits.
     assert peaks.idxmin() == "streambp"
     assert peaks["ckpt-chunked-ce"] < peaks["ckpt"] < peaks["bp"]
 

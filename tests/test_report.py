@@ -13,7 +13,7 @@ from sbpbench.models import full_depth
 from sbpbench.records import load_results, read_rows, upsert_rows
 from sbpbench.records.reference import load_reference
 from sbpbench.records.store import encode_row
-from sbpbench.report import markdown_report
+from sbpbench.report import glance_markdown, markdown_report
 from tests.fixtures.make_results import fixture_rows
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -233,3 +233,8 @@ def test_placements_section_compares_streambp_placements(tmp_path):
     one_placement = [r for r in rows if r.checkpoints == "gpu"]
     upsert_rows(tmp_path / "one.csv", one_placement)
     assert placements_section(load_results(tmp_path / "one.csv"), _markdown_table) == []
+
+
+def test_glance_without_peers_says_so(table):
+    """`sbp report --glance` of rows with no peer method prints one line saying there is no table."""
+    assert glance_markdown(table) == "No measured rows of a peer method: no summary table.\n"

@@ -15,6 +15,7 @@ from .options import ReferenceOpt, ResultsArg
 EXAMPLES = (  # the end of its help (options.py examples)
     "sbp report results/                        # print Markdown",
     "sbp report results/ --out report.md --exactness results/exactness.csv",
+    "sbp report results/cpu/peers_cpu.csv --glance   # one row per method",
 )
 
 
@@ -30,20 +31,30 @@ def report(
             "--exactness", metavar="CSV", help="An exactness CSV written by `sbp check --out`: its table, and the peers' column."
         ),
     ] = None,
+    glance: Annotated[
+        bool,
+        typer.Option(
+            "--glance",
+            help="Only the summary table: one row per method, at the lengths every method ran (README.md's).",
+        ),
+    ] = False,
 ) -> None:
     """Compare results with the paper's numbers, as Markdown.
 
     The ratio ours / paper on comparable devices, the rows the paper has no counterpart for, and
     estimates beside measurements."""
     from ..models import full_depth
-    from ..report import markdown_report
+    from ..report import glance_markdown, markdown_report
     from ..report.inputs import load_paper, load_table
 
     with user_errors():
         table = load_table(results)
         paper, note = load_paper(reference)
         checked = read_exactness(exactness) if exactness is not None else None
-        text = markdown_report(table, paper, full_depth=full_depth, exactness=checked)
+        if glance:
+            text = glance_markdown(table, exactness=checked)
+        else:
+            text = markdown_report(table, paper, full_depth=full_depth, exactness=checked)
         if out is not None:
             try:
                 out.parent.mkdir(parents=True, exist_ok=True)

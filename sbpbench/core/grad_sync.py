@@ -125,7 +125,7 @@ def for_model(model: nn.Module, parts: DecoderParts) -> GradSync:
         raise ValueError(
             "this model's parameters are managed by DeepSpeed ZeRO: pass the DeepSpeedEngine that "
             "deepspeed.initialize returned, stream_backward(engine, ...), not engine.module, so that "
-            "StreamBP can run the engine's backward prologue and reductions (README.md, 'Several GPUs')"
+            "StreamBP can run the engine's backward prologue and reductions (docs/distributed.md)"
         )
     layers, head_modules = parts.layers, [parts.embed, parts.norm, parts.lm_head]
     try:

@@ -1,7 +1,7 @@
 """Numerical identity of methods: loss and every parameter gradient against a reference method.
 
 The error of a tensor is max|ours - ref| / max|ref| (infinity norms), so a tensor of tiny entries
-beside large ones cannot hide a wrong sign. Tolerances are the project's invariants (README.md, "Exactness"):
+beside large ones cannot hide a wrong sign. Tolerances are the project's invariants (docs/exactness.md):
 fp64 1e-10, fp32 1e-5; bf16 is reported, never judged (both sides round differently by design).
 
 fp32 at scale (`judge_against_fp64`): a fixed 1e-5 between two fp32 methods fails on rounding
@@ -36,7 +36,7 @@ ROUNDING_UNITS = 4
 # judge_against_fp64: a method's fp32 error on a tensor may be this many times BP's own. Per-tensor
 # max-element errors of two correct fp32 methods differ by chance (different summation orders), so
 # the factor leaves room (streambp over bp, per tensor: at most 1.15x on the Qwen3-4B shape at T=256,
-# 1.45x on tiny/qwen3; results/cpu/fp32_vs_fp64.md), while a wrong gradient (off by far more than
+# 1.45x on tiny/qwen3; benchmarks/fp32_vs_fp64_cpu_2026-11-23.md), while a wrong gradient (off by far more than
 # rounding) still fails (tests/test_exactness_fp32.py).
 FP32_ERROR_FACTOR = 4.0
 # Relative floor on every tensor's bound: BP may round a tensor (nearly) exactly where another

@@ -2,7 +2,7 @@
 and as torchtitan applies it: one FSDP unit per decoder layer, then the root (embedding, final
 norm and lm_head, tied or not, stay in the root unit; core/grad_sync.py). FULL_SHARD: parameters,
 gradients and optimizer moments are split 1/N over the ranks; a layer's parameters are gathered
-while it runs. README.md, "Several GPUs (FSDP2)".
+while it runs. docs/distributed.md, "FSDP2".
 """
 
 from __future__ import annotations

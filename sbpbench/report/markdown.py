@@ -43,8 +43,8 @@ def peers_section(table, exactness: list[dict]) -> list[str]:
     """One table per model and setting whose measured rows include a peer (a method beyond the
     paper's): per method its peak memory and time per token at each T, its max T, and how exact it
     was in the exactness CSV (the latest fp64 check, else fp32)."""
-    measured = table[(table["source"] == "measured")]
-    if not (~measured["method"].isin(PAPER_METHODS)).any():
+    groups = _peer_groups(table)
+    if not groups:
         return []
     lines = ["", "## Peers (issue 16)", ""]
     lines += [
@@ -54,31 +54,61 @@ def peers_section(table, exactness: list[dict]) -> list[str]:
             "gradient), from the exactness CSV given with --exactness."
         ),
     ]
+    for rows in groups:
+        like = rows.iloc[-1]
+        seqs = sorted({int(number(t)) for t in rows.loc[rows["kind"] == "point", "seq_len"] if present(t)})
+        lines += ["", f"### {like['model']}: {setting(like, seq_len=False)}, {run(like)}", ""]
+        lines += _peers_table(rows, seqs, exactness)
+        lines += _verdict(rows)
+    return lines
+
+
+def glance_table(table, exactness: list[dict]) -> list[str]:
+    """The first peers table (`peers_section`) cut to the lengths every method ran at, under a
+    one-line caption naming model, setting and device: a summary short enough for a README
+    (`sbp report --glance`). [] when no group has a peer."""
+    groups = _peer_groups(table)
+    if not groups:
+        return []
+    rows = groups[0]
+    points = rows[rows["kind"] == "point"]
+    per_method = [{int(number(t)) for t in g["seq_len"] if present(t)} for _, g in points.groupby("method")]
+    seqs = sorted(set.intersection(*per_method)) if per_method else []
+    like = rows.iloc[-1]
+    caption = f"{like['model']}: {setting(like, seq_len=False)}, {run(like)}"
+    return [caption, "", *_peers_table(rows, seqs, exactness)]
+
+
+def _peer_groups(table) -> list:
+    """The measured rows of each model and setting (PEERS_GROUP) that include a peer, in a stable
+    order, each sorted by time."""
+    measured = table[(table["source"] == "measured")]
     groups = {}
     for index, row in measured.iterrows():
         groups.setdefault(tuple(str(row[c]) for c in PEERS_GROUP), []).append(index)
+    found = []
     for key in sorted(groups, key=lambda k: tuple(natural_key(p) for p in k)):
         rows = measured.loc[groups[key]].sort_values("timestamp_utc", kind="stable")
-        if rows["method"].isin(PAPER_METHODS).all():
-            continue
-        like = rows.iloc[-1]
-        seqs = sorted({int(number(t)) for t in rows.loc[rows["kind"] == "point", "seq_len"] if present(t)})
-        headers = ["method", *(f"T={t}" for t in seqs), "max T", "exact vs bp"]
-        cells = []
-        for method in sorted(rows["method"].unique(), key=_method_rank):
-            mine = rows[rows["method"] == method]
-            row_cells = [method]
-            for t in seqs:
-                at = mine[(mine["kind"] == "point") & (mine["seq_len"].map(number) == t)]
-                row_cells.append(_peer_cell(at.iloc[-1]) if len(at) else "")
-            answers = mine[mine["kind"] == "maxlen"]
-            row_cells.append(max_t_cell(answers.iloc[-1]) if len(answers) else "")
-            row_cells.append(_exact_cell(method, exactness))
-            cells.append(row_cells)
-        lines += ["", f"### {like['model']}: {setting(like, seq_len=False)}, {run(like)}", ""]
-        lines += _markdown_table(tuple(headers), cells)
-        lines += _verdict(rows)
-    return lines
+        if not rows["method"].isin(PAPER_METHODS).all():
+            found.append(rows)
+    return found
+
+
+def _peers_table(rows, seqs: list[int], exactness: list[dict]) -> list[str]:
+    """Per method: peak and time per token at each T of seqs, its max T, how exact it was."""
+    headers = ["method", *(f"T={t}" for t in seqs), "max T", "exact vs bp"]
+    cells = []
+    for method in sorted(rows["method"].unique(), key=_method_rank):
+        mine = rows[rows["method"] == method]
+        row_cells = [method]
+        for t in seqs:
+            at = mine[(mine["kind"] == "point") & (mine["seq_len"].map(number) == t)]
+            row_cells.append(_peer_cell(at.iloc[-1]) if len(at) else "")
+        answers = mine[mine["kind"] == "maxlen"]
+        row_cells.append(max_t_cell(answers.iloc[-1]) if len(answers) else "")
+        row_cells.append(_exact_cell(method, exactness))
+        cells.append(row_cells)
+    return _markdown_table(tuple(headers), cells)
 
 
 def _verdict(rows) -> list[str]:
@@ -213,6 +243,13 @@ def markdown_report(
     if exactness:
         lines += exactness_section(exactness)
     return "\n".join(lines) + "\n"
+
+
+def glance_markdown(table, exactness=None) -> str:
+    """`sbp report --glance`: `glance_table` of the results as Markdown, or a line saying why there
+    is none."""
+    lines = glance_table(complete_columns(table), exactness or [])
+    return "\n".join(lines or ["No measured rows of a peer method: no summary table."]) + "\n"
 
 
 def _counts(table) -> str:
