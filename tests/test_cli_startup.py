@@ -15,7 +15,8 @@ from typer.testing import CliRunner
 
 from sbpbench.cli import peers_cmd, selftest_cmd
 from sbpbench.cli.errors import error_kind, user_errors
-from sbpbench.cli.options import FLAGS, point_command
+from sbpbench.cli.flags import FLAGS
+from sbpbench.cli.options import point_command
 from sbpbench.core import UnsupportedModelError
 from sbpbench.runner import official, selftest
 from sbpbench.settings import ConfigError

@@ -6,7 +6,7 @@ import pytest
 import typer
 
 from sbpbench.cli import app
-from sbpbench.cli.options import FLAGS
+from sbpbench.cli.flags import FLAGS
 from sbpbench.config import FIELD_NAMES, ConfigError, MaxlenSpec, RunSpec, point_specs
 from sbpbench.config.experiment import POINT_KEYS
 

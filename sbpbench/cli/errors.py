@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from ..settings import ConfigError
-from .options import FLAGS
+from .flags import FLAGS
 
 _stderr = Console(stderr=True)
 

@@ -2,7 +2,7 @@
 theirs by setting name.
 
 An option is named after the setting it sets, so a flag, an experiment-file key and a Python
-keyword are one name, and a ConfigError about a setting is shown with the user's flag (FLAGS).
+keyword are one name, and a ConfigError about a setting is shown with the user's flag (flags.py).
 Defaults live in the config: an option left out is None here and filled there.
 
 Typer reads a command's parameters from its signature. `point_command` gives a command the
@@ -23,23 +23,11 @@ from typing import Annotated, Any
 import typer
 
 from ..settings import POINT_SETTINGS, SETTINGS, ConfigError
+from .errors import user_errors
+from .flags import flags_of
 
 NUMERIC = (int, float, (int, float))  # kinds read as text and parsed here: `--seq abc` is a one-line error
 CHOICES_IN_METAVAR = 24  # a longer [a|b|...] overflows the help's 30-column option field: named in the help instead
-
-
-def flags_of(name: str) -> tuple[str, ...]:
-    """A setting's flags: the spellings it keeps from before, else its name with dashes (a bool:
-    --name/--no-name)."""
-    setting = SETTINGS[name]
-    if setting.flags:
-        return setting.flags
-    dashed = name.replace("_", "-")
-    return (f"--{dashed}/--no-{dashed}",) if setting.kind is bool else (f"--{dashed}",)
-
-
-# setting -> the flag a user typed, for messages ("--seq must be at least 2")
-FLAGS: dict[str, str] = {name: flags_of(name)[0].split("/")[0] for name in SETTINGS}
 
 
 def option(name: str, *, help: str | None = None, aliases: tuple[str, ...] = ()) -> Any:
@@ -153,8 +141,6 @@ def point_command(
             settings = {name: values.pop(name) for name in fields if name != "method"}
             numeric = [n for n, v in settings.items() if isinstance(v, str) and SETTINGS[n].kind in NUMERIC]
             if numeric:
-                from .errors import user_errors  # errors.py imports this module's FLAGS
-
                 with user_errors():
                     settings |= {name: parse_number(name, settings[name]) for name in numeric}
             given = {k: v for k, v in settings.items() if v is not None}
