@@ -245,7 +245,7 @@ def test_a_sharded_rebuild_gathers_each_layer_once_and_runs_it_hook_free(monkeyp
     """Under a data-parallel sync (FSDP2, DeepSpeed) a segment rebuild holds each rebuilt layer
     gathered once (sync.rebuilding) and runs its chunks through sync.call (hook-free): the gradients
     are the gpu placement's, and no layer hook runs in the rebuild."""
-    from sbpbench.core.grad_sync import GradSync
+    from sbpbench.core.grad_sync_base import GradSync
 
     rebuilt, hooked = [], []
 

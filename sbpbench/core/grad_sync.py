@@ -31,11 +31,13 @@ torch release that changes them fails CI instead of silently changing gradients.
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 
 from torch import nn
 
 from .adapters import DecoderParts
+from .grad_sync_base import GradSync, NoSync
+from .grad_sync_deepspeed import DeepSpeedSync, is_engine, under_zero
 
 # FSDP2 internals used (torch 2.13; older releases have one `_fsdp_param_group`, see _param_groups):
 #   FSDPModule._get_fsdp_state()                  the unit's FSDPState
@@ -45,68 +47,8 @@ from .adapters import DecoderParts
 # FSDP2Sync.__init__ checks they exist and raises otherwise.
 
 
-class GradSync:
-    """One process: nothing to gather or reduce; chunks go through `__call__` (hooks run)."""
-
-    def begin_step(self) -> None:
-        pass
-
-    def call(self, layer: nn.Module):
-        return layer
-
-    def gathered(self, layer: nn.Module):
-        """A context holding `layer`'s parameters gathered while the checkpoint pass runs its chunks
-        (nothing to do here; FSDP2's hooks on the layer's __call__ already gather once per call)."""
-        return nullcontext()
-
-    def rebuilding(self, layer: nn.Module):
-        """A context holding `layer`'s parameters gathered while a recompute placement rebuilds its
-        output chunk by chunk through `call(layer)` (placement.py): one gather per rebuild."""
-        return nullcontext()
-
-    def head(self, module: nn.Module):
-        """What to call for the embedding, the final norm or the lm_head."""
-        return module
-
-    def gather_head(self) -> None:
-        """Before the head and the embedding's backward: their parameters gathered (no collective
-        when still gathered)."""
-
-    def begin(self, layer: nn.Module) -> None:
-        pass
-
-    def end(self, layer: nn.Module) -> None:
-        pass
-
-    def end_step(self) -> None:
-        pass
-
-    def objective(self, objective):
-        """The objective as the engine's backward would see it (DeepSpeed: gradient / accumulation steps)."""
-        return objective
-
-    def abort(self) -> None:
-        """After an exception mid-step: leave the engine ready for the next step."""
-
-    @contextmanager
-    def step(self):
-        """begin_step() on entry, end_step() after a body that finished, abort() after one that raised."""
-        self.begin_step()
-        try:
-            yield self
-        except BaseException:
-            self.abort()
-            raise
-        self.end_step()
-
-
-NoSync = GradSync
-
-
 def unwrap(model: nn.Module) -> nn.Module:
     """The model a DeepSpeedEngine wraps (engine.module), else `model` itself."""
-    from .grad_sync_deepspeed import is_engine
-
     return model.module if is_engine(model) else model
 
 
@@ -116,8 +58,6 @@ def for_model(model: nn.Module, parts: DecoderParts) -> GradSync:
     norm and lm_head must belong to the root unit or to units holding no decoder layer. A module
     under ZeRO given without its engine is refused, and so is sequence/context parallelism
     (check_no_sequence_parallel)."""
-    from .grad_sync_deepspeed import DeepSpeedSync, is_engine, under_zero
-
     check_no_sequence_parallel(model, parts.config)
     if is_engine(model):
         return DeepSpeedSync(model, parts)

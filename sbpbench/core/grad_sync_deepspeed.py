@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from .adapters import DecoderParts, trainable
-from .grad_sync import GradSync
+from .grad_sync_base import GradSync
 
 # DeepSpeed internals used (0.19), checked by DeepSpeedSync.__init__ (_check_internals):
 #   DeepSpeedEngine._backward_prologue()     what engine.backward runs before loss.backward()

@@ -23,8 +23,9 @@ from .adapters import DecoderParts, check_no_attention_dropout, resolve_parts, t
 from .attention import ATTENTION_NAME
 from .checkpoints import Checkpoints, chunked_layer_forward, forward_checkpoints
 from .grad_accum import ChunkGradAccumulator
-from .grad_sync import GradSync, unwrap
 from .grad_sync import for_model as grad_sync_for
+from .grad_sync import unwrap
+from .grad_sync_base import GradSync
 from .head import head_backward
 from .layer_backward import layer_backward
 from .layout import build_layout
