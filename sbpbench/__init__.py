@@ -2,9 +2,10 @@
 
 Layer map: each package's job, then after "->" the packages of ours it may import besides itself.
 tests/test_layers.py reads the map from this docstring and fails on any other import of ours, at
-module or function level. A module that needs a back-edge is in the wrong package. Any module may
-import this root module (it runs before any of them anyway); `sbpbench` here is the root itself
-and __main__.py.
+module or function level or by a string (a loader's argument, a preload list), on an arrow no
+import uses, and on any import cycle between modules. A module that needs a back-edge is in the
+wrong package. Any module may import this root module (it runs before any of them anyway);
+`sbpbench` here is the root itself and __main__.py.
 
     settings: every setting a user can give (type, default, check, help, flag, which methods read it), ConfigError; torch-free -> nothing
     core: exact StreamBP (layer-wise backward, chunked LM head, objectives) -> nothing
@@ -12,10 +13,11 @@ and __main__.py.
     records: the results schema, its CSV files, and reading their rows (select.py) -> measure, settings
     models: named model shapes (shipped configs), local checkpoints and Hub ids, building them, LoRA -> core
     data: synthetic batches per objective (of core: objective types, label constants) -> core, settings
-    methods: the compared methods by name, the training step, exactness checks -> core, data, models, settings
-    config: typed, validated settings of points and searches, experiment files, a spec's model and batch -> settings, methods, models, data, measure, records, core
-    runner: points measured in own processes, sweeps, max-T search -> config, methods, measure, records, models, data
-    simulate: peak memory predicted under fake tensors -> config, methods, measure, records, models, data, core
+    methods: the compared methods by name, the training step, exactness checks -> core, data, settings
+    config: typed, validated settings of points and searches, experiment files -> settings, methods, models, data, measure, records, core
+    points: a spec's model, batch and step, its row's key and provenance (runner's and simulate's) -> config, methods, models, data, measure, records
+    runner: points measured in own processes, sweeps, max-T search, timeouts -> points, config, methods, measure, records, models, core
+    simulate: peak memory predicted under fake tensors -> points, config, methods, measure, records, models, data, core
     report: the results table beside the paper's numbers, as Markdown -> records, measure
     plot: figures of a results table -> records, measure, settings
     cli: the `sbp` commands (each imports torch's side inside its function) -> settings, config, runner, simulate, report, plot, records, measure, models

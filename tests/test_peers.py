@@ -202,9 +202,9 @@ def test_official_is_exact_but_for_its_normalisation():
     loss is float32). With several rows and several logits chunks its per-chunk token counts are
     off too (it subtracts one boundary token per chunk, not per row): the error is larger."""
     from sbpbench.config import point_specs
-    from sbpbench.config.build import build_model_and_batch
     from sbpbench.config.run import EXACTNESS_DEFAULTS
     from sbpbench.methods.exactness import step_gradients
+    from sbpbench.points.build import build_model_and_batch
     from sbpbench.runner.official import official_gradients
 
     def run(seq_len, batch_size, logits_chunk):
@@ -293,8 +293,8 @@ def test_a_max_length_search_of_an_unsupported_method_answers_unsupported(tmp_pa
     """A search whose first probe is unsupported stops there: its answer row is kind maxlen, status
     unsupported, with the probe's reason (no error, no guessed length)."""
     from sbpbench.config import MaxlenSpec, Resolution
-    from sbpbench.config.rows import spec_fields
     from sbpbench.measure.environment import capture_environment
+    from sbpbench.points.rows import spec_fields
     from sbpbench.records import ResultRow, read_rows
     from sbpbench.runner.maxlen import find_max_len
 

@@ -40,6 +40,7 @@ from ..settings import (
 from ..settings.table import DEVICE_KINDS, is_int
 from .device import device_kind, resolve_device
 from .sdpa import check_sdpa_backend
+from .timing import long_context_defaults
 
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}  # keys: settings DTYPE_NAMES
 
@@ -84,7 +85,7 @@ class RunSpec:
     repeats: int = default_of("repeats")  # timed steps (0: memory only, as a max-length probe)
     memory_limit: int | None = default_of("memory_limit")  # bytes; CUDA: per-process cap; CPU: on tracked bytes
     seed: int = default_of("seed")
-    timeout_s: float | None = default_of("timeout_s")  # None: predicted from the FLOP model (config/timing.py)
+    timeout_s: float | None = default_of("timeout_s")  # None: predicted from the FLOP model (runner/timeout.py)
     # torch intra-op threads in the worker (None: OMP_NUM_THREADS if set, else the physical cores this
     # process may use). Not part of a row's key: it changes time, not memory or the work done, like
     # the host's load; each row records it (num_threads), and a rerun with another count replaces
@@ -224,7 +225,6 @@ def point_specs(
     defaults_for, else of the resolved device), then the objective's batch size. The model is
     checked here, before any process starts."""
     from ..models import load_config, weights_source
-    from .timing import long_context_defaults
 
     given = {**(defaults or {}), **{k: v for k, v in values.items() if v is not None}}
     unknown = sorted(set(given) - set(FIELD_NAMES))

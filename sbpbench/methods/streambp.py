@@ -15,7 +15,6 @@ from contextvars import ContextVar
 import torch
 
 from ..core import stream_backward
-from ..core.placement import observe_stores  # noqa: F401 (for the runner, which does not import core)
 from ..core.stream import LayerProgress
 from ..data import Batch
 

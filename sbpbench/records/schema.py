@@ -139,7 +139,7 @@ class ResultRow(_MethodColumns):
     weights: str = ""  # real (a checkpoint's: --weights) | random (seeded); not in the key
     warmup_steps: int | None = None
     repeats: int | None = None
-    timeout_s: float | None = None  # the point's timeout: given, or predicted from its FLOPs (config/timing.py)
+    timeout_s: float | None = None  # the point's timeout: given, or predicted from its FLOPs (runner/timeout.py)
     # what the step computed
     loss: float | None = None
     num_tokens: int | None = None  # non-padding tokens in the batch

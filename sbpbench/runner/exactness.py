@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from ..config import RunSpec
-from ..config.build import build_model_and_batch
 from ..config.chunks import resolved_settings
 from ..methods import METHODS, MethodSettings
 from ..methods.exactness import MethodComparison, compare_methods, compare_step, judge_against_fp64, step_gradients
+from ..points.build import build_model_and_batch
 
 
 @dataclass(frozen=True)

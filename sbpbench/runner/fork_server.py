@@ -42,13 +42,13 @@ _RUNTIME_ENV = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", INIT_METHOD_ENV})
 _START_TIMEOUT_S = 600.0  # the server's imports: seconds on an idle machine, minutes on a swamped one
 _MESSAGE_BYTES = 1 << 20
 _REAP_INTERVAL_S = 0.05
-# What a point imports: the worker, model building (transformers' generation mixin), the supported
-# families' modelling code, LoRA. Not deepspeed (a ZeRO point imports it itself: seconds, rarely used).
+# What a point imports: the worker (and with it core, DeepSpeed's sync included), model building
+# (transformers' generation mixin), the supported families' modelling code, LoRA. Not deepspeed
+# itself (a ZeRO point imports it: seconds, rarely used).
 _PRELOAD = (
     "sbpbench.runner.worker",
     "sbpbench.models.build",
     "sbpbench.models.lora",
-    "sbpbench.core.grad_sync_deepspeed",
     "transformers.generation.utils",
     "transformers.models.llama.modeling_llama",
     "transformers.models.qwen2.modeling_qwen2",

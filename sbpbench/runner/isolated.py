@@ -22,22 +22,21 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import fields
 from datetime import datetime, timezone
 from pathlib import Path
 
 from ..config import RunSpec
-from ..config.rows import spec_fields
-from ..config.timing import point_timeout_s
 from ..measure.environment import Environment, capture_environment
 from ..measure.progress import PROGRESS_PREFIX
 from ..methods import METHODS, data_parallel_unsupported
+from ..points.rows import provenance, spec_fields
 from ..records import ResultRow, upsert_rows
 from . import fork_server
 from .allocator import worker_environment
+from .official import run_official
 from .ranks import INIT_METHOD_ENV, merge_rank_rows
+from .timeout import point_timeout_s
 
-_ROW_FIELDS = {f.name for f in fields(ResultRow)}
 _STDERR_TAIL_LINES = 20
 POINT_DIR_PREFIX = "sbp-point-"
 _HELD = ".held"  # flocked by the process that owns a point's directory, for as long as it runs
@@ -47,12 +46,6 @@ Worker = subprocess.Popen | fork_server.ForkedWorker  # what _start_worker retur
 # After one rank exits without an ok result, how long the others may take to finish on their own
 # (a rank blocked in a collective with the failed one never would): then they are killed.
 RANK_GRACE_S = 30.0
-
-
-def provenance(env: Environment) -> dict:
-    """The row columns an environment fills (all but `device`, which the spec sets)."""
-    values = env.as_dict()
-    return {k: v for k, v in values.items() if k in _ROW_FIELDS and k != "device"}
 
 
 def _last_error_line(stderr: str) -> str:
@@ -110,8 +103,6 @@ def run_isolated(spec: RunSpec, env: Environment | None = None) -> ResultRow:
     env = env or capture_environment(spec.device)
     reason = data_parallel_unsupported(spec.method, spec.nproc)
     if METHODS[spec.method].external and reason is None:  # its own environment and driver, the same protocol
-        from .official import run_official
-
         row = run_official(spec, env)
         row.timestamp_utc = datetime.now(timezone.utc).isoformat(timespec="seconds")
         return row

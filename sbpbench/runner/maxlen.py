@@ -5,7 +5,7 @@ from the CSV. The answer is one more row: kind maxlen, with the longest ok and s
 A probe that times out stops the search (ProbeFailed), as an error does, and is not taken as an
 upper bound: the answer is read as a memory limit (the paper's max T, the ratio to ckpt), and a
 length cut by time says nothing about memory. A probe is one memory step and its timeout is the
-FLOP model's, with a wide margin (config/timing.py), so a timeout is a hung or starved machine: the
+FLOP model's, with a wide margin (timeout.py), so a timeout is a hung or starved machine: the
 message says to rerun with a larger --timeout, and the probes so far are kept for the resume.
 (A sweep's grid, which answers no such question, skips the longer points of a timed-out series.)"""
 
@@ -15,8 +15,8 @@ from collections.abc import Callable, Mapping
 from datetime import datetime, timezone
 
 from ..config import MaxlenSpec, RunSpec
-from ..config.rows import spec_key
 from ..measure.environment import Environment, capture_environment
+from ..points.rows import spec_key
 from ..records import ResultRow, decode_row, read_rows, row_key, upsert_rows
 from ..records.select import is_oom
 from .isolated import run_isolated

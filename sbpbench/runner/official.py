@@ -24,13 +24,13 @@ from pathlib import Path
 import torch
 
 from ..config import RunSpec
-from ..config.build import make_spec_batch
 from ..config.chunks import resolved_settings
-from ..config.rows import spec_fields
 from ..config.run import DTYPES
-from ..config.timing import point_timeout_s
 from ..measure.environment import Environment
+from ..points.build import make_spec_batch
+from ..points.rows import provenance, spec_fields
 from ..records import ResultRow
+from .timeout import point_timeout_s
 
 VENV_VARIABLE = "SBP_OFFICIAL_VENV"  # where the virtualenv is (default below)
 DEFAULT_VENV = Path.home() / ".cache" / "sbpbench" / "peers" / "official"
@@ -135,8 +135,6 @@ def _config(spec: RunSpec):
 def run_official(spec: RunSpec, env: Environment) -> ResultRow:
     """Measure one point through the official code; the row as the project's worker writes it,
     with the official environment's transformers version."""
-    from .isolated import provenance
-
     row = ResultRow(**spec_fields(spec))
     row.weights = "random"  # the driver builds the config's model itself, never a checkpoint's weights
     for name, value in provenance(env).items():

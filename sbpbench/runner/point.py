@@ -39,8 +39,7 @@ from contextlib import nullcontext
 import torch
 
 from ..config import RunSpec
-from ..config.build import build_model_and_batch, training_step
-from ..config.rows import spec_fields
+from ..core.placement import observe_stores
 from ..measure.cuda_memory import NvmlPeakSampler, nvml_handle, start_cuda
 from ..measure.flops import training_flops
 from ..measure.host_memory import peak_rss_bytes, reset_peak_rss, total_ram_bytes
@@ -52,7 +51,9 @@ from ..measure.threads import load_average_1m, set_intra_op_threads
 from ..measure.timing import time_steps
 from ..methods import MethodUnsupported
 from ..methods.step import TrainingStep, storage_bytes
-from ..methods.streambp import observe_stores, reporting_progress
+from ..methods.streambp import reporting_progress
+from ..points.build import build_model_and_batch, training_step
+from ..points.rows import spec_fields
 from ..records import ResultRow, one_line
 from . import ranks
 from .allocator import allocator_setting

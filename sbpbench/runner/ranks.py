@@ -17,8 +17,8 @@ from dataclasses import dataclass, fields
 import torch
 
 from ..config import RunSpec
-from ..config.build import build_model_and_batch, training_step
 from ..methods.step import TrainingStep
+from ..points.build import build_model_and_batch, training_step
 from ..records import ResultRow
 
 INIT_METHOD_ENV = "SBP_INIT_METHOD"

@@ -38,12 +38,12 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ..config.timing import executed_flops
 from ..measure.environment import Environment
 from ..measure.flops import phase_flops
 from ..models import load_config
 from ..records import read_rows
 from .selftest_summary import estimate_errors, progress_seconds, pytest_counts, summary_markdown
+from .timeout import executed_flops
 
 GPU_BUDGET_S = 480.0  # the issue's 8 minutes on one H100
 # The CPU subset's own work is about 150 CPU-seconds (three commands and three workers, each
@@ -168,7 +168,7 @@ def _probe(test: Selftest, model: str, seq_len: int, method: str, timeout_s: flo
 
 def offload_timeout_s(placement: str, config) -> float:
     """The offload point's time limit: POINT_OVERHEAD_S plus OFFLOAD_MARGIN x its two steps' executed
-    FLOPs (config/timing.py: a recompute placement runs one forward more) at the assumed rate."""
+    FLOPs (timeout.py: a recompute placement runs one forward more) at the assumed rate."""
     flops = executed_flops(config, method="streambp", batch_size=1, seq_len=OFFLOAD_SEQ_LEN, checkpoints=placement)
     return POINT_OVERHEAD_S + OFFLOAD_MARGIN * 2 * flops * seconds_per_executed_flop(None, config)
 

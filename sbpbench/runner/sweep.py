@@ -5,7 +5,7 @@ or a SIGKILL loses at most the point in flight, and a rerun skips what the CSV a
 (same key). A point is certain OOM, and recorded as `skipped` without running, when a point of
 the same settings with no longer sequence and no larger batch already ran out of memory; likewise
 certain to time out when such a point timed out: a timeout is predicted from the point's FLOPs
-(config/timing.py), so a machine that missed it at T is too slow by the same factor at longer T, and
+(timeout.py), so a machine that missed it at T is too slow by the same factor at longer T, and
 the longer points of the series are not run for their full (longer) timeouts.
 """
 
@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from ..config import MaxlenSpec, RunSpec
-from ..config.rows import spec_fields, spec_key
 from ..measure.environment import Environment, capture_environment
+from ..points.rows import provenance, spec_fields, spec_key
 from ..records import KEY_COLUMNS, ResultRow, read_rows, row_key, upsert_rows
 from ..records.schema import SKIPPED_OOM, SKIPPED_TIMEOUT
 from ..records.select import is_oom
-from .isolated import provenance, run_isolated
+from .isolated import run_isolated
 from .maxlen import Measure, find_max_len
 
 # Rows a resumed sweep keeps; an error is retried (a fixed bug or a freed device may cure it).

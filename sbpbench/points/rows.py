@@ -1,14 +1,19 @@
-"""The results-row columns a spec fixes before anything runs, and the key of its row."""
+"""The results-row columns a spec fixes before anything runs, the key of its row, and the columns
+the environment it ran in fills."""
 
 from __future__ import annotations
 
+from dataclasses import fields
 from functools import cache
 
+from ..config.chunks import auto_settings, resolved_settings
+from ..config.run import RunSpec
 from ..data import prompt_length
+from ..measure.environment import Environment
 from ..methods import METHODS
-from ..records import row_key
-from .chunks import auto_settings, resolved_settings
-from .run import RunSpec
+from ..records import ResultRow, row_key
+
+_ROW_FIELDS = {f.name for f in fields(ResultRow)}
 
 
 @cache
@@ -59,3 +64,9 @@ def spec_key(spec: RunSpec, *, device_name: str, source: str = "measured", kind:
     if kind == "maxlen":
         values["seq_len"] = None
     return row_key(values)
+
+
+def provenance(env: Environment) -> dict:
+    """The row columns an environment fills (all but `device`, which the spec sets)."""
+    values = env.as_dict()
+    return {k: v for k, v in values.items() if k in _ROW_FIELDS and k != "device"}

@@ -3,9 +3,9 @@ adapters, the objective's synthetic batch. Shared by the measured worker, `sbp c
 
 from __future__ import annotations
 
+from ..config.chunks import resolved_settings
+from ..config.run import DTYPES, RunSpec
 from ..methods.step import TrainingStep
-from .chunks import resolved_settings
-from .run import DTYPES, RunSpec
 
 
 def build_model_and_batch(
