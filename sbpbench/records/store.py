@@ -6,7 +6,8 @@ the umask gives a new file (an existing file keeps its own). A process killed at
 leaves either the old table or the new one, never a torn row. A lock file beside the CSV
 serialises concurrent writers (read-modify-write would otherwise lose rows); its holder removes
 it, and one left by a killed process is stale (no process holds its flock) and removed by the
-next writer.
+next writer. Raw fcntl, not the `filelock` package: its FileLock keeps the lock file after release
+(to keep waiters on one inode); here a waiter re-checks the inode instead, so no file is left.
 
 Reading checks every row against the schema: a file whose header lacks REQUIRED_COLUMNS is not
 a results CSV (ValueError); a row cut short or missing a required value is skipped with a

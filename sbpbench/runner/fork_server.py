@@ -3,6 +3,9 @@ sbpbench forks each point's worker, instead of a fresh interpreter importing the
 7 s a point on an idle 2-core VM and 13 s on a loaded one, where a tiny point's step takes well
 under a second).
 
+Not multiprocessing's forkserver (set_forkserver_preload): one server a process, kept in the environment it began in;
+a child gets no stderr pipe, session or rank group of its own, and outlives a SIGKILLed parent (holds the alive pipe).
+
 A forked worker starts where a fresh one would be after its imports, so isolation is unchanged:
 the server runs no tensor operation, starts no thread (torch's thread pools start in the worker,
 which sets its own thread count) and never touches CUDA. GPU points keep a fresh interpreter

@@ -39,6 +39,8 @@ from .timeout import point_timeout_s
 
 _STDERR_TAIL_LINES = 20
 POINT_DIR_PREFIX = "sbp-point-"
+# Raw fcntl, not the `filelock` package: its FileLock creates the file it probes (O_CREAT), which would
+# turn an unmarked directory (an older sbpbench's, stale after an hour) into a marked, unheld one.
 _HELD = ".held"  # flocked by the process that owns a point's directory, for as long as it runs
 _HELD_GRACE_S = 60  # an unheld directory younger than this may be one whose owner has not locked it yet
 _UNMARKED_STALE_S = 3600  # a directory without the mark (an older sbpbench's) is stale after an hour
