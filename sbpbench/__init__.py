@@ -14,7 +14,7 @@ wrong package. Any module may import this root module (it runs before any of the
     models: named model shapes (shipped configs), local checkpoints and Hub ids, building them, LoRA -> core
     data: synthetic batches per objective (of core: objective types, label constants) -> core, settings
     methods: the compared methods by name, the training step, exactness checks -> core, data, settings
-    config: typed, validated settings of points and searches, experiment files -> settings, methods, models, data, measure, records, core
+    config: typed, validated settings of points and searches, experiment files -> settings, methods, models, measure, core
     points: a spec's model, batch and step, its row's key and provenance (runner's and simulate's) -> config, methods, models, data, measure, records
     runner: points measured in own processes, sweeps, max-T search, timeouts -> points, config, methods, measure, records, models, core
     simulate: peak memory predicted under fake tensors -> points, config, methods, measure, records, models, data, core
