@@ -202,10 +202,10 @@ def test_official_is_exact_but_for_its_normalisation():
     loss is float32). With several rows and several logits chunks its per-chunk token counts are
     off too (it subtracts one boundary token per chunk, not per row): the error is larger."""
     from sbpbench.config import point_specs
-    from sbpbench.config.run import EXACTNESS_DEFAULTS
     from sbpbench.methods.exactness import step_gradients
     from sbpbench.points.build import build_model_and_batch
     from sbpbench.runner.official import official_gradients
+    from sbpbench.settings import EXACTNESS_DEFAULTS
 
     def run(seq_len, batch_size, logits_chunk):
         values = {

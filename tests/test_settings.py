@@ -5,6 +5,7 @@ derived from it (a scan of the source fails on one written out by hand)."""
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 import textwrap
@@ -129,10 +130,9 @@ LIST_THRESHOLD = 3
 SELECTIONS = {
     "cli/check_cmd.py::UNTIMED": "the point options `sbp check` does not take (nothing is timed)",
     "cli/check_cmd.py::check": "`sbp check`'s help for its options",
-    "cli/estimate_cmd.py::estimate": "`sbp estimate`'s help, and the options a simulation refuses",
     "cli/maxlen_cmd.py::maxlen": "`sbp maxlen`'s help for the point options a search reads its own way",
-    "cli/plan_cmd.py::plan_command": "`sbp plan`'s help, and the options a plan refuses",
-    "config/run.py::EXACTNESS_DEFAULTS": "`sbp check`'s own point: its values, not the settings' defaults",
+    "cli/options.py::PREDICTED_POINT": "what `sbp estimate` and `sbp plan` fix in the point they predict",
+    "cli/options.py::predicted_gpu_point_helps": "`sbp estimate`'s and `sbp plan`'s help for a GPU point's defaults",
     "plot/common.py::POINT_GROUP": "the columns a memory figure holds fixed",
     "plot/maxlen.py::MAXLEN_GROUP": "the columns a max-length figure holds fixed",
     "points/rows.py::spec_fields": "a spec's values as results columns, each converted for its column",
@@ -210,3 +210,34 @@ def test_the_list_check_catches_a_copy():
     )
     found = setting_lists(sample, SETTINGS)
     assert [(owner, len(named)) for _, owner, named in found] == [("KNOBS", 3), ("DEFAULTS", 3), ("uses", 3)]
+
+
+def _option_help(command: str, flag: str) -> str:
+    """The help text of one option of `sbp <command> --help`, its wrapped lines joined."""
+    from sbpbench.cli.docs_page import render_help
+
+    text = render_help(command)
+    start = re.search(rf"^ +(-\w, )?{flag}[ ,]", text, flags=re.MULTILINE).start()
+    lines = [text[start:].splitlines()[0]]
+    for line in text[start:].splitlines()[1:]:
+        if line.lstrip().startswith("-") or not line.strip():
+            break
+        lines.append(line)
+    return " ".join(" ".join(lines).split())
+
+
+def test_command_helps_name_the_defaults_their_command_uses():
+    """`sbp check`'s help names its own point's values (EXACTNESS_DEFAULTS), `sbp estimate`'s and
+    `sbp plan`'s a GPU point's, `sbp maxlen`'s a search's: read from where the command takes them."""
+    from sbpbench.settings import EXACTNESS_DEFAULTS, default_of
+
+    for flag, name in (("--seq", "seq_len"), ("--batch", "batch_size"), ("--chunk-size", "chunk_size")):
+        assert f"(default: {EXACTNESS_DEFAULTS[name]})" in _option_help("check", flag)
+    assert f"(default: {EXACTNESS_DEFAULTS['dtype']})" in _option_help("check", "--dtype")
+    for command in ("estimate", "plan"):
+        assert f"(default: {default_of('seq_len', 'cuda')})" in _option_help(command, "--seq")
+        assert f"default: {default_of('model', 'cuda')})" in _option_help(command, "--model")
+    first = _option_help("maxlen", "--seq")
+    assert (
+        f"{default_of('seq_len', 'cuda', search=True)} cuda, {default_of('seq_len', 'cpu', search=True)} cpu" in first
+    )

@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..records.exactness import ExactnessRow, check_exactness_writable, write_exactness
+from ..settings import EXACTNESS_DEFAULTS
 from .errors import user_errors
 from .options import ExactnessOutOpt, point_command, run_fields_but
 
@@ -29,18 +30,18 @@ EXAMPLES = (  # the end of its help (options.py examples)
 
 @point_command(
     CHECK_FIELDS,
-    helps={
+    helps={  # the defaults named are its own point's (EXACTNESS_DEFAULTS)
         "method": "Methods to compare with bp; several allowed (default: all).",
         "model": "Registry name (`sbp models`), a Hub id ORG/NAME or a local checkpoint directory (default: "
-        "Qwen/Qwen3-0.6B).",
-        "seq_len": "Sequence length T (default: 300).",
-        "batch_size": "Rows per batch (default: 2).",
+        f"{EXACTNESS_DEFAULTS['model']}).",
+        "seq_len": f"Sequence length T (default: {EXACTNESS_DEFAULTS['seq_len']}).",
+        "batch_size": f"Rows per batch (default: {EXACTNESS_DEFAULTS['batch_size']}).",
         "lora_rank": "Check with LoRA adapters of this rank (default: 0, none).",
-        "dtype": "fp64 (tolerance 1e-10, default), fp32 (against an fp64 step: within a small factor of bp's own "
-        "fp32 error) or bf16 (reported only).",
-        "chunk_size": "StreamBP positions per layer chunk (default: 128).",
-        "num_layers": "Keep only the first N decoder layers (default: 2).",
-        "device": "cpu (default), cuda or cuda:N.",
+        "dtype": "fp64 (tolerance 1e-10), fp32 (against an fp64 step: within a small factor of bp's own "
+        f"fp32 error) or bf16 (reported only) (default: {EXACTNESS_DEFAULTS['dtype']}).",
+        "chunk_size": f"StreamBP positions per layer chunk (default: {EXACTNESS_DEFAULTS['chunk_size']}).",
+        "num_layers": f"Keep only the first N decoder layers (default: {EXACTNESS_DEFAULTS['num_layers']}).",
+        "device": f"cpu, cuda or cuda:N (default: {EXACTNESS_DEFAULTS['device']}).",
     },
 )
 def check(settings: dict, methods: tuple[str, ...], out: ExactnessOutOpt = None) -> None:
@@ -48,7 +49,6 @@ def check(settings: dict, methods: tuple[str, ...], out: ExactnessOutOpt = None)
 
     Exit 1 if one does not, printing where and how much it differs."""
     from ..config import method_names, point_specs
-    from ..config.run import EXACTNESS_DEFAULTS
     from ..runner import ExactnessSpec, check_exactness
 
     compared = tuple(m for m in method_names(methods) if m != "bp")  # bp is the reference

@@ -11,7 +11,7 @@ from rich.markup import escape
 from ..measure.units import parse_bytes
 from ..records import check_writable, upsert_rows
 from .errors import user_errors
-from .options import OutOpt, point_command, run_fields_but
+from .options import PREDICTED_POINT, OutOpt, point_command, predicted_gpu_point_helps, run_fields_but
 from .progress import Progress
 from .tables import estimate_table, print_table
 
@@ -30,12 +30,7 @@ EXAMPLES = (  # the end of its help (options.py examples)
 
 @point_command(
     ESTIMATE_FIELDS,
-    helps={
-        "model": "Registry name (`sbp models`), a Hub id ORG/NAME or a local checkpoint directory (its config only; "
-        "default: Qwen/Qwen3-4B).",
-        "seq_len": "Tokens per row, prompt included (default: 9000).",
-        "dtype": "Model dtype (default: bf16).",
-    },
+    helps=predicted_gpu_point_helps(),
 )
 def estimate(
     settings: dict,
@@ -45,7 +40,9 @@ def estimate(
     ] = "80GiB",
     target: Annotated[
         str,
-        typer.Option(metavar="[cuda|cpu]", help="cuda: predict a GPU run; cpu: reproduce what `sbp run --device cpu` measures."),
+        typer.Option(
+            metavar="[cuda|cpu]", help="cuda: predict a GPU run; cpu: reproduce what `sbp run --device cpu` measures."
+        ),
     ] = "cuda",
     exact: Annotated[
         bool, typer.Option("--exact", help="Run the fake step at the point's own depth and length (slow).")
@@ -67,9 +64,7 @@ def estimate(
         if target not in TARGETS:
             raise ValueError(f"unknown --target {target!r}; choose from {', '.join(TARGETS)}")
         gpu_memory_bytes = parse_bytes(gpu_memory)
-        # fake CPU tensors (fake CUDA tensors abort a CPU-only torch build); no warm-up or timing
-        fixed = {"device": "cpu", "warmup": 0, "repeats": 0}
-        specs = point_specs({**settings, **fixed}, methods, defaults_for="cuda")
+        specs = point_specs({**settings, **PREDICTED_POINT}, methods, defaults_for="cuda")
         if out is not None:
             check_writable(out)
     console = Console()

@@ -13,7 +13,7 @@ from rich.markup import escape
 from ..measure.host_memory import total_ram_bytes
 from ..measure.units import parse_bytes
 from ..records import ResultRow, check_writable
-from ..settings import SEARCH_SETTINGS
+from ..settings import SEARCH_SETTINGS, default_of
 from .errors import user_errors
 from .options import point_command, run_fields_but
 from .progress import Progress
@@ -25,6 +25,11 @@ SIMULATED_OUT = Path("results/estimates.csv")
 SIMULATED_DEVICE = "simulated GPU"  # what sbpbench.simulate writes as device_name
 MAXLEN_FIELDS = run_fields_but("repeats") + SEARCH_SETTINGS
 
+
+def _search_default(name: str, device: str):
+    return default_of(name, device, search=True)
+
+
 EXAMPLES = (  # the end of its help (options.py examples)
     "sbp maxlen --model Qwen/Qwen3-8B --memory-limit 80GiB     # Figure 3's max T",
     "sbp maxlen --device cpu --model tiny/qwen3 --memory-limit 10MB",
@@ -35,10 +40,12 @@ EXAMPLES = (  # the end of its help (options.py examples)
 @point_command(
     MAXLEN_FIELDS,
     helps={
-        "seq_len": "First probe length (default: 1024 cuda, 512 cpu).",
+        "seq_len": f"First probe length (default: {_search_default('seq_len', 'cuda')} cuda, "
+        f"{_search_default('seq_len', 'cpu')} cpu).",
         "warmup": "Discarded steps before each probe's memory step (default: 0; its peak needs none).",
-        "memory_limit": "The memory budget, e.g. 80GiB (default: 80GiB on cuda, capping the process so an 80 GB "
-        "card is emulated on a larger one; 1GiB of tracked tensors on cpu).",
+        "memory_limit": f"The memory budget, e.g. 80GiB (default: {_search_default('memory_limit', 'cuda')} on cuda, "
+        "capping the process so a smaller card is emulated on a larger one; "
+        f"{_search_default('memory_limit', 'cpu')} of tracked tensors on cpu).",
     },
     aliases={"seq_len": ("--start",)},
 )
@@ -55,14 +62,17 @@ def maxlen(
         ),
     ] = False,
     gpu_memory: Annotated[
-        str | None, typer.Option(metavar="SIZE", help="--simulate: the GPU's memory, e.g. 80GiB (default: --memory-limit, or 80GiB).")
+        str | None,
+        typer.Option(
+            metavar="SIZE", help="--simulate: the GPU's memory, e.g. 80GiB (default: --memory-limit, or 80GiB)."
+        ),
     ] = None,
     host_memory: Annotated[
         str | None,
         typer.Option(
             metavar="SIZE",
             help="--simulate: host memory for checkpoints a placement keeps there, e.g. 100GiB (default: this "
-            "machine's RAM)."
+            "machine's RAM).",
         ),
     ] = None,
     exact: Annotated[
@@ -72,7 +82,10 @@ def maxlen(
     out: Annotated[
         Path | None,
         typer.Option(
-            "--out", "-o", metavar="CSV", help="Results CSV (default: results/maxlen.csv; simulated: results/estimates.csv)."
+            "--out",
+            "-o",
+            metavar="CSV",
+            help="Results CSV (default: results/maxlen.csv; simulated: results/estimates.csv).",
         ),
     ] = None,
 ) -> None:

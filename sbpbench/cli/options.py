@@ -22,7 +22,7 @@ from typing import Annotated, Any
 
 import typer
 
-from ..settings import POINT_SETTINGS, SETTINGS, ConfigError
+from ..settings import POINT_SETTINGS, SETTINGS, ConfigError, default_of
 from .errors import user_errors
 from .flags import flags_of
 
@@ -66,18 +66,44 @@ OutOpt = Annotated[
 # `sbp check` (here: a point command's own options resolve in this module)
 ExactnessOutOpt = Annotated[
     Path | None,
-    typer.Option("--out", "-o", metavar="CSV", help="Append the comparison to this exactness CSV (read by `sbp report --exactness`)."),
+    typer.Option(
+        "--out",
+        "-o",
+        metavar="CSV",
+        help="Append the comparison to this exactness CSV (read by `sbp report --exactness`).",
+    ),
 ]
 # `sbp plot` and `sbp report`
 ResultsArg = Annotated[
-    Path, typer.Argument(metavar="RESULTS", help="Results CSV, or a directory whose CSVs are read together (written by `sbp run --out`).")
+    Path,
+    typer.Argument(
+        metavar="RESULTS", help="Results CSV, or a directory whose CSVs are read together (written by `sbp run --out`)."
+    ),
 ]
 ReferenceOpt = Annotated[
     Path | None,
     typer.Option(
-        "--reference", metavar="CSV", help="The paper's numbers (default: experiments/reference/streambp_paper.csv in the repository)."
+        "--reference",
+        metavar="CSV",
+        help="The paper's numbers (default: experiments/reference/streambp_paper.csv in the repository).",
     ),
 ]
+
+
+# What `sbp estimate` and `sbp plan` fix in the point they predict: fake CPU tensors (fake CUDA
+# tensors abort a CPU-only torch build), no warm-up or timing.
+PREDICTED_POINT = {"device": "cpu", "warmup": 0, "repeats": 0}
+
+
+def predicted_gpu_point_helps() -> dict[str, str]:
+    """The help of the settings whose default is a GPU point's even on a CPU (`sbp estimate`,
+    `sbp plan` predict a CUDA run): the table's cuda defaults."""
+    return {
+        "model": "Registry name (`sbp models`), a Hub id ORG/NAME or a local checkpoint directory (its config only; "
+        f"default: {default_of('model', 'cuda')}).",
+        "seq_len": f"Tokens per row, prompt included (default: {default_of('seq_len', 'cuda')}).",
+        "dtype": f"Model dtype (default: {default_of('dtype', 'cuda')}).",
+    }
 
 
 def examples(lines: tuple[str, ...]) -> str:

@@ -12,7 +12,7 @@ from rich.table import Table
 from ..measure.host_memory import total_ram_bytes
 from ..measure.units import parse_bytes
 from .errors import user_errors
-from .options import point_command, run_fields_but
+from .options import PREDICTED_POINT, point_command, predicted_gpu_point_helps, run_fields_but
 from .progress import Progress
 from .tables import print_table
 
@@ -48,24 +48,23 @@ EXAMPLES = (  # the end of its help (options.py examples)
 
 @point_command(
     PLAN_FIELDS,
-    helps={
-        "model": "Registry name (`sbp models`), a Hub id ORG/NAME or a local checkpoint directory (its config only; "
-        "default: Qwen/Qwen3-4B).",
-        "seq_len": "Tokens per row, prompt included (default: 9000).",
-        "dtype": "Model dtype (default: bf16).",
-    },
+    helps=predicted_gpu_point_helps(),
 )
 def plan_command(
     settings: dict,
     methods: tuple[str, ...],
     gpu_memory: Annotated[str, typer.Option(metavar="SIZE", help="The GPU's memory, e.g. 80GiB.")] = "80GiB",
     host_memory: Annotated[
-        str | None, typer.Option(metavar="SIZE", help="Host memory the step may use, e.g. 100GiB (default: this machine's RAM).")
+        str | None,
+        typer.Option(metavar="SIZE", help="Host memory the step may use, e.g. 100GiB (default: this machine's RAM)."),
     ] = None,
     gpu: Annotated[
-        str, typer.Option(metavar="NAME", help="The GPU whose measured rows give the rates: its device name contains this.")
+        str,
+        typer.Option(metavar="NAME", help="The GPU whose measured rows give the rates: its device name contains this."),
     ] = "H100",
-    results: Annotated[Path, typer.Option(metavar="CSV|DIR", help="Results CSV or folder with those measured rows.")] = Path("results"),
+    results: Annotated[
+        Path, typer.Option(metavar="CSV|DIR", help="Results CSV or folder with those measured rows.")
+    ] = Path("results"),
 ) -> None:
     """Pick StreamBP's checkpoint placement and chunk size for a GPU.
 
@@ -81,8 +80,7 @@ def plan_command(
     with user_errors():
         gpu_bytes = parse_bytes(gpu_memory)
         host_bytes = parse_bytes(host_memory) if host_memory else total_ram_bytes()
-        fixed = {"device": "cpu", "warmup": 0, "repeats": 0}
-        (spec,) = point_specs({**settings, **fixed}, ["streambp"], defaults_for="cuda")
+        (spec,) = point_specs({**settings, **PREDICTED_POINT}, ["streambp"], defaults_for="cuda")
         rates = fitted_rates(results, gpu, meta_model)
     console = Console()
     with Progress(console, None) as progress:

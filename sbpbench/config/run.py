@@ -47,18 +47,6 @@ DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16} 
 # What a setting defaults to when nobody gave it, by the kind of device the point runs on (the
 # table's `by_device`): on a GPU the paper's Table 2 point; on a CPU a one-minute comparison.
 DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {kind: device_defaults(kind) for kind in DEVICE_KINDS}
-# `sbp check`'s own choice of a point: a real shape, two layers, fp64 (exactness is per layer; time
-# is not the point); chunks explicit, as exactness is checked at sizes one chooses.
-EXACTNESS_DEFAULTS: dict[str, Any] = {
-    "model": "Qwen/Qwen3-0.6B",
-    "seq_len": 300,
-    "batch_size": 2,
-    "dtype": "fp64",
-    "chunk_size": 128,
-    "logits_chunk_size": 100,
-    "num_layers": 2,
-    "device": "cpu",
-}
 
 
 @dataclass(frozen=True, kw_only=True)

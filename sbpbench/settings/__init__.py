@@ -7,6 +7,7 @@ from .errors import ConfigError
 from .table import (
     AUTO,
     CHUNK_SETTINGS,
+    EXACTNESS_DEFAULTS,
     METHOD_KNOBS,
     POINT_SETTINGS,
     SEARCH_SETTINGS,
@@ -23,6 +24,7 @@ __all__ = [
     "CHUNK_SETTINGS",
     "DTYPE_NAMES",
     "EVERY_METHOD",
+    "EXACTNESS_DEFAULTS",
     "METHOD_KNOBS",
     "METHOD_NAMES",
     "OBJECTIVES",

@@ -193,6 +193,20 @@ SETTINGS: dict[str, Setting] = {
     "multiple_of": Setting(int, "Probe lengths are multiples of this (default: 8).", default=8, minimum=1, search=True),
 }
 
+# `sbp check`'s own choice of a point, over the defaults above: a real shape, two layers, fp64
+# (exactness is per layer; time is not the point); chunks explicit, as exactness is checked at sizes
+# one chooses. Here, not in the command, so that its help says these values without importing torch.
+EXACTNESS_DEFAULTS: dict[str, Any] = {
+    "model": "Qwen/Qwen3-0.6B",
+    "seq_len": 300,
+    "batch_size": 2,
+    "dtype": "fp64",
+    "chunk_size": 128,
+    "logits_chunk_size": 100,
+    "num_layers": 2,
+    "device": "cpu",
+}
+
 POINT_SETTINGS = tuple(name for name, setting in SETTINGS.items() if not setting.search)  # RunSpec, MethodSettings
 SEARCH_SETTINGS = tuple(name for name, setting in SETTINGS.items() if setting.search)  # MaxlenSpec
 METHOD_KNOBS = tuple(name for name, setting in SETTINGS.items() if setting.read_by)  # MethodSettings, in order
