@@ -140,7 +140,6 @@ SELECTIONS = {
     "records/schema.py::KEY_COLUMNS": "a results row's key: columns, several of them not settings",
     "records/schema.py::PROVENANCE_COLUMNS": "the columns that say where a row was measured",
     "records/schema.py::UPGRADES": "what an old schema's rows meant (history, fixed)",
-    "records/select.py::no_reference": "the reference table's columns",
     "report/markdown.py::PEERS_GROUP": "the columns a report's peers table holds fixed",
     "report/markdown.py::exactness_section": "the exactness table's columns",
     "report/placements.py::GROUP": "the columns a placements table holds fixed",

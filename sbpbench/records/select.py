@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import fields
 
 from ..measure.units import GIB
+from .reference import REQUIRED_COLUMNS
 from .schema import SKIPPED_TIMEOUT, ResultRow
 
 # skipped = a certain OOM that was not run (records/schema.py): shown exactly like an OOM, unless
@@ -170,8 +171,7 @@ def no_reference():
     """An empty reference table: what plots and the report use when the paper's CSV is absent."""
     import pandas as pd
 
-    columns = ("table", "model", "method", "objective", "lora", "step", "dtype", "batch_size", "seq_len")
-    return pd.DataFrame({c: [] for c in (*columns, "num_gpus", "metric", "value", "status", "note")})
+    return pd.DataFrame({c: [] for c in (*REQUIRED_COLUMNS, "note")})
 
 
 def paper_rows(reference, *, table: str | tuple[str, ...], metric: str, like, method: bool = True, batch: bool = True):
