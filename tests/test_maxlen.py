@@ -191,3 +191,21 @@ def test_sbp_maxlen_on_a_tiny_model_orders_streambp_over_ckpt_over_bp(tmp_path):
     probes = [r for r in read_rows(out) if r["kind"] == "point"]
     assert {r["status"] for r in probes} == {"ok", "oom"}
     assert all(r["repeats"] == "0" and r["time_median_s"] == "" for r in probes)  # memory only
+
+
+def test_an_answer_past_the_model_context_is_said_in_one_line():
+    """The methods whose max T exceeds max_position_embeddings are named; within it, or with no
+    context in the config, nothing is said."""
+    from sbpbench.cli.maxlen_cmd import past_context_line
+
+    def answer(method, max_seq_len):
+        return ResultRow(kind="maxlen", method=method, max_seq_len=max_seq_len)
+
+    answers = [answer("bp", 4768), answer("ckpt", None), answer("streambp", 144_384)]
+    line = past_context_line("Qwen/Qwen3-8B", answers, 40_960)
+    assert line.startswith(
+        "max T past Qwen/Qwen3-8B's context of 40,960 tokens (max_position_embeddings) for streambp:"
+    )
+    assert "\n" not in line
+    assert past_context_line("m", answers[:2], 40_960) is None
+    assert past_context_line("m", answers, None) is None

@@ -165,7 +165,27 @@ def maxlen(
                 answers.append(answer)
                 progress.advance(f"{search_spec.method}: max T {seq_bound(answer)} ({answer.num_probes} probes)")
     print_table(console, maxlen_table(answers))
+    from ..models import load_config
+
+    context = getattr(load_config(specs[0].model), "max_position_embeddings", None)
+    past = past_context_line(specs[0].model, answers, context)
+    if past:
+        console.print(past, style="yellow", highlight=False, soft_wrap=True)
     console.print(f"{len(answers)} max-length row(s) written to {out}", highlight=False, soft_wrap=True)
+
+
+def past_context_line(model: str, answers: list[ResultRow], context: int | None) -> str | None:
+    """One line naming the methods whose max T lies past the model's trained context (a search's
+    ceiling usually does: memory, not the context, is what it measures), or None."""
+    if not isinstance(context, int):
+        return None
+    past = [a.method for a in answers if a.max_seq_len is not None and a.max_seq_len > context]
+    if not past:
+        return None
+    return (
+        f"max T past {model}'s context of {context:,} tokens (max_position_embeddings) for {', '.join(past)}: "
+        "memory allows it, but the model was never trained that long"
+    )
 
 
 def _simulated_probe(gpu_memory_bytes: int, host_memory_bytes: int, exact: bool, progress: Progress) -> dict:
