@@ -209,3 +209,22 @@ def test_an_answer_past_the_model_context_is_said_in_one_line():
     assert "\n" not in line
     assert past_context_line("m", answers[:2], 40_960) is None
     assert past_context_line("m", answers, None) is None
+
+
+def test_the_answer_is_the_longest_ok_any_probe_gave_within_the_ceiling():
+    """A cached (or first-pass) ok inside the final bracket is the answer, not the bisection's own
+    lower end: a coarse pass's ok at 858,000 beats bisection's 851,968 (a simulated 8B LoRA search)."""
+
+    def probe(seq_len):
+        return seq_len <= 858_000
+
+    cached = {1_048_576: False, 524_000: True, 786_000: True, 858_000: True, 866_000: False}
+    found = search_max_len(
+        probe, start=1_048_576, ceiling=1_048_576, resolution=Resolution.parse("1%"), cached=cached, multiple_of=8
+    )
+    assert (found.max_ok, found.min_oom) == (858_000, 860_160)
+    # a cached ok past the ceiling is not an answer within it
+    within = search_max_len(
+        lambda t: True, start=64, ceiling=128, resolution=Resolution.parse("1%"), cached={256: True}
+    )
+    assert (within.max_ok, within.min_oom) == (128, None)

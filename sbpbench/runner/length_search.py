@@ -111,6 +111,12 @@ def search_max_len(
                 low = middle
             else:
                 high = middle
+    # the bracket as tight as every answer makes it: a cached or first-pass probe may lie inside it
+    # (a coarse pass's ok at 858,000 when bisection stopped at [851,968, 860,160])
+    if low is not None and known.max_ok is not None and low < known.max_ok <= ceiling:
+        low = known.max_ok
+    if high is not None and known.min_oom is not None and known.min_oom < high:
+        high = known.min_oom
     result.max_ok, result.min_oom = low, high
     return result
 
