@@ -101,8 +101,14 @@ def search_max_len(
                 low = shorter
                 break
             high = shorter
-    # bisection inside [low, high]: low fits, high does not
+    # bisection inside [low, high]: low fits, high does not. It starts from the bracket every answer
+    # makes, not only this walk's: a cached or first-pass probe may lie inside it (a coarse pass's ok
+    # at 858,000 inside [851,968, 917,504]), and then nothing it settles is probed again.
     if high is not None and low is not None:
+        if known.max_ok is not None and low < known.max_ok <= ceiling:
+            low = known.max_ok
+        if known.min_oom is not None and known.min_oom < high:
+            high = known.min_oom
         while high - low > max(resolution.width(low), multiple_of):
             middle = _round((low + high) // 2, multiple_of)
             if middle <= low or middle >= high:
@@ -111,12 +117,6 @@ def search_max_len(
                 low = middle
             else:
                 high = middle
-    # the bracket as tight as every answer makes it: a cached or first-pass probe may lie inside it
-    # (a coarse pass's ok at 858,000 when bisection stopped at [851,968, 860,160])
-    if low is not None and known.max_ok is not None and low < known.max_ok <= ceiling:
-        low = known.max_ok
-    if high is not None and known.min_oom is not None and known.min_oom < high:
-        high = known.min_oom
     result.max_ok, result.min_oom = low, high
     return result
 
