@@ -24,24 +24,17 @@ from sbpbench.settings import ConfigError
 HEAVY = ("torch", "transformers")
 
 # In a fresh interpreter: import the CLI, then ask for every help (the commands listed by `sbp
-# --help`, and a group's own commands), and report the helps and which heavy modules got loaded.
+# --help`, and a group's own commands, as docs/commands.md walks them), and report the helps and
+# which heavy modules got loaded.
 _HELPS = textwrap.dedent(
     """
     import json, sys
     imported = sorted(set(sys.argv[1:]) & set(sys.modules))
-    from typer.testing import CliRunner
     from sbpbench.cli import app
     after_import = sorted(set(sys.argv[1:]) & set(sys.modules))
+    from sbpbench.cli.docs_page import command_helps, render_help
 
-    def listed(text):
-        return [line.split()[0] for line in text.partition("Commands:")[2].splitlines() if line.strip()]
-
-    runner = CliRunner()
-    helps = {"": runner.invoke(app, ["--help"], env={"COLUMNS": "80"}).output}
-    for name in listed(helps[""]):
-        helps[name] = runner.invoke(app, [name, "--help"], env={"COLUMNS": "80"}).output
-        for sub in listed(helps[name]):
-            helps[f"{name} {sub}"] = runner.invoke(app, [name, sub, "--help"], env={"COLUMNS": "80"}).output
+    helps = {"": render_help(), **{command.name: command.text for command in command_helps()}}
     after_helps = sorted(set(sys.argv[1:]) & set(sys.modules))
     print(json.dumps({"before": imported, "import": after_import, "helps": helps, "after": after_helps}))
     """
