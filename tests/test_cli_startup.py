@@ -16,9 +16,9 @@ from typer.testing import CliRunner
 from sbpbench.cli import peers_cmd, selftest_cmd
 from sbpbench.cli.errors import error_kind, user_errors
 from sbpbench.cli.flags import FLAGS
-from sbpbench.cli.options import point_command
+from sbpbench.cli.options import BudgetOpt, point_command
 from sbpbench.core import UnsupportedModelError
-from sbpbench.runner import official, selftest
+from sbpbench.runner import budget, official, selftest
 from sbpbench.settings import ConfigError
 
 HEAVY = ("torch", "transformers")
@@ -92,6 +92,8 @@ def test_help_names_what_the_heavy_modules_define():
     assert peers_cmd.VENV_VARIABLE == official.VENV_VARIABLE
     assert peers_cmd.DEFAULT_VENV.replace("~", str(official.Path.home()), 1) == str(official.DEFAULT_VENV)
     assert selftest_cmd.BUDGET_S == {"cuda": selftest.GPU_BUDGET_S, "cpu": selftest.CPU_BUDGET_S}
+    assert selftest_cmd.MIN_BUDGET_S == selftest.MIN_STEP_S
+    assert f"under {budget.MIN_START_S:g} s left" in BudgetOpt.__metadata__[0].help
 
 
 def test_point_command_builds_options_from_the_settings_table():

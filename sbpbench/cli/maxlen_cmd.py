@@ -15,7 +15,7 @@ from ..measure.units import parse_bytes
 from ..records import ResultRow, check_writable
 from ..settings import SEARCH_SETTINGS, default_of
 from .errors import user_errors
-from .options import point_command, run_fields_but
+from .options import BUDGET_EXIT, BudgetOpt, point_command, run_fields_but
 from .progress import Progress
 from .run_cmd import point_line
 from .tables import maxlen_table, print_table, seq_bound
@@ -31,7 +31,7 @@ def _search_default(name: str, device: str):
 
 
 EXAMPLES = (  # the end of its help (options.py examples)
-    "sbp maxlen --model Qwen/Qwen3-8B --memory-limit 80GiB     # Figure 3's max T",
+    "sbp maxlen --model Qwen/Qwen3-8B --memory-limit 80GiB --budget 9m  # Fig. 3",
     "sbp maxlen --device cpu --model tiny/qwen3 --memory-limit 10MB",
     "sbp maxlen --simulate --model Qwen/Qwen3-8B --checkpoints cpu  # no GPU",
 )
@@ -88,6 +88,7 @@ def maxlen(
             help="Results CSV (default: results/maxlen.csv; simulated: results/estimates.csv).",
         ),
     ] = None,
+    budget: BudgetOpt = None,
 ) -> None:
     """Find the longest sequence each method trains in a memory budget.
 
@@ -106,10 +107,16 @@ def maxlen(
     from ..config.device import device_kind, resolve_device
     from ..config.maxlen import SEARCH_DEFAULTS
     from ..config.run import check_measurable
+    from ..measure.units import parse_seconds
+    from ..runner.budget import Budget, BudgetSpent, within
+    from ..runner.isolated import run_isolated
     from ..runner.maxlen import ProbeFailed, find_max_len
     from ..simulate.length import shared_multiple
 
     with user_errors():
+        if budget is not None and simulate:
+            raise ValueError("--budget stops measured probes: drop it with --simulate (a prediction takes seconds)")
+        seconds = parse_seconds(budget) if budget is not None else None
         if gpu_memory and not simulate:
             raise ValueError("--gpu-memory is the simulated GPU's size: add --simulate, or use --memory-limit")
         if host_memory and not simulate:
@@ -142,8 +149,12 @@ def maxlen(
         check_writable(out)
         console = Console()
         answers = []
+        stopped = ""  # why the budget stopped the searches
         with Progress(console, len(searches)) as progress:
-            probing = _simulated_probe(specs[0].memory_limit, host_bytes, exact, progress) if simulate else {}
+            if simulate:
+                probing = _simulated_probe(specs[0].memory_limit, host_bytes, exact, progress)
+            else:
+                probing = {"measure": within(run_isolated, Budget(seconds))} if seconds is not None else {}
             for search_spec in searches:
                 progress.start(f"{search_spec.method}: searching")
 
@@ -162,8 +173,20 @@ def maxlen(
                 except ProbeFailed as error:
                     console.print(f"[red]{escape(str(error))}[/]; probes so far are in {out}", highlight=False)
                     raise typer.Exit(1) from None
+                except BudgetSpent as spent:  # the answers so far, then why it stopped
+                    stopped = (
+                        f"--budget {budget} spent in {search_spec.method}'s search ({spent}): "
+                        f"{len(searches) - len(answers)} of {len(searches)} search(es) left; probes so far are in "
+                        f"{out}; run the same command to resume"
+                    )
+                    break
                 answers.append(answer)
                 progress.advance(f"{search_spec.method}: max T {seq_bound(answer)} ({answer.num_probes} probes)")
+    if stopped:
+        if answers:
+            print_table(console, maxlen_table(answers))
+        console.print(stopped, style="yellow", highlight=False, soft_wrap=True)
+        raise typer.Exit(BUDGET_EXIT)
     print_table(console, maxlen_table(answers))
     from ..models import load_config
 

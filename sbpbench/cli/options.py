@@ -90,6 +90,18 @@ ReferenceOpt = Annotated[
 ]
 
 
+# `sbp sweep` and `sbp maxlen` (runner/budget.py); exit code BUDGET_EXIT when it stops them
+BudgetOpt = Annotated[
+    str | None,
+    typer.Option(
+        metavar="DURATION",
+        help="Stop cleanly after this long, e.g. 9m for a machine that kills a command at 10: no point starts "
+        "with under 30 s left, and one it cuts is not kept; exit 3, and the same command resumes.",
+    ),
+]
+BUDGET_EXIT = 3
+
+
 # What `sbp estimate` and `sbp plan` fix in the point they predict: fake CPU tensors (fake CUDA
 # tensors abort a CPU-only torch build), no warm-up or timing.
 PREDICTED_POINT = {"device": "cpu", "warmup": 0, "repeats": 0}

@@ -8,13 +8,16 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from .errors import user_errors
+
 # runner/selftest.py GPU_BUDGET_S and CPU_BUDGET_S, named here so that help imports no torch;
 # tests/test_cli_startup.py checks they agree
 BUDGET_S = {"cuda": 480.0, "cpu": 480.0}
+MIN_BUDGET_S = 30.0  # runner/selftest.py MIN_STEP_S: less starts no step
 
 EXAMPLES = (  # the end of its help (options.py examples)
     "sbp selftest       # into results/gpu/<device>/ or results/cpu-selftest/",
-    "sbp selftest --budget 300 --out /tmp/selftest",
+    "sbp selftest --budget 5m --out /tmp/selftest",
 )
 
 
@@ -23,11 +26,11 @@ def selftest(
         Path, typer.Option("--out", "-o", metavar="DIR", help="Results directory: writes OUT/gpu/<device name>/ or OUT/cpu-selftest/.")
     ] = Path("results"),
     budget: Annotated[
-        float | None,
+        str | None,
         typer.Option(
-            min=30,
-            metavar="SECONDS",
-            help=f"Seconds for the whole test (default: {BUDGET_S['cuda']:g} on a GPU, {BUDGET_S['cpu']:g} on a CPU).",
+            metavar="DURATION",
+            help=f"Time for the whole test, at least {MIN_BUDGET_S:g} s, e.g. 5m or 300 (default: "
+            f"{BUDGET_S['cuda']:g} s on a GPU, {BUDGET_S['cpu']:g} s on a CPU).",
         ),
     ] = None,
 ) -> None:
@@ -39,7 +42,13 @@ def selftest(
     Writes the rows, the raw log and summary.md (exit 1 if a step failed; one the budget left no
     time for is not a failure)."""
     from ..measure.environment import auto_device, capture_environment
+    from ..measure.units import parse_seconds
     from ..runner.selftest import Selftest, find_tests_dir, output_dir, run_selftest, write_summary
+
+    with user_errors():
+        seconds = parse_seconds(budget) if budget is not None else None
+        if seconds is not None and seconds < MIN_BUDGET_S:
+            raise ValueError(f"--budget {budget} is under {MIN_BUDGET_S:g} s: too short to start one step; give more")
 
     # NVML, not torch.cuda: this process must hold no CUDA context while its points are measured
     kind = auto_device()
@@ -48,7 +57,7 @@ def selftest(
     if kind != "cuda":
         console.print("No CUDA GPU visible: running the CPU subset (sbp check, run, estimate; 2 to 3 minutes).")
     test = Selftest(
-        kind, output_dir(out, kind, env.device_name), budget or BUDGET_S[kind]
+        kind, output_dir(out, kind, env.device_name), seconds or BUDGET_S[kind]
     )
     run_selftest(test, tests_dir=find_tests_dir(), echo=lambda line: console.print(line, highlight=False))
     summary = write_summary(test, env)

@@ -11,7 +11,7 @@ from rich.markup import escape
 
 from ..records import ResultRow, check_writable, decode_row, read_rows, row_key
 from .errors import user_errors
-from .options import point_command
+from .options import BUDGET_EXIT, BudgetOpt, point_command
 from .progress import Progress
 from .run_cmd import point_line, warn_if_busy
 from .tables import maxlen_table, points_table, print_table, seq_bound
@@ -21,8 +21,8 @@ if TYPE_CHECKING:
 
 EXAMPLES = (  # the end of its help (options.py examples)
     "sbp sweep experiments/smoke_cpu.toml    # the paper's figures in miniature",
-    "sbp sweep experiments/paper_fig3.toml --out results/fig3.csv",
     "sbp sweep experiments/paper_table1.toml --no-resume   # measure again",
+    "sbp sweep experiments/paper_fig3.toml --budget 9m   # exit 3: rerun resumes",
 )
 
 
@@ -43,6 +43,7 @@ def sweep(
     resume: Annotated[
         bool, typer.Option(help="Skip points already in --out (same settings); --no-resume reruns them.")
     ] = True,
+    budget: BudgetOpt = None,
 ) -> None:
     """Run every point of an experiment file, resumable.
 
@@ -53,10 +54,14 @@ def sweep(
     from ..config.experiment import load_experiment
     from ..config.run import check_measurable
     from ..measure.environment import capture_environment
+    from ..measure.units import parse_seconds
+    from ..runner.budget import Budget, BudgetSpent, within
+    from ..runner.isolated import run_isolated
     from ..runner.maxlen import ProbeFailed
     from ..runner.sweep import plan, run_sweep
 
     with user_errors():
+        seconds = parse_seconds(budget) if budget is not None else None
         loaded = load_experiment(experiment, device=settings.get("device"), threads=settings.get("threads"))
         check_measurable([*loaded.grid, *(s.base for s in loaded.searches)])
         out = out or Path("results") / f"{loaded.name}.csv"
@@ -72,21 +77,32 @@ def sweep(
         highlight=False,
     )
     warn_if_busy()
-    rows: list[ResultRow] = []
+    measure = within(run_isolated, Budget(seconds)) if seconds is not None else run_isolated
+    rows: list[ResultRow] = []  # this run's new rows (answers, not probes), as each job ends
+    stopped = ""  # why the budget stopped the sweep
+    current: list[Job] = []  # the job in flight, for the budget's message
     try:
         # user_errors: a write that fails after a point was measured says where its row was kept
         with user_errors(), Progress(console, len(todo)) as progress:
 
             def start(job: Job) -> None:
+                current[:] = [job]
                 progress.start(job.describe())
 
             def probed(job: Job, row: ResultRow) -> None:
                 progress.note(f"{job.describe()}: probe {point_line(row)}")
 
             def done(job: Job, row: ResultRow) -> None:
+                rows.append(row)
                 progress.advance(f"{job.describe()}: {_outcome(row)}")
 
-            rows = run_sweep(todo, out, env=env, on_start=start, on_probe=probed, on_done=done)
+            run_sweep(todo, out, measure=measure, env=env, on_start=start, on_probe=probed, on_done=done)
+    except BudgetSpent as spent:  # the summary of what ran, then why it stopped
+        left = len(todo) - todo.index(current[0])
+        stopped = (
+            f"--budget {budget} spent at {current[0].describe()} ({spent}): {left} of {len(todo)} point(s) left; "
+            f"finished points are in {out}; run the same command to resume"
+        )
     except KeyboardInterrupt:
         console.print(f"interrupted: finished points are in {out}; run the same command to resume", highlight=False)
         raise typer.Exit(130) from None
@@ -96,8 +112,12 @@ def sweep(
     keys = {job.key for job in jobs}
     _summary(console, loaded.name, [decode_row(r) for r in read_rows(out) if row_key(r) in keys])
     console.print(f"{len(rows)} new row(s) in {out}", highlight=False, soft_wrap=True)
+    if stopped:
+        console.print(stopped, style="yellow", highlight=False, soft_wrap=True)
     if any(row.status in ("error", "timeout") for row in rows):
         raise typer.Exit(1)
+    if stopped:
+        raise typer.Exit(BUDGET_EXIT)
 
 
 def _outcome(row: ResultRow) -> str:

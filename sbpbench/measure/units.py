@@ -1,4 +1,4 @@
-"""Byte sizes: parse what users type ("80GiB", "80GB", "512MiB", "1e9") and show GiB (2^30)."""
+"""Byte sizes and durations: parse what users type ("80GiB", "80GB", "512MiB", "1e9"; "9m", "540s") and show GiB (2^30)."""
 
 from __future__ import annotations
 
@@ -35,3 +35,16 @@ def parse_bytes(text: str) -> int:
 
 def gib(nbytes: float | None, digits: int = 2) -> str:
     return "-" if nbytes is None else f"{nbytes / GIB:.{digits}f}"
+
+
+_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(s|m|min|h)?\s*$", re.IGNORECASE)
+_SECONDS = {None: 1, "s": 1, "m": 60, "min": 60, "h": 3600}
+
+
+def parse_seconds(text: str) -> float:
+    """'9m' -> 540.0; 's', 'm' (or 'min') and 'h'; a bare number is seconds."""
+    match = _DURATION.match(str(text))
+    if not match or float(match.group(1)) <= 0:
+        raise ValueError(f"cannot read the duration {text!r}; write e.g. 9m, 540s, 1.5h or a number of seconds")
+    unit = match.group(2).lower() if match.group(2) else None
+    return float(match.group(1)) * _SECONDS[unit]

@@ -1,0 +1,65 @@
+"""A wall-clock budget for `sbp sweep` and `sbp maxlen` (--budget): stop cleanly before a limit
+that would kill the command, e.g. a lent GPU's 10 minutes a command.
+
+A point's own timeout (timeout.py) starts at 10 minutes of set-up allowance, so on a lent machine
+the command's limit, not the point's timeout, would end a long point: killed mid-point, with the
+summary and whatever ran after it in the same command lost. Under a budget a point starts only
+while at least MIN_START_S are left, and runs under the smaller of its own timeout and what is
+left. A point cut by the budget is not a result (it says nothing about the machine): its row is
+dropped, BudgetSpent stops the command, and the same command resumes (every finished point and
+probe is already in the CSV)."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from ..config import RunSpec
+from ..measure.environment import Environment
+from ..records import ResultRow
+from .timeout import point_timeout_s
+
+# A point left less than this is not started: a process start, imports and building the model
+# take tens of seconds on a GPU before its first step (selftest.py's POINT_OVERHEAD_S is 40).
+MIN_START_S = 30.0
+
+Measure = Callable[[RunSpec, Environment], ResultRow]
+
+
+class BudgetSpent(Exception):
+    """The budget ran out: the point named was not started, or was cut (no row kept)."""
+
+
+@dataclass
+class Budget:
+    seconds: float
+    clock: Callable[[], float] = time.monotonic
+    deadline: float = field(init=False)
+
+    def __post_init__(self):
+        self.deadline = self.clock() + self.seconds
+
+    def left(self) -> float:
+        return self.deadline - self.clock()
+
+
+def within(measure: Measure, budget: Budget, *, min_start_s: float = MIN_START_S) -> Measure:
+    """`measure` run under `budget`: BudgetSpent instead of a point that would not start in time
+    or was cut by it; every other row, a timeout under the point's own limit included, as it is."""
+
+    def measured(spec: RunSpec, env: Environment) -> ResultRow:
+        left = budget.left()
+        if left < min_start_s:
+            raise BudgetSpent(f"not started: {left:.0f} s left, a point needs at least {min_start_s:g}")
+        own = point_timeout_s(spec)
+        if own <= left:
+            return measure(spec, env)
+        cut = float(math.floor(left))
+        row = measure(replace(spec, timeout_s=cut), env)
+        if row.status == "timeout":
+            raise BudgetSpent(f"cut after {cut:g} s (its own limit: {own:g} s); not recorded")
+        return row  # its timeout_s is the cut it ran under
+
+    return measured
