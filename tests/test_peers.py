@@ -187,49 +187,6 @@ def test_official_without_its_virtualenv_is_unsupported(tmp_path, monkeypatch):
         run_method("official", model, padded_batch(model, batch_size=1, seq_len=8))
 
 
-def _official_venv() -> bool:
-    from sbpbench.runner.official import venv_python
-
-    return venv_python().exists()
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not _official_venv(), reason="needs `sbp peers setup official`")
-def test_official_is_exact_but_for_its_normalisation():
-    """Measured, not assumed: the official code (streambp 1.0) divides the summed loss by the number
-    of labelled tokens, not of predicted ones (one more per row), so with one row and one logits
-    chunk its loss and gradients are bp's times N_targets / N_labels, to float32 rounding (its
-    loss is float32). With several rows and several logits chunks its per-chunk token counts are
-    off too (it subtracts one boundary token per chunk, not per row): the error is larger."""
-    from sbpbench.config import point_specs
-    from sbpbench.methods.exactness import step_gradients
-    from sbpbench.points.build import build_model_and_batch
-    from sbpbench.runner.official import official_gradients
-    from sbpbench.settings import EXACTNESS_DEFAULTS
-
-    def run(seq_len, batch_size, logits_chunk):
-        values = {
-            "model": "tiny/qwen3",
-            "seq_len": seq_len,
-            "batch_size": batch_size,
-            "logits_chunk_size": logits_chunk,
-        }
-        bp, official = point_specs(values, ("bp", "official"), defaults=EXACTNESS_DEFAULTS)
-        model, batch = build_model_and_batch(official)
-        ref_loss, ref = step_gradients("bp", model, batch, bp.settings)
-        loss, grads = official_gradients(official, model)
-        labels = batch.labels
-        scale = int((labels[:, 1:] != -100).sum()) / int((labels != -100).sum())
-        worst = max(float((grads[n] / scale - g).abs().max() / g.abs().max()) for n, g in ref.items())
-        return float(loss / ref_loss), scale, worst
-
-    ratio, scale, worst = run(30, 1, 100)
-    assert ratio == pytest.approx(scale, rel=1e-6) and scale < 1
-    assert worst < 1e-6
-    ratio, scale, worst = run(64, 3, 16)
-    assert worst > 1e-3  # not a rescaling any more: per-chunk counts are wrong with several rows
-
-
 def _peer_rows():
     from sbpbench.records import ResultRow
 

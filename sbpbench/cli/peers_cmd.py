@@ -25,23 +25,43 @@ class Peer(str, Enum):
 
 @peers.command(
     epilog=examples(
-        ("sbp peers setup official", "sbp peers setup official --path ~/venvs/official   # prints the export")
+        (
+            "sbp peers setup official",
+            "sbp peers setup official --path ~/venvs/official   # prints the export",
+            "sbp peers setup official --wheels .whl   # no package index: carried wheels",
+        )
     )
 )
 def setup(
-    name: Annotated[Peer, typer.Argument(metavar="PEER", help="The peer: official (streambp 1.0, transformers 4.51.3).")],
+    name: Annotated[
+        Peer, typer.Argument(metavar="PEER", help="The peer: official (streambp 1.0, transformers 4.51.3).")
+    ],
     path: Annotated[
         Path | None,
         typer.Option(
             "--path", metavar="DIR", help=f"Where to create it (default: ${VENV_VARIABLE} or {DEFAULT_VENV})."
         ),
     ] = None,
+    wheels: Annotated[
+        Path | None,
+        typer.Option(
+            "--wheels",
+            metavar="DIR",
+            help="Install from the wheels in DIR instead of the package index (streambp, transformers 4.51.3 and what "
+            "it needs that this environment lacks).",
+        ),
+    ] = None,
 ) -> None:
-    """Create the peer's virtualenv from the package index (the same torch as here)."""
+    """Create the peer's virtualenv: streambp 1.0 and transformers 4.51.3 on this environment's torch."""
     from ..runner.official import setup_commands, venv_dir
 
+    if wheels is not None and not wheels.is_dir():
+        typer.echo(
+            f"error: --wheels {wheels} is not a directory; give the folder the wheels were downloaded to", err=True
+        )
+        raise typer.Exit(2)
     target = (path or venv_dir()).expanduser()
-    for command in setup_commands(target):
+    for command in setup_commands(target, wheels.resolve() if wheels is not None else None):
         typer.echo("$ " + " ".join(command))
         if subprocess.run(command, check=False).returncode:
             typer.echo(f"error: the command above failed; {target} is incomplete", err=True)

@@ -1,5 +1,5 @@
-"""The `official` method: the official StreamBP code (`streambp` 1.0 from the package index, code at
-github.com/Ledzy/StreamBP) as an external worker. It pins transformers 4.51.3, which cannot share
+"""The `official` method: the official StreamBP code (`streambp` 1.0, code at github.com/Ledzy/StreamBP)
+as an external worker. It pins transformers 4.51.3, which cannot share
 this project's environment, so it runs in a virtualenv of its own that `sbp peers setup official`
 creates, through official_driver.py, with the same protocol as the project's worker: one spec in
 (as a job: this project's registry config, batch and, for `sbp check`, weights), one row out.
@@ -34,9 +34,12 @@ from .timeout import point_timeout_s
 
 VENV_VARIABLE = "SBP_OFFICIAL_VENV"  # where the virtualenv is (default below)
 DEFAULT_VENV = Path.home() / ".cache" / "sbpbench" / "peers" / "official"
-# streambp 1.0 declares no dependencies, but its __init__ imports its TRL trainers; trl 0.17 is the
-# release of the same months as transformers 4.51.3. torch: the version of this environment.
-REQUIREMENTS = ("streambp==1.0", "transformers==4.51.3", "trl==0.17.0")
+# What the virtualenv installs, with what transformers 4.51.3 needs (numpy, huggingface-hub < 1.0,
+# tokenizers < 0.22, ...). Of this environment it sees torch and torch's requirements alone, linked
+# in (parent_torch.py): the same torch build, not a second copy. streambp 1.0 declares no
+# dependencies; its __init__ imports its TRL trainers, which the driver skips (official_driver.py
+# stream_model_class), so neither trl nor datasets is needed.
+REQUIREMENTS = ("streambp==1.0", "transformers==4.51.3")
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 DRIVER = Path(__file__).with_name("official_driver.py")
 REPOSITORY = Path(__file__).resolve().parents[2]  # the driver imports sbpbench.measure from here
@@ -50,14 +53,22 @@ def venv_python() -> Path:
     return venv_dir() / "bin" / "python"
 
 
-def setup_commands(path: Path) -> list[list[str]]:
-    """The commands `sbp peers setup official` runs, in order."""
+def setup_commands(path: Path, wheels: Path | None = None) -> list[list[str]]:
+    """The commands `sbp peers setup official` runs, in order; wheels: a directory to install
+    from instead of the package index (pip --no-index --find-links)."""
     python = str(path / "bin" / "python")
-    torch_pin = "torch==" + torch.__version__  # e.g. 2.13.0+cpu: the same build as here
+    source = ["--no-index", "--find-links", str(wheels)] if wheels is not None else []
+    # the driver's imports, with this torch: transformers' Trainer is the import a leaked package breaks
+    check = (
+        "import importlib.metadata as m, torch, transformers; from transformers import Trainer; "
+        f"assert torch.__version__ == {torch.__version__!r}, torch.__file__; "
+        "print('streambp', m.version('streambp'), 'transformers', transformers.__version__, 'torch', torch.__version__)"
+    )
     return [
         [sys.executable, "-m", "venv", str(path)],
-        [python, "-m", "pip", "install", torch_pin, *REQUIREMENTS],
-        [python, "-c", "import streambp, transformers; print(transformers.__version__)"],
+        [sys.executable, "-m", "sbpbench.runner.parent_torch", str(path)],
+        [python, "-m", "pip", "install", "--disable-pip-version-check", "--no-warn-conflicts", *source, *REQUIREMENTS],
+        [python, "-c", check],
     ]
 
 

@@ -50,9 +50,28 @@ def _config(values: dict):
     return AutoConfig.for_model(values.pop("model_type"), **values)
 
 
+def stream_model_class():
+    """streambp's StreamModel, from its module file alone: the package's __init__ also imports its
+    TRL trainers (trl, and through it datasets), which this driver never uses and which a machine
+    without a package index would have to be carried. stream_model.py imports only torch and
+    transformers."""
+    import importlib.util
+    from pathlib import Path
+
+    package = importlib.util.find_spec("streambp")  # found, not run
+    if package is None or not package.submodule_search_locations:
+        raise ImportError("streambp is not installed in this virtualenv: run `sbp peers setup official`")
+    path = Path(next(iter(package.submodule_search_locations))) / "stream_model.py"
+    spec = importlib.util.spec_from_file_location("streambp_stream_model", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.StreamModel
+
+
 def build(job: dict):
-    from streambp import StreamModel
     from transformers import AutoModelForCausalLM
+
+    stream_model = stream_model_class()
 
     torch.manual_seed(job["seed"])
     dtype, device = DTYPES[job["dtype"]], torch.device(job["device"])
@@ -65,7 +84,7 @@ def build(job: dict):
             raise ValueError(f"weights do not fit: missing {missing[:3]}, unexpected {unexpected[:3]}")
     model.to(device)
     names = {id(p): n for n, p in model.named_parameters()}  # before StreamModel wraps the layers
-    stream = StreamModel(
+    stream = stream_model(
         model,
         gradient_accumulation_steps=1,
         logits_chunk_size=job["logits_chunk_size"],
@@ -157,7 +176,8 @@ def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print("usage: python official_driver.py RESULT.json < JOB.json", file=sys.stderr)
         return 2
-    import streambp
+    from importlib.metadata import version
+
     import transformers
 
     job = json.loads(sys.stdin.read())
@@ -165,7 +185,7 @@ def main(argv: list[str]) -> int:
         "status": "ok",
         "error": "",
         "transformers_version": transformers.__version__,
-        "streambp_version": getattr(streambp, "__version__", "1.0"),
+        "streambp_version": version("streambp"),
     }
     try:
         model, stream, batch, names = build(job)
