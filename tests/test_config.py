@@ -24,6 +24,7 @@ EXPECTED_OPTIONS = {
         "--mlp-tile-size", "--offload-checkpoints", "--checkpoints", "--device", "--num-layers", "--protocol",
         "--warmup", "--memory-limit", "--timeout", "--seed", "--threads", "--nproc", "--sdpa-backend", "--max-seq",
         "--resolution", "--multiple-of", "--resume", "--simulate", "--gpu-memory", "--host-memory", "--exact", "--out",
+        "--budget",
     },
     "estimate": {
         "--method", "--model", "--seq", "--batch", "--objective", "--prompt-len", "--lora-rank", "--lora-alpha",
@@ -42,7 +43,7 @@ EXPECTED_OPTIONS = {
         "--dtype", "--logits-chunk-size", "--fp32-grad-accumulation", "--num-layers", "--protocol", "--seed",
         "--gpu-memory", "--host-memory", "--gpu", "--results",
     },
-    "sweep": {"--device", "--threads", "--out", "--resume"},
+    "sweep": {"--device", "--threads", "--out", "--resume", "--budget"},
 }  # fmt: skip
 
 
