@@ -92,7 +92,7 @@ def test_help_names_what_the_heavy_modules_define():
     assert peers_cmd.VENV_VARIABLE == official.VENV_VARIABLE
     assert peers_cmd.DEFAULT_VENV.replace("~", str(official.Path.home()), 1) == str(official.DEFAULT_VENV)
     assert selftest_cmd.BUDGET_S == {"cuda": selftest.GPU_BUDGET_S, "cpu": selftest.CPU_BUDGET_S}
-    assert selftest_cmd.MIN_BUDGET_S == selftest.MIN_STEP_S
+    assert selftest_cmd.MIN_BUDGET_S == budget.MIN_START_S
     assert f"under {budget.MIN_START_S:g} s left" in BudgetOpt.__metadata__[0].help
 
 

@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+from .errors import user_errors
 from .options import examples
 
 # runner/official.py VENV_VARIABLE and DEFAULT_VENV, named here so that help imports no torch;
@@ -55,11 +56,9 @@ def setup(
     """Create the peer's virtualenv: streambp 1.0 and transformers 4.51.3 on this environment's torch."""
     from ..runner.official import setup_commands, venv_dir
 
-    if wheels is not None and not wheels.is_dir():
-        typer.echo(
-            f"error: --wheels {wheels} is not a directory; give the folder the wheels were downloaded to", err=True
-        )
-        raise typer.Exit(2)
+    with user_errors():
+        if wheels is not None and not wheels.is_dir():
+            raise ValueError(f"--wheels {wheels} is not a directory; give the folder the wheels were downloaded to")
     target = (path or venv_dir()).expanduser()
     for command in setup_commands(target, wheels.resolve() if wheels is not None else None):
         typer.echo("$ " + " ".join(command))

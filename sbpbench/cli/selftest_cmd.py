@@ -13,7 +13,7 @@ from .errors import user_errors
 # runner/selftest.py GPU_BUDGET_S and CPU_BUDGET_S, named here so that help imports no torch;
 # tests/test_cli_startup.py checks they agree
 BUDGET_S = {"cuda": 480.0, "cpu": 480.0}
-MIN_BUDGET_S = 30.0  # runner/selftest.py MIN_STEP_S: less starts no step
+MIN_BUDGET_S = 30.0  # runner/budget.py MIN_START_S: less starts no step
 
 EXAMPLES = (  # the end of its help (options.py examples)
     "sbp selftest       # into results/gpu/<device>/ or results/cpu-selftest/",

@@ -23,7 +23,7 @@ from ..records.select import (
 )
 from ..records.select import is_truncated as truncated
 from .compare import Comparison, estimate_comparisons, estimates_vs_paper, paper_comparisons, run, setting
-from .placements import max_t_cell, placements_section
+from .placements import placements_section, seq_and_max_t_cells
 
 METRIC_TITLES = {
     "max_seq_len": "max T (tokens)",
@@ -99,15 +99,8 @@ def _peers_table(rows, seqs: list[int], exactness: list[dict]) -> list[str]:
     headers = ["method", *(f"T={t}" for t in seqs), "max T", "exact vs bp"]
     cells = []
     for method in sorted(rows["method"].unique(), key=_method_rank):
-        mine = rows[rows["method"] == method]
-        row_cells = [method]
-        for t in seqs:
-            at = mine[(mine["kind"] == "point") & (mine["seq_len"].map(number) == t)]
-            row_cells.append(_peer_cell(at.iloc[-1]) if len(at) else "")
-        answers = mine[mine["kind"] == "maxlen"]
-        row_cells.append(max_t_cell(answers.iloc[-1]) if len(answers) else "")
-        row_cells.append(_exact_cell(method, exactness))
-        cells.append(row_cells)
+        own = seq_and_max_t_cells(rows[rows["method"] == method], seqs, _peer_cell)
+        cells.append([method, *own, _exact_cell(method, exactness)])
     return _markdown_table(tuple(headers), cells)
 
 

@@ -53,14 +53,7 @@ def _group_table(rows, markdown_table) -> list[str]:
     headers = ("placement", *(f"T={t}" for t in seqs), "max T")
     cells = []
     for name in sorted(rows["placement"].unique(), key=_placement_rank):
-        own = rows[rows["placement"] == name]
-        line = [name]
-        for t in seqs:
-            at = own[(own["kind"] == "point") & (own["seq_len"].map(number) == t)]
-            line.append(_point_cell(at.iloc[-1]) if len(at) else "")
-        answers = own[own["kind"] == "maxlen"]
-        line.append(max_t_cell(answers.iloc[-1]) if len(answers) else "")
-        cells.append(line)
+        cells.append([name, *seq_and_max_t_cells(rows[rows["placement"] == name], seqs, _point_cell)])
     simulated = " (simulated)" if like["source"] == "simulated" else ""
     heading = f"### {like['model']}{simulated}: {setting(like, seq_len=False, method_chunks=False)}, {run(like)}"
     return ["", heading, "", *markdown_table(headers, cells)]
@@ -87,8 +80,20 @@ def _point_cell(row) -> str:
     return cell + ("" if tflops is None else f", {tflops:.0f} TFLOP/s")
 
 
+def seq_and_max_t_cells(rows, seqs: list[int], point_cell) -> list[str]:
+    """A group's table cells: point_cell of its latest point at each T of seqs ("" if none), then its
+    latest search's max T. Also the peers table's."""
+    cells = []
+    for t in seqs:
+        at = rows[(rows["kind"] == "point") & (rows["seq_len"].map(number) == t)]
+        cells.append(point_cell(at.iloc[-1]) if len(at) else "")
+    answers = rows[rows["kind"] == "maxlen"]
+    cells.append(max_t_cell(answers.iloc[-1]) if len(answers) else "")
+    return cells
+
+
 def max_t_cell(row) -> str:
-    """A search's answer: its status, or max T ("≥": no OOM up to the ceiling). Also the peers table's."""
+    """A search's answer: its status, or max T ("≥": no OOM up to the ceiling)."""
     if row["status"] != "ok":
         return str(row["status"])
     return ("" if present(row.get("oom_seq_len")) else "≥") + f"{number(row['max_seq_len']):.0f}"

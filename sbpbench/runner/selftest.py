@@ -15,8 +15,8 @@ OUT/gpu/<device name>/.
 
 Budget: the steps run in that order, each cut to what the budget leaves less the time kept for
 the `reserved` steps after it (the offload points: the default run cannot eat their time). A step
-left less than MIN_STEP_S is not started: "not run (budget)", which is not a failure. The offload
-points' timeouts come from the FLOP model at the assumed H100 rate (`offload_timeout_s`); with the
+left less than MIN_START_S (budget.py, the rule of --budget) is not started: "not run (budget)",
+which is not a failure. The offload points' timeouts come from the FLOP model at the assumed H100 rate (`offload_timeout_s`); with the
 default run's cap they fit the budget, which test_selftest.py checks. Their limits (about 2.2 and
 2.5 minutes, predictions) and the default run's cap (3) take most of the 8 minutes: the gpu-marked
 tests, the probes and the long point share what is left, and whichever it cannot start is "not run
@@ -42,6 +42,7 @@ from ..measure.environment import Environment
 from ..measure.flops import phase_flops
 from ..models import load_config
 from ..records import read_rows
+from .budget import MIN_START_S
 from .selftest_summary import estimate_errors, progress_seconds, pytest_counts, summary_markdown
 from .timeout import executed_flops
 
@@ -64,7 +65,6 @@ OFFLOAD_SEQ_LEN = 65_536
 OFFLOAD_PLACEMENTS = ("cpu", "recompute:4")
 OFFLOAD_MARGIN = 1.25  # on the two predicted steps: the host copies and the first step's set-up
 DEFAULT_RUN_S = 180.0  # the default run's cap
-MIN_STEP_S = 30.0  # a step left less than this is not started
 NOT_RUN = "not run (budget)"
 # Model TFLOP/s assumed for StreamBP when the default run gave no streambp time (the issue's
 # H100: 187 at Qwen3-4B T=9000, 208 at T=24000).
@@ -322,7 +322,7 @@ def run_selftest(test: Selftest, *, tests_dir: Path | None, echo=print) -> Selft
             background.submit(_budget(step, deadline))
             continue
         reserve = sum(s.timeout_s for s in steps[i + 1 :] if s.reserved)
-        if deadline - time.perf_counter() - reserve < MIN_STEP_S:
+        if deadline - time.perf_counter() - reserve < MIN_START_S:
             test.outcomes.append(Outcome(step, NOT_RUN))
         else:
             test.outcomes.append(run_step(_budget(step, deadline, reserve), test.log))
