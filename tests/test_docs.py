@@ -1,7 +1,7 @@
-"""README.md and the docs: every relative link resolves, and the README's results table is what
-`sbp report --glance` prints from the committed rows.
+"""README.md and the docs: every relative link resolves, and each generated block (README's results
+tables, the H100 study's report) is what `sbp report` prints from the committed rows.
 
-Run `python tests/test_docs.py` to rewrite the README's table from those rows (then read the diff).
+Run `python tests/test_docs.py` to rewrite every block from those rows (then read the diff).
 """
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 import sys
 from pathlib import Path
+
+import pytest
 
 from typer.testing import CliRunner
 
@@ -19,13 +21,16 @@ if __name__ == "__main__":  # run as a script: import the checkout's sbpbench
 from sbpbench.cli import app  # noqa: E402
 from sbpbench.config.experiment import load_experiment  # noqa: E402
 from sbpbench.records.exactness import read_exactness  # noqa: E402
-from sbpbench.report import glance_markdown  # noqa: E402
+from sbpbench.models import full_depth  # noqa: E402
+from sbpbench.records.reference import load_reference  # noqa: E402
+from sbpbench.report import glance_markdown, markdown_report, points_markdown  # noqa: E402
 from sbpbench.report.inputs import load_table  # noqa: E402
 
 README = ROOT / "README.md"
 GLANCE_ROWS = Path("results/cpu/peers_cpu.csv")
 GLANCE_EXACTNESS = Path("results/cpu/peers_exactness.csv")
-BEGIN, END = "<!-- glance: begin -->", "<!-- glance: end -->"
+GPU_ROWS = Path("results/gpu/NVIDIA-H100-80GB-HBM3")
+H100_STUDY = ROOT / "benchmarks" / "h100_first_rows_2026-11-26.md"
 # Written by other work from the code (command help, the settings table): links to them are
 # checked once they exist.
 GENERATED = {ROOT / "docs" / "commands.md", ROOT / "docs" / "settings.md"}
@@ -75,9 +80,38 @@ def glance_now() -> str:
     return glance_markdown(table, exactness=read_exactness(ROOT / GLANCE_EXACTNESS))
 
 
+def gpu_points_now() -> str:
+    """`sbp report results/gpu/NVIDIA-H100-80GB-HBM3 --points` from the committed rows."""
+    return points_markdown(load_table(ROOT / GPU_ROWS), load_reference(), full_depth=full_depth)
+
+
+def h100_report_now() -> str:
+    """`sbp report results/gpu/NVIDIA-H100-80GB-HBM3`, every heading one level down (the study page
+    has its own title)."""
+    text = markdown_report(load_table(ROOT / GPU_ROWS), load_reference(), full_depth=full_depth)
+    return "".join("#" + line if line.startswith("#") else line for line in text.splitlines(keepends=True))
+
+
+# Generated blocks: the page, the block's name (its <!-- NAME: begin/end --> markers), what makes it.
+BLOCKS = (
+    (README, "glance", glance_now),
+    (README, "gpu-points", gpu_points_now),
+    (H100_STUDY, "h100-report", h100_report_now),
+)
+
+
+def _markers(name: str) -> tuple[str, str]:
+    return f"<!-- {name}: begin -->", f"<!-- {name}: end -->"
+
+
+def _block(text: str, name: str) -> str:
+    begin, end = _markers(name)
+    assert text.count(begin) == 1 and text.count(end) == 1, f"the page needs one {begin} ... {end} block"
+    return text.split(begin, 1)[1].split(end, 1)[0].strip("\n") + "\n"
+
+
 def _readme_glance(text: str) -> str:
-    assert text.count(BEGIN) == 1 and text.count(END) == 1, f"README.md needs one {BEGIN} ... {END} block"
-    return text.split(BEGIN, 1)[1].split(END, 1)[0].strip("\n") + "\n"
+    return _block(text, "glance")
 
 
 def test_experiment_example_loads(tmp_path):
@@ -106,10 +140,25 @@ def test_link_check_sees_a_broken_link(tmp_path, monkeypatch):
     ]
 
 
-def test_readme_glance_table_is_the_reports():
-    """The README's results table equals `sbp report --glance` of the committed peers rows; refresh
-    it with `python tests/test_docs.py`."""
-    assert _readme_glance(README.read_text()) == glance_now(), "stale: run `python tests/test_docs.py`"
+@pytest.mark.parametrize("page, name, make", BLOCKS, ids=[name for _, name, _ in BLOCKS])
+def test_generated_blocks_are_the_reports(page, name, make):
+    """Each generated block (README's CPU glance table and GPU points table, the H100 study's report)
+    equals what `sbp report` makes now from the committed rows; refresh with `python tests/test_docs.py`."""
+    assert _block(page.read_text(), name) == make(), f"{page.name} {name}: stale: run `python tests/test_docs.py`"
+
+
+def test_a_changed_row_makes_the_gpu_points_block_stale(tmp_path, monkeypatch):
+    """The points block follows the rows: a measured peak changed in a copy of the GPU rows changes
+    the table (so the test above fails when README and rows differ)."""
+    import shutil
+
+    copy = tmp_path / "rows"
+    shutil.copytree(ROOT / GPU_ROWS, copy)
+    runs = copy / "runs.csv"
+    runs.write_text(runs.read_text().replace(",34609907200,", ",34709907200,", 1))
+    monkeypatch.setattr(sys.modules[__name__], "GPU_ROWS", copy)
+    assert "| Qwen3-4B | ckpt | 9,000 | 32.33 |" in gpu_points_now()
+    assert gpu_points_now() != _block(README.read_text(), "gpu-points")
 
 
 def test_report_glance_cli_prints_the_table():
@@ -126,12 +175,14 @@ def test_report_glance_cli_prints_the_table():
 
 
 def _refresh() -> None:
-    text = README.read_text()
-    _readme_glance(text)
-    head, rest = text.split(BEGIN, 1)
-    tail = rest.split(END, 1)[1]
-    README.write_text(f"{head}{BEGIN}\n{glance_now()}{END}{tail}")
-    print(f"rewrote the table in {README}")
+    for page, name, make in BLOCKS:
+        text = page.read_text()
+        _block(text, name)
+        begin, end = _markers(name)
+        head, rest = text.split(begin, 1)
+        tail = rest.split(end, 1)[1]
+        page.write_text(f"{head}{begin}\n{make()}{end}{tail}")
+        print(f"rewrote {name} in {page.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":

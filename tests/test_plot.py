@@ -213,3 +213,30 @@ def test_token_counts_read_as_the_paper_writes_them():
     assert [thousands(t) for t in (440, 4700, 110000, 786432, 1048576)] == ["440", "4.7k", "110k", "786k", "1.05M"]
     markers = {placement_marker(p) for p in ("gpu", "cpu", "recompute:4", "cpu+recompute:2", "cpu+recompute:4+spill")}
     assert len(markers) == 5
+
+
+GPU_ROWS = Path(__file__).parent.parent / "results" / "gpu" / "NVIDIA-H100-80GB-HBM3"
+
+
+def test_measured_on_predicted_draws_gpu_peaks_on_the_estimates(tmp_path):
+    """From the committed H100 rows: one Qwen3-8B figure with each method's predicted curve (dashed,
+    "(estimate)"), the measured peaks labelled with their prediction's error, StreamBP's offloaded
+    placements as their own series, the device's memory and the paper's max T."""
+    from sbpbench.plot import measured_on_predicted
+    from sbpbench.records.select import complete_columns
+
+    table = complete_columns(load_results(GPU_ROWS))
+    paths = measured_on_predicted(table, tmp_path, load_reference(), formats=("svg",))
+    assert [p.name for p in paths] == ["measured_on_predicted__Qwen3-8B__NVIDIA-H100-80GB-HBM3__steady.svg"]
+    svg = paths[0].read_text()
+    for text in ("StreamBP (estimate)", "ckpt (w/ ckpt) (estimate)", "66.5 GiB (-0.1% predicted)",
+                 "StreamBP checkpoints cpu measured", "device memory 79.65 GiB", "paper Figure 3"):  # fmt: skip
+        assert text in svg, text
+
+
+def test_measured_on_predicted_needs_a_predicted_curve(tmp_path):
+    """No figure without predicted peaks at two lengths: the fixture's one estimated point is no curve."""
+    from sbpbench.plot import measured_on_predicted
+    from sbpbench.records.select import complete_columns
+
+    assert measured_on_predicted(complete_columns(load_results(FIXTURE)), tmp_path, None) == []

@@ -72,9 +72,15 @@ def test_paper_rows_beside_ours_with_ratios(report_text):
 
 
 def test_sections_in_order_and_estimates_kept_apart(report_text):
-    """Paper tables in reference order, then unmatched measured rows, then estimates, which appear nowhere else."""
+    """The GPU points first, then paper tables in reference order, unmatched measured rows, and
+    estimates, which appear in no section before their own but the points' predicted column."""
     assert _sections(report_text) == [
         "# sbpbench results beside the StreamBP paper",
+        "## Point by point on a GPU: measured, predicted, the paper",
+        "### NVIDIA H200 (140.40 GiB), sft, full, step bp, bf16, B=1, steady protocol",
+        "### NVIDIA H200 (140.40 GiB), sft, full, step bp, bf16, B=2, steady protocol",
+        "### NVIDIA H200 (140.40 GiB), sft, full, step bp, bf16, B=4, steady protocol",
+        "### NVIDIA H200 (140.40 GiB), sft, full, step bp, bf16, B=16, steady protocol",
         "## Measured beside the paper",
         "### Figure 3: max T (tokens)",
         "### Figure 3: weights + grads (GiB)",
@@ -87,7 +93,7 @@ def test_sections_in_order_and_estimates_kept_apart(report_text):
         "### Estimated max T beside the paper's (Figure 3 for step bp, Table 3 for train)",
     ]
     measured_part, estimates = report_text.split("## Estimates vs measurements")
-    assert "simulated GPU" not in measured_part
+    assert "simulated GPU" not in measured_part.split("## Measured beside the paper")[1]
     assert (
         "| Qwen/Qwen3-8B | streambp | sft, full, bp, bf16, B=1, T=16384, chunks 500/100 "
         f"| {CAPPED} | 32.50 | 33.00 | +1.5% |"
@@ -227,7 +233,7 @@ def test_placements_section_compares_streambp_placements(tmp_path):
     ]  # fmt: skip
     upsert_rows(tmp_path / "r.csv", rows)
     text = "\n".join(placements_section(load_results(tmp_path / "r.csv"), _markdown_table))
-    assert "## Checkpoint placements (issue 15)" in text
+    assert "## Checkpoint placements" in text
     assert "| gpu | 60.0 / 0.0, 400 TFLOP/s |  |" in text
     assert "| cpu | 40.0 / 19.0, moved 38.0, 380 TFLOP/s | ≥262144 |" in text
     one_placement = [r for r in rows if r.checkpoints == "gpu"]
@@ -238,3 +244,51 @@ def test_placements_section_compares_streambp_placements(tmp_path):
 def test_glance_without_peers_says_so(table):
     """`sbp report --glance` of rows with no peer method prints one line saying there is no table."""
     assert glance_markdown(table) == "No measured rows of a peer method: no summary table.\n"
+
+
+GPU_ROWS = Path(__file__).parent.parent / "results" / "gpu" / "NVIDIA-H100-80GB-HBM3"
+
+
+def test_points_put_each_gpu_peak_beside_its_estimate_and_the_paper(report_text):
+    """Each measured CUDA point has one line: peak, the same point's estimate and its error, step
+    time, the paper's number at that length (Table 1) or the method's max T (Figure 3); then each
+    method's max T: the paper's, the prediction for a card of its budget, and the points' bounds."""
+    points = report_text.split("## Point by point")[1].split("## Measured beside the paper")[0]
+    lines = points.splitlines()
+    assert "| Qwen3-8B | streambp | 16,384 | 32.50 | 33.00 | +1.5% | 6.840 | max T 110,000 (Figure 3) |" in lines
+    assert "| Qwen3-4B | ckpt | 9,000 | 36.00 | - | - | 7.200 | 4.70 s (Table 1) |" in lines
+    assert "| Qwen3-8B | bp | 8,192 | OOM | - | - | - | max T 4,700 (Figure 3) |" in lines
+    assert "| Qwen3-8B | streambp | 110,000 | 118,000 (80.00 GiB) | 32,768 | - |" in lines
+    assert "| Qwen3-8B | bp | 4,700 | - | 4,096 | 8,192 |" in lines
+    assert "small/qwen3" not in points  # a CPU row is no GPU point
+
+
+def test_points_keep_placements_apart_and_mark_rough_times():
+    """On the committed H100 rows, StreamBP's two T=65536 placements are two lines, each beside its
+    own estimate, and their single-step times are marked rough."""
+    result = runner.invoke(app, ["report", str(GPU_ROWS), "--points"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert "| Qwen3-8B | streambp (cpu) | 65,536 | 35.59 | 35.52 | -0.2% | 28.350* | max T 110,000 (Figure 3) |" in lines
+    assert any(line.startswith("| Qwen3-8B | streambp (recompute:4) | 65,536 | 40.59 | 40.52 | -0.2% | 32.671* |") for line in lines)
+    assert any(line.startswith("\\* a rough time") for line in lines)
+    assert "## Measured beside the paper" not in result.output  # --points: that section only
+
+
+def test_points_and_glance_together_is_a_one_line_error():
+    """--points and --glance are two summaries: asking for both is exit 2 with one line, no report."""
+    result = runner.invoke(app, ["report", str(FIXTURE), "--points", "--glance"])
+    assert result.exit_code == 2
+    assert "--glance and --points" in result.output and "|" not in result.output
+
+
+def test_setting_names_a_streambp_placement(table):
+    """A StreamBP row with its checkpoints off the GPU says where in its setting, so two placements
+    of one point are not taken for one (the report's latest-row rule would drop one)."""
+    from sbpbench.report.compare import setting
+
+    row = table[table["method"] == "streambp"].iloc[0].copy()
+    row["checkpoints"] = "cpu+recompute:2"
+    assert setting(row, seq_len=False).endswith("checkpoints cpu+recompute:2")
+    row["checkpoints"] = "gpu"
+    assert "checkpoints" not in setting(row, seq_len=False)

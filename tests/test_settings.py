@@ -135,6 +135,7 @@ SELECTIONS = {
     "cli/options.py::predicted_gpu_point_helps": "`sbp estimate`'s and `sbp plan`'s help for a GPU point's defaults",
     "plot/common.py::POINT_GROUP": "the columns a memory figure holds fixed",
     "plot/maxlen.py::MAXLEN_GROUP": "the columns a max-length figure holds fixed",
+    "plot/predicted.py::SHARED": "the columns a measured-on-predicted figure holds fixed",
     "points/rows.py::spec_fields": "a spec's values as results columns, each converted for its column",
     "records/reference.py::REQUIRED_COLUMNS": "the paper's reference table's columns",
     "records/schema.py::KEY_COLUMNS": "a results row's key: columns, several of them not settings",
@@ -143,6 +144,7 @@ SELECTIONS = {
     "report/markdown.py::PEERS_GROUP": "the columns a report's peers table holds fixed",
     "report/markdown.py::exactness_section": "the exactness table's columns",
     "report/placements.py::GROUP": "the columns a placements table holds fixed",
+    "report/points.py::SETTING": "the columns a points table holds fixed",
     "runner/official.py::_job": "the official code's job file: its own keys",
     "simulate/plan.py::describe": "the numbers `sbp plan` prints",
 }

@@ -14,8 +14,8 @@ from .options import ReferenceOpt, ResultsArg
 
 EXAMPLES = (  # the end of its help (options.py examples)
     "sbp report results/                        # print Markdown",
-    "sbp report results/ --out report.md --exactness results/exactness.csv",
     "sbp report results/cpu/peers_cpu.csv --glance   # one row per method",
+    "sbp report results/gpu/NVIDIA-H100-80GB-HBM3 --points   # GPU points",
 )
 
 
@@ -38,21 +38,32 @@ def report(
             help="Only the summary table: one row per method, at the lengths every method ran (README.md's).",
         ),
     ] = False,
+    points: Annotated[
+        bool,
+        typer.Option(
+            "--points",
+            help="Only the GPU points: each measured peak beside its estimate and the paper's number (README.md's).",
+        ),
+    ] = False,
 ) -> None:
     """Compare results with the paper's numbers, as Markdown.
 
     The ratio ours / paper on comparable devices, the rows the paper has no counterpart for, and
     estimates beside measurements."""
     from ..models import full_depth
-    from ..report import glance_markdown, markdown_report
+    from ..report import glance_markdown, markdown_report, points_markdown
     from ..report.inputs import load_paper, load_table
 
     with user_errors():
         table = load_table(results)
         paper, note = load_paper(reference)
         checked = read_exactness(exactness) if exactness is not None else None
+        if glance and points:
+            raise ValueError("--glance and --points are two summaries: give one")
         if glance:
             text = glance_markdown(table, exactness=checked)
+        elif points:
+            text = points_markdown(table, paper, full_depth=full_depth)
         else:
             text = markdown_report(table, paper, full_depth=full_depth, exactness=checked)
         if out is not None:

@@ -16,9 +16,17 @@ from .common import FORMATS
 from .maxlen import max_seq_len_bars
 from .memory import memory_vs_seq
 from .peers import max_len_vs_time_per_token
+from .predicted import measured_on_predicted
 from .timing import time_per_sample_vs_batch, time_vs_seq
 
-FIGURES = (memory_vs_seq, time_vs_seq, max_seq_len_bars, time_per_sample_vs_batch, max_len_vs_time_per_token)
+FIGURES = (
+    memory_vs_seq,
+    time_vs_seq,
+    max_seq_len_bars,
+    time_per_sample_vs_batch,
+    max_len_vs_time_per_token,
+    measured_on_predicted,
+)
 
 
 def plot_all(
@@ -43,6 +51,7 @@ __all__ = [
     "FORMATS",
     "max_len_vs_time_per_token",
     "max_seq_len_bars",
+    "measured_on_predicted",
     "memory_vs_seq",
     "plot_all",
     "time_per_sample_vs_batch",

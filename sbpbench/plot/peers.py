@@ -1,5 +1,5 @@
-"""Figure (e): max T against time per token, one point per method (issue 16: StreamBP beside the
-peers users reach for). Up and to the left is better: longer sequences, less time per token.
+"""Figure (e): max T against time per token, one point per method (StreamBP beside the peers
+users reach for). Up and to the left is better: longer sequences, less time per token.
 
 One figure per model and setting (PEERS_GROUP) that has both kind=maxlen answers and timed points.
 y: the method's max T (kind maxlen, "≥" when the search reached its ceiling). x: its median step

@@ -15,7 +15,7 @@ from dataclasses import fields
 
 from ..measure.units import GIB
 from .reference import REQUIRED_COLUMNS
-from .schema import SKIPPED_TIMEOUT, ResultRow
+from .schema import KEY_COLUMNS, SKIPPED_TIMEOUT, ResultRow
 
 # skipped = a certain OOM that was not run (records/schema.py): shown exactly like an OOM, unless
 # it was skipped as a certain timeout (SKIPPED_TIMEOUT), which says nothing about memory
@@ -26,6 +26,8 @@ PAPER_CAPACITY_BYTES = 80 * GIB
 CAPACITY_TOLERANCE = 0.10
 PROMPTED_OBJECTIVES = ("grpo", "dpo")  # seq_len includes prompt_len; the paper's T is the completion
 MAXLEN_TABLE = {"bp": "Figure 3", "train": "Table 3"}  # the paper's max-T table for each step
+# An estimate is of the same point as a measurement when these agree: the key, less where it ran.
+ESTIMATE_KEY = tuple(c for c in KEY_COLUMNS if c not in ("source", "device_name", "memory_limit_bytes"))
 # Times that can rank methods: at least one warm-up step (the first step pays one-off costs: the
 # allocator's growth, kernel selection, cold caches) and two timed steps (a spread to tell noise from
 # a difference). A smoke run's single cold step made every method faster at T=2048 than at 1024.

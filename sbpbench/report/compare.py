@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..records import KEY_COLUMNS
 from ..records.select import (
+    ESTIMATE_KEY,
     MAXLEN_TABLE,
     PROMPTED_OBJECTIVES,
     cell,
@@ -40,8 +40,6 @@ METRIC_KIND = {
 MEMORY_METRICS = ("max_seq_len", "weights_grads_bytes", "peak_allocated_bytes")  # need an 80 GiB device
 # A row met only by weights + grads has not had its own numbers (peak, time) compared.
 SECONDARY_METRICS = ("weights_grads_bytes",)
-# Estimates are matched to measurements on everything that defines the point but where it ran.
-ESTIMATE_KEY = tuple(c for c in KEY_COLUMNS if c not in ("source", "device_name", "memory_limit_bytes"))
 
 
 @dataclass(frozen=True)
@@ -78,6 +76,9 @@ def setting(row, *, seq_len: bool, method_chunks: bool = True) -> str:
     if method_chunks and row["method"] == "streambp" and present(row.get("chunk_size")):
         logits = f"/{cell(row['logits_chunk_size'])}" if present(row.get("logits_chunk_size")) else ""
         parts.append(f"chunks {cell(row['chunk_size'])}{logits}")
+    placement = row.get("checkpoints")
+    if method_chunks and row["method"] == "streambp" and present(placement) and placement != "gpu":
+        parts.append(f"checkpoints {placement}")
     return ", ".join(parts)
 
 

@@ -24,6 +24,7 @@ from ..records.select import (
 from ..records.select import is_truncated as truncated
 from .compare import Comparison, estimate_comparisons, estimates_vs_paper, paper_comparisons, run, setting
 from .placements import placements_section, seq_and_max_t_cells
+from .points import points_section
 
 METRIC_TITLES = {
     "max_seq_len": "max T (tokens)",
@@ -35,7 +36,8 @@ METRIC_TITLES = {
 COMPARE_HEADERS = ("model", "method", "setting", "ours ran on", "paper", "ours", "ours/paper")
 METHOD_ORDER = {"bp": 0, "ckpt": 1, "mst": 2, "streambp": 3}
 PAPER_METHODS = ("bp", "ckpt", "mst", "streambp")
-TARGET_RATIO = 1.3  # issue 16: StreamBP's max T over the best peer's, at equal or lower step time
+POINTS_HEADING = "## Point by point on a GPU: measured, predicted, the paper"
+TARGET_RATIO = 1.3  # the peers' target: StreamBP's max T over the best peer's, at equal or lower step time
 PEERS_GROUP = ("model", "num_layers", "device_name", "memory_limit_bytes", "protocol", "dtype", "objective", "lora_rank", "step", "batch_size")  # fmt: skip
 
 
@@ -46,7 +48,7 @@ def peers_section(table, exactness: list[dict]) -> list[str]:
     groups = _peer_groups(table)
     if not groups:
         return []
-    lines = ["", "## Peers (issue 16)", ""]
+    lines = ["", "## Peers", ""]
     lines += [
         (
             "Peak memory (GiB) and time per token (ms, median step / (B x T)) at each measured T; max T from the "
@@ -227,6 +229,9 @@ def markdown_report(
     ]
     if reference is None:
         lines.append("No paper reference was loaded: nothing to compare with.")
+    points = points_section(table, reference, _markdown_table)
+    if points:
+        lines += ["", POINTS_HEADING, "", *points]
     comparisons, matched, coverage = paper_comparisons(table, paper)
     lines += _paper_section(comparisons, coverage)
     lines += _unmatched_section(table[(table["source"] == "measured") & ~table.index.isin(matched)])
@@ -236,6 +241,14 @@ def markdown_report(
     if exactness:
         lines += exactness_section(exactness)
     return "\n".join(lines) + "\n"
+
+
+def points_markdown(table, reference=None, full_depth: Callable[[str], int | None] | None = None) -> str:
+    """`sbp report --points`: the point-by-point section without its heading, or a line saying why
+    there is none."""
+    table = with_full_depth(complete_columns(table), full_depth)
+    lines = points_section(table, reference, _markdown_table)
+    return "\n".join(lines or ["No measured GPU point of a whole model: no point-by-point table."]) + "\n"
 
 
 def glance_markdown(table, exactness=None) -> str:
@@ -360,6 +373,6 @@ def _markdown_table(headers, rows: list[list[str]]) -> list[str]:
     if not rows:
         return []
     text = {"model", "method", "setting", "ours ran on", "ran on", "measured on", "estimated for", "status"}
-    text |= {"result", "worst gradient", "dtype", "settings", "note", "exact vs bp"}
+    text |= {"result", "worst gradient", "dtype", "settings", "note", "exact vs bp", "the paper"}
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" if h in text else "---:" for h in headers) + "|"]
     return lines + ["| " + " | ".join(cell.replace("|", "/") for cell in row) + " |" for row in rows]

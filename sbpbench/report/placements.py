@@ -1,4 +1,4 @@
-"""The report's checkpoint-placement section (issue 15, experiments/long_context.toml): StreamBP with
+"""The report's checkpoint-placement section (experiments/long_context.toml): StreamBP with
 its layer inputs on the GPU, in pinned host memory, recomputed per segment, or both, side by side.
 
 One table per model and setting whose StreamBP rows hold more than one placement: per placement and
@@ -43,7 +43,7 @@ def placements_section(table, markdown_table) -> list[str]:
         "bytes copied host<->device per step (GiB) and TFLOP/s, per T; max T from each placement's search "
         "(≥: no OOM up to its ceiling). Simulated tables are predictions (`sbp maxlen --simulate`), not measurements."
     )
-    return ["", "## Checkpoint placements (issue 15)", "", intro, *tables]
+    return ["", "## Checkpoint placements", "", intro, *tables]
 
 
 def _group_table(rows, markdown_table) -> list[str]:
