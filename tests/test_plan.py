@@ -117,6 +117,28 @@ def test_rates_are_fitted_to_the_measured_rows_of_the_device(tmp_path):
     assert "(measured)" not in Rates().describe()
 
 
+def test_rows_of_every_placement_fit_the_rates_with_their_own_work(tmp_path):
+    """A recompute placement's row is fitted on its own work (one forward more per rebuilt layer), so
+    two of them beside two gpu rows give the true rates back; no row is left out for its placement."""
+    truth = Rates(matmul_flop_s=500e12, attention_forward_flop_s=650e12, attention_backward_flop_s=400e12)
+    rows = []
+    for seq_len, placement in ((9000, "gpu"), (32768, "gpu"), (65536, "recompute:4"), (131072, "recompute:2")):
+        step = work(meta_model(ResultRow(model="Qwen/Qwen3-8B", num_layers=36, dtype="bf16", lora_rank=0)),
+                    method="streambp", batch_size=1, seq_len=seq_len, chunk_size=2000, logits_chunk_size=500,
+                    placement=Placement.parse(placement))  # fmt: skip
+        rows.append(ResultRow(
+            model="Qwen/Qwen3-8B", num_layers=36, method="streambp", seq_len=seq_len, batch_size=1, dtype="bf16",
+            device="cuda:0", device_name="NVIDIA H100 80GB HBM3", status="ok", source="measured", kind="point",
+            objective="sft", chunk_size=2000, logits_chunk_size=500, checkpoints=placement, nproc=1, lora_rank=0,
+            time_median_s=step_time(step, truth).total_s,
+        ))  # fmt: skip
+    upsert_rows(tmp_path / "measured.csv", rows)
+    fitted = fitted_rates(tmp_path, "H100", meta_model)
+    assert "4 measured row(s)" in fitted.describe() and "one factor" not in fitted.describe()
+    for name in COMPUTE_RATES:
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-6), name
+
+
 def test_one_measured_row_scales_the_default_compute_rates(tmp_path):
     """One row cannot separate matmul from attention: one factor on all three, which reproduces its time."""
     _measured(tmp_path, Rates(matmul_flop_s=400e12), [("streambp", 65536)])

@@ -237,7 +237,7 @@ def step_time(
 def fitted_rates(results: str | Path, device: str, model_of) -> Rates:
     """Rates from the measured GPU rows under `results` (a CSV or a folder of them) whose device_name
     contains `device`: the three compute rates by least squares of the step times of bp, ckpt and
-    streambp rows (checkpoints on the GPU) on each row's work, when the rows separate them (three or
+    streambp rows (any placement) on each row's work, when the rows separate them (three or
     more, of full rank), else one factor on all three defaults (the rows' time over the defaults');
     the page-locking rate from the rows that record their first step's (host_register_s). The
     other rates stay defaults. model_of(row) -> the row's model on the meta device (LoRA applied)."""
@@ -249,7 +249,10 @@ def fitted_rates(results: str | Path, device: str, model_of) -> Rates:
     if pinned:
         seconds = sum(row.host_register_s for row in pinned)
         rates = replace(rates, pinning_bytes_s=sum(row.host_pinned_peak_bytes for row in pinned) / seconds)
-    timed = [row for row in rows if row.method in ("bp", "ckpt", "streambp") and row.checkpoints in ("", "gpu")]
+    # Every placement: a recompute placement's extra forward is work the fit sees; an offloaded one's
+    # host copies hide behind the compute they run beside (a Qwen3-8B layer input at 64k copies in
+    # 8 ms at PCIe rate, a layer's forward takes hundreds), so its time is compute too.
+    timed = [row for row in rows if row.method in ("bp", "ckpt", "streambp")]
     measured = ("pinning_bytes_s",) if pinned else ()
     source = f"{len(rows)} measured row(s) of {rows[0].device_name}"
     if not timed:
@@ -263,6 +266,7 @@ def fitted_rates(results: str | Path, device: str, model_of) -> Rates:
             seq_len=row.seq_len,
             chunk_size=row.chunk_size,
             logits_chunk_size=row.logits_chunk_size,
+            placement=Placement.parse(row.checkpoints) if row.checkpoints else None,
         )
         columns.append([step.matmul_flops, step.attention_forward_flops, step.attention_backward_flops])
         times.append(row.time_median_s - step_time(step, rates).chunks_s)
