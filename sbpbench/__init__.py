@@ -16,7 +16,7 @@ wrong package. Any module may import this root module (it runs before any of the
     methods: the compared methods by name, the training step, exactness checks -> core, data, settings
     config: typed, validated settings of points and searches, experiment files -> settings, methods, models, measure, core
     points: a spec's model, batch and step, its row's key and provenance (runner's and simulate's) -> config, methods, models, data, measure, records
-    runner: points measured in own processes, sweeps, max-T search, timeouts -> points, config, methods, measure, records, models, core
+    runner: points measured in own processes, sweeps, max-T search, timeouts, what a sweep costs -> points, config, methods, measure, records, models, core, simulate
     simulate: peak memory predicted under fake tensors -> points, config, methods, measure, records, models, data, core
     report: the results table beside the paper's numbers, as Markdown -> records, measure
     plot: figures of a results table -> records, measure, settings

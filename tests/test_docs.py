@@ -92,11 +92,22 @@ def h100_report_now() -> str:
     return "".join("#" + line if line.startswith("#") else line for line in text.splitlines(keepends=True))
 
 
+def paper_on_one_gpu_now() -> str:
+    """`sbp sweep experiments/paper_on_one_gpu.toml --dry-run`'s entries as Markdown, priced from the
+    committed rows with no point done."""
+    from sbpbench.runner.pricing import price_experiment
+    from sbpbench.simulate.cost import pricing_markdown
+
+    experiment = ROOT / "experiments" / "paper_on_one_gpu.toml"
+    return pricing_markdown(price_experiment(experiment, results=ROOT / "results", reference=load_reference()))
+
+
 # Generated blocks: the page, the block's name (its <!-- NAME: begin/end --> markers), what makes it.
 BLOCKS = (
     (README, "glance", glance_now),
     (README, "gpu-points", gpu_points_now),
     (H100_STUDY, "h100-report", h100_report_now),
+    (ROOT / "docs" / "reproducing.md", "paper-on-one-gpu", paper_on_one_gpu_now),
 )
 
 

@@ -1,6 +1,6 @@
 """`sbp peers setup official` on this environment's torch: the virtualenv sees torch and torch's
 requirements from here and nothing else of ours (runner/parent_torch.py), and it builds from carried
-wheels with no package index, as a lent GPU without one must (docs/gpu-session.md)."""
+wheels with no package index, as a GPU machine without one must (docs/reproducing.md)."""
 
 from __future__ import annotations
 

@@ -147,6 +147,7 @@ SELECTIONS = {
     "report/points.py::SETTING": "the columns a points table holds fixed",
     "runner/official.py::_job": "the official code's job file: its own keys",
     "simulate/plan.py::describe": "the numbers `sbp plan` prints",
+    "simulate/cost.py::predicted_max_t": "what a simulated search shares with the search it prices",
 }
 
 

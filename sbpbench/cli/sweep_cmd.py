@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.console import Console
 from rich.markup import escape
+from rich.table import Table
 
 from ..records import ResultRow, check_writable, decode_row, read_rows, row_key
 from .errors import user_errors
@@ -44,6 +45,14 @@ def sweep(
         bool, typer.Option(help="Skip points already in --out (same settings); --no-resume reruns them.")
     ] = True,
     budget: BudgetOpt = None,
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run",
+            help="Run nothing: list the entries left and their predicted GPU time, priced from the GPU rows "
+            "under results/ (this machine's GPU, else the one with most rows).",
+        ),
+    ] = False,
 ) -> None:
     """Run every point of an experiment file, resumable.
 
@@ -60,6 +69,9 @@ def sweep(
     from ..runner.maxlen import ProbeFailed
     from ..runner.sweep import plan, run_sweep
 
+    if dry_run:
+        _dry_run(experiment, out, settings.get("device"))
+        return
     with user_errors():
         seconds = parse_seconds(budget) if budget is not None else None
         loaded = load_experiment(experiment, device=settings.get("device"), threads=settings.get("threads"))
@@ -118,6 +130,39 @@ def sweep(
         raise typer.Exit(1)
     if stopped:
         raise typer.Exit(BUDGET_EXIT)
+
+
+def _dry_run(experiment: Path, out: Path | None, device: str | None) -> None:
+    """Print what `sbp sweep` would still run, entry by entry, with its predicted device time."""
+    from ..config.device import device_kind, resolve_device
+    from ..measure.environment import capture_environment
+    from ..records.reference import load_reference
+    from ..runner.budget import MIN_START_S
+    from ..runner.pricing import price_experiment
+    from ..simulate.cost import commands, groups
+
+    with user_errors():
+        resolved = resolve_device(device or "auto")
+        gpu = capture_environment(resolved).device_name if device_kind(resolved) == "cuda" else None
+        results = Path("results")
+        pricing = price_experiment(experiment, results=results, out=out or results, gpu=gpu, reference=load_reference())
+    console = Console()
+    where = out or results / f"{pricing.name}.csv"
+    table = Table(title=f"{pricing.name}: {len(pricing.costs)} point(s) to run, {pricing.done} already in {where}")
+    for column in ("entry", "points", "device min", "host min", "command"):
+        table.add_column(column, justify="left" if column == "entry" else "right")
+    for group in groups(pricing):
+        span = group["commands"]
+        device_min = "?" if group["device_s"] != group["device_s"] else f"{group['device_s'] / 60:.1f}"
+        table.add_row(group["title"] or "(untitled)", str(group["points"]), device_min, f"{group['host_s'] / 60:.1f}",
+                      str(span[0]) if len(span) == 1 else f"{span[0]}-{span[-1]}")  # fmt: skip
+    count = max(commands(pricing.costs, min_start_s=MIN_START_S), default=0)
+    table.caption = (
+        f"Predicted for {pricing.device}, not measured: {count} command(s) of --budget 9m. device min: process "
+        "starts and steps on the GPU; host min: the seeds' fake-tensor searches on the CPU. "
+        f"Rates: {pricing.rates.describe()}"
+    )
+    print_table(console, table)
 
 
 def _outcome(row: ResultRow) -> str:

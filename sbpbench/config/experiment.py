@@ -12,6 +12,7 @@ batch_size) or a `sbp maxlen` search (MaxlenSpec per method). Keys are the specs
     [defaults]                       # any point key, for every point
     dtype = "bf16"
     [[points]]                       # one or more; each merges [defaults]
+    title = "Table 1"                # optional: what this entry measures
     model = "Qwen/Qwen3-4B"
     method = ["ckpt", "streambp"]
     seq_len = [6000, 9000]
@@ -39,7 +40,11 @@ KINDS = ("grid", "maxlen")
 
 # Every key a [defaults] table or a [[points]] entry may hold: the settings (sbpbench/settings)
 # and the point's kind.
-POINT_KEYS: dict[str, Setting] = {"kind": Setting(str, "grid or maxlen", KINDS), **SETTINGS}
+POINT_KEYS: dict[str, Setting] = {
+    "kind": Setting(str, "grid or maxlen", KINDS),
+    "title": Setting(str, "what the entry measures, in a few words (`sbp sweep --dry-run` groups by it)"),
+    **SETTINGS,
+}
 TOP_KEYS = {"name", "kind", "description", "reference", "defaults", "points"}
 REQUIRED = ("model",)
 MAXLEN_ONLY = SEARCH_SETTINGS
@@ -64,6 +69,7 @@ class Experiment:
     description: str
     reference: str | None
     points: tuple[RunSpec | MaxlenSpec, ...]  # in file order: grid specs, then each search
+    titles: tuple[str, ...] = ()  # each point's entry title ("" where the entry has none)
 
     @property
     def grid(self) -> list[RunSpec]:
@@ -121,8 +127,8 @@ def _as_list(value) -> list:
     return value if isinstance(value, list) else [value]
 
 
-def _expand(values: dict, kind: str, overrides: dict) -> list[RunSpec | MaxlenSpec]:
-    settings = {k: v for k, v in values.items() if k not in ("kind", "method", *MAXLEN_ONLY)}
+def _expand(values: dict, kind: str, overrides: dict, defaults_for: str | None = None) -> list[RunSpec | MaxlenSpec]:
+    settings = {k: v for k, v in values.items() if k not in ("kind", "title", "method", *MAXLEN_ONLY)}
     settings.update(overrides)
     methods = _as_list(values.get("method", []))  # none named: the default methods (point_specs)
     if kind == "grid":
@@ -131,12 +137,14 @@ def _expand(values: dict, kind: str, overrides: dict) -> list[RunSpec | MaxlenSp
         return [
             spec
             for batch_size, seq_len in product(_as_list(values.get("batch_size", [None])), _as_list(values["seq_len"]))
-            for spec in point_specs({**settings, "seq_len": seq_len, "batch_size": batch_size}, methods)
+            for spec in point_specs(
+                {**settings, "seq_len": seq_len, "batch_size": batch_size}, methods, defaults_for=defaults_for
+            )
         ]
     for axis in ("seq_len", "batch_size"):
         if isinstance(values.get(axis), list):
             raise ConfigError(axis, "takes one value in a maxlen point (seq_len: the first probe)")
-    defaults = SEARCH_DEFAULTS[device_kind(resolve_device(settings.get("device", "auto")))]
+    defaults = SEARCH_DEFAULTS[defaults_for or device_kind(resolve_device(settings.get("device", "auto")))]
     settings.setdefault("seq_len", defaults["seq_len"])
     # probes measure memory only: timed steps would add nothing to the answer
     return [
@@ -146,13 +154,17 @@ def _expand(values: dict, kind: str, overrides: dict) -> list[RunSpec | MaxlenSp
             seq_len_ceiling=values.get("seq_len_ceiling", defaults["seq_len_ceiling"]),
             multiple_of=values.get("multiple_of", default_of("multiple_of")),
         )
-        for base in point_specs({"repeats": 0, **settings}, methods)
+        for base in point_specs({"repeats": 0, **settings}, methods, defaults_for=defaults_for)
     ]
 
 
-def load_experiment(path: str | Path, *, device: str | None = None, threads: int | None = None) -> Experiment:
+def load_experiment(
+    path: str | Path, *, device: str | None = None, threads: int | None = None, defaults_for: str | None = None
+) -> Experiment:
     """Read and check an experiment file. device overrides every point's (e.g. "cpu" to check a
-    GPU experiment's file on a machine without one); so does threads."""
+    GPU experiment's file on a machine without one); so does threads. defaults_for: the kind of
+    device ("cuda", "cpu") whose defaults fill what the file leaves out, when not the points' own
+    (a GPU experiment priced on a machine without one)."""
     overrides = {name: value for name, value in (("device", device), ("threads", threads)) if value is not None}
     path = Path(path)
     if not path.is_file():
@@ -175,6 +187,7 @@ def load_experiment(path: str | Path, *, device: str | None = None, threads: int
     if not isinstance(entries, list) or not entries:
         raise ExperimentError(f"{path}: no [[points]]; add at least one [[points]] table with a model")
     points: list[RunSpec | MaxlenSpec] = []
+    titles: list[str] = []
     for number, entry in enumerate(entries, start=1):
         where = f"{path}: [[points]] #{number}"
         values = {**defaults, **_check_table(where, entry)}
@@ -187,15 +200,18 @@ def load_experiment(path: str | Path, *, device: str | None = None, threads: int
         if misplaced:
             raise ExperimentError(f"{where}: key {misplaced[0]!r} does not apply to a {point_kind} point")
         try:
-            points += _expand(values, point_kind, overrides)
+            expanded = _expand(values, point_kind, overrides, defaults_for)
         except ConfigError as error:
             raise ExperimentError(f"{where} {error.field}: {error.naming(error.field)}") from None
         except ValueError as error:
             raise ExperimentError(f"{where}: {error}") from None
+        points += expanded
+        titles += [values.get("title", "")] * len(expanded)
     return Experiment(
         name=document.get("name", path.stem),
         path=path,
         description=document.get("description", ""),
         reference=document.get("reference"),
         points=tuple(points),
+        titles=tuple(titles),
     )
