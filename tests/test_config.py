@@ -43,7 +43,7 @@ EXPECTED_OPTIONS = {
         "--dtype", "--logits-chunk-size", "--fp32-grad-accumulation", "--num-layers", "--protocol", "--seed",
         "--gpu-memory", "--host-memory", "--gpu", "--results",
     },
-    "sweep": {"--device", "--threads", "--out", "--resume", "--budget"},
+    "sweep": {"--device", "--threads", "--out", "--resume", "--budget", "--dry-run"},
 }  # fmt: skip
 
 
@@ -63,9 +63,9 @@ def test_each_command_has_exactly_its_frozen_options(command):
 
 def test_experiment_keys_are_the_config_field_names():
     """An experiment file says seq_len where Python says seq_len: the keys are the fields (plus a
-    search's own settings and the point kind)."""
-    assert set(POINT_KEYS) == {*FIELD_NAMES, "seq_len_ceiling", "resolution", "multiple_of", "kind"}
-    assert set(FLAGS) == set(POINT_KEYS) - {"kind"}
+    search's own settings, the point kind and the entry's title)."""
+    assert set(POINT_KEYS) == {*FIELD_NAMES, "seq_len_ceiling", "resolution", "multiple_of", "kind", "title"}
+    assert set(FLAGS) == set(POINT_KEYS) - {"kind", "title"}
 
 
 def test_defaults_are_filled_by_the_config_per_device_and_objective():
