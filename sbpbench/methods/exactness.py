@@ -212,7 +212,9 @@ def _bound(baseline_error: float) -> float:
     return FP32_ERROR_FACTOR * baseline_error + FP32_RELATIVE_FLOOR
 
 
-def judge_fp32_step(method: str, ours: Step, baseline: MethodComparison, ref: Step, base_grads=None) -> MethodComparison:
+def judge_fp32_step(
+    method: str, ours: Step, baseline: MethodComparison, ref: Step, base_grads=None
+) -> MethodComparison:
     """A method's fp32 step against the float64 reference step: its loss and each gradient within
     FP32_ERROR_FACTOR x the baseline's own error on it plus FP32_RELATIVE_FLOOR (a gradient also
     within the baseline's noise floor). `baseline` is judge_baseline's result; with the baseline's
@@ -227,6 +229,16 @@ def judge_fp32_step(method: str, ours: Step, baseline: MethodComparison, ref: St
     return MethodComparison(method, baseline.reference, loss_diff, diffs, versus)
 
 
+def fp64_step(method: str, model, batch: SFTBatch, settings: MethodSettings) -> Step:
+    """One step of `method` on the fp32 model's weights upcast to float64 (exact); the model is
+    left in fp32 (exact: its values came from fp32)."""
+    model.double()
+    try:
+        return step_gradients(method, model, batch, settings)
+    finally:
+        model.float()
+
+
 def judge_against_fp64(
     model,
     batch: SFTBatch,
@@ -235,6 +247,7 @@ def judge_against_fp64(
     *,
     baseline: str = "bp",
     reference_method: str | None = None,
+    reference: Step | None = None,
 ) -> list[MethodComparison]:
     """fp32 exactness judged against float64 (module docstring): run `baseline` and each method on
     the fp32 model, then `reference_method` (default: the baseline) on the same weights upcast to
@@ -243,16 +256,13 @@ def judge_against_fp64(
 
     reference_method: a cheaper exact method for the fp64 step where the baseline's fp64 step
     does not fit (standard BP keeps T x T attention probabilities per layer in fp64 on CUDA, where
-    no fused kernel takes fp64); BASELINE_SANITY still checks it against the baseline's fp32 step."""
+    no fused kernel takes fp64); BASELINE_SANITY still checks it against the baseline's fp32 step.
+    reference: that fp64 step, already run on these weights (several judgements share one)."""
     if model.dtype != torch.float32:
         raise ValueError(f"judge_against_fp64 judges float32 models; got {model.dtype}")
     # the fp64 reference first, then each fp32 step judged and dropped: at most the reference,
     # the baseline's gradients and one method's are held (a Qwen3-4B embedding gradient is 1.6 GB)
-    model.double()
-    try:
-        ref = step_gradients(reference_method or baseline, model, batch, settings)
-    finally:
-        model.float()
+    ref = reference if reference is not None else fp64_step(reference_method or baseline, model, batch, settings)
     base_step = step_gradients(baseline, model, batch, settings)
     results = [judge_baseline(baseline, f"{reference_method or baseline} fp64", base_step, ref)]
     for name in dict.fromkeys(m for m in methods if m != baseline):

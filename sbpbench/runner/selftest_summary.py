@@ -1,18 +1,23 @@
-"""The selftest's Markdown summary: what ran, measured vs estimated peaks, the long point, and
-where a long step's time goes. Pure functions of the selftest's outcomes, rows and log, so every
-GPU-only line of it is tested on a CPU with stand-in rows."""
+"""The selftest's Markdown summary: what ran, each failed test with its message, measured vs
+estimated peaks, the long point, and where a long step's time goes. Pure functions of the
+selftest's outcomes, rows, log and test report, so every GPU-only line of it is tested on a CPU
+with stand-in rows."""
 
 from __future__ import annotations
 
+import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..measure.flops import phase_flops_markdown
 from ..measure.progress import PROGRESS_PREFIX
 from ..measure.units import GIB
 
-# the issue's H100 measurements put the estimator within about 1% of the measured peaks
+# measured on one H100, the estimator was within about 1% of the measured peaks
 GOOD_ESTIMATE = 0.05
+# tests/conftest.py writes one JSON line per test event to the file this variable names
+TEST_REPORT_ENV = "SBP_TEST_REPORT"
+MESSAGE_LINES = 8  # of a failed test's message, in the summary
 
 
 @dataclass(frozen=True)
@@ -124,6 +129,66 @@ def pytest_counts(log_text: str) -> dict[str, int]:
     for word in re.findall(r"::\S+ (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)", log_text):
         counts[word] = counts.get(word, 0) + 1
     return counts
+
+
+@dataclass
+class TestReport:
+    """What tests/conftest.py recorded of one pytest run, read back even when the run was killed."""
+
+    collected: list[str] = field(default_factory=list)
+    started: list[str] = field(default_factory=list)
+    results: dict[str, dict] = field(default_factory=dict)  # test id -> its worst result record
+
+    @property
+    def running(self) -> str | None:
+        """The test that had started but not finished: the one in flight when the run was cut."""
+        unfinished = [t for t in self.started if t not in self.results]
+        return unfinished[-1] if unfinished else None
+
+    @property
+    def not_reached(self) -> list[str]:
+        return [t for t in self.collected if t not in self.started]
+
+    def counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for record in self.results.values():
+            word = "ERROR" if record["when"] != "call" and record["outcome"] == "failed" else record["outcome"].upper()
+            counts[word] = counts.get(word, 0) + 1
+        return counts
+
+    def failed(self) -> list[dict]:
+        return [r for r in self.results.values() if r["outcome"] == "failed"]
+
+
+_WORSE = {"passed": 0, "skipped": 1, "failed": 2}
+
+
+def read_test_report(text: str) -> TestReport:
+    """The JSON lines tests/conftest.py wrote (TEST_REPORT_ENV); a torn last line is skipped. A test
+    keeps its worst result (a pass in the call, then a failing teardown, is a failure)."""
+    report = TestReport()
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if record.get("event") == "collected":
+            report.collected = list(record["tests"])
+        elif record.get("event") == "start":
+            report.started.append(record["test"])
+        elif record.get("event") == "result":
+            old = report.results.get(record["test"])
+            if old is None or _WORSE[record["outcome"]] > _WORSE[old["outcome"]]:
+                report.results[record["test"]] = record
+    return report
+
+
+def message_excerpt(message: str, max_lines: int = MESSAGE_LINES) -> list[str]:
+    """The first lines of a failure's message: pytest's `E` lines (what was asserted and how it
+    failed), else the message's last lines (the end of a traceback)."""
+    lines = [line.rstrip() for line in message.splitlines() if line.strip()]
+    errors = [re.sub(r"^E {0,3}", "", line) for line in lines if line.startswith("E ")]
+    return errors[:max_lines] if errors else lines[-max_lines:]
 
 
 def summary_markdown(
