@@ -17,7 +17,8 @@ from ..measure.units import GIB
 GOOD_ESTIMATE = 0.05
 # tests/conftest.py writes one JSON line per test event to the file this variable names
 TEST_REPORT_ENV = "SBP_TEST_REPORT"
-MESSAGE_LINES = 8  # of a failed test's message, in the summary
+MESSAGE_LINES = 8  # of a failed test's message, or a failed step's output, in the summary
+NOT_RUN = "not run (budget)"  # a step the budget left no time for: not a failure
 
 
 @dataclass(frozen=True)
@@ -191,17 +192,47 @@ def message_excerpt(message: str, max_lines: int = MESSAGE_LINES) -> list[str]:
     return errors[:max_lines] if errors else lines[-max_lines:]
 
 
+def step_output_tail(log_text: str, name: str, max_lines: int = MESSAGE_LINES) -> list[str]:
+    """The last lines a step wrote to the selftest log (its last run there): why it failed, or
+    where it was when its time limit cut it."""
+    start = log_text.rfind(f"===== {name}: python -m ")
+    if start < 0:
+        return []
+    section = log_text[start:].split("\n", 1)[-1]
+    # its end line; a killed step's last output may lack a newline, so the marker can end a line
+    section = section.split(f"===== {name}: ", 1)[0]
+    return [line.rstrip() for line in section.splitlines() if line.strip()][-max_lines:]
+
+
+def _test_lines(report: TestReport) -> list[str]:
+    lines = []
+    if report.running:
+        lines += ["", f"Cut while running: `{report.running}`."]
+    if report.not_reached:
+        lines += ["", f"Not reached: {len(report.not_reached)} ({', '.join(f'`{t}`' for t in report.not_reached)})."]
+    for record in report.failed():
+        where = "" if record["when"] == "call" else f", in {record['when']}"
+        lines += ["", f"Failed: `{record['test']}` ({record['seconds']:.0f} s{where}):", "", "```"]
+        lines += message_excerpt(record["message"]) or ["(no message)"]
+        lines += ["```"]
+    return lines
+
+
 def summary_markdown(
     *,
     title: str,
     provenance: str,
-    steps: list[tuple[str, str, float]],
+    steps: list[tuple],
     errors: list[PointError],
     pytest: dict[str, int] | None,
     long_point: str | None,
     flops: tuple | None,
+    tests: TestReport | None = None,
+    log_text: str = "",
 ) -> str:
-    """steps: (name, status, wall seconds, CPU seconds or None); flops: (config, model, method,
+    """steps: (name, status, wall seconds, CPU seconds or None, predicted wall seconds or None), a
+    failed one shown with its last lines in log_text (the selftest log); pytest: counts from `pytest -v`
+    lines, used where `tests` (the per-test report) is None; flops: (config, model, method,
     seq_len, tflops_per_s, a line saying where that rate comes from) of the breakdown, or None."""
     lines = [
         f"# {title}",
@@ -210,16 +241,30 @@ def summary_markdown(
         "",
         "## Steps",
         "",
-        "| step | result | wall s | CPU s |",
-        "|---|---|---:|---:|",
+        "| step | result | wall s | predicted s | CPU s |",
+        "|---|---|---:|---:|---:|",
     ]
     lines += [
-        f"| {name} | {status} | {seconds:.0f} | {'-' if cpu is None else f'{cpu:.0f}'} |"
-        for name, status, seconds, cpu in steps
+        f"| {name} | {status} | {seconds:.0f} | {'-' if not predicted else f'{predicted:.0f}'} "
+        f"| {'-' if cpu is None else f'{cpu:.0f}'} |"
+        for name, status, seconds, cpu, predicted in steps
     ]
-    if pytest is not None:
-        counted = ", ".join(f"{n} {word.lower()}" for word, n in sorted(pytest.items())) or "no test result lines"
+    if any(predicted for *_, predicted in steps):
+        lines += [
+            "",
+            "predicted s: the plan's expectation, a prediction: this device's wall time in an earlier "
+            "selftest.log, else one H100's; the long point's from its FLOPs at the default run's speed.",
+        ]
+    counts = tests.counts() if tests is not None and (tests.collected or tests.results) else pytest
+    if counts is not None:
+        counted = ", ".join(f"{n} {word.lower()}" for word, n in sorted(counts.items())) or "no test result lines"
         lines += ["", f"gpu-marked tests: {counted} (details in selftest.log)."]
+        if tests is not None:
+            lines += _test_lines(tests)
+    for name, status, *_ in steps:
+        if status not in ("ok", NOT_RUN) and log_text:
+            tail = step_output_tail(log_text, name) or ["(no output)"]
+            lines += ["", f"`{name}`: {status}; its last lines in selftest.log:", "", "```", *tail, "```"]
     lines += [
         "",
         "## Peak memory: measured vs `sbp estimate`",
