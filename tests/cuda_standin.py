@@ -22,6 +22,10 @@ waited for that. Violations, in `violations`:
 - register: a registration not page aligned, not whole pages, or overlapping another; an
   unregister of an address not registered.
 `drop` swallows one call (DROPPABLE): a store with that wait removed, which the checks must catch.
+
+Below, stand-ins for the device-memory calls the gpu-marked tests' own machinery makes
+(tests/conftest.py's release after each test, tests/device_free.py's check before a worker):
+FakeCudaMemory for torch.cuda's caching allocator, FakeNvml for pynvml's device and process view.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
+from types import SimpleNamespace
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -298,3 +303,40 @@ class _StreamOps(TorchDispatchMode):
         for tensor, written in _data_arguments(func, args, kwargs):
             calls.access(tensor, stream, position, written, func)
         return func(*args, **kwargs)
+
+
+class FakeCudaMemory:
+    """torch.cuda's allocator calls: `reserved` bytes cached, `allocated` of them live; empty_cache
+    hands the rest back (and is counted). Not initialised: nothing cached, as torch.cuda says."""
+
+    def __init__(self, *, initialized: bool = True, reserved: int = 0, allocated: int = 0):
+        self.initialized, self.reserved, self.allocated = initialized, reserved, allocated
+        self.empty_cache_calls = 0
+
+    def is_initialized(self) -> bool:
+        return self.initialized
+
+    def memory_reserved(self, device=None) -> int:
+        return self.reserved
+
+    def memory_allocated(self, device=None) -> int:
+        return self.allocated
+
+    def empty_cache(self) -> None:
+        assert self.initialized, "empty_cache would initialise CUDA"
+        self.empty_cache_calls += 1
+        self.reserved = self.allocated
+
+
+class FakeNvml:
+    """pynvml's memory and process queries for one device: `used` of `total` bytes, and the
+    compute processes as (pid, bytes or None: NVML cannot always say)."""
+
+    def __init__(self, *, total: int, used: int, processes=()):
+        self.total, self.used, self.processes = total, used, list(processes)
+
+    def nvmlDeviceGetMemoryInfo(self, handle):
+        return SimpleNamespace(total=self.total, used=self.used, free=self.total - self.used)
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle):
+        return [SimpleNamespace(pid=pid, usedGpuMemory=used) for pid, used in self.processes]
