@@ -16,17 +16,26 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .adapters import KeyValueRecipe
 from .attention import STATE_KWARG, ChunkState, KVBuffer, KVCaptured, chunk_plan
 from .chunking import chunk_bounds, chunk_kwargs
 from .grad_accum import ChunkGradAccumulator
+from .kv_capture import Projection, key_value_projection
 from .layout import SequenceLayout
 
 
-def _capture_keys_values(layer, layer_input: torch.Tensor, kwargs: dict, chunks) -> KVBuffer:
+def _capture_keys_values(
+    layer, layer_input: torch.Tensor, kwargs: dict, chunks, project: Projection | None = None
+) -> KVBuffer:
+    """project: the keys/values alone by the family's recipe (kv_capture.py); None runs the layer
+    until its attention function has stored them."""
     capture = KVBuffer(seq_len=layer_input.shape[1], attend=False)
     with torch.no_grad():
         for start, end in chunks:
             capture.start = start
+            if project is not None:
+                capture.store(*project(layer_input[:, start:end], chunk_kwargs(kwargs, start, end)))
+                continue
             try:
                 layer(layer_input[:, start:end], **chunk_kwargs(kwargs, start, end), **{STATE_KWARG: capture})
             except KVCaptured:
@@ -48,15 +57,18 @@ def layer_backward(
     fp32_grad_accumulation: bool,
     call=None,
     layout: SequenceLayout | None = None,
+    key_values: KeyValueRecipe | None = None,
 ) -> None:
     """layer_input X (B, T, d); grad dZ (B, T, d) is overwritten with dX when need_input_grad.
     Leaves the layer's parameter gradients in .grad. call: what runs a chunk, `layer` itself unless
     a data-parallel engine needs its hook-free `forward` (grad_sync.py). layout: the batch's padding
-    and packed documents (layout.py), None when each row is one sequence from position 0."""
+    and packed documents (layout.py), None when each row is one sequence from position 0.
+    key_values: the family's K/V recipe (adapters.py), None to capture through the whole layer."""
     call = layer if call is None else call
     seq_len = layer_input.shape[1]
     chunks = chunk_bounds(seq_len, chunk_size)
-    capture = _capture_keys_values(call, layer_input, kwargs, chunks)
+    project = key_value_projection(layer, call, kwargs, key_values)
+    capture = _capture_keys_values(call, layer_input, kwargs, chunks, project)
     keys, values, window = capture.keys, capture.values, capture.sliding_window
     acc_dtype = torch.promote_types(keys.dtype, torch.float32)  # dK/dV sum over later chunks
     grad_keys = torch.zeros_like(keys, dtype=acc_dtype)

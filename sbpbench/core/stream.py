@@ -133,6 +133,7 @@ def stream_backward(
                 fp32_grad_accumulation=fp32_grad_accumulation,
                 call=sync.call(parts.layers[index]),
                 layout=layout,
+                key_values=parts.key_values,
             )
             sync.end(parts.layers[index])  # the chunks' summed gradients, reduced once
             store.release(index)  # free X_l
