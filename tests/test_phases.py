@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 
-from sbpbench.core import phases, stream_backward
-from sbpbench.core.phases import COPY_WAITS, HOST_COPIES, PHASES, REBUILD, PhaseTimer
+from sbpbench.core import PhaseTimer, phases, stream_backward
+from sbpbench.core.phases import COPY_WAITS, HOST_COPIES, PHASES, REBUILD
 from sbpbench.core.placement import Placement
 from sbpbench.data import make_batch
 from sbpbench.measure.flops import phase_flops
