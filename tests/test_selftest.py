@@ -245,7 +245,7 @@ def test_gpu_selftest_runs_its_plan_and_writes_the_summary(tmp_path, monkeypatch
     assert "| Qwen/Qwen3-4B | 9000 | streambp | - | 19.00 | 50.50 |" in summary  # off by > 5%: flagged
     assert "off by more than 5%" in summary
     assert "streambp Qwen/Qwen3-8B T=110000 (memory only, one step, no warm-up): ok, peak 50.00 GiB" in summary
-    assert "75 s into the step" in summary and "| layer backward |" in summary
+    assert "75 s into the step" in summary and "| chunk backward |" in summary
 
 
 # What tests/conftest.py writes of a pytest run killed in its third test

@@ -9,6 +9,7 @@ core/README.md tells the algorithm as this package implements it, in its order o
 from .adapters import SUPPORTED_MODEL_TYPES, UnsupportedModelError, supported_families
 from .cuda_calls import release_pinned_memory
 from .objectives import DPO, GRPO, SFT, Objective
+from .phases import PhaseTimer, PhaseTimes
 from .stream import DEFAULT_CHUNK_SIZE, DEFAULT_LOGITS_CHUNK_SIZE, stream_backward
 
 __all__ = [
@@ -19,6 +20,8 @@ __all__ = [
     "SFT",
     "SUPPORTED_MODEL_TYPES",
     "Objective",
+    "PhaseTimer",
+    "PhaseTimes",
     "UnsupportedModelError",
     "release_pinned_memory",
     "stream_backward",

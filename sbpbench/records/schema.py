@@ -47,15 +47,20 @@ read back with the new columns empty):
      point's rule chose, methods/chunk_sizes.py), cuda_alloc_conf (the worker's CUDA allocator
      setting); attention_kernel is now also filled on measured rows (the SDPA kernels that ran).
      Older rows read back with these empty (not recorded).
+  10 phase_*_s (streambp): seconds of each phase of the timed step whose time is the median, summed
+     over layers (core/phases.py: checkpoint pass, head, K/V capture, chunk forward, chunk backward,
+     rebuild, host copies, copy waits, and the rest, other); CUDA events on a GPU, wall time on a CPU.
+     Not key columns. Older rows read back with them empty (not recorded).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field, fields, make_dataclass
 
 from ..settings import METHOD_KNOBS, SETTINGS
 
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 
 # skipped: not run because a point of the same settings with no longer sequence and no larger batch
 # already ran out of memory (certain OOM: plots and reports draw it as an OOM) or timed out (certain
@@ -171,6 +176,17 @@ class ResultRow(_MethodColumns):
     time_max_s: float | None = None
     tokens_per_s: float | None = None  # batch_size * seq_len / time_median_s (padding included)
     tflops_per_s: float | None = None  # model_flops / time_median_s / 1e12
+    # streambp: where the median timed step's time went, per phase summed over layers (core/phases.py);
+    # host copies run beside the compute stream on CUDA, so there the phases add up to more than the step
+    phase_checkpoint_pass_s: float | None = None
+    phase_head_s: float | None = None
+    phase_kv_capture_s: float | None = None
+    phase_chunk_forward_s: float | None = None
+    phase_chunk_backward_s: float | None = None
+    phase_rebuild_s: float | None = None  # recompute placements
+    phase_host_copies_s: float | None = None  # offload placements; on a side stream on CUDA
+    phase_copy_waits_s: float | None = None  # the compute stream waiting for a copy back
+    phase_other_s: float | None = None  # the rest of stream_backward (embedding backward, gradient rounding, gaps)
     num_threads: int | None = None  # torch intra-op threads the worker ran with (RunSpec.threads)
     load_avg_1m: float | None = None  # the machine's 1-minute load average as the point started
     # max-length search (kind maxlen): the longest seq_len that ran and the shortest that did not
@@ -196,6 +212,14 @@ class ResultRow(_MethodColumns):
 
 
 COLUMNS: tuple[str, ...] = tuple(f.name for f in fields(ResultRow))
+
+
+def phase_column(phase: str) -> str:
+    """The column of a StreamBP phase (core/phases.py PHASES, or "other"): "K/V capture" -> phase_kv_capture_s."""
+    return "phase_" + re.sub(r"[^a-z0-9]+", "_", phase.lower().replace("/", "")).strip("_") + "_s"
+
+
+PHASE_COLUMNS: tuple[str, ...] = tuple(name for name in COLUMNS if name.startswith("phase_"))
 
 # What every row of every schema version has: a header without one of these is not a results CSV,
 # and a row with one of them empty is skipped when read (a torn or hand-damaged line).

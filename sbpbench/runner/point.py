@@ -10,7 +10,10 @@ Protocol (recorded in every row):
      setup creates there, and a step over --memory-limit stops before any warm-up is spent),
      then the warm-up, which also keeps the tracker's first-run costs out of the timed steps;
   3. `repeats` timed steps, synchronised, with nothing else running (no tracker, no sampler);
-     none for a memory-only point (repeats 0: a max-length probe).
+     none for a memory-only point (repeats 0: a max-length probe). A streambp step times its
+     phases meanwhile (CUDA events, or the CPU's clock; core/phases.py): the row's phase_*_s
+     columns are those of the timed step whose time is the median (the lower middle of an even
+     count), read after the timed steps.
 The worker runs spec.threads intra-op threads (default: OMP_NUM_THREADS, else the physical cores it
 may use); the row records them and the load average as the point started.
 A memory limit above the device's capacity (the paper's 80 GiB on an H100; 100TB on the CPU, whose
@@ -51,10 +54,11 @@ from ..measure.threads import load_average_1m, set_intra_op_threads
 from ..measure.timing import time_steps
 from ..methods import MethodUnsupported
 from ..methods.step import TrainingStep, storage_bytes
-from ..methods.streambp import reporting_progress
+from ..methods.streambp import reporting_progress, timing_phases
 from ..points.build import build_model_and_batch, training_step
 from ..points.rows import spec_fields
 from ..records import ResultRow, one_line
+from ..records.schema import phase_column
 from . import ranks
 from .allocator import allocator_setting
 
@@ -224,12 +228,16 @@ def _measure(spec: RunSpec) -> ResultRow:
                 synchronize = _measure_cuda(spec, step, row, device, prepare)
             else:
                 synchronize = _measure_cpu(spec, step, row, prepare)
-            timing = None
+            timing, timers = None, []
             if spec.repeats:
                 timed = (f"timed step {i} of {spec.repeats}" for i in range(1, spec.repeats + 1))
-                timing = time_steps(
-                    step.run, repeats=spec.repeats, synchronize=synchronize, before_each=lambda: prepare(next(timed))
-                )
+                with timing_phases() as timers:  # streambp steps: a PhaseTimer each
+                    timing = time_steps(
+                        step.run,
+                        repeats=spec.repeats,
+                        synchronize=synchronize,
+                        before_each=lambda: prepare(next(timed)),
+                    )
         row.optimizer_state_bytes = step.optimizer_state_bytes
     except MethodUnsupported as error:  # the method cannot run here: a result, with the reason
         row.status, row.error = "unsupported", one_line(error)
@@ -244,4 +252,18 @@ def _measure(spec: RunSpec) -> ResultRow:
     row.time_median_s, row.time_min_s, row.time_max_s = timing.median_s, timing.min_s, timing.max_s
     row.tokens_per_s = spec.batch_size * spec.seq_len / timing.median_s
     row.tflops_per_s = row.model_flops / timing.median_s / 1e12
+    record_phases(row, timing.times_s, timers)
     return row
+
+
+def record_phases(row: ResultRow, times_s: tuple[float, ...], timers) -> None:
+    """The phase columns of a streambp point: the timed step whose time is nearest the median, its
+    own phases (a median per phase would not add up to one step). Read after the timed steps, so
+    its one synchronize lies outside them."""
+    if not timers or len(timers) != len(times_s):
+        return
+    median = sorted(times_s)[(len(times_s) - 1) // 2]
+    phases = timers[times_s.index(median)].resolve()
+    for name, seconds in phases.seconds.items():
+        setattr(row, phase_column(name), seconds)
+    row.phase_other_s = phases.other_s

@@ -123,7 +123,7 @@ SETTINGS: dict[str, Setting] = {
     "threads": Setting(int, "torch threads per point (default: OMP_NUM_THREADS, else the physical cores).", minimum=1),
     "nproc": Setting(
         int,
-        "Data-parallel ranks, the model sharded by FSDP2: gloo on cpu, a GPU each on cuda (default: 1).",
+        "Data-parallel ranks (FSDP2): gloo on cpu, a GPU each on cuda (default: 1).",
         default=1,
         minimum=1,
     ),
