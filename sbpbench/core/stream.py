@@ -27,6 +27,8 @@ from .grad_sync import for_model as grad_sync_for
 from .grad_sync import unwrap
 from .grad_sync_base import GradSync
 from .head import head_backward
+from .kernel_choice import check_chunk_attention
+from .kernel_choice import chunk_attention as use_chunk_attention
 from .layer_backward import layer_backward
 from .layout import build_layout
 from .objectives import SFT, Objective
@@ -55,6 +57,7 @@ def stream_backward(
     checkpoints: str | Placement = "gpu",
     progress: LayerProgress | None = None,
     scale_wrt_gas: bool = True,
+    chunk_attention: str = "auto",
 ) -> torch.Tensor:
     """Forward + backward of a training objective with StreamBP.
 
@@ -85,9 +88,13 @@ def stream_backward(
     progress: see LayerProgress (per layer of the backward, for long steps). scale_wrt_gas: a
     DeepSpeedEngine only, as `engine.backward(loss, scale_wrt_gas=...)`: False leaves the gradients
     undivided by the engine's gradient_accumulation_steps (transformers' Trainer: its loss is already
-    scaled for accumulation).
+    scaled for accumulation). chunk_attention: the kernel for a chunk's attention over its prefix,
+    "auto" (on a GPU the fastest, measured on first use of a shape; elsewhere "lower-right"),
+    "lower-right" (SDPA with a lower-right causal bias), "split", "flex", "fa3" or "fa4"
+    (chunk_kernels.py, kernel_choice.py); each gives the same gradients to rounding.
     """
     _check_sizes(chunk_size, logits_chunk_size)
+    check_chunk_attention(chunk_attention, input_ids.device)
     placement = Placement.parse(checkpoints)
     if (labels is None) == (objective is None):
         raise ValueError("give either labels (the SFT objective) or objective=..., not both or neither")
@@ -101,7 +108,8 @@ def stream_backward(
         objective = sync.objective(objective)  # DeepSpeed: each chunk's gradient / accumulation steps
 
     store = CheckpointStore(placement, len(parts.layers))
-    with _streaming_mode(parts), sync.step(), closing(store):  # close: frees (and unpins) what an error left
+    kernels = use_chunk_attention(chunk_attention)
+    with _streaming_mode(parts), sync.step(), closing(store), kernels:  # close: frees (and unpins) what an error left
         saved = forward_checkpoints(
             parts, input_ids, chunk_size, store, gathered=sync.gathered, position_ids=position_ids, layout=layout
         )

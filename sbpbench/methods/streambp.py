@@ -42,4 +42,5 @@ def streambp(model, batch: Batch, settings) -> torch.Tensor:
         fp32_grad_accumulation=settings.fp32_grad_accumulation,
         progress=_PROGRESS.get(),
         checkpoints=settings.checkpoints,
+        chunk_attention=settings.chunk_attention,
     )

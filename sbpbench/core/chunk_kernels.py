@@ -1,0 +1,260 @@
+"""The kernels that can run one offset-causal chunk of StreamBP's attention, besides torch's SDPA.
+
+A chunk call is queries at absolute positions [query_start, query_start + c) over keys at
+[key_start, query_start + c), keys ending where the queries end (causal diagonal at the lower
+right), optionally cut by a sliding window (HF: query q sees key k iff q - k < window). Left
+padding and packed documents never reach a kernel as a mask: the plan (layout.py) cuts them into
+such calls. The reference is today's path, SDPA with a lower-right causal bias (attention.py,
+`LOWER_RIGHT`); the candidates here must give its result to rounding:
+
+    split  the prefix (no mask) and the diagonal block (square causal) on cuDNN's fused kernels,
+           merged by log-sum-exp (split_attention.py); the CPU flash kernel off a GPU
+    flex   torch's FlexAttention with a block mask (compiled on a GPU)
+    fa3    FlashAttention-3 (`flash_attn_interface`, built from flash-attention's hopper/), sm90
+    fa4    FlashAttention-4 (`flash_attn.cute`, the flash-attn-4 package), sm90 / sm100
+
+Each says why it cannot run, on a device (`unavailable`: not installed, not this GPU) or for one
+call (`unsupported`: dtype, head dim, a window it cannot express); kernel_choice.py skips it then.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from .split_attention import CpuFlashOps, CudnnOps, split_attention
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class ChunkCall:
+    """query (B, H, c, hd) at [query_start, query_start + c); key/value (B, h_kv, n, hd) at
+    [key_start, query_start + c), n > c. window: the sliding window where it hides some of these
+    keys from some query, else None."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    query_start: int
+    key_start: int
+    scale: float | None
+    window: int | None = None
+
+    @property
+    def num_queries(self) -> int:
+        return self.query.shape[2]
+
+    @property
+    def num_keys(self) -> int:
+        return self.key.shape[2]
+
+    @property
+    def gqa(self) -> bool:
+        return self.query.shape[1] != self.key.shape[1]
+
+    def with_tensors(self, query, key, value) -> ChunkCall:
+        return ChunkCall(query, key, value, self.query_start, self.key_start, self.scale, self.window)
+
+
+class ChunkKernel:
+    """One candidate: a name, why it cannot run, and how it runs a call."""
+
+    name = ""
+
+    def unavailable(self, device: torch.device) -> str | None:
+        """Why this kernel cannot run on the device at all; None when it can."""
+        return None
+
+    def unsupported(self, call: ChunkCall) -> str | None:
+        """Why it cannot run this call; None when it can."""
+        return None
+
+    def run(self, call: ChunkCall) -> torch.Tensor:
+        """-> (B, H, c, hd_v), differentiable in query, key and value."""
+        raise NotImplementedError
+
+
+class SplitKernel(ChunkKernel):
+    """Prefix + diagonal block merged by log-sum-exp: cuDNN on a GPU, the CPU flash kernel off one."""
+
+    name = "split"
+
+    def __init__(self, cuda_ops=None, cpu_ops=None):
+        self.cuda_ops = cuda_ops if cuda_ops is not None else CudnnOps()
+        self.cpu_ops = cpu_ops if cpu_ops is not None else CpuFlashOps()
+
+    def unavailable(self, device):
+        if device.type == "cuda" and not torch.backends.cuda.cudnn_sdp_enabled():
+            return "cuDNN attention is disabled (torch.backends.cuda.enable_cudnn_sdp or an sdpa_kernel block)"
+        if device.type not in ("cuda", "cpu"):
+            return f"no fused attention kernel with log-sum-exp on {device.type}"
+        return None
+
+    def unsupported(self, call):
+        if call.window is not None:
+            return "a sliding window cuts this chunk's prefix, which would need a mask"
+        if call.query.device.type != "cuda":
+            return None
+        if call.query.dtype not in _LOW_PRECISION:
+            return "cuDNN attention takes bf16/fp16"
+        prefix = call.num_keys - call.num_queries
+        halves = ((slice(0, prefix), False), (slice(prefix, call.num_keys), True))
+        for keys, causal in halves:
+            params = torch.backends.cuda.SDPAParams(
+                call.query, call.key[:, :, keys], call.value[:, :, keys], None, 0.0, causal, call.gqa
+            )
+            if not torch.backends.cuda.can_use_cudnn_attention(params, False):
+                return f"cuDNN attention refuses a {'causal' if causal else 'prefix'} half of this shape"
+        return None
+
+    def run(self, call):
+        ops = self.cuda_ops if call.query.device.type == "cuda" else self.cpu_ops
+        return split_attention(call.query, call.key, call.value, scale=call.scale, ops=ops)
+
+
+def offset_causal_mask_mod(offset: int | torch.Tensor, window: int | None):
+    """FlexAttention's mask_mod for a chunk: query row i (absolute query_start + i) sees key column j
+    (absolute key_start + j) iff j <= i + offset, offset = query_start - key_start = n - c, and,
+    with a window, i + offset - j < window."""
+
+    def causal(batch, head, q_idx, kv_idx):
+        return kv_idx <= q_idx + offset
+
+    def windowed(batch, head, q_idx, kv_idx):
+        return (kv_idx <= q_idx + offset) & (q_idx + offset - kv_idx < window)
+
+    return causal if window is None else windowed
+
+
+class FlexKernel(ChunkKernel):
+    """torch.nn.attention.flex_attention with a block mask per (c, n, window). On a GPU the call is
+    compiled once with dynamic shapes (a chunk's key count changes every chunk); the offset is a
+    tensor, so a new offset is not a new graph. Block masks are kept for the shapes seen last
+    (every layer runs the same chunks)."""
+
+    name = "flex"
+    _MASKS_KEPT = 64  # about one step's distinct chunk shapes at 512k / 8k; each a few KiB
+
+    def __init__(self):
+        self._masks: OrderedDict[tuple, object] = OrderedDict()
+        self._compiled = None
+
+    def unavailable(self, device):
+        if device.type == "cpu":
+            return "FlexAttention has no CPU backward in this torch"
+        if device.type == "cuda":
+            from torch.utils._triton import has_triton
+
+            if not has_triton():
+                return "FlexAttention needs Triton on a GPU"
+        return None
+
+    def _block_mask(self, call: ChunkCall):
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        device = call.query.device
+        key = (call.num_queries, call.num_keys, call.window, str(device))
+        if key in self._masks:
+            self._masks.move_to_end(key)
+            return self._masks[key]
+        offset = call.num_keys - call.num_queries
+        mask_mod = offset_causal_mask_mod(torch.tensor(offset, device=device), call.window)
+        mask = create_block_mask(mask_mod, None, None, call.num_queries, call.num_keys, device=device)
+        self._masks[key] = mask
+        if len(self._masks) > self._MASKS_KEPT:
+            self._masks.popitem(last=False)
+        return mask
+
+    def _attention(self, device: torch.device):
+        from torch.nn.attention.flex_attention import flex_attention
+
+        if device.type != "cuda":
+            return flex_attention  # eager: the dense reference implementation
+        if self._compiled is None:
+            self._compiled = torch.compile(flex_attention, dynamic=True)
+        return self._compiled
+
+    def run(self, call):
+        attend = self._attention(call.query.device)
+        return attend(
+            call.query, call.key, call.value, block_mask=self._block_mask(call), scale=call.scale, enable_gqa=call.gqa
+        )
+
+
+class _FlashAttnPackage(ChunkKernel):
+    """A FlashAttention package's flash_attn_func: (B, S, H, hd) tensors, causal aligned to the lower
+    right when seqlen_q < seqlen_k, GQA from fewer key heads, a window as (left, right) keys around
+    the diagonal. Imported on first use; `module` may be given (tests pass a stand-in)."""
+
+    module_name = ""
+    install = ""
+    compute_capabilities: tuple[int, ...] = ()
+    no_window: tuple = ()  # the package's spelling of an unbounded window
+
+    def __init__(self, module=None):
+        self._module = module
+
+    def module(self):
+        if self._module is None:
+            self._module = importlib.import_module(self.module_name)
+        return self._module
+
+    def unavailable(self, device):
+        if device.type != "cuda":
+            return f"{self.name} runs on CUDA GPUs only"
+        major, _ = torch.cuda.get_device_capability(device)
+        if major not in self.compute_capabilities:
+            return f"{self.name} needs an {' or '.join(f'sm{c}x' for c in self.compute_capabilities)} GPU"
+        try:
+            self.module()
+        except ImportError:
+            return f"{self.name} is not installed ({self.install})"
+        return None
+
+    def unsupported(self, call):
+        head_dim = call.query.shape[-1]
+        if call.query.dtype not in _LOW_PRECISION:
+            return f"{self.name} takes bf16/fp16"
+        if head_dim % 8 or head_dim > 256 or call.value.shape[-1] != head_dim:
+            return f"{self.name} takes head dims that are multiples of 8, up to 256, equal for q/k/v"
+        return None
+
+    def run(self, call):
+        window = self.no_window if call.window is None else (call.window - 1, 0)  # q - k < window
+        out = self.module().flash_attn_func(
+            call.query.transpose(1, 2),  # (B, c, H, hd), a view
+            call.key.transpose(1, 2),
+            call.value.transpose(1, 2),
+            softmax_scale=call.scale,
+            causal=True,
+            window_size=window,
+        )
+        if isinstance(out, tuple):  # (out, lse) in some releases
+            out = out[0]
+        return out.transpose(1, 2)
+
+
+class FlashAttention3(_FlashAttnPackage):
+    name = "fa3"
+    module_name = "flash_attn_interface"
+    install = "build flash-attention's hopper/ directory: cd hopper && pip install ."
+    compute_capabilities = (9,)
+    no_window = (-1, -1)
+
+
+class FlashAttention4(_FlashAttnPackage):
+    name = "fa4"
+    module_name = "flash_attn.cute"
+    install = 'pip install "sbpbench[flash-attn-4]"'
+    compute_capabilities = (9, 10)
+    no_window = (None, None)
+
+
+def default_kernels() -> dict[str, ChunkKernel]:
+    """The candidates, by name, in the order they are tried."""
+    kernels = (SplitKernel(), FlexKernel(), FlashAttention3(), FlashAttention4())
+    return {kernel.name: kernel for kernel in kernels}
