@@ -94,7 +94,7 @@ def device_class(device: torch.device, candidates: list[str]) -> str:
     return f"{name} | torch {torch.__version__} | cudnn {cudnn} | {'+'.join(candidates) or 'none'}"
 
 
-def _relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
+def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
     difference = (ours.double() - reference.double()).norm()
     return float(difference / reference.double().norm().clamp_min(torch.finfo(torch.float64).tiny))
 
@@ -150,7 +150,7 @@ class KernelChooser:
             run = self.kernels[name].run
             try:
                 got = _forward_backward(run, call, grad_out)
-                errors = [_relative_error(g, e) for g, e in zip(got, expected)]
+                errors = [relative_error(g, e) for g, e in zip(got, expected)]
                 if max(errors) > tolerance:
                     warnings.warn(
                         f"attention kernel {name} differs from {LOWER_RIGHT} by {max(errors):.1e} (relative) "
