@@ -29,7 +29,7 @@ import torch
 
 from sbpbench.core.attention import lower_right_attention
 from sbpbench.core.chunk_kernels import ChunkCall, default_kernels
-from sbpbench.core.kernel_choice import LOWER_RIGHT, agreement_tolerance, relative_error
+from sbpbench.core.kernel_choice import LOWER_RIGHT, agreement_tolerance, cuda_event_timer, relative_error
 from sbpbench.measure.environment import capture_environment
 from sbpbench.measure.flops import chunk_attention_flops
 
@@ -76,25 +76,16 @@ class Row:
 
 
 def _timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
-    """Seconds of one run of fn: CUDA events on a GPU, perf_counter on a CPU."""
-    if device.type != "cuda":
+    """Seconds of one run of fn: CUDA events on a GPU (as kernel_choice times), perf_counter on a CPU."""
+    if device.type == "cuda":
+        return cuda_event_timer
 
-        def cpu(fn):
-            start = time.perf_counter()
-            fn()
-            return time.perf_counter() - start
-
-        return cpu
-
-    def cuda(fn):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+    def cpu(fn):
+        start = time.perf_counter()
         fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
+        return time.perf_counter() - start
 
-    return cuda
+    return cpu
 
 
 def make_call(batch, heads, kv_heads, head_dim, queries, keys, dtype, device) -> ChunkCall:

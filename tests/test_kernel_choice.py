@@ -238,3 +238,44 @@ def test_only_streambp_reads_the_chunk_kernel():
     """bp's spec holds no chunk_attention (not in its key); streambp's defaults to auto."""
     bp, streambp = point_specs({"device": "cpu", "model": "tiny/qwen3"}, ["bp", "streambp"])
     assert bp.settings.chunk_attention is None and streambp.settings.chunk_attention == "auto"
+
+
+def test_the_cuda_memory_step_never_times_and_records_the_chunk_kernels(monkeypatch):
+    """The worker's CUDA measurement (against stand-ins for torch.cuda's counters): the warm-up may
+    time kernels, the memory step may not, and the row names the chunk kernel the memory step ran."""
+    from sbpbench.records import ResultRow
+    from sbpbench.runner import point
+
+    for name in ("synchronize", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda device=None: None)
+    for name in ("memory_allocated", "max_memory_allocated", "max_memory_reserved"):
+        monkeypatch.setattr(torch.cuda, name, lambda device=None: 0)
+    monkeypatch.setattr(point, "nvml_handle", lambda device: None)
+
+    class Step:
+        may_time: list[bool] = []
+
+        def prepare(self):
+            pass
+
+        def run(self):
+            self.may_time.append(kernel_choice._may_time.get())
+            with chunk_attention("split"):
+                run_chunk(_call(), lower_right_attention)
+            return torch.tensor(1.0)
+
+    (spec,) = point_specs({"model": "tiny/qwen3", "repeats": 0, "warmup": 1}, ["streambp"])
+    row, step = ResultRow(), Step()
+    point._measure_cuda(spec, step, row, torch.device("cuda:0"), lambda name: None)
+    assert step.may_time == [True, False] and row.attention_kernel == "split"
+
+
+def test_the_estimator_refuses_a_forced_chunk_kernel():
+    """Fake tensors model the lower-right path (auto's choice there): a forced kernel is refused, not
+    silently estimated as another."""
+    from sbpbench.simulate import estimate
+
+    values = {"device": "cpu", "model": "tiny/qwen3", "seq_len": 16, "chunk_attention": "split"}
+    (spec,) = point_specs(values, ["streambp"])
+    with pytest.raises(ConfigError, match="models the lower-right kernel only"):
+        estimate(spec)

@@ -132,7 +132,7 @@ SETTINGS: dict[str, Setting] = {
     "threads": Setting(int, "torch threads per point (default: OMP_NUM_THREADS, else the physical cores).", minimum=1),
     "nproc": Setting(
         int,
-        "Data-parallel ranks, the model sharded by FSDP2: gloo on cpu, a GPU each on cuda (default: 1).",
+        "Data-parallel ranks, FSDP2-sharded: gloo on cpu, a GPU each on cuda (default: 1).",
         default=1,
         minimum=1,
     ),
@@ -186,7 +186,7 @@ SETTINGS: dict[str, Setting] = {
     ),  # no `choices`: K is open; RunSpec checks the name (core.placement.Placement.parse)
     "chunk_attention": Setting(
         str,
-        "StreamBP: kernel of a chunk's attention over its prefix (default: auto, the fastest measured on a GPU).",
+        "StreamBP attention kernel (default: auto).",  # auto: the fastest measured on a GPU
         CHUNK_ATTENTION,
         default="auto",
         read_by=("streambp",),
