@@ -20,6 +20,7 @@ from sbpbench.core.chunk_kernels import (
     FlashAttention4,
     FlexKernel,
     SplitKernel,
+    offset_causal_block_mask,
     offset_causal_mask_mod,
 )
 from sbpbench.core.kernel_choice import CHUNK_ATTENTION_CHOICES, observe_chunk_kernels
@@ -104,6 +105,26 @@ def test_flex_matches_lower_right(flex_on_cpu, shape, kv_heads, window):
 def test_flex_matches_lower_right_every_shape(flex_on_cpu, shape, kv_heads, window):
     """The same over every shape, GQA ratio and window (each new shape is a new graph: slow)."""
     _assert_matches_reference(FlexKernel().run, _call(*shape, kv_heads, window=window))
+
+
+@pytest.mark.parametrize("window", [None, 1, 3, 7, 20])
+def test_flex_block_mask_is_torchs_own(window):
+    """The block mask built from the tile pattern (no (c, n) mask) lists the same partial and full
+    tiles as torch's create_block_mask, which evaluates every position: tiles of 4, every offset."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def tiles(mask, full):
+        counts = mask.full_kv_num_blocks if full else mask.kv_num_blocks
+        indices = mask.full_kv_indices if full else mask.kv_indices
+        return [sorted(indices[0, 0, q, : counts[0, 0, q]].tolist()) for q in range(counts.shape[-1])]
+
+    for num_queries in (1, 4, 5, 13):
+        for num_keys in range(num_queries + 1, num_queries + 30, 3):
+            ours = offset_causal_block_mask(num_queries, num_keys, window, torch.device("cpu"), block_size=4)
+            mask_mod = offset_causal_mask_mod(num_keys - num_queries, window)
+            torchs = create_block_mask(mask_mod, None, None, num_queries, num_keys, device="cpu", BLOCK_SIZE=4)
+            for full in (False, True):
+                assert tiles(ours, full) == tiles(torchs, full), (num_queries, num_keys, full)
 
 
 def test_flex_mask_is_lower_right_causal_within_the_window():

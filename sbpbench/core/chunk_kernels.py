@@ -130,16 +130,55 @@ def offset_causal_mask_mod(offset: int | torch.Tensor, window: int | None):
     return causal if window is None else windowed
 
 
+def offset_causal_block_mask(
+    num_queries: int, num_keys: int, window: int | None, device: torch.device, block_size: int = 128
+):
+    """FlexAttention's BlockMask for a chunk, built from the block pattern itself, without the
+    (c, n) boolean mask `create_block_mask` evaluates (4 GiB at c = 8k, n = 512k). Per tile of
+    block_size rows and keys: full when every row sees every key (the kernel skips mask_mod there),
+    partial when some row sees some key, skipped otherwise; tiles cut by the sequence ends are
+    partial, as create_block_mask makes them (tests compare the two)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    offset = num_keys - num_queries
+    q_first = torch.arange(0, num_queries, block_size, device=device)  # first row of each query tile
+    q_last = torch.clamp(q_first + block_size, max=num_queries) - 1
+    k_first = torch.arange(0, num_keys, block_size, device=device)
+    k_last = torch.clamp(k_first + block_size, max=num_keys) - 1
+    # row r sees keys [r + offset - window + 1, r + offset] (from 0 without a window)
+    some = k_first[None, :] <= (q_last + offset)[:, None]
+    every = k_last[None, :] <= (q_first + offset)[:, None]
+    if window is not None:
+        some &= k_last[None, :] >= (q_first + offset - window + 1)[:, None]
+        every &= k_first[None, :] >= (q_last + offset - window + 1)[:, None]
+    whole = (q_first + block_size <= num_queries)[:, None] & (k_first + block_size <= num_keys)[None, :]
+    full = every & whole
+    partial = some & ~full
+
+    def listed(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(Q tiles, KV tiles) bool -> counts (1, 1, Q), indices (1, 1, Q, KV) listing those first."""
+        counts = tiles.sum(dim=-1, dtype=torch.int32)
+        order = torch.argsort((~tiles).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+        return counts[None, None], order[None, None]
+
+    mask_mod = offset_causal_mask_mod(torch.tensor(offset, device=device), window)
+    return BlockMask.from_kv_blocks(
+        *listed(partial), *listed(full), BLOCK_SIZE=block_size, mask_mod=mask_mod, seq_lengths=(num_queries, num_keys)
+    )
+
+
 class FlexKernel(ChunkKernel):
     """torch.nn.attention.flex_attention with a block mask per (c, n, window). On a GPU the call is
     compiled once with dynamic shapes (a chunk's key count changes every chunk); the offset is a
-    tensor, so a new offset is not a new graph. Block masks are kept for the shapes seen last
-    (every layer runs the same chunks)."""
+    tensor, so a new offset is not a new graph. The block masks of the last shapes seen are kept:
+    a chunk's queries share them when split by the layout, and building one is a few small ops."""
 
     name = "flex"
-    _MASKS_KEPT = 64  # about one step's distinct chunk shapes at 512k / 8k; each a few KiB
+    # a mask's tile lists are int32 (c / 128) x (n / 128), x4 with the transposed ones: 4 MiB at 8k x 512k
+    _MASKS_KEPT = 16
 
-    def __init__(self):
+    def __init__(self, block_size: int = 128):
+        self.block_size = block_size  # FlexAttention's default tile
         self._masks: OrderedDict[tuple, object] = OrderedDict()
         self._compiled = None
 
@@ -154,20 +193,16 @@ class FlexKernel(ChunkKernel):
         return None
 
     def _block_mask(self, call: ChunkCall):
-        from torch.nn.attention.flex_attention import create_block_mask
-
         device = call.query.device
         key = (call.num_queries, call.num_keys, call.window, str(device))
-        if key in self._masks:
-            self._masks.move_to_end(key)
-            return self._masks[key]
-        offset = call.num_keys - call.num_queries
-        mask_mod = offset_causal_mask_mod(torch.tensor(offset, device=device), call.window)
-        mask = create_block_mask(mask_mod, None, None, call.num_queries, call.num_keys, device=device)
-        self._masks[key] = mask
-        if len(self._masks) > self._MASKS_KEPT:
-            self._masks.popitem(last=False)
-        return mask
+        if key not in self._masks:
+            self._masks[key] = offset_causal_block_mask(
+                call.num_queries, call.num_keys, call.window, device, self.block_size
+            )
+            if len(self._masks) > self._MASKS_KEPT:
+                self._masks.popitem(last=False)
+        self._masks.move_to_end(key)
+        return self._masks[key]
 
     def _attention(self, device: torch.device):
         from torch.nn.attention.flex_attention import flex_attention

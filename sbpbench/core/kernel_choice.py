@@ -19,6 +19,7 @@ a block from timing (a measured memory step: an uncached shape class then runs t
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -87,7 +88,8 @@ def shape_class(call: ChunkCall) -> str:
     )
 
 
-def device_class(device: torch.device, candidates: list[str]) -> str:
+@functools.lru_cache(maxsize=16)  # asked once per chunk call
+def device_class(device: torch.device, candidates: tuple[str, ...]) -> str:
     """The device, the versions a kernel's speed depends on, and the candidates installed."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
@@ -126,7 +128,7 @@ class KernelChooser:
         candidates = self.runnable(call)
         if not candidates:
             return LOWER_RIGHT
-        key = f"{device_class(call.query.device, candidates)} | {shape_class(call)}"
+        key = f"{device_class(call.query.device, tuple(candidates))} | {shape_class(call)}"
         cached = self.cache.get(key)
         if cached in (LOWER_RIGHT, *candidates):
             return cached
