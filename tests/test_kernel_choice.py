@@ -100,6 +100,18 @@ def test_a_kernel_that_disagrees_or_fails_is_never_chosen():
     assert "wrong differs from lower-right" in messages and "broken failed" in messages
 
 
+def test_no_memory_to_time_means_the_reference_and_nothing_cached():
+    """An out-of-memory while timing (one more backward beside the chunk's activations) is not the
+    step's failure: a warning, the reference runs, and the class is timed again next time."""
+    clock = FakeClock()
+    short = StandIn("short", clock, 1.0, fails=True)
+    short.run = lambda call: (_ for _ in ()).throw(torch.OutOfMemoryError("CUDA out of memory"))
+    chooser = _chooser(clock, short)
+    with pytest.warns(UserWarning, match="no memory to time"):
+        assert chooser.choose(_call(), _reference(clock, 3.0)) == LOWER_RIGHT
+    assert chooser.cache.choices == {}
+
+
 def test_a_forced_kernel_runs_though_slower_and_is_recorded():
     """chunk_attention="split" runs the split stand-in (5 s against the reference's 0) with no timing."""
     clock = FakeClock()

@@ -134,7 +134,14 @@ class KernelChooser:
             return cached
         if not may_time:
             return LOWER_RIGHT
-        best = self._measure(call, reference, candidates)
+        try:
+            best = self._measure(call, reference, candidates)
+        except torch.OutOfMemoryError:  # timing holds one more backward; the step itself may still fit
+            warnings.warn(
+                f"no memory to time attention kernels on {shape_class(call)}; {LOWER_RIGHT} runs, untimed",
+                stacklevel=2,
+            )
+            return LOWER_RIGHT
         self.cache.put(key, best)
         return best
 
@@ -161,6 +168,8 @@ class KernelChooser:
                     )
                     continue
                 times[name] = self._time(run, call, grad_out)
+            except torch.OutOfMemoryError:
+                raise  # not the kernel's fault: the measurement as a whole cannot run here
             except (RuntimeError, NotImplementedError, ValueError, AssertionError) as error:
                 warnings.warn(f"attention kernel {name} failed on {shape_class(call)}: {error}; not used", stacklevel=2)
         return min(times, key=times.__getitem__)
