@@ -20,6 +20,7 @@ from sbpbench.core.chunk_kernels import (
     FlashAttention4,
     FlexKernel,
     SplitKernel,
+    cudnn_refuses,
     offset_causal_block_mask,
     offset_causal_mask_mod,
 )
@@ -84,6 +85,21 @@ def test_split_matches_lower_right(shape, kv_heads):
 def test_split_with_a_custom_scale_and_one_query():
     """The scale reaches both halves (a non-default one) and a one-query chunk merges right."""
     _assert_matches_reference(SplitKernel().run, _call(7, 8, 0, 2, scale=0.37))
+
+
+def test_cudnn_is_asked_about_each_half():
+    """On a GPU the split asks torch's cuDNN check about the prefix (not causal) and the diagonal
+    block (causal), GQA flagged; a refusal names the half; fp32 is refused before asking."""
+    asked = []
+
+    def can_use(params, debug):
+        asked.append((params.key.shape[2], params.is_causal, params.enable_gqa))
+        return not params.is_causal
+
+    call = _call(5, 12, 0, 2, dtype=torch.bfloat16)
+    assert cudnn_refuses(call, can_use) == "cuDNN attention refuses the diagonal half of this shape"
+    assert asked == [(5, False, True), (7, True, True)]  # 7 queries over 12 keys: prefix 5, block 7
+    assert "bf16/fp16" in cudnn_refuses(_call(5, 12, 0, 2), can_use)
 
 
 def test_split_refuses_a_window_that_cuts_the_prefix():
@@ -228,13 +244,19 @@ def test_flash_attention_packages_are_called_as_their_apis_say(kernel, window):
     _assert_matches_reference(kernel.run, _call(9, 16, 4, 2, window=window, scale=0.41))
 
 
-def test_flash_attention_packages_report_why_they_cannot_run():
-    """Not installed, or not a GPU: a reason, never an import error at the call."""
+def test_flash_attention_packages_report_why_they_cannot_run(monkeypatch):
+    """Not a GPU, another GPU generation, not installed (tried once), fp64: a reason each, never an
+    import error at the call (torch.cuda's capability query stood in for)."""
     missing = FlashAttention4()
     missing.module_name = "sbp_no_such_flash_attention_module"
     assert "CUDA" in missing.unavailable(torch.device("cpu"))
-    call = _call(5, 12, 0, 2)
-    assert "bf16" in FlashAttention3().unsupported(call)
+    capability = [(8, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
+    assert "sm9x or sm10x" in missing.unavailable(torch.device("cuda"))
+    capability[0] = (9, 0)
+    assert "not installed" in missing.unavailable(torch.device("cuda")) and missing._missing
+    assert FlashAttention3(module=_flash_attn_standin(False, (-1, -1))).unavailable(torch.device("cuda")) is None
+    assert "bf16" in FlashAttention3().unsupported(_call(5, 12, 0, 2))
 
 
 def test_the_settings_choices_are_cores():

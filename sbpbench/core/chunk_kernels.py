@@ -33,8 +33,8 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 @dataclass(frozen=True)
 class ChunkCall:
     """query (B, H, c, hd) at [query_start, query_start + c); key/value (B, h_kv, n, hd) at
-    [key_start, query_start + c), n > c. window: the sliding window where it hides some of these
-    keys from some query, else None."""
+    [key_start, query_start + c), n > c for a candidate (a square call only reaches the reference).
+    window: the sliding window where it hides some of these keys from some query, else None."""
 
     query: torch.Tensor
     key: torch.Tensor
@@ -78,6 +78,22 @@ class ChunkKernel:
         raise NotImplementedError
 
 
+def cudnn_refuses(call: ChunkCall, can_use=None) -> str | None:
+    """Why cuDNN's fused attention cannot run one of the split's halves, by torch's own check
+    (`can_use_cudnn_attention`: dtype, head dim, key length 1, GPU generation); None if it can."""
+    can_use = torch.backends.cuda.can_use_cudnn_attention if can_use is None else can_use
+    if call.query.dtype not in _LOW_PRECISION:
+        return "cuDNN attention takes bf16/fp16"
+    prefix = call.num_keys - call.num_queries
+    for keys, causal in ((slice(0, prefix), False), (slice(prefix, call.num_keys), True)):
+        params = torch.backends.cuda.SDPAParams(
+            call.query, call.key[:, :, keys], call.value[:, :, keys], None, 0.0, causal, call.gqa
+        )
+        if not can_use(params, False):
+            return f"cuDNN attention refuses the {'diagonal' if causal else 'prefix'} half of this shape"
+    return None
+
+
 class SplitKernel(ChunkKernel):
     """Prefix + diagonal block merged by log-sum-exp: cuDNN on a GPU, the CPU flash kernel off one."""
 
@@ -97,19 +113,7 @@ class SplitKernel(ChunkKernel):
     def unsupported(self, call):
         if call.window is not None:
             return "a sliding window cuts this chunk's prefix, which would need a mask"
-        if call.query.device.type != "cuda":
-            return None
-        if call.query.dtype not in _LOW_PRECISION:
-            return "cuDNN attention takes bf16/fp16"
-        prefix = call.num_keys - call.num_queries
-        halves = ((slice(0, prefix), False), (slice(prefix, call.num_keys), True))
-        for keys, causal in halves:
-            params = torch.backends.cuda.SDPAParams(
-                call.query, call.key[:, :, keys], call.value[:, :, keys], None, 0.0, causal, call.gqa
-            )
-            if not torch.backends.cuda.can_use_cudnn_attention(params, False):
-                return f"cuDNN attention refuses a {'causal' if causal else 'prefix'} half of this shape"
-        return None
+        return cudnn_refuses(call) if call.query.device.type == "cuda" else None
 
     def run(self, call):
         ops = self.cuda_ops if call.query.device.type == "cuda" else self.cpu_ops
@@ -232,6 +236,7 @@ class _FlashAttnPackage(ChunkKernel):
 
     def __init__(self, module=None):
         self._module = module
+        self._missing = False  # an import failed once: not tried again on every call
 
     def module(self):
         if self._module is None:
@@ -244,11 +249,12 @@ class _FlashAttnPackage(ChunkKernel):
         major, _ = torch.cuda.get_device_capability(device)
         if major not in self.compute_capabilities:
             return f"{self.name} needs an {' or '.join(f'sm{c}x' for c in self.compute_capabilities)} GPU"
-        try:
-            self.module()
-        except ImportError:
-            return f"{self.name} is not installed ({self.install})"
-        return None
+        if not self._missing:
+            try:
+                self.module()
+            except ImportError:
+                self._missing = True
+        return f"{self.name} is not installed ({self.install})" if self._missing else None
 
     def unsupported(self, call):
         head_dim = call.query.shape[-1]

@@ -97,6 +97,7 @@ def device_class(device: torch.device, candidates: tuple[str, ...]) -> str:
 
 
 def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    """|ours - reference| / |reference|, Frobenius norms, in fp64."""
     difference = (ours.double() - reference.double()).norm()
     return float(difference / reference.double().norm().clamp_min(torch.finfo(torch.float64).tiny))
 
