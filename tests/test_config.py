@@ -15,15 +15,15 @@ EXPECTED_OPTIONS = {
     "run": {
         "--method", "--model", "--weights", "--seq", "--batch", "--objective", "--prompt-len", "--lora-rank",
         "--lora-alpha", "--step", "--dtype", "--chunk-size", "--logits-chunk-size", "--fp32-grad-accumulation",
-        "--mlp-tile-size", "--offload-checkpoints", "--checkpoints", "--device", "--num-layers", "--protocol",
-        "--warmup", "--repeats", "--memory-limit", "--timeout", "--seed", "--threads", "--nproc", "--sdpa-backend", "--out",
+        "--mlp-tile-size", "--offload-checkpoints", "--checkpoints", "--chunk-attention", "--device", "--num-layers",
+        "--protocol", "--warmup", "--repeats", "--memory-limit", "--timeout", "--seed", "--threads", "--nproc", "--sdpa-backend", "--out",
         "--phases",
     },
     "maxlen": {
         "--method", "--model", "--weights", "--seq", "--start", "--batch", "--objective", "--prompt-len", "--lora-rank",
         "--lora-alpha", "--step", "--dtype", "--chunk-size", "--logits-chunk-size", "--fp32-grad-accumulation",
-        "--mlp-tile-size", "--offload-checkpoints", "--checkpoints", "--device", "--num-layers", "--protocol",
-        "--warmup", "--memory-limit", "--timeout", "--seed", "--threads", "--nproc", "--sdpa-backend", "--max-seq",
+        "--mlp-tile-size", "--offload-checkpoints", "--checkpoints", "--chunk-attention", "--device", "--num-layers",
+        "--protocol", "--warmup", "--memory-limit", "--timeout", "--seed", "--threads", "--nproc", "--sdpa-backend", "--max-seq",
         "--resolution", "--multiple-of", "--resume", "--simulate", "--gpu-memory", "--host-memory", "--exact", "--out",
         "--budget",
     },
@@ -37,7 +37,7 @@ EXPECTED_OPTIONS = {
     "check": {
         "--method", "--model", "--weights", "--seq", "--batch", "--objective", "--prompt-len", "--lora-rank", "--dtype",
         "--chunk-size", "--logits-chunk-size", "--fp32-grad-accumulation", "--mlp-tile-size", "--offload-checkpoints",
-        "--checkpoints", "--device", "--num-layers", "--seed", "--out",
+        "--checkpoints", "--chunk-attention", "--device", "--num-layers", "--seed", "--out",
     },
     "plan": {
         "--model", "--seq", "--batch", "--objective", "--prompt-len", "--lora-rank", "--lora-alpha", "--step",

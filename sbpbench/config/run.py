@@ -39,7 +39,7 @@ from ..settings import (
 )
 from ..settings.table import DEVICE_KINDS, is_int
 from .device import device_kind, resolve_device
-from .sdpa import check_sdpa_backend
+from .sdpa import check_chunk_attention, check_sdpa_backend
 from .timing import long_context_defaults
 
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}  # keys: settings DTYPE_NAMES
@@ -123,6 +123,7 @@ class RunSpec:
         if self.nproc > 1 and self.device.startswith("cuda"):  # a CPU spec may be a simulation's (check_measurable)
             check_nproc(self.nproc, self.device)
         object.__setattr__(self, "settings", self.settings.for_method(knobs_read_by(self.method)))
+        check_chunk_attention(self.settings.chunk_attention, self.device, self.sdpa_backend)
 
     @property
     def torch_dtype(self) -> torch.dtype:

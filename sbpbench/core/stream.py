@@ -27,6 +27,8 @@ from .grad_sync import for_model as grad_sync_for
 from .grad_sync import unwrap
 from .grad_sync_base import GradSync
 from .head import head_backward
+from .kernel_choice import check_chunk_attention
+from .kernel_choice import chunk_attention as use_chunk_attention
 from .layer_backward import layer_backward
 from .layout import build_layout
 from .objectives import SFT, Objective
@@ -57,6 +59,7 @@ def stream_backward(
     progress: LayerProgress | None = None,
     scale_wrt_gas: bool = True,
     timer: PhaseTimer | None = None,
+    chunk_attention: str = "auto",
 ) -> torch.Tensor:
     """Forward + backward of a training objective with StreamBP.
 
@@ -89,8 +92,13 @@ def stream_backward(
     undivided by the engine's gradient_accumulation_steps (transformers' Trainer: its loss is already
     scaled for accumulation). timer: a PhaseTimer (phases.py) that times each phase of this step,
     summed over layers; `timer.resolve()` after the step reads it (on CUDA: one synchronize, then).
+    chunk_attention: the kernel for a chunk's attention over its prefix, "auto" (on a GPU the fastest,
+    measured on first use of a shape; elsewhere "lower-right"), "lower-right" (SDPA with a lower-right
+    causal bias), "split", "flex", "fa3" or "fa4" (chunk_kernels.py, kernel_choice.py); each gives the
+    same gradients to rounding.
     """
     _check_sizes(chunk_size, logits_chunk_size)
+    check_chunk_attention(chunk_attention, input_ids.device)
     placement = Placement.parse(checkpoints)
     if (labels is None) == (objective is None):
         raise ValueError("give either labels (the SFT objective) or objective=..., not both or neither")
@@ -107,7 +115,8 @@ def stream_backward(
         timer.start(input_ids.device)
     store = CheckpointStore(placement, len(parts.layers))
     store.timer = timer
-    with _streaming_mode(parts), sync.step(), closing(store):  # close: frees (and unpins) what an error left
+    kernels = use_chunk_attention(chunk_attention)
+    with _streaming_mode(parts), sync.step(), closing(store), kernels:  # close: frees (and unpins) what an error left
         with timed(timer, CHECKPOINT_PASS):
             saved = forward_checkpoints(
                 parts, input_ids, chunk_size, store, gathered=sync.gathered, position_ids=position_ids, layout=layout

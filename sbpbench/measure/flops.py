@@ -30,6 +30,18 @@ def mean_attended_keys(seq_len: int, window: int | None = None) -> float:
     return (w * (w + 1) / 2 + (seq_len - w) * w) / seq_len
 
 
+def chunk_attention_flops(
+    batch: int, heads: int, num_queries: int, num_keys: int, head_dim: int, *, backward: bool = False
+) -> float:
+    """FLOPs of one offset-causal chunk: c queries over n keys ending where they end (row i sees
+    n - c + i + 1 keys), QK^T and AV at 2 FLOPs per multiply-add, counted below the diagonal as
+    above; a backward 2.5x its forward (dQ, dK, dV and the recomputed QK^T: FlashAttention-2,
+    section 3.1), as kernel benchmarks count it."""
+    seen = num_queries * (num_keys - num_queries) + num_queries * (num_queries + 1) / 2
+    forward = 4 * batch * heads * head_dim * seen
+    return 2.5 * forward if backward else forward
+
+
 def attention_layer_windows(config) -> list[int | None]:
     """Per decoder layer: the sliding window, or None for full attention."""
     num_layers = config.num_hidden_layers

@@ -62,4 +62,5 @@ def streambp(model, batch: Batch, settings) -> torch.Tensor:
         progress=_PROGRESS.get(),
         checkpoints=settings.checkpoints,
         timer=timer,
+        chunk_attention=settings.chunk_attention,
     )

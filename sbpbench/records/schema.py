@@ -51,6 +51,10 @@ read back with the new columns empty):
      over layers (core/phases.py: checkpoint pass, head, K/V capture, chunk forward, chunk backward,
      rebuild, host copies, copy waits, and the rest, other); CUDA events on a GPU, wall time on a CPU.
      Not key columns. Older rows read back with them empty (not recorded).
+  11 chunk_attention (StreamBP's kernel for a chunk's attention over its prefix: auto | lower-right |
+     split | flex | fa3 | fa4, a method setting and part of the key); attention_kernel now also names
+     the chunk kernels that ran besides SDPA's (e.g. cudnn+split). Older streambp rows read back with
+     chunk_attention lower-right, the only kernel they had.
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ from dataclasses import asdict, dataclass, field, fields, make_dataclass
 
 from ..settings import METHOD_KNOBS, SETTINGS
 
-SCHEMA_VERSION = 10
+SCHEMA_VERSION = 11
 
 # skipped: not run because a point of the same settings with no longer sequence and no larger batch
 # already ran out of memory (certain OOM: plots and reports draw it as an OOM) or timed out (certain
@@ -135,7 +139,7 @@ class ResultRow(_MethodColumns):
     attn_implementation: str = ""
     sdpa_backend: str = ""  # the SDPA kernel forced for the point (flash | efficient | cudnn | math) or auto
     # the SDPA kernels that ran ('+'-joined): measured, seen in the memory step; simulated, modelled on CUDA
-    attention_kernel: str = ""  # flash | efficient | cudnn | math
+    attention_kernel: str = ""  # flash | efficient | cudnn | math, and StreamBP's split | flex | fa3 | fa4
     memory_limit_bytes: int | None = None  # cap asked for (None: the device's own)
     # the cap that applied: memory_limit_bytes, or where that was above the device's capacity the
     # capacity (a GPU's total memory; on the CPU the machine's RAM, against the tracked bytes)
@@ -302,4 +306,6 @@ def upgrade(row: dict[str, str]) -> dict[str, str]:
         row["nproc"] = "1"  # schema 6: every earlier row ran in one process
     if version in ("1", "2", "3", "4", "5", "6", "7", "8") and not row.get("sdpa_backend"):
         row["sdpa_backend"] = "auto"  # schema 9: every earlier row left the kernel to torch
+    if version in ("1", "2", "3", "4", "5", "6", "7", "8", "9", "10") and row.get("method") == "streambp":
+        row["chunk_attention"] = row.get("chunk_attention") or "lower-right"  # schema 11: the only chunk kernel
     return row

@@ -20,7 +20,10 @@ A memory limit above the device's capacity (the paper's 80 GiB on an H100; 100TB
 cap is on the tracked bytes, against the machine's RAM) runs at the capacity; the row records the cap
 that applied (memory_limit_effective_bytes) and the parent says so (runner/isolated.py).
 Every step runs under the forced SDPA kernel, if any (spec.sdpa_backend, measure/sdpa.py); the
-memory step records the kernels that ran (attention_kernel).
+memory step records the kernels that ran (attention_kernel): SDPA's, and StreamBP's chunk kernels
+(core/kernel_choice.py) other than the lower-right SDPA path, e.g. "cudnn+split". On CUDA, StreamBP's
+measured kernel choices are kept on disk (measure/kernel_cache.py); a shape class not yet measured
+is timed in a warm-up step, never in the memory step (there it runs the lower-right path).
 Gradients before each step follow the protocol: steady = resident and zeroed in place, first =
 None. An out-of-memory error anywhere is the point's result (status oom), not a crash.
 An offloading StreamBP point on CUDA page-locks its host buffers in its first step (the warm-up, or
@@ -42,10 +45,12 @@ from contextlib import nullcontext
 import torch
 
 from ..config import RunSpec
+from ..core.kernel_choice import LOWER_RIGHT, kernel_timing, observe_chunk_kernels, set_choice_cache
 from ..core.placement import observe_stores
 from ..measure.cuda_memory import NvmlPeakSampler, nvml_handle, start_cuda
 from ..measure.flops import training_flops
 from ..measure.host_memory import peak_rss_bytes, reset_peak_rss, total_ram_bytes
+from ..measure.kernel_cache import JsonChoiceCache
 from ..measure.memory_cap import memory_cap
 from ..measure.progress import StepProgress
 from ..measure.sdpa import RecordingSdpaBackends, forcing_sdpa_backend, is_no_kernel_error
@@ -128,13 +133,13 @@ def _measure_cpu(
     row.baseline_bytes = resident
     tracker = LiveTensorTracker(limit_bytes=limit)
     reset_peak_rss()
-    stores, kernels = [], RecordingSdpaBackends()
+    stores, kernels, chunk_kernels = [], RecordingSdpaBackends(), set()
     try:
         resizes = counting_fsdp_resizes(tracker) if spec.nproc > 1 else nullcontext()
-        with tracker, resizes, observe_stores() as stores, kernels:
+        with tracker, resizes, observe_stores() as stores, kernels, observe_chunk_kernels() as chunk_kernels:
             row.loss = float(step.run())
     finally:  # an OOM row still says how far the step got
-        row.attention_kernel = kernels.names()
+        row.attention_kernel = kernel_names(kernels, chunk_kernels)
         _record_stores(row, stores)
         row.cpu_peak_rss_bytes = peak_rss_bytes()
         row.peak_allocated_bytes = resident + tracker.peak_bytes
@@ -143,6 +148,12 @@ def _measure_cpu(
         prepare(f"warm-up {i} of {spec.warmup}")
         step.run()
     return lambda: None
+
+
+def kernel_names(sdpa: RecordingSdpaBackends, chunk_kernels: set[str]) -> str:
+    """The attention kernels a step ran, sorted and '+'-joined: SDPA's (flash, cudnn, ...) and
+    StreamBP's chunk kernels (split, flex, fa3, fa4); its lower-right path shows as SDPA's kernel."""
+    return "+".join(sorted(set(filter(None, sdpa.names().split("+"))) | (chunk_kernels - {LOWER_RIGHT})))
 
 
 def _record_stores(row: ResultRow, stores) -> None:
@@ -175,13 +186,14 @@ def _measure_cuda(
     row.baseline_bytes = torch.cuda.memory_allocated(device)
     reset_peak_rss()
     sampler = NvmlPeakSampler(nvml_handle(device))
-    stores, kernels = [], RecordingSdpaBackends()
+    stores, kernels, chunk_kernels = [], RecordingSdpaBackends(), set()
     try:
-        with sampler, observe_stores() as stores, kernels:
+        chunks = observe_chunk_kernels()
+        with sampler, observe_stores() as stores, kernels, chunks as chunk_kernels, kernel_timing(False):
             row.loss = float(step.run())
             synchronize()
     finally:  # an OOM row still says how far the step got
-        row.attention_kernel = kernels.names()
+        row.attention_kernel = kernel_names(kernels, chunk_kernels)
         _record_stores(row, stores)
         row.peak_allocated_bytes = torch.cuda.max_memory_allocated(device)
         row.peak_reserved_bytes = torch.cuda.max_memory_reserved(device)
@@ -212,6 +224,7 @@ def _measure(spec: RunSpec) -> ResultRow:
             row.device = str(device)
         if device.type == "cuda":
             start_cuda_point(spec, row, device)
+            set_choice_cache(JsonChoiceCache())  # StreamBP's measured chunk kernels, across points
         step = build_step(spec, row, device, rank)
         row.optimizer_state_bytes = step.optimizer_state_bytes
         progress = StepProgress(

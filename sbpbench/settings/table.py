@@ -19,7 +19,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .choices import DTYPE_NAMES, EVERY_METHOD, METHOD_NAMES, OBJECTIVES, PROTOCOLS, SDPA_BACKENDS, STEPS
+from .choices import (
+    CHUNK_ATTENTION,
+    DTYPE_NAMES,
+    EVERY_METHOD,
+    METHOD_NAMES,
+    OBJECTIVES,
+    PROTOCOLS,
+    SDPA_BACKENDS,
+    STEPS,
+)
 from .errors import ConfigError
 
 AUTO = "auto"  # a chunk setting left to the point's rule (methods/chunk_sizes.py)
@@ -66,7 +75,7 @@ SETTINGS: dict[str, Setting] = {
     ),
     "weights": Setting(
         bool,
-        "Real weights, from the directory or the HF cache (default: random, seeded).",
+        "Real weights from the directory or HF cache (default: random).",
         default=False,
     ),
     "seq_len": Setting(
@@ -175,6 +184,14 @@ SETTINGS: dict[str, Setting] = {
         read_by=("streambp",),
         metavar="PLACE",
     ),  # no `choices`: K is open; RunSpec checks the name (core.placement.Placement.parse)
+    "chunk_attention": Setting(
+        str,
+        "StreamBP attention kernel (default: auto).",  # auto: the fastest measured on a GPU
+        CHUNK_ATTENTION,
+        default="auto",
+        read_by=("streambp",),
+        metavar="KERNEL",
+    ),  # the choices' meanings: settings/choices.py
     # a max-length search's own (its first probe is seq_len)
     "seq_len_ceiling": Setting(
         int,
@@ -250,7 +267,7 @@ def check(name: str, value: Any) -> None:
     method's knob; "auto" where allowed), a bool's type. ConfigError naming the setting otherwise."""
     setting = SETTINGS[name]
     if setting.choices:
-        if value not in setting.choices:
+        if value not in setting.choices and not (value is None and setting.read_by):  # None: a knob left unset
             raise ConfigError(name, f"unknown {{field}} {value!r}; choose from {', '.join(setting.choices)}")
     elif setting.kind is bool:
         if not isinstance(value, bool) and not (value is None and setting.read_by):
