@@ -110,7 +110,7 @@ SETTINGS: dict[str, Setting] = {
         str, "Dtype (default: bf16 on cuda, fp32 on cpu).", DTYPE_NAMES, by_device={"cuda": "bf16", "cpu": "fp32"}
     ),
     "device": Setting(str, "auto (default), cpu, cuda or cuda:N.", default="auto", metavar="DEVICE"),
-    "num_layers": Setting(int, "Keep the first N decoder layers (default: all).", minimum=1),
+    "num_layers": Setting(int, "Keep the first N layers (default: all).", minimum=1),
     # how it is measured
     "protocol": Setting(
         str,
