@@ -22,6 +22,7 @@ from .chunking import chunk_bounds, chunk_kwargs
 from .grad_accum import ChunkGradAccumulator
 from .kv_capture import Projection, key_value_projection
 from .layout import SequenceLayout
+from .memory_kinds import KV_GRAD_SUMS, allocating
 from .phases import CHUNK_BACKWARD, CHUNK_FORWARD, KV_CAPTURE, PhaseTimer, timed
 
 
@@ -75,8 +76,9 @@ def layer_backward(
         capture = _capture_keys_values(call, layer_input, kwargs, chunks, project)
         keys, values, window = capture.keys, capture.values, capture.sliding_window
         acc_dtype = torch.promote_types(keys.dtype, torch.float32)  # dK/dV sum over later chunks
-        grad_keys = torch.zeros_like(keys, dtype=acc_dtype)
-        grad_values = torch.zeros_like(values, dtype=acc_dtype)
+        with allocating(KV_GRAD_SUMS):
+            grad_keys = torch.zeros_like(keys, dtype=acc_dtype)
+            grad_values = torch.zeros_like(values, dtype=acc_dtype)
     accumulator = ChunkGradAccumulator(list(layer.parameters()), fp32_grad_accumulation)
 
     for start, end in reversed(chunks):
