@@ -55,6 +55,9 @@ read back with the new columns empty):
      split | flex | fa3 | fa4, a method setting and part of the key); attention_kernel now also names
      the chunk kernels that ran besides SDPA's (e.g. cudnn+split). Older streambp rows read back with
      chunk_attention lower-right, the only kernel they had.
+  12 timeline_file: the measured step's memory timeline (`sbp run --timeline`: a JSON file, its
+     prediction and on a GPU PyTorch's raw memory snapshot beside it), relative to the CSV's
+     directory (runner/timelines.py). Not a key column. Older rows read back with it empty (none).
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ from dataclasses import asdict, dataclass, field, fields, make_dataclass
 
 from ..settings import METHOD_KNOBS, SETTINGS
 
-SCHEMA_VERSION = 11
+SCHEMA_VERSION = 12
 
 # skipped: not run because a point of the same settings with no longer sequence and no larger batch
 # already ran out of memory (certain OOM: plots and reports draw it as an OOM) or timed out (certain
@@ -174,6 +177,7 @@ class ResultRow(_MethodColumns):
     host_register_s: float | None = None  # the first step's page-locking of host buffers (schema 7); empty: none pinned
     peak_phase: str = ""  # simulated: where in the step the peak happens (e.g. "backward, layer 3")
     margin_bytes: int | None = None  # simulated: CUDA context + allocator fragmentation, not in the peak
+    timeline_file: str = ""  # the memory step's timeline (sbp run --timeline), relative to the CSV's directory
     # time: warm-up discarded, synchronised, `repeats` timed steps
     time_median_s: float | None = None
     time_min_s: float | None = None
