@@ -17,7 +17,7 @@ EXPECTED_OPTIONS = {
         "--lora-alpha", "--step", "--dtype", "--chunk-size", "--logits-chunk-size", "--fp32-grad-accumulation",
         "--mlp-tile-size", "--offload-checkpoints", "--checkpoints", "--chunk-attention", "--device", "--num-layers",
         "--protocol", "--warmup", "--repeats", "--memory-limit", "--timeout", "--seed", "--threads", "--nproc", "--sdpa-backend", "--out",
-        "--phases",
+        "--phases", "--timeline",
     },
     "maxlen": {
         "--method", "--model", "--weights", "--seq", "--start", "--batch", "--objective", "--prompt-len", "--lora-rank",
