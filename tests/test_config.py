@@ -24,8 +24,8 @@ EXPECTED_OPTIONS = {
         "--lora-alpha", "--step", "--dtype", "--chunk-size", "--logits-chunk-size", "--fp32-grad-accumulation",
         "--mlp-tile-size", "--offload-checkpoints", "--checkpoints", "--chunk-attention", "--device", "--num-layers",
         "--protocol", "--warmup", "--memory-limit", "--timeout", "--seed", "--threads", "--nproc", "--sdpa-backend", "--max-seq",
-        "--resolution", "--multiple-of", "--resume", "--simulate", "--gpu-memory", "--host-memory", "--exact", "--out",
-        "--budget",
+        "--resolution", "--multiple-of", "--seed-from-estimate", "--resume", "--simulate", "--gpu-memory",
+        "--host-memory", "--exact", "--out", "--budget",
     },
     "estimate": {
         "--method", "--model", "--seq", "--batch", "--objective", "--prompt-len", "--lora-rank", "--lora-alpha",
@@ -65,7 +65,8 @@ def test_each_command_has_exactly_its_frozen_options(command):
 def test_experiment_keys_are_the_config_field_names():
     """An experiment file says seq_len where Python says seq_len: the keys are the fields (plus a
     search's own settings, the point kind and the entry's title)."""
-    assert set(POINT_KEYS) == {*FIELD_NAMES, "seq_len_ceiling", "resolution", "multiple_of", "kind", "title"}
+    search = {"seq_len_ceiling", "resolution", "multiple_of", "seed_from_estimate"}
+    assert set(POINT_KEYS) == {*FIELD_NAMES, *search, "kind", "title"}
     assert set(FLAGS) == set(POINT_KEYS) - {"kind", "title"}
 
 

@@ -55,7 +55,10 @@ read back with the new columns empty):
      split | flex | fa3 | fa4, a method setting and part of the key); attention_kernel now also names
      the chunk kernels that ran besides SDPA's (e.g. cudnn+split). Older streambp rows read back with
      chunk_attention lower-right, the only kernel they had.
-  12 timeline_file: the measured step's memory timeline (`sbp run --timeline`: a JSON file, its
+  12 seed_seq_len (the predicted max T a max-length search started from) and search_probes (every
+     answer the search used, in order: "61440:ok 62464:oom", "(cached)" after one it did not run).
+     Older maxlen rows read back with both empty (blind searches, probes not recorded).
+  13 timeline_file: the measured step's memory timeline (`sbp run --timeline`: a JSON file, its
      prediction and on a GPU PyTorch's raw memory snapshot beside it), relative to the CSV's
      directory (runner/timelines.py). Not a key column. Older rows read back with it empty (none).
 """
@@ -67,7 +70,7 @@ from dataclasses import asdict, dataclass, field, fields, make_dataclass
 
 from ..settings import METHOD_KNOBS, SETTINGS
 
-SCHEMA_VERSION = 12
+SCHEMA_VERSION = 13
 
 # skipped: not run because a point of the same settings with no longer sequence and no larger batch
 # already ran out of memory (certain OOM: plots and reports draw it as an OOM) or timed out (certain
@@ -202,6 +205,8 @@ class ResultRow(_MethodColumns):
     oom_seq_len: int | None = None  # the shortest OOM probe (None if the search hit its ceiling)
     search_resolution: str = ""  # the bracket's stopping width: "1%" (of max_seq_len) or tokens, "256"
     num_probes: int | None = None  # probes the search used, cached ones included
+    seed_seq_len: int | None = None  # the predicted max T it started from (empty: grew blind from seq_len)
+    search_probes: str = ""  # every answer used, in order: "61440:ok 62464:oom 60416:ok(cached)"
     # provenance
     host: str = ""
     device_name: str = ""
