@@ -15,7 +15,7 @@ MIB = 2**20
 def timeline_table(row: ResultRow, measured: Timeline, predicted: Timeline | None) -> Table:
     """A row per kind at the peak: measured and predicted MiB, predicted / measured; then the total
     and the phase of each peak."""
-    where = "as the tracker counts" if measured.memory_source == "tensor-tracker" else "on the GPU"
+    where = "CPU, live-tensor tracker" if measured.memory_source == "tensor-tracker" else "PyTorch's memory history"
     table = Table(
         title=escape(
             f"The peak by kind: {row.method} {row.model}, B={row.batch_size}, T={row.seq_len}, {row.dtype}"

@@ -80,9 +80,9 @@ def _unit(panels) -> tuple[int, str]:
 
 
 def _figure(like, panels, out_dir: Path, formats) -> list[Path]:
-    panels.sort(key=lambda panel: (style.method_sort_key(panel[0]["method"]), cell(panel[0].get("checkpoints"))))
+    panels.sort(key=lambda panel: (style.method_sort_key(panel[0]["method"]), _placement(panel[0]) != "gpu"))
     count = len(panels)
-    columns = min(count, 3)
+    columns = 2 if count == 4 else min(count, 3)
     grid = -(-count // columns)
     width, height = style.FIGSIZE_IN
     fig = Figure(figsize=(width, height * (0.75 if grid == 1 else 0.55 * grid)), dpi=style.DPI, layout="constrained")
@@ -151,11 +151,15 @@ def _draw(ax, row: dict, measured: Timeline, predicted: Timeline | None, scale: 
             [at / end for at in host["at"]], [(b or 0) / scale for b in host["pinned_bytes"]],
             where="post", color=colour, linestyle=":", linewidth=1.0, zorder=2,
         )  # fmt: skip
-    placement = cell(row.get("checkpoints"))
-    ax.set_title(style.label(row["method"], extra=placement if placement and placement != "gpu" else ""),
-                 fontsize=style.FONT_SIZE)  # fmt: skip
+    placement = _placement(row)
+    extra = f"checkpoints {placement}" if placement != "gpu" else ""
+    ax.set_title(style.label(row["method"], extra=extra), fontsize=style.FONT_SIZE)
     ax.set_xlim(0, 1)
     ax.set_xlabel("step time (normalised)", fontsize=style.FONT_SIZE)
+
+
+def _placement(row: dict) -> str:
+    return cell(row.get("checkpoints")) or "gpu"
 
 
 def _legend(panels, shades: dict) -> list:

@@ -62,5 +62,5 @@ def timeline_stem(spec: RunSpec) -> str:
     key = json.dumps([*row_key(ResultRow(**fields)), fields["device"]])
     digest = hashlib.sha256(key.encode()).hexdigest()[:10]
     method = spec.method + (f"-{spec.settings.checkpoints}" if spec.settings.checkpoints not in (None, "gpu") else "")
-    readable = f"{spec.model.split('/')[-1]}__{method}__T{spec.seq_len}"
+    readable = f"{spec.model.rstrip('/').replace('/', '-')}__{method}__T{spec.seq_len}"
     return re.sub(r"[^A-Za-z0-9._-]+", "-", readable) + f"__{digest}"
