@@ -386,6 +386,28 @@ def test_rows_name_their_timelines_beside_the_csv(saved):
         assert predicted is not None and predicted.point["device_name"] == "simulated CPU"
 
 
+def test_a_failed_prediction_leaves_the_measurement_alone(saved, monkeypatch, tmp_path):
+    """Where the estimator cannot walk a point, the reason comes back, the measured timeline stays
+    and no earlier prediction is left beside it to be taken for this one's."""
+    import shutil
+
+    from sbpbench.records import read_rows
+    from sbpbench.records.store import decode_row
+    from sbpbench.runner import timelines
+    from sbpbench.simulate import timeline as simulated
+
+    def fails(spec, target):
+        raise ValueError("a kernel the estimator does not model")
+
+    monkeypatch.setattr(simulated, "predicted_timeline", fails)
+    out = shutil.copytree(saved.parent, tmp_path / "copy") / saved.name
+    row = decode_row(read_rows(out)[0])
+    reason = timelines.predict_beside(_spec(row.method, 64), row, out)
+    assert reason == "ValueError: a kernel the estimator does not model"
+    measured, predicted = timelines.measured_and_predicted(row, out.parent)
+    assert measured.point["method"] == row.method and predicted is None
+
+
 def test_plot_draws_one_timeline_figure_per_point(saved, tmp_path):
     """`sbp plot`'s timeline figure: one per point (the methods as panels), PNG and SVG, the same
     SVG when drawn again."""

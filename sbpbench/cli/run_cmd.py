@@ -35,7 +35,11 @@ TimelineOpt = Annotated[bool, typer.Option("--timeline", help="Also save each st
 
 @point_command(RUN_FIELDS)
 def run(
-    settings: dict, methods: tuple[str, ...], out: OutOpt = None, phases: PhasesOpt = False, timeline: TimelineOpt = False
+    settings: dict,
+    methods: tuple[str, ...],
+    out: OutOpt = None,
+    phases: PhasesOpt = False,
+    timeline: TimelineOpt = False,
 ) -> None:
     """Measure each method's peak memory and step time at one point.
 
@@ -120,8 +124,11 @@ def print_timelines(console: Console, specs: list[RunSpec], rows: list[ResultRow
         if not row.timeline_file:
             console.print(f"{row.method}: no timeline ({row.status}: {row.error or 'not recorded'})", highlight=False)
             continue
+        console.print(f"predicting {row.method}'s timeline on fake tensors ...", highlight=False)
+        made = predict_beside(spec, row, out)
+        if isinstance(made, str):
+            console.print(f"{row.method}: no prediction ({made})", highlight=False, soft_wrap=True)
         with user_errors():
-            predict_beside(spec, row, out)
             measured, predicted = measured_and_predicted(row, out.parent)
         print_table(console, timeline_table(row, measured, predicted))
         console.print(f"timeline: {out.parent / row.timeline_file}", highlight=False, soft_wrap=True)

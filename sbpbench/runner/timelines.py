@@ -71,18 +71,24 @@ def finish(row: ResultRow, out: str | Path) -> None:
     row.timeline_file = os.path.relpath(path, Path(out).parent)
 
 
-def predict_beside(spec: RunSpec, row: ResultRow, out: str | Path) -> Timeline | None:
+def predict_beside(spec: RunSpec, row: ResultRow, out: str | Path) -> Timeline | str:
     """The estimator's timeline of the row's point (simulate/timeline.py), saved beside the measured
-    one: target cpu for a CPU point (the tracker's count, to the byte), cuda for a GPU's."""
+    one: target cpu for a CPU point (the tracker's count, to the byte), cuda for a GPU's. Where the
+    estimator cannot walk the point (a kernel it does not model), the reason instead: the
+    measurement stands without its prediction."""
     from ..simulate.timeline import predicted_timeline
 
-    if not row.timeline_file:
-        return None
+    assert row.timeline_file, "a prediction goes beside a measured timeline"
+    path = Path(out).parent / Path(row.timeline_file).with_name(timeline_stem(spec) + PREDICTED)
     target = "cpu" if spec.device == "cpu" else "cuda"
-    timeline = predicted_timeline(spec, target=target)
+    try:
+        timeline = predicted_timeline(spec, target=target)
+    except Exception as error:  # noqa: BLE001 (any failure of the walk leaves the measurement as it is)
+        path.unlink(missing_ok=True)  # an earlier run's prediction is not this one's
+        return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
     timeline.point = {**point_of(row), "device_name": "simulated CPU" if target == "cpu" else "simulated GPU"}
     timeline.capacity_bytes = row.memory_limit_effective_bytes
-    timeline.save(Path(out).parent / Path(row.timeline_file).with_name(timeline_stem(spec) + PREDICTED))
+    timeline.save(path)
     return timeline
 
 
