@@ -335,6 +335,24 @@ def test_a_full_history_is_anchored_at_the_end(monkeypatch, tmp_path):
     assert sum(timeline.peak.kinds.values()) == timeline.peak.bytes
 
 
+def test_a_failed_snapshot_costs_the_timeline_not_the_row(monkeypatch, tmp_path):
+    """A snapshot that fails after the step leaves the row measured, with no timeline named and the
+    history stopped."""
+    spec = _spec("bp")
+    step = _cpu_step(spec)
+    history = RecordingMemoryHistory(baseline_bytes=sum(resident_kinds(step, 512).values()))
+    _cuda_stubs(monkeypatch, history)
+
+    def broken():
+        raise RuntimeError("snapshot failed")
+
+    monkeypatch.setattr(history, "snapshot", broken)
+    row = ResultRow()
+    point._measure_cuda(spec, step, row, torch.device("cuda:0"), lambda name: step.prepare(), tmp_path, history)
+    assert row.loss is not None and row.peak_allocated_bytes == history.peak and row.timeline_file == ""
+    assert history.calls[-1] == ("stop",)
+
+
 def _small_history(entries: int):
     from sbpbench.measure.cuda_timeline import CudaTimeline
 

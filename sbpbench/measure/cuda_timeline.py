@@ -36,8 +36,9 @@ from .memory_timeline import INTERMEDIATES, OTHER, PhaseMarks, Timeline, Timelin
 
 ROUNDING = 512  # c10/cuda/CUDACachingAllocator.cpp kMinBlockSize: a request is rounded up to a multiple
 # Trace entries kept at most: a long StreamBP step makes about 100 per layer and chunk (Qwen3-8B at
-# T = 64k: 36 layers x 131 chunks, about 0.5M); an entry with its Python stack is about 1 KB of host memory.
-MAX_ENTRIES = 2_000_000
+# T = 64k: 36 layers x 131 chunks, about 0.5M). An entry with its Python stack takes a KB or more of
+# host memory and of the pickled snapshot, so a longer step keeps its last million.
+MAX_ENTRIES = 1_000_000
 PREFIX = "sbp"
 
 
@@ -45,8 +46,9 @@ class CudaMemoryCalls:
     """The torch.cuda.memory calls the recorder makes, in one object (tests pass a stand-in)."""
 
     def start(self, max_entries: int) -> None:
+        # context "alloc": each allocation's Python stack (what memory_viz shows), none for frees
         torch.cuda.memory._record_memory_history(
-            enabled="all", context="all", stacks="python", max_entries=max_entries, clear_history=True
+            enabled="all", context="alloc", stacks="python", max_entries=max_entries, clear_history=True
         )
 
     def stop(self) -> None:
@@ -96,6 +98,7 @@ class CudaTimeline(PhaseMarks):
         self.host: dict[str, list] = {"at": [], "pinned_bytes": [], "rss_bytes": []}  # at: a sequence number
         self.snapshot: dict | None = None
         self.allocated_after: int | None = None
+        self.failure: Exception | None = None  # why there is no snapshot
 
     def __enter__(self) -> Self:
         self.calls.start(self.max_entries)
@@ -107,6 +110,8 @@ class CudaTimeline(PhaseMarks):
             self.calls.set_metadata("")
             self.allocated_after = self.calls.allocated(self.device)
             self.snapshot = self.calls.snapshot()
+        except Exception as error:  # noqa: BLE001 (the step's own outcome comes first; timeline() says this)
+            self.failure = error
         finally:
             self.calls.stop()
 
@@ -157,7 +162,8 @@ class CudaTimeline(PhaseMarks):
 
     def timeline(self, baseline_bytes: int, **fields) -> Timeline:
         """baseline_bytes: torch.cuda.memory_allocated before the step."""
-        assert self.snapshot is not None, "timeline() after the step"
+        if self.snapshot is None:
+            raise RuntimeError(f"no memory snapshot of the step: {self.failure!r}")
         index = self.device.index or 0
         traces = self.snapshot.get("device_traces") or []
         trace = traces[index] if index < len(traces) else []

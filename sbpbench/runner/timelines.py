@@ -10,6 +10,8 @@ relative to the CSV's directory, so a results folder moves with its timelines.
 from __future__ import annotations
 
 import os
+import traceback
+from contextlib import contextmanager
 from pathlib import Path
 
 from ..config import RunSpec
@@ -40,12 +42,30 @@ def status_of(error: BaseException | None, is_out_of_memory) -> str:
     return "oom" if is_out_of_memory(error) else "error"
 
 
+@contextmanager
+def _kept_going():
+    """A timeline that cannot be saved costs the timeline, never the measurement (or, in the finally
+    block of a failed step, its error): the traceback goes to the worker's stderr."""
+    try:
+        yield
+    except Exception:  # noqa: BLE001
+        traceback.print_exc()
+
+
 def save_cpu(recorder: TrackedTimeline, spec: RunSpec, row: ResultRow, folder: Path, status: str) -> None:
-    timeline = recorder.timeline(point=point_of(row), capacity_bytes=row.memory_limit_effective_bytes, status=status)
-    _save(timeline, spec, row, folder)
+    with _kept_going():
+        timeline = recorder.timeline(
+            point=point_of(row), capacity_bytes=row.memory_limit_effective_bytes, status=status
+        )
+        _save(timeline, spec, row, folder)
 
 
 def save_cuda(recorder: CudaTimeline, spec: RunSpec, row: ResultRow, folder: Path, status: str) -> None:
+    with _kept_going():
+        _save_cuda(recorder, spec, row, folder, status)
+
+
+def _save_cuda(recorder: CudaTimeline, spec: RunSpec, row: ResultRow, folder: Path, status: str) -> None:
     stem = timeline_stem(spec)
     snapshot = recorder.save_snapshot(folder / (stem + SNAPSHOT))
     timeline = recorder.timeline(
