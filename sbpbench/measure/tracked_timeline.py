@@ -12,20 +12,14 @@ from .memory_timeline import PhaseMarks, Timeline, TimelineLog
 from .tensor_tracker import LiveTensorTracker
 
 
-class TrackedTimeline(PhaseMarks, LiveTensorTracker):
-    """with TrackedTimeline(resident_kinds) as recorder: step(); recorder.timeline().
+class TrackerMarks(PhaseMarks):
+    """PhaseMarks of a tracker that logs per op (this one, and the estimator's, simulate/timeline.py):
+    the op count is the time, the phase and the host go to its log, the kind to the tracker."""
 
-    resident_kinds: the bytes resident before the step by kind (weights, gradients, ...): the baseline."""
-
-    def __init__(self, resident_kinds: dict[str, int], *, limit_bytes: int | None = None, granularity_bytes: int = 1):
+    def _start_log(self) -> None:
         self.log = TimelineLog()
         self._start_marks()
-        super().__init__(granularity_bytes=granularity_bytes, limit_bytes=limit_bytes)
-        self.resident_kinds = dict(resident_kinds)
-        self.baseline_bytes = baseline_bytes = sum(resident_kinds.values())
         self.ops = 0
-        self.log.phase = self.phase
-        self.log.add(0, baseline_bytes)
 
     def _now(self) -> int:
         return self.ops
@@ -36,6 +30,20 @@ class TrackedTimeline(PhaseMarks, LiveTensorTracker):
 
     def _host_sample(self, at: int, pinned: int | None, rss: int | None) -> None:
         self.log.host_sample(at, pinned, rss)
+
+
+class TrackedTimeline(TrackerMarks, LiveTensorTracker):
+    """with TrackedTimeline(resident_kinds) as recorder: step(); recorder.timeline().
+
+    resident_kinds: the bytes resident before the step by kind (weights, gradients, ...): the baseline."""
+
+    def __init__(self, resident_kinds: dict[str, int], *, limit_bytes: int | None = None, granularity_bytes: int = 1):
+        self._start_log()
+        super().__init__(granularity_bytes=granularity_bytes, limit_bytes=limit_bytes)
+        self.resident_kinds = dict(resident_kinds)
+        self.baseline_bytes = baseline_bytes = sum(resident_kinds.values())
+        self.log.phase = self.phase
+        self.log.add(0, baseline_bytes)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         try:

@@ -14,33 +14,22 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..config import RunSpec
-from ..measure.memory_timeline import PhaseMarks, Timeline, TimelineLog
+from ..measure.memory_timeline import Timeline
+from ..measure.tracked_timeline import TrackerMarks
 from ..methods.memory_marks import marking
 from ..points.timeline import resident_kinds
 from .estimate import granularity_bytes, simulate, unrun_step
 from .memory_counter import SimulatedMemory
 
 
-class PredictedTimeline(PhaseMarks, SimulatedMemory):
+class PredictedTimeline(TrackerMarks, SimulatedMemory):
     """The simulator's counter, logging the live bytes after every op (its hidden buffers included)."""
 
     def __init__(self, granularity_bytes: int = 1, hidden=None):
-        self.log = TimelineLog()
-        self._start_marks()
-        self.ops = 0
+        self._start_log()
         super().__init__(granularity_bytes, hidden)
         self.log.phase = self.phase
         self.log.add(0, 0)
-
-    def _now(self) -> int:
-        return self.ops
-
-    def _mark(self, name: str, kind: str) -> None:
-        self.log.phase = name
-        self.set_phase_kind(kind)
-
-    def _host_sample(self, at: int, pinned: int | None, rss: int | None) -> None:
-        self.log.host_sample(at, pinned, rss)
 
     def observe(self, func, live_bytes: int, inside: list[int]) -> None:
         self.ops += 1
