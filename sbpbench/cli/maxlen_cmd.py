@@ -99,10 +99,8 @@ def maxlen(
     from short fake runs (simulate/length.py): the search first probes lengths that share those runs
     (multiples of the layer chunk), then bisects what is left to --resolution.
 
-    How long: on a CPU the defaults (three methods, 1% resolution, ceiling 16384) run about 25
-    probes, each a new process. Measured on a 2-core machine at load average 7 (other work):
-    bp and ckpt took 23 minutes together and streambp's probes to T=4096 another 11 (no idle
-    machine was at hand to time). For a quick look pass --resolution 10%."""
+    A search runs about 25 probes at the defaults, each a new process; --resolution 10% is a
+    quicker look."""
     from ..config import MaxlenSpec, point_specs
     from ..config.device import device_kind, resolve_device
     from ..config.maxlen import SEARCH_DEFAULTS

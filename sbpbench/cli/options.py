@@ -95,7 +95,7 @@ BudgetOpt = Annotated[
     str | None,
     typer.Option(
         metavar="DURATION",
-        help="Stop cleanly after this long, e.g. 9m for a machine that kills a command at 10: no point starts "
+        help="Stop cleanly after this long, e.g. 9m: no point starts "
         "with under 30 s left, and one it cuts is not kept; exit 3, and the same command resumes.",
     ),
 ]

@@ -52,7 +52,7 @@ METHODS: dict[str, Method] = {
         ATTENTION_NAME,
         data_parallel=True,
     ),
-    # peers: what users reach for instead (issue 16)
+    # peers: what users reach for instead
     "ckpt-offload": Method(ckpt_offload, "ckpt with the layer checkpoints in host memory (transformers' offload=True)"),
     "ckpt-chunked-ce": Method(
         ckpt_chunked_ce,

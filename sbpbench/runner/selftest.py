@@ -1,4 +1,4 @@
-"""`sbp selftest`: check a machine with one command, in a few minutes (issue 14).
+"""`sbp selftest`: check a machine with one command, in a few minutes.
 
 Every check is an ordinary command (`sbp check`, `sbp run`, `sbp estimate`, pytest) in its own
 process with a time limit, its output appended to one raw log; what it decides is written beside
