@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from sbpbench.config import MaxlenSpec, point_specs
-from sbpbench.config.chunks import resolved_settings
 from sbpbench.methods.chunk_sizes import LAYER_CHUNK_MAX, PAPER_CHUNK, auto_chunk_sizes
 from sbpbench.models import load_config
 from sbpbench.points.rows import spec_fields
@@ -34,10 +35,11 @@ def test_the_rule_follows_t_up_to_its_cap_and_memory_first():
 
 
 def test_auto_is_the_default_and_rows_record_the_numbers_chosen():
-    """sbp run's StreamBP point keeps "auto" in its spec; its row (and key) holds the numbers and names
-    them auto_settings; an explicit size is used as given and not named; bp reads none."""
+    """sbp run's StreamBP point holds the numbers the rule chose and names them auto_settings, as its
+    row (and key) do; an explicit size is used as given and not named; bp reads none."""
     bp, streambp = point_specs({"device": "cpu", "model": "small/qwen3", "seq_len": 2048}, ["bp", "streambp"])
-    assert streambp.settings.chunk_size == streambp.settings.logits_chunk_size == "auto"
+    assert (streambp.settings.chunk_size, streambp.settings.logits_chunk_size) == (683, 1024)
+    assert streambp.auto_settings == ("chunk_size", "logits_chunk_size") and bp.auto_settings == ()
     row = spec_fields(streambp)
     assert (row["chunk_size"], row["logits_chunk_size"]) == (683, 1024)  # ceil(2048 / 3); small/qwen3's 32k vocab
     assert row["auto_settings"] == "chunk_size;logits_chunk_size"
@@ -47,14 +49,16 @@ def test_auto_is_the_default_and_rows_record_the_numbers_chosen():
 
 
 def test_a_search_chooses_afresh_at_each_probe_and_sbp_check_stays_explicit():
-    """A max-length probe at another T resolves "auto" for its own T; `sbp check`'s defaults are explicit."""
+    """A max-length probe at another T chooses the rule's sizes for its own T (replace keeps the
+    numbers); `sbp check`'s defaults are explicit."""
     (base,) = point_specs({"device": "cpu", "model": "small/qwen3", "seq_len": 1500, "repeats": 0}, ["streambp"])
     search = MaxlenSpec(base=base, seq_len_ceiling=16384)
-    assert resolved_settings(search.probe(1500)).chunk_size == 500
-    assert resolved_settings(search.probe(9000)).chunk_size == 3000
+    assert search.probe(1500).settings.chunk_size == 500
+    assert search.probe(9000).settings.chunk_size == 3000 and search.probe(9000).auto_settings == base.auto_settings
+    assert replace(base, seq_len=9000).settings.chunk_size == 500
     assert EXACTNESS_DEFAULTS["chunk_size"] == 128 and EXACTNESS_DEFAULTS["logits_chunk_size"] == 100
     check = point_specs({}, ["streambp"], defaults=EXACTNESS_DEFAULTS)[0]
-    assert resolved_settings(check) == check.settings and check.settings.chunk_size == 128
+    assert check.auto_settings == () and check.settings.chunk_size == 128
 
 
 @pytest.mark.parametrize("value", ["auto", "AUTO!", "0"])
@@ -64,7 +68,8 @@ def test_auto_and_only_sizes_are_accepted(value):
 
     settings = {"device": "cpu", "model": "tiny/qwen3", "seq_len": 64, "logits_chunk_size": value}
     if value == "auto":
-        assert point_specs(settings, ["streambp"])[0].settings.logits_chunk_size == "auto"
+        (spec,) = point_specs(settings, ["streambp"])
+        assert spec.settings.logits_chunk_size == 1024 and "logits_chunk_size" in spec.auto_settings
         return
     with pytest.raises(ConfigError, match='"auto"'):
         point_specs(settings, ["streambp"])

@@ -72,7 +72,8 @@ def test_defaults_are_filled_by_the_config_per_device_and_objective():
     """The CPU default point and the per-objective batch sizes come from one place."""
     (bp, streambp) = point_specs({"device": "cpu"}, ["bp", "streambp"])
     assert (bp.model, bp.seq_len, bp.dtype, bp.batch_size, bp.device) == ("small/qwen3", 2048, "fp32", 1, "cpu")
-    assert (streambp.settings.chunk_size, streambp.settings.logits_chunk_size) == ("auto", "auto")
+    assert (streambp.settings.chunk_size, streambp.settings.logits_chunk_size) == (683, 1024)  # the rule's
+    assert streambp.auto_settings == ("chunk_size", "logits_chunk_size")
     assert point_specs({"device": "cpu", "objective": "grpo"}, ["bp"])[0].batch_size == 8
     assert point_specs({"device": "cpu", "objective": "dpo"}, ["bp"])[0].batch_size == 2
     gpu_shaped = point_specs({"device": "cpu"}, ["bp"], defaults_for="cuda")[0]

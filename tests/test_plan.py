@@ -187,10 +187,10 @@ def test_a_spill_twin_is_estimated_first_and_bounds_its_placement(monkeypatch):
     estimated = []
 
     def estimate(spec, **_):
-        estimated.append(spec.settings.checkpoints)
+        estimated.append(spec.settings.checkpoints.name)
         return ResultRow(
             status="ok", peak_allocated_bytes=70 * 2**30, margin_bytes=2**30, peak_phase="backward layer 35",
-            logits_chunk_size=spec.settings.logits_chunk_size, checkpoints=spec.settings.checkpoints,
+            logits_chunk_size=spec.settings.logits_chunk_size, checkpoints=spec.settings.checkpoints.name,
         )  # fmt: skip
 
     monkeypatch.setattr(planner, "estimate_point_by_depth", estimate)

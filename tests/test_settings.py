@@ -52,9 +52,10 @@ def test_choices_are_the_registries_names():
 
 
 def test_every_spec_field_has_one_entry():
-    """The point settings are RunSpec's fields with MethodSettings' in place of `settings`; the
-    search settings are MaxlenSpec's own fields (besides its base point)."""
-    spec_fields = [f.name for f in fields(RunSpec) if f.name != "settings"] + [f.name for f in fields(MethodSettings)]
+    """The point settings are RunSpec's fields with MethodSettings' in place of `settings` (and
+    auto_settings, what the rule chose of them); the search settings are MaxlenSpec's own fields
+    (besides its base point)."""
+    spec_fields = [f.name for f in fields(RunSpec) if f.name not in ("settings", "auto_settings")] + [f.name for f in fields(MethodSettings)]
     assert sorted(spec_fields) == sorted(POINT_SETTINGS) and FIELD_NAMES == POINT_SETTINGS
     assert set(SEARCH_SETTINGS) == {f.name for f in fields(MaxlenSpec)} - {"base"}
 
@@ -63,7 +64,9 @@ def test_derived_lists_are_the_table():
     """MethodSettings' fields and DEFAULTS, the results' method-setting columns (one run of them, in
     the row) and each method's knobs are the table's method knobs and their `read_by`."""
     assert tuple(f.name for f in fields(MethodSettings)) == METHOD_KNOBS == METHOD_SETTING_COLUMNS
-    assert DEFAULTS == {name: SETTINGS[name].default for name in METHOD_KNOBS}
+    assert {n: str(v) if n == "checkpoints" else v for n, v in DEFAULTS.items()} == {
+        name: SETTINGS[name].default for name in METHOD_KNOBS
+    }
     start = COLUMNS.index(METHOD_KNOBS[0])
     assert COLUMNS[start : start + len(METHOD_KNOBS)] == METHOD_KNOBS
     assert {reader for name in METHOD_KNOBS for reader in SETTINGS[name].read_by} <= set(METHODS)

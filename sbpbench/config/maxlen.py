@@ -80,4 +80,4 @@ class MaxlenSpec:
         return self.base.seq_len
 
     def probe(self, seq_len: int) -> RunSpec:
-        return replace(self.base, seq_len=seq_len)
+        return self.base.at_length(seq_len)

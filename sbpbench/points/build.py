@@ -3,7 +3,6 @@ adapters, the objective's synthetic batch. Shared by the measured worker, `sbp c
 
 from __future__ import annotations
 
-from ..config.chunks import resolved_settings
 from ..config.run import DTYPES, RunSpec
 from ..methods.step import TrainingStep
 
@@ -51,13 +50,12 @@ def make_spec_batch(spec: RunSpec, config, *, device: str = "cpu", seed: int | N
 
 
 def training_step(spec: RunSpec, model, batch, **options) -> TrainingStep:
-    """The spec's step over a model and batch already built (options: TrainingStep's), its "auto"
-    chunk sizes resolved."""
+    """The spec's step over a model and batch already built (options: TrainingStep's)."""
     return TrainingStep(
         model,
         batch,
         method=spec.method,
-        settings=resolved_settings(spec),
+        settings=spec.settings,
         step=spec.step,
         protocol=spec.protocol,
         **options,

@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import fields
 from functools import cache
 
-from ..config.chunks import auto_settings, resolved_settings
 from ..config.run import RunSpec
 from ..data import prompt_length
 from ..measure.environment import Environment
@@ -44,8 +43,8 @@ def spec_fields(spec: RunSpec) -> dict:
         "dtype": spec.dtype,
         "device": spec.device,
         "protocol": spec.protocol,
-        **resolved_settings(spec).as_dict(),  # None where the method does not read it; "auto" as the number chosen
-        "auto_settings": ";".join(auto_settings(spec)),
+        **spec.settings.as_dict(),  # None where the method does not read it; "auto" as the number chosen
+        "auto_settings": ";".join(spec.auto_settings),
         "attn_implementation": METHODS[spec.method].attn_implementation,
         "sdpa_backend": spec.sdpa_backend,
         "memory_limit_bytes": spec.memory_limit,

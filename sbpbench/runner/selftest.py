@@ -38,6 +38,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from ..core.placement import Placement
 from ..measure.environment import Environment
 from ..measure.flops import phase_flops
 from ..models import load_config
@@ -169,7 +170,8 @@ def _probe(test: Selftest, model: str, seq_len: int, method: str, timeout_s: flo
 def offload_timeout_s(placement: str, config) -> float:
     """The offload point's time limit: POINT_OVERHEAD_S plus OFFLOAD_MARGIN x its two steps' executed
     FLOPs (timeout.py: a recompute placement runs one forward more) at the assumed rate."""
-    flops = executed_flops(config, method="streambp", batch_size=1, seq_len=OFFLOAD_SEQ_LEN, checkpoints=placement)
+    checkpoints = Placement.parse(placement)
+    flops = executed_flops(config, method="streambp", batch_size=1, seq_len=OFFLOAD_SEQ_LEN, checkpoints=checkpoints)
     return POINT_OVERHEAD_S + OFFLOAD_MARGIN * 2 * flops * seconds_per_executed_flop(None, config)
 
 

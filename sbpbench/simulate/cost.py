@@ -26,7 +26,6 @@ from types import SimpleNamespace
 import torch
 
 from ..config import MaxlenSpec, RunSpec
-from ..config.chunks import resolved_settings
 from ..core.placement import Placement
 from ..records import read_rows
 from .plan import meta_model
@@ -74,7 +73,7 @@ def step_s(spec: RunSpec, rates: Rates) -> tuple[float, float, str]:
     """One step's predicted seconds, the first step's page-locking of host copies (once per
     process), and a note when the method has no time model of its own."""
     method = spec.method if spec.method in TIMED_METHODS else "ckpt"
-    settings = resolved_settings(spec)
+    settings = spec.settings
     step = work(
         _model(spec),
         method=method,
@@ -82,7 +81,7 @@ def step_s(spec: RunSpec, rates: Rates) -> tuple[float, float, str]:
         seq_len=spec.seq_len,
         chunk_size=settings.chunk_size,
         logits_chunk_size=settings.logits_chunk_size,
-        placement=Placement.parse(settings.checkpoints) if settings.checkpoints else None,
+        placement=settings.checkpoints,
     )
     timed = step_time(step, rates)
     note = "" if method == spec.method else "priced as ckpt"
@@ -132,7 +131,7 @@ def predicted_max_t(search: MaxlenSpec, rows: list[dict], reference=None) -> tup
         "model": base.model, "method": base.method, "objective": base.objective, "lora_rank": str(base.lora_rank),
         "step": base.step, "dtype": base.dtype, "batch_size": str(base.batch_size),
     }  # fmt: skip
-    place = base.settings.checkpoints or ("gpu" if base.method == "streambp" else "")
+    place = str(base.settings.checkpoints or ("gpu" if base.method == "streambp" else ""))
     found = [
         row
         for row in rows
@@ -156,7 +155,7 @@ def predicted_max_t(search: MaxlenSpec, rows: list[dict], reference=None) -> tup
 
 
 def _default_placement(spec: RunSpec) -> bool:
-    return spec.method != "streambp" or spec.settings.checkpoints in (None, "gpu")
+    return spec.method != "streambp" or spec.settings.checkpoints in (None, Placement())
 
 
 def _label(spec: RunSpec) -> str:

@@ -94,7 +94,7 @@ def estimate_point_by_depth(
     predicted from shorter sequences (length.py) unless `exact`. note: progress lines."""
     estimator = None if exact else partial(predict, note=note)
     depth = spec.num_layers or load_config(spec.model).num_hidden_layers
-    every = Placement.parse(spec.settings.checkpoints).recompute_every if spec.settings.checkpoints else 1
+    every = spec.settings.checkpoints.recompute_every if spec.settings.checkpoints else 1
     depths = None if exact else probe_depths(depth, every)
     if depths is None or not uniform_layers(spec.model):
         return estimate_point(
@@ -171,7 +171,7 @@ def _lifted(spec: RunSpec, low: int, *, target: str, method: MethodFn | None, no
     segment."""
     if spec.step == "train" and spec.protocol == "first":  # moments made in the step, per layer: measure the slope
         return None
-    placement = Placement.parse(spec.settings.checkpoints)
+    placement = spec.settings.checkpoints
     depth = spec.num_layers or load_config(spec.model).num_hidden_layers
     shallow = predict(replace(spec, num_layers=low), target=target, method=method, note=note)
     layer_input = layer_input_bytes(spec)

@@ -110,7 +110,7 @@ def estimate(spec: RunSpec, *, target: str = "cuda", method: MethodFn | None = N
     """Run the point's step under fake tensors and count its memory; see the module docstring.
 
     method: a stand-in for the registered spec.method with the same signature (e.g.
-    paper_baseline.PAPER_METHODS["ckpt"]), followed by the optimizer step as run_step does."""
+    paper_baseline.PAPER_METHODS["ckpt"]), followed by the optimizer step as TrainingStep.run does."""
     return simulate(spec, target=target, method=method)[0]
 
 
@@ -176,7 +176,7 @@ def _unrun(spec: RunSpec, cuda: bool):
 def unrun_step(spec: RunSpec, target: str):
     """The point's fake step, built and not run: what is resident before it. Its method settings
     do not change that, so one is built per point whatever the placement or chunk sizes."""
-    return _unrun(replace(spec, settings=MethodSettings()), target == "cuda")
+    return _unrun(replace(spec, settings=MethodSettings(), auto_settings=()), target == "cuda")
 
 
 def assemble_unrun(spec: RunSpec, memory: StepMemory, target: str) -> Estimate:

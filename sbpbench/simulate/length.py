@@ -39,7 +39,6 @@ from itertools import pairwise
 import numpy as np
 
 from ..config import MaxlenSpec, RunSpec
-from ..config.chunks import resolved_settings
 from ..methods import MethodFn
 from ..records.select import PROMPTED_OBJECTIVES
 from .estimate import Estimate, StepMemory, assemble_unrun, estimate, granularity_bytes, simulate
@@ -93,7 +92,7 @@ def shared_multiple(search: MaxlenSpec) -> int:
     multiple_of and of `period` at the chunk sizes the longest probe runs with (the rule's "auto"
     gives the same from T = 3 x its largest layer chunk on)."""
     longest = search.probe(search.seq_len_ceiling)
-    return math.lcm(search.multiple_of, period(replace(longest, settings=resolved_settings(longest))))
+    return math.lcm(search.multiple_of, period(longest))
 
 
 @dataclass
@@ -167,7 +166,7 @@ def estimate_by_length(
     to the rule ("auto") are the ones it gives at spec.seq_len, at every sample length too."""
     if spec.method not in EXTRAPOLATED_METHODS:
         return None
-    fixed = replace(spec, settings=resolved_settings(spec))
+    fixed = spec  # replace(spec, seq_len=...) keeps its chunk sizes
     lengths = sample_lengths(fixed)
     if lengths is None:
         return None
