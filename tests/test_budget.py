@@ -16,7 +16,7 @@ from sbpbench.config import RunSpec
 from sbpbench.config.experiment import load_experiment
 from sbpbench.measure.environment import capture_environment
 from sbpbench.measure.units import parse_seconds
-from sbpbench.points.rows import spec_fields
+from sbpbench.workload.rows import spec_fields
 from sbpbench.records import ResultRow, read_rows
 from sbpbench.runner.budget import Budget, BudgetSpent, within
 from sbpbench.runner.maxlen import find_max_len

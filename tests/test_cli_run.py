@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 import sbpbench.runner as runner_package
 from sbpbench.cli import app
 from sbpbench.cli.options import parse_methods
-from sbpbench.points.rows import spec_fields
+from sbpbench.workload.rows import spec_fields
 from sbpbench.records import COLUMNS, PROVENANCE_COLUMNS, ResultRow, read_rows, upsert_rows
 
 from .conftest import cli_env

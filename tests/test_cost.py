@@ -104,7 +104,7 @@ def test_the_paper_experiment_is_in_the_order_of_value():
 def test_pricing_leaves_out_what_the_results_csv_already_holds(tmp_path):
     """A point already in the results CSV (its row key, on the priced GPU) costs nothing and counts
     as done; the others are priced as before."""
-    from sbpbench.points.rows import spec_fields
+    from sbpbench.workload.rows import spec_fields
 
     whole = price_experiment(PAPER, results=ROOT / "results")
     first = load_experiment(PAPER, device="cpu", defaults_for="cuda").grid[0]  # the 64k gpu point

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from sbpbench.cli import app
 from sbpbench.config.experiment import load_experiment
 from sbpbench.measure.environment import capture_environment
-from sbpbench.points.rows import spec_fields
+from sbpbench.workload.rows import spec_fields
 from sbpbench.records import COLUMNS, ResultRow, read_rows, row_key
 from sbpbench.runner.sweep import plan, run_sweep
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from sbpbench.config import MaxlenSpec, RunSpec, point_specs
-from sbpbench.config.timing import LONG_CONTEXT_SEQ_LEN
+from sbpbench.config.long_context import LONG_CONTEXT_SEQ_LEN
 from sbpbench.measure.environment import capture_environment
 from sbpbench.methods import MethodSettings
-from sbpbench.points.rows import spec_fields
+from sbpbench.workload.rows import spec_fields
 from sbpbench.records import ResultRow, read_rows, upsert_rows
 from sbpbench.records.select import is_oom
 from sbpbench.runner.maxlen import ProbeFailed, find_max_len

@@ -42,7 +42,7 @@ from ..settings import (
 from ..settings.table import DEVICE_KINDS, is_int
 from .device import device_kind, resolve_device
 from .sdpa import check_sdpa_backend
-from .timing import long_context_defaults
+from .long_context import long_context_defaults
 
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}  # keys: settings DTYPE_NAMES
 

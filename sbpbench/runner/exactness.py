@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 from ..config import RunSpec
 from ..methods import METHODS, MethodSettings
 from ..methods.exactness import MethodComparison, compare_methods, compare_step, judge_against_fp64, step_gradients
-from ..points.build import build_model_and_batch
+from ..workload.build import build_model_and_batch
 
 
 @dataclass(frozen=True)

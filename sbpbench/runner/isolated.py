@@ -29,7 +29,7 @@ from ..config import RunSpec
 from ..measure.environment import Environment, capture_environment
 from ..measure.progress import PROGRESS_PREFIX
 from ..methods import METHODS, data_parallel_unsupported
-from ..points.rows import provenance, spec_fields
+from ..workload.rows import provenance, spec_fields
 from ..records import ResultRow, upsert_rows
 from . import fork_server
 from .allocator import worker_environment

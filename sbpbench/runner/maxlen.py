@@ -16,7 +16,7 @@ from datetime import datetime, timezone
 
 from ..config import MaxlenSpec, RunSpec
 from ..measure.environment import Environment, capture_environment
-from ..points.rows import spec_key
+from ..workload.rows import spec_key
 from ..records import ResultRow, decode_row, read_rows, row_key, upsert_rows
 from ..records.select import is_oom
 from .isolated import run_isolated

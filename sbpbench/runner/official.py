@@ -26,8 +26,8 @@ import torch
 from ..config import RunSpec
 from ..config.run import DTYPES
 from ..measure.environment import Environment
-from ..points.build import make_spec_batch
-from ..points.rows import provenance, spec_fields
+from ..workload.build import make_spec_batch
+from ..workload.rows import provenance, spec_fields
 from ..records import ResultRow
 from .timeout import point_timeout_s
 

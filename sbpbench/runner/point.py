@@ -52,8 +52,8 @@ from ..measure.timing import time_steps
 from ..methods import MethodUnsupported
 from ..methods.step import TrainingStep, storage_bytes
 from ..methods.streambp import reporting_progress
-from ..points.build import build_model_and_batch, training_step
-from ..points.rows import spec_fields
+from ..workload.build import build_model_and_batch, training_step
+from ..workload.rows import spec_fields
 from ..records import ResultRow, one_line
 from . import ranks
 from .allocator import allocator_setting

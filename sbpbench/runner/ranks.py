@@ -18,7 +18,7 @@ import torch
 
 from ..config import RunSpec
 from ..methods.step import TrainingStep
-from ..points.build import build_model_and_batch, training_step
+from ..workload.build import build_model_and_batch, training_step
 from ..records import ResultRow
 
 INIT_METHOD_ENV = "SBP_INIT_METHOD"

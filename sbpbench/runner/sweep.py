@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 
 from ..config import MaxlenSpec, RunSpec
 from ..measure.environment import Environment, capture_environment
-from ..points.rows import provenance, spec_fields, spec_key
+from ..workload.rows import provenance, spec_fields, spec_key
 from ..records import KEY_COLUMNS, ResultRow, read_rows, row_key, upsert_rows
 from ..records.schema import SKIPPED_OOM, SKIPPED_TIMEOUT
 from ..records.select import is_oom

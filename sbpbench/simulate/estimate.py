@@ -33,7 +33,7 @@ from ..measure.environment import capture_environment
 from ..measure.flops import training_flops
 from ..methods import MethodFn, MethodSettings, MethodUnsupported
 from ..methods.step import storage_bytes
-from ..points.rows import spec_fields
+from ..workload.rows import spec_fields
 from ..records import ResultRow, one_line
 from .cuda_attention import CudaAttention, hidden_buffers, streambp_cuda_branch
 from .fake_mode import build_fake_step
