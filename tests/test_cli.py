@@ -19,7 +19,7 @@ def test_check_reports_exact_methods():
     """`sbp check` on a tiny model prints every method that runs on a CPU as exact (liger as
     unsupported) and exits 0."""
     methods = ["ckpt", "streambp", "ckpt-offload", "ckpt-chunked-ce", "tiled", "liger"]
-    args = ["check", "--model", "tiny/gemma3", "--seq", "30", "--chunk-size", "7", "--mlp-tile-size", "7"]
+    args = ["check", "--model", "tiny/gemma3", "--seq", "30", "--chunk-size", "7", "--set", "mlp_tile_size=7"]
     result = runner.invoke(app, [*args, "--method", *methods])
     assert result.exit_code == 0, result.output
     assert result.output.count("exact") == 5 and "DIFFERS" not in result.output

@@ -117,7 +117,39 @@ def test_point_command_builds_options_from_the_settings_table():
     assert received == {"settings": {"seq_len": 64}, "methods": ("bp", "ckpt", "streambp"), "verbose": True}
     result = runner.invoke(app, ["command", "-T", "abc"])
     assert result.exit_code == 2 and "--seq must be an integer, got 'abc'" in result.output
-    assert FLAGS["seq_len"] == "--seq" and FLAGS["fp32_grad_accumulation"] == "--fp32-grad-accumulation"
+    assert FLAGS["seq_len"] == "--seq" and FLAGS["fp32_grad_accumulation"] == "--set fp32_grad_accumulation"
+
+
+def test_other_knobs_come_through_set_and_former_flags_still_work():
+    """`--set KNOB=VALUE` (repeatable) gives a knob as its setting's kind; a knob's former flag still
+    parses but is hidden; an unknown knob, a bad value or a knob given twice is a one-line error
+    naming it and what is allowed; `--set help` lists the knobs from the table."""
+    received = {}
+
+    @point_command(("method", "chunk_size", "fp32_grad_accumulation", "mlp_tile_size"))
+    def command(settings: dict, methods: tuple[str, ...]) -> None:
+        received.update(settings)
+
+    app = typer.Typer(rich_markup_mode=None)
+    app.command()(command)
+    app.command("other")(lambda: None)
+    runner = CliRunner()
+    text = runner.invoke(app, ["command", "--help"], env={"COLUMNS": "120"}).output
+    assert "--set" in text and "--chunk-size" in text and "--mlp-tile-size" not in text
+    argv = ["command", "--set", "fp32_grad_accumulation=off", "--set", "chunk-size=T/3", "--mlp-tile-size", "64"]
+    assert runner.invoke(app, argv).exit_code == 0
+    assert received == {"fp32_grad_accumulation": False, "chunk_size": "T/3", "mlp_tile_size": 64}
+    for words, message in (
+        (["--set", "tile=3"], "--set: unknown knob 'tile'; this command takes chunk_size, fp32_grad_accumulation"),
+        (["--set", "fp32_grad_accumulation=maybe"], "--set fp32_grad_accumulation must be true or false, got 'maybe'"),
+        (["--set", "mlp_tile_size=x"], "--set mlp_tile_size must be an integer, got 'x'"),
+        (["--set", "mlp_tile_size"], "--set takes KNOB=VALUE"),
+        (["--set", "mlp_tile_size=8", "--mlp-tile-size", "8"], "--set mlp_tile_size given twice"),
+    ):
+        result = runner.invoke(app, ["command", *words])
+        assert result.exit_code == 2 and message in result.output, (words, result.output)
+    listed = runner.invoke(app, ["command", "--set", "help"]).output.splitlines()
+    assert [line.split("=")[0] for line in listed] == ["chunk_size", "fp32_grad_accumulation", "mlp_tile_size"]
 
 
 def test_user_errors_are_known_by_class_without_importing_them():

@@ -20,7 +20,7 @@ from sbpbench.core import DEFAULT_CHUNK_SIZE, DEFAULT_LOGITS_CHUNK_SIZE
 from sbpbench.data import OBJECTIVES
 from sbpbench.methods import METHODS, STEPS, MethodSettings
 from sbpbench.methods.settings import DEFAULTS
-from sbpbench.records.schema import COLUMNS, METHOD_SETTING_COLUMNS
+from sbpbench.records.schema import COLUMNS, METHOD_SETTING_COLUMNS, ResultRow
 from sbpbench.settings import (
     AUTO,
     DTYPE_NAMES,
@@ -70,8 +70,31 @@ def test_derived_lists_are_the_table():
     start = COLUMNS.index(METHOD_KNOBS[0])
     assert COLUMNS[start : start + len(METHOD_KNOBS)] == METHOD_KNOBS
     assert {reader for name in METHOD_KNOBS for reader in SETTINGS[name].read_by} <= set(METHODS)
-    assert knobs_read_by("tiled") == ("logits_chunk_size", "mlp_tile_size", "offload_checkpoints")
+    tiled = knobs_read_by("tiled")  # among others a new knob may add: its own and the head's chunk
+    assert {"logits_chunk_size", "mlp_tile_size", "offload_checkpoints"} <= set(tiled)
+    assert list(tiled) == sorted(tiled, key=METHOD_KNOBS.index) and "chunk_size" not in tiled
     assert knobs_read_by("bp") == ()
+
+
+def _kinds(annotation: str) -> set[str]:
+    return {word.strip() for word in annotation.split("|")}
+
+
+def test_knob_fields_and_columns_take_the_tables_values():
+    """MethodSettings and ResultRow write the knobs out as plain fields: each MethodSettings field
+    takes what its setting takes (or None), each column the first of those (text: ""), in the table's
+    order; a knob added to the table alone fails here, naming the two fields to write."""
+    knob_fields = {f.name: f for f in fields(MethodSettings)}
+    columns = {f.name: f for f in fields(ResultRow)}
+    for name in METHOD_KNOBS:
+        assert name in knob_fields and name in columns, f"write {name} on MethodSettings and ResultRow"
+        kind = SETTINGS[name].kind
+        kinds = [k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,))]
+        assert set(kinds) | {"None"} <= _kinds(knob_fields[name].type), name
+        assert knob_fields[name].default is None, name
+        column = columns[name]
+        expected = ("str", "") if kinds[0] == "str" else (f"{kinds[0]} | None", None)
+        assert (column.type, column.default) == expected, name
 
 
 def test_core_defaults_are_the_tables():
@@ -134,6 +157,7 @@ SELECTIONS = {
     "cli/check_cmd.py::UNTIMED": "the point options `sbp check` does not take (nothing is timed)",
     "cli/check_cmd.py::check": "`sbp check`'s help for its options",
     "cli/maxlen_cmd.py::maxlen": "`sbp maxlen`'s help for the point options a search reads its own way",
+    "cli/options.py::FORMER_KNOB_FLAGS": "the knobs' own flags from before --set, kept hidden for one release",
     "cli/options.py::PREDICTED_POINT": "what `sbp estimate` and `sbp plan` fix in the point they predict",
     "cli/options.py::predicted_gpu_point_helps": "`sbp estimate`'s and `sbp plan`'s help for a GPU point's defaults",
     "plot/common.py::POINT_GROUP": "the columns a memory figure holds fixed",

@@ -11,7 +11,16 @@ from rich.markup import escape
 from ..measure.units import parse_bytes
 from ..records import check_writable, upsert_rows
 from .errors import user_errors
-from .options import PREDICTED_POINT, OutOpt, point_command, predicted_gpu_point_helps, run_fields_but
+from .options import (
+    DEFAULT_GPU_MEMORY,
+    PREDICTED_POINT,
+    ExactOpt,
+    GpuMemoryOpt,
+    out_option,
+    point_command,
+    predicted_gpu_point_helps,
+    run_fields_but,
+)
 from .progress import Progress
 from .tables import estimate_table, print_table
 
@@ -20,6 +29,8 @@ from .tables import estimate_table, print_table
 ESTIMATE_FIELDS = run_fields_but(
     "device", "warmup", "repeats", "memory_limit", "timeout_s", "threads", "weights", "sdpa_backend"
 )
+
+EstimateOutOpt = out_option("none, the table is only printed")
 
 EXAMPLES = (  # the end of its help (options.py examples)
     "sbp estimate --model Qwen/Qwen3-8B --seq 20000     # about 30 s on 2 cores",
@@ -35,19 +46,15 @@ EXAMPLES = (  # the end of its help (options.py examples)
 def estimate(
     settings: dict,
     methods: tuple[str, ...],
-    gpu_memory: Annotated[
-        str, typer.Option(metavar="SIZE", help="GPU memory to check the prediction against, e.g. 80GiB, 24GB.")
-    ] = "80GiB",
+    gpu_memory: GpuMemoryOpt = None,
     target: Annotated[
         str,
         typer.Option(
             metavar="[cuda|cpu]", help="cuda: predict a GPU run; cpu: reproduce what `sbp run --device cpu` measures."
         ),
     ] = "cuda",
-    exact: Annotated[
-        bool, typer.Option("--exact", help="Run the fake step at the point's own depth and length (slow).")
-    ] = False,
-    out: OutOpt = None,
+    exact: ExactOpt = False,
+    out: EstimateOutOpt = None,
 ) -> None:
     """Predict each method's peak GPU memory, without a GPU.
 
@@ -63,7 +70,7 @@ def estimate(
     with user_errors():
         if target not in TARGETS:
             raise ValueError(f"unknown --target {target!r}; choose from {', '.join(TARGETS)}")
-        gpu_memory_bytes = parse_bytes(gpu_memory)
+        gpu_memory_bytes = parse_bytes(gpu_memory or DEFAULT_GPU_MEMORY)
         specs = point_specs({**settings, **PREDICTED_POINT}, methods, defaults_for="cuda")
         if out is not None:
             check_writable(out)

@@ -15,7 +15,16 @@ from ..measure.units import parse_bytes
 from ..records import ResultRow, check_writable
 from ..settings import SEARCH_SETTINGS, default_of
 from .errors import user_errors
-from .options import BUDGET_EXIT, BudgetOpt, point_command, run_fields_but
+from .options import (
+    BUDGET_EXIT,
+    BudgetOpt,
+    ExactOpt,
+    GpuMemoryOpt,
+    HostMemoryOpt,
+    out_option,
+    point_command,
+    run_fields_but,
+)
 from .progress import Progress
 from .run_cmd import point_line
 from .tables import maxlen_table, print_table, seq_bound
@@ -29,6 +38,8 @@ MAXLEN_FIELDS = run_fields_but("repeats") + SEARCH_SETTINGS
 def _search_default(name: str, device: str):
     return default_of(name, device, search=True)
 
+
+MaxlenOutOpt = out_option("results/maxlen.csv; --simulate: results/estimates.csv")
 
 EXAMPLES = (  # the end of its help (options.py examples)
     "sbp maxlen --model Qwen/Qwen3-8B --memory-limit 80GiB --budget 9m  # Fig. 3",
@@ -61,33 +72,10 @@ def maxlen(
             "no GPU needed; rows are marked source=simulated.",
         ),
     ] = False,
-    gpu_memory: Annotated[
-        str | None,
-        typer.Option(
-            metavar="SIZE", help="--simulate: the GPU's memory, e.g. 80GiB (default: --memory-limit, or 80GiB)."
-        ),
-    ] = None,
-    host_memory: Annotated[
-        str | None,
-        typer.Option(
-            metavar="SIZE",
-            help="--simulate: host memory for checkpoints a placement keeps there, e.g. 100GiB (default: this "
-            "machine's RAM).",
-        ),
-    ] = None,
-    exact: Annotated[
-        bool,
-        typer.Option("--exact", help="--simulate: each probe's fake step at its own depth and length (slow)."),
-    ] = False,
-    out: Annotated[
-        Path | None,
-        typer.Option(
-            "--out",
-            "-o",
-            metavar="CSV",
-            help="Results CSV (default: results/maxlen.csv; simulated: results/estimates.csv).",
-        ),
-    ] = None,
+    gpu_memory: GpuMemoryOpt = None,
+    host_memory: HostMemoryOpt = None,
+    exact: ExactOpt = False,
+    out: MaxlenOutOpt = None,
     budget: BudgetOpt = None,
 ) -> None:
     """Find the longest sequence each method trains in a memory budget.

@@ -12,7 +12,15 @@ from rich.table import Table
 from ..measure.host_memory import total_ram_bytes
 from ..measure.units import parse_bytes
 from .errors import user_errors
-from .options import PREDICTED_POINT, point_command, predicted_gpu_point_helps, run_fields_but
+from .options import (
+    DEFAULT_GPU_MEMORY,
+    PREDICTED_POINT,
+    GpuMemoryOpt,
+    HostMemoryOpt,
+    point_command,
+    predicted_gpu_point_helps,
+    run_fields_but,
+)
 from .progress import Progress
 from .tables import print_table
 
@@ -53,11 +61,8 @@ EXAMPLES = (  # the end of its help (options.py examples)
 def plan_command(
     settings: dict,
     methods: tuple[str, ...],
-    gpu_memory: Annotated[str, typer.Option(metavar="SIZE", help="The GPU's memory, e.g. 80GiB.")] = "80GiB",
-    host_memory: Annotated[
-        str | None,
-        typer.Option(metavar="SIZE", help="Host memory the step may use, e.g. 100GiB (default: this machine's RAM)."),
-    ] = None,
+    gpu_memory: GpuMemoryOpt = None,
+    host_memory: HostMemoryOpt = None,
     gpu: Annotated[
         str,
         typer.Option(metavar="NAME", help="The GPU whose measured rows give the rates: its device name contains this."),
@@ -78,7 +83,7 @@ def plan_command(
     from ..simulate.timing import fitted_rates
 
     with user_errors():
-        gpu_bytes = parse_bytes(gpu_memory)
+        gpu_bytes = parse_bytes(gpu_memory or DEFAULT_GPU_MEMORY)
         host_bytes = parse_bytes(host_memory) if host_memory else total_ram_bytes()
         (spec,) = point_specs({**settings, **PREDICTED_POINT}, ["streambp"], defaults_for="cuda")
         rates = fitted_rates(results, gpu, meta_model)

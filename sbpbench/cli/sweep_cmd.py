@@ -12,13 +12,15 @@ from rich.table import Table
 
 from ..records import ResultRow, check_writable, decode_row, read_rows, row_key
 from .errors import user_errors
-from .options import BUDGET_EXIT, BudgetOpt, point_command
+from .options import BUDGET_EXIT, BudgetOpt, out_option, point_command
 from .progress import Progress
 from .run_cmd import point_line, warn_if_busy
 from .tables import maxlen_table, points_table, print_table, seq_bound
 
 if TYPE_CHECKING:
     from ..runner.sweep import Job
+
+SweepOutOpt = out_option("results/<experiment name>.csv")
 
 EXAMPLES = (  # the end of its help (options.py examples)
     "sbp sweep experiments/smoke_cpu.toml    # the paper's figures in miniature",
@@ -38,9 +40,7 @@ def sweep(
     settings: dict,
     methods: tuple[str, ...],
     experiment: Annotated[Path, typer.Argument(metavar="EXPERIMENT", help="Experiment file, e.g. experiments/smoke_cpu.toml.")],
-    out: Annotated[
-        Path | None, typer.Option("--out", "-o", metavar="CSV", help="Results CSV (default: results/<experiment name>.csv).")
-    ] = None,
+    out: SweepOutOpt = None,
     resume: Annotated[
         bool, typer.Option(help="Skip points already in --out (same settings); --no-resume reruns them.")
     ] = True,

@@ -40,6 +40,9 @@ class Setting:
     minimum: int | None = None  # an integer setting's least value (checked by `check`)
     auto: bool = False  # may be "auto": chosen per point (methods/chunk_sizes.py), a point's default
     read_by: tuple[str, ...] = ()  # a method's knob (a MethodSettings field): the methods that read it
+    # a knob that is also an axis of the point: its own CLI flag. Every other knob is given on the
+    # command line as `--set NAME=VALUE`, so a new knob adds no option to any command
+    axis: bool = False
     may_list: bool = False  # a list is a grid axis (experiment files; the CLI's --method takes several)
     flags: tuple[str, ...] = ()  # CLI spellings kept from before; default: --the-name-with-dashes
     metavar: str = ""  # what the CLI's help shows for the value (default: from kind and choices)
@@ -141,6 +144,7 @@ SETTINGS: dict[str, Setting] = {
         minimum=1,
         auto=True,
         read_by=("streambp", "official"),
+        axis=True,
         metavar="N|T/k|auto",
     ),
     "logits_chunk_size": Setting(
@@ -150,6 +154,7 @@ SETTINGS: dict[str, Setting] = {
         minimum=1,
         auto=True,
         read_by=("streambp", "ckpt-chunked-ce", "tiled", "official"),
+        axis=True,
         metavar="N|auto",
     ),
     "fp32_grad_accumulation": Setting(
@@ -173,6 +178,7 @@ SETTINGS: dict[str, Setting] = {
         "cpu+recompute:K[+spill].",
         default="gpu",
         read_by=("streambp",),
+        axis=True,
         metavar="PLACE",
     ),  # no `choices`: K is open; RunSpec checks the name (core.placement.Placement.parse)
     # a max-length search's own (its first probe is seq_len)
@@ -232,6 +238,13 @@ def device_defaults(device: str, *, search: bool = False) -> dict[str, Any]:
     else:
         names = [n for n, s in SETTINGS.items() if s.by_device and not s.search]
     return {name: default_of(name, device, search=search) for name in names}
+
+
+def has_flag(name: str) -> bool:
+    """Whether a setting has a CLI flag of its own: every one but a method's knob that is not an axis
+    of the point (`--set NAME=VALUE` gives those)."""
+    setting = SETTINGS[name]
+    return not setting.read_by or setting.axis
 
 
 def knobs_read_by(method: str) -> tuple[str, ...]:
