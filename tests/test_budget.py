@@ -16,11 +16,11 @@ from sbpbench.config import RunSpec
 from sbpbench.config.experiment import load_experiment
 from sbpbench.measure.environment import capture_environment
 from sbpbench.measure.units import parse_seconds
-from sbpbench.workload.rows import spec_fields
 from sbpbench.records import ResultRow, read_rows
 from sbpbench.runner.budget import Budget, BudgetSpent, within
 from sbpbench.runner.maxlen import find_max_len
 from sbpbench.runner.sweep import plan, run_sweep
+from sbpbench.workload.rows import spec_fields
 
 from .test_maxlen import _search
 

@@ -9,8 +9,8 @@ import pytest
 from sbpbench.config import MaxlenSpec, point_specs
 from sbpbench.methods.chunk_sizes import LAYER_CHUNK_MAX, PAPER_CHUNK, auto_chunk_sizes
 from sbpbench.models import load_config
-from sbpbench.workload.rows import spec_fields
 from sbpbench.settings import EXACTNESS_DEFAULTS
+from sbpbench.workload.rows import spec_fields
 
 GIB = 2**30
 

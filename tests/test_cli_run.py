@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 import sbpbench.runner as runner_package
 from sbpbench.cli import app
 from sbpbench.cli.options import parse_methods
-from sbpbench.workload.rows import spec_fields
 from sbpbench.records import COLUMNS, PROVENANCE_COLUMNS, ResultRow, read_rows, upsert_rows
+from sbpbench.workload.rows import spec_fields
 
 from .conftest import cli_env
 

@@ -230,7 +230,7 @@ def _worker(rank, port, cases, queue):
             grads, counts = _run_case(case, rank)
             if rank == 0:
                 queue.put((case["name"], grads, counts, None))
-    except Exception:  # noqa: BLE001 - any failure goes back to the parent as the test's message
+    except Exception:
         queue.put((None, None, None, f"rank {rank}: {traceback.format_exc()}"))
     finally:
         torch.distributed.destroy_process_group()

@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from typer.testing import CliRunner
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -20,8 +19,8 @@ if __name__ == "__main__":  # run as a script: import the checkout's sbpbench
 
 from sbpbench.cli import app  # noqa: E402
 from sbpbench.config.experiment import load_experiment  # noqa: E402
-from sbpbench.records.exactness import read_exactness  # noqa: E402
 from sbpbench.models import full_depth  # noqa: E402
+from sbpbench.records.exactness import read_exactness  # noqa: E402
 from sbpbench.records.reference import load_reference  # noqa: E402
 from sbpbench.report import glance_markdown, markdown_report, points_markdown  # noqa: E402
 from sbpbench.report.inputs import load_table  # noqa: E402

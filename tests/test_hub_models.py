@@ -18,8 +18,8 @@ from sbpbench.cli import app
 from sbpbench.config import point_specs
 from sbpbench.config.experiment import load_experiment
 from sbpbench.models import UnsupportedModelError, build_model, config_dict, full_depth, load_config
-from sbpbench.workload.rows import spec_fields
 from sbpbench.records import KEY_COLUMNS, read_rows
+from sbpbench.workload.rows import spec_fields
 
 from .conftest import cli_env
 

@@ -300,3 +300,44 @@ def test_cycle_checker_finds_cycles_at_any_level():
         ["sbpbench.a.x", "sbpbench.a.y"],
         ["sbpbench.b", "sbpbench.b.u", "sbpbench.b.v", "sbpbench.b.w"],
     ]
+
+
+CORE_INTERNAL = "internal"  # core/internal.py: what our packages use of core besides its face (__init__.py)
+
+
+def _core_submodule(name: str) -> str | None:
+    """The core submodule a dotted name lies in ("sbpbench.core.placement.Placement": placement), if any."""
+    parts = name.split(".")
+    if parts[:2] != [ROOT, "core"] or len(parts) < 3:
+        return None
+    core = PACKAGE_DIR / "core"
+    return parts[2] if (core / f"{parts[2]}.py").is_file() or (core / parts[2]).is_dir() else None
+
+
+def core_submodule_imports(sources: dict[str, str]) -> list[str]:
+    """One line per import, from a module outside core, of a core module other than its two faces."""
+    found = []
+    for path, source in sorted(sources.items()):
+        if package_at(path) == "core":
+            continue
+        _, current = module_and_package(path)
+        for line, name in imported_modules(ast.parse(source, path), current):
+            if _core_submodule(name) not in (None, CORE_INTERNAL):
+                found.append(f"sbpbench/{path}:{line}: imports {name}; use sbpbench.core or sbpbench.core.internal")
+    return found
+
+
+def test_outside_core_only_its_two_faces_are_imported():
+    """No module outside core imports a core submodule but core/__init__.py (the library's face) and
+    core/internal.py (what our own packages use of its internals), so that use stays one list."""
+    found = core_submodule_imports(our_sources())
+    assert not found, "\n".join(found)
+    bad = {
+        "runner/a.py": "from ..core.placement import Placement\n",
+        "runner/b.py": "from ..core import Placement\nfrom ..core.internal import ChunkState\n",
+        "runner/c.py": "def f():\n    import sbpbench.core.attention\n",
+    }
+    assert [line.split(": imports ")[0] for line in core_submodule_imports(bad)] == [
+        "sbpbench/runner/a.py:1",
+        "sbpbench/runner/c.py:2",
+    ]

@@ -10,10 +10,10 @@ import pytest
 
 from sbpbench.config import MaxlenSpec, Resolution, RunSpec, point_specs
 from sbpbench.measure.environment import capture_environment
-from sbpbench.workload.rows import spec_fields
 from sbpbench.records import ResultRow, read_rows
 from sbpbench.runner.length_search import search_max_len
 from sbpbench.runner.maxlen import ProbeFailed, find_max_len
+from sbpbench.workload.rows import spec_fields
 
 from .conftest import cli_env
 from .test_cli_run import _sbp

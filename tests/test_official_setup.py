@@ -105,9 +105,9 @@ def test_official_is_exact_but_for_its_normalisation(official_venv, monkeypatch)
     off too (it subtracts one boundary token per chunk, not per row): the error is larger."""
     from sbpbench.config import point_specs
     from sbpbench.methods.exactness import step_gradients
-    from sbpbench.workload.build import build_model_and_batch
     from sbpbench.runner.official import official_gradients
     from sbpbench.settings import EXACTNESS_DEFAULTS
+    from sbpbench.workload.build import build_model_and_batch
 
     monkeypatch.setenv("SBP_OFFICIAL_VENV", str(official_venv))
 

@@ -251,9 +251,9 @@ def test_a_max_length_search_of_an_unsupported_method_answers_unsupported(tmp_pa
     unsupported, with the probe's reason (no error, no guessed length)."""
     from sbpbench.config import MaxlenSpec, Resolution
     from sbpbench.measure.environment import capture_environment
-    from sbpbench.workload.rows import spec_fields
     from sbpbench.records import ResultRow, read_rows
     from sbpbench.runner.maxlen import find_max_len
+    from sbpbench.workload.rows import spec_fields
 
     calls = []
 

@@ -209,3 +209,15 @@ def test_rows_before_schema_9_read_back_with_torchs_own_sdpa_choice(tmp_path):
     assert [(r["sdpa_backend"], r["peak_allocated_bytes"]) for r in read_rows(path)] == [("auto", "7")]
     upsert_rows(path, [decode_row({**migrated, "schema_version": str(SCHEMA_VERSION), "sdpa_backend": "math"})])
     assert sorted(r["sdpa_backend"] for r in read_rows(path)) == ["auto", "math"]
+
+
+def test_a_file_older_than_a_knob_reads_back_with_the_knobs_default(tmp_path):
+    """A CSV written before a knob's column existed reads back with the column: the knob's default
+    for a method that reads it (it ran at that default), empty for one that does not."""
+    path = tmp_path / "old.csv"
+    upsert_rows(path, [ResultRow(model="m", method="tiled", status="ok"), ResultRow(model="m", method="bp", status="ok")])
+    lines = path.read_text().splitlines()
+    drop = lines[0].split(",").index("mlp_tile_size")
+    path.write_text("".join(",".join(c for i, c in enumerate(line.split(",")) if i != drop) + "\n" for line in lines))
+    rows = {row["method"]: row for row in read_rows(path)}
+    assert (rows["tiled"]["mlp_tile_size"], rows["bp"]["mlp_tile_size"]) == ("2048", "")

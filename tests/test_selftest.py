@@ -208,7 +208,7 @@ def test_cpu_selftest_runs_end_to_end(tmp_path):
     summary = (out / "summary.md").read_text()
     assert (out / "runs.csv").exists() and (out / "estimates.csv").exists() and (out / "selftest.log").exists()
     for method in ("bp", "ckpt", "streambp"):
-        line = next(l for l in summary.splitlines() if l.startswith(f"| small/qwen3 | 512 | {method} |"))
+        line = next(text for text in summary.splitlines() if text.startswith(f"| small/qwen3 | 512 | {method} |"))
         assert "%" in line, line  # measured and estimated, with an error
 
 

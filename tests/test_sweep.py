@@ -15,9 +15,9 @@ from typer.testing import CliRunner
 from sbpbench.cli import app
 from sbpbench.config.experiment import load_experiment
 from sbpbench.measure.environment import capture_environment
-from sbpbench.workload.rows import spec_fields
 from sbpbench.records import COLUMNS, ResultRow, read_rows, row_key
 from sbpbench.runner.sweep import plan, run_sweep
+from sbpbench.workload.rows import spec_fields
 
 from .conftest import cli_env
 from .test_cli_run import _sbp

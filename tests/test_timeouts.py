@@ -10,12 +10,12 @@ from sbpbench.config import MaxlenSpec, RunSpec, point_specs
 from sbpbench.config.long_context import LONG_CONTEXT_SEQ_LEN
 from sbpbench.measure.environment import capture_environment
 from sbpbench.methods import MethodSettings
-from sbpbench.workload.rows import spec_fields
 from sbpbench.records import ResultRow, read_rows, upsert_rows
 from sbpbench.records.select import is_oom
 from sbpbench.runner.maxlen import ProbeFailed, find_max_len
 from sbpbench.runner.sweep import plan, run_sweep
 from sbpbench.runner.timeout import START_S, point_timeout_s, predicted_timeout_s, step_flops
+from sbpbench.workload.rows import spec_fields
 
 from .test_sweep import _experiment
 

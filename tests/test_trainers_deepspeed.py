@@ -82,7 +82,7 @@ def _worker(rank, port, cases, queue):
             stock, ours = _train(case, False, rank), _train(case, True, rank)
             if rank == 0:
                 queue.put((case["name"], {**stock, **{f"streambp:{k}": v for k, v in ours.items()}}, {}, None))
-    except Exception:  # noqa: BLE001 - any failure goes back to the parent as the test's message
+    except Exception:
         queue.put((None, None, None, f"rank {rank}: {traceback.format_exc()}"))
     finally:
         queue.close()

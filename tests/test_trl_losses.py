@@ -22,8 +22,8 @@ from .conftest import grpo_rows, tiny_model
 from .test_layouts import assert_same, streamed_step
 
 trl = pytest.importorskip("trl", minversion="1.16", reason="needs TRL >= 1.16: pip install -e '.[trl]'")
-from trl.trainer.dpo_trainer import DPOTrainer
-from trl.trainer.grpo_trainer import GRPOTrainer
+from trl.trainer.dpo_trainer import DPOTrainer  # noqa: E402 (after the skip when TRL is absent)
+from trl.trainer.grpo_trainer import GRPOTrainer  # noqa: E402
 
 PROMPT_WIDTH, COMPLETION_WIDTH = 9, 15
 PROMPTS = [9, 4, 6, 9]

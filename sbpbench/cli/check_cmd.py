@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 import typer
@@ -151,7 +151,7 @@ def _exactness_row(spec, result) -> ExactnessRow:
     else:
         outcome = "exact" if result.ok else "differs"
     return ExactnessRow(
-        timestamp_utc=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        timestamp_utc=datetime.now(UTC).isoformat(timespec="seconds"),
         method=result.method,
         reference=result.reference,
         result=outcome,

@@ -146,7 +146,7 @@ def maxlen(
 
                 probed: dict[int, ResultRow] = {}  # this run's probes, by length
 
-                def told(row: ResultRow, search_spec=search_spec) -> None:
+                def told(row: ResultRow, search_spec=search_spec, probed=probed) -> None:
                     probed[row.seq_len] = row
                     progress.note(f"{search_spec.method}: probe {point_line(row)}")
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import subprocess
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
@@ -20,7 +20,7 @@ DEFAULT_VENV = "~/.cache/sbpbench/peers/official"
 peers = typer.Typer(help="Set up the peers that need an environment of their own.", no_args_is_help=True)
 
 
-class Peer(str, Enum):
+class Peer(StrEnum):
     official = "official"
 
 

@@ -4,7 +4,7 @@ how the search runs. Its first probe is base.seq_len; it never tries past seq_le
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from ..settings import SETTINGS, ConfigError, check, default_of, device_defaults
 from ..settings.table import DEVICE_KINDS

@@ -22,8 +22,7 @@ from typing import Any
 
 import torch
 
-from ..core.adapters import SUPPORTED_MODEL_TYPES, UnsupportedModelError, supported_families
-from ..core.placement import Placement
+from ..core import SUPPORTED_MODEL_TYPES, Placement, UnsupportedModelError, supported_families
 from ..measure.threads import available_cpus, default_threads
 from ..measure.units import parse_bytes
 from ..methods import METHODS, MethodSettings, method_names
@@ -41,8 +40,8 @@ from ..settings import (
 )
 from ..settings.table import DEVICE_KINDS, is_int
 from .device import device_kind, resolve_device
-from .sdpa import check_sdpa_backend
 from .long_context import long_context_defaults
+from .sdpa import check_sdpa_backend
 
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}  # keys: settings DTYPE_NAMES
 
@@ -168,7 +167,7 @@ class RunSpec:
     def at_length(self, seq_len: int) -> RunSpec:
         """The point at another T, its chunk sizes chosen afresh where the rule chose them (a
         max-length probe); replace(spec, seq_len=...) keeps the numbers instead."""
-        again = {name: AUTO for name in self.auto_settings}
+        again = dict.fromkeys(self.auto_settings, AUTO)
         return replace(self, seq_len=seq_len, settings=replace(self.settings, **again))
 
     def to_json(self) -> str:

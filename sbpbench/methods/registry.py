@@ -17,8 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..core.attention import ATTENTION_NAME
-from ..core.labels import count_targets, shift_labels
+from ..core.internal import ATTENTION_NAME, count_targets, shift_labels
 from ..data import Batch
 from ..settings import EVERY_METHOD, SETTINGS, knobs_read_by
 from .chunked_ce import ckpt_chunked_ce

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
-from ..core.placement import Placement
+from ..core import Placement
 from ..settings import METHOD_KNOBS, SETTINGS
 
 # What a method that reads a knob uses when it is unset (core's DEFAULT_*_CHUNK_SIZE equal the

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from ..core.adapters import unwrap_model
+from ..core.internal import unwrap_model
 from ..data import Batch
 from .hf_baseline import hf_gradient_checkpointing
 from .unsupported import MethodUnsupported

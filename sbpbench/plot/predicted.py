@@ -30,7 +30,7 @@ def measured_on_predicted(table, out_dir: Path, reference=None, formats: Sequenc
     measured = measured[~measured.apply(is_truncated, axis=1)] if len(measured) else measured
     predicted = points[(points["source"] == "simulated") & points["peak_allocated_bytes"].notna()]
     paths = []
-    for (device, *shared), rows in measured.groupby(["device_name", *SHARED], sort=True, dropna=False):
+    for (_device, *shared), rows in measured.groupby(["device_name", *SHARED], sort=True, dropna=False):
         curves = predicted[_same(predicted, dict(zip(SHARED, shared)))]
         curves = curves[curves.apply(_default_placement, axis=1)] if len(curves) else curves
         if curves.empty or curves.groupby("method")["seq_len"].nunique().max() < 2:

@@ -53,7 +53,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-from ..settings import METHOD_KNOBS
+from ..settings import METHOD_KNOBS, SETTINGS
 
 SCHEMA_VERSION = 9
 
@@ -243,8 +243,20 @@ UPGRADES: dict[str, dict[str, str]] = {
 SETTINGLESS_BEFORE_4 = ("bp", "ckpt")
 
 
+def _as_text(value) -> str:
+    """A default as the CSV writes it (records/store.py encode)."""
+    return ("true" if value else "false") if isinstance(value, bool) else str(value)
+
+
 def upgrade(row: dict[str, str]) -> dict[str, str]:
-    """A CSV row (strings) of any schema as the current schema reads it, in place."""
+    """A CSV row (strings) of any schema as the current schema reads it, in place: every current
+    column present, those its file lacks empty, but a method knob newer than the file, which a
+    method that reads it ran at its default (a new knob's default keeps what the method did)."""
+    for column in COLUMNS:
+        if column not in row:
+            setting = SETTINGS.get(column)
+            ran_at_default = setting is not None and row.get("method") in setting.read_by
+            row[column] = _as_text(setting.default) if ran_at_default else ""
     version = row.get("schema_version", "")
     for column, value in UPGRADES.get(version, {}).items():
         if not row.get(column):

@@ -26,9 +26,9 @@ import torch
 from ..config import RunSpec
 from ..config.run import DTYPES
 from ..measure.environment import Environment
+from ..records import ResultRow
 from ..workload.build import make_spec_batch
 from ..workload.rows import provenance, spec_fields
-from ..records import ResultRow
 from .timeout import point_timeout_s
 
 VENV_VARIABLE = "SBP_OFFICIAL_VENV"  # where the virtualenv is (default below)

@@ -39,7 +39,7 @@ from contextlib import nullcontext
 import torch
 
 from ..config import RunSpec
-from ..core.placement import observe_stores
+from ..core.internal import observe_stores
 from ..measure.cuda_memory import NvmlPeakSampler, nvml_handle, start_cuda
 from ..measure.flops import training_flops
 from ..measure.host_memory import peak_rss_bytes, reset_peak_rss, total_ram_bytes
@@ -52,9 +52,9 @@ from ..measure.timing import time_steps
 from ..methods import MethodUnsupported
 from ..methods.step import TrainingStep, storage_bytes
 from ..methods.streambp import reporting_progress
+from ..records import ResultRow, one_line
 from ..workload.build import build_model_and_batch, training_step
 from ..workload.rows import spec_fields
-from ..records import ResultRow, one_line
 from . import ranks
 from .allocator import allocator_setting
 
@@ -234,7 +234,7 @@ def _measure(spec: RunSpec) -> ResultRow:
     except MethodUnsupported as error:  # the method cannot run here: a result, with the reason
         row.status, row.error = "unsupported", one_line(error)
         return row
-    except Exception as error:  # noqa: BLE001 (any failure is the point's outcome, classified; the traceback goes to the worker's stderr)
+    except Exception as error:
         traceback.print_exc()
         row.status, row.error = failure_outcome(spec, error)
         return row

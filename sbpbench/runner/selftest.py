@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ..core.placement import Placement
+from ..core import Placement
 from ..measure.environment import Environment
 from ..measure.flops import phase_flops
 from ..models import load_config

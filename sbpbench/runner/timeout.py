@@ -22,7 +22,7 @@ from functools import cache
 
 from ..config import RunSpec
 from ..config.device import device_kind
-from ..core.placement import Placement
+from ..core import Placement
 from ..measure.flops import phase_flops
 
 START_S = 600.0

@@ -26,7 +26,7 @@ from types import SimpleNamespace
 import torch
 
 from ..config import MaxlenSpec, RunSpec
-from ..core.placement import Placement
+from ..core import Placement
 from ..records import read_rows
 from .plan import meta_model
 from .timing import Rates, fitted_rates, step_time, work

@@ -34,7 +34,8 @@ from functools import partial
 import torch
 
 from ..config import RunSpec
-from ..core.placement import CheckpointStore, Placement
+from ..core import Placement
+from ..core.internal import CheckpointStore
 from ..methods import MethodFn
 from ..models import load_config
 from ..records import ResultRow

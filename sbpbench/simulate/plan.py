@@ -22,7 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ..config import DTYPES, RunSpec
-from ..core.placement import Placement
+from ..core import Placement
 from ..methods.step import storage_bytes
 from ..models import apply_lora, load_config
 from ..records import ResultRow

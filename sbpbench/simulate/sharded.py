@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..config import ConfigError, RunSpec
-from ..core.adapters import unwrap_model
+from ..core.internal import unwrap_model
 from ..methods import MethodUnsupported, data_parallel_unsupported
 
 

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..core.placement import Placement
+from ..core import Placement
 from ..measure.flops import attention_layer_windows, matmul_parameters, mean_attended_keys
 from ..records import decode_row, read_rows
 
