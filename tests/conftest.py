@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import importlib.util
+import json
 import os
 import sys
 from collections.abc import Callable
@@ -25,6 +27,7 @@ import torch
 from sbpbench.core import Objective
 from sbpbench.data import SFTBatch, make_sft_batch
 from sbpbench.models import build_model
+from sbpbench.runner.selftest_summary import TEST_REPORT_ENV
 
 FAMILIES = ("tiny/qwen3", "tiny/qwen2", "tiny/llama", "tiny/mistral", "tiny/gemma3")
 
@@ -123,3 +126,74 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def release_device_memory(cuda=None) -> None:
+    """Drop what the tests left behind and hand the caching allocator's free blocks back to the
+    driver (`cuda`: torch.cuda or a stand-in), so the next test, or a worker process it starts,
+    finds the device as free as this process can leave it. A failed test's frames (its model, its
+    gradients) stay alive in sys.last_traceback, which pytest keeps for post-mortem debugging;
+    models in reference cycles wait for the collector."""
+    cuda = cuda or torch.cuda
+    for name in ("last_exc", "last_type", "last_value", "last_traceback"):
+        if hasattr(sys, name):
+            setattr(sys, name, None)
+    gc.collect()
+    if cuda.is_initialized():  # never initialise CUDA only to empty it
+        cuda.empty_cache()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After a gpu-marked test and everything it set up is torn down (a module-scoped fixture's
+    tensors too, at the module's last test, which an autouse fixture's teardown would run before),
+    release device memory: a later test's worker then measures an empty device, not this
+    process's cache of the tests before it."""
+    try:
+        return (yield)
+    finally:
+        if item.get_closest_marker("gpu") is not None:
+            release_device_memory()
+
+
+# Each test's outcome and failure text as it finishes, one JSON line each, to the file named by
+# TEST_REPORT_ENV (sbp selftest sets it): what finished is on disk even when the run is killed at
+# its time limit, before pytest prints its own summary. Lines: {"event": "collected", "tests":
+# [...]}, {"event": "start", "test": id}, {"event": "result", "test", "when", "outcome",
+# "seconds", "message"}.
+REPORT_MESSAGE_CHARS = 4000
+
+
+def _report(record: dict) -> None:
+    path = os.environ.get(TEST_REPORT_ENV)
+    if path:
+        with open(path, "a") as out:  # opened and closed per line: nothing waits in a buffer
+            out.write(json.dumps(record) + "\n")
+
+
+def pytest_collection_finish(session):
+    _report({"event": "collected", "tests": [item.nodeid for item in session.items]})
+
+
+def pytest_runtest_logstart(nodeid, location):
+    _report({"event": "start", "test": nodeid})
+
+
+def pytest_runtest_logreport(report):
+    if report.when != "call" and report.outcome == "passed":
+        return  # a passing set-up or teardown says nothing; a failing one (an error) does
+    message = ""
+    if report.failed:
+        message = report.longreprtext[-REPORT_MESSAGE_CHARS:]
+    elif report.skipped and isinstance(report.longrepr, tuple):
+        message = str(report.longrepr[2])  # (file, line, reason)
+    _report(
+        {
+            "event": "result",
+            "test": report.nodeid,
+            "when": report.when,
+            "outcome": report.outcome,
+            "seconds": round(report.duration, 2),
+            "message": message,
+        }
+    )

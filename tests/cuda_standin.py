@@ -20,8 +20,17 @@ waited for that. Violations, in `violations`:
   and whose allocator would hand its memory out again at once) does not know that use done, and no
   record_stream names the side stream;
 - register: a registration not page aligned, not whole pages, or overlapping another; an
-  unregister of an address not registered.
+  unregister of an address not registered;
+- timing: an event's elapsed time read before the host knows both events done, or between events
+  of two streams, or of an event made without timing.
+Timing events (a PhaseTimer's, core/phases.py) read one millisecond per op queued between them on
+their stream, so a phase's time counts its ops. `synchronizes` counts device-wide synchronizes,
+`host_waits` every wait of the host (device, stream or event).
 `drop` swallows one call (DROPPABLE): a store with that wait removed, which the checks must catch.
+
+Below, stand-ins for the device-memory calls the gpu-marked tests' own machinery makes
+(tests/conftest.py's release after each test, tests/device_free.py's check before a worker):
+FakeCudaMemory for torch.cuda's caching allocator, FakeNvml for pynvml's device and process view.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
+from types import SimpleNamespace
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -38,7 +48,14 @@ from sbpbench.core.cuda_calls import CudaCalls
 from sbpbench.core.host_pool import PAGE_BYTES, HostBuffer, HostBufferPool
 from sbpbench.core.placement import CheckpointStore
 
-DROPPABLE = ("wait_event", "wait_stream", "event_synchronize", "stream_synchronize", "record_stream")
+DROPPABLE = (
+    "wait_event",
+    "wait_stream",
+    "event_synchronize",
+    "stream_synchronize",
+    "device_synchronize",
+    "record_stream",
+)
 
 Clock = dict[int, int]  # stream id -> the last of its operations known done
 
@@ -70,22 +87,45 @@ class FakeStream:
             _merge(self.clock, event.clock)
 
     def synchronize(self) -> None:
+        self.calls.host_waits.append("stream")
         if self.calls.drop != "stream_synchronize":
             _merge(self.calls.host, self.clock)
 
 
 class FakeEvent:
-    def __init__(self, calls: RecordingCalls):
-        self.calls = calls
+    def __init__(self, calls: RecordingCalls, timing: bool = False):
+        self.calls, self.timing = calls, timing
         self.clock: Clock | None = None  # what is done when the event completes
+        self.stream: int | None = None  # the stream it was recorded on
 
     def record(self, stream: FakeStream) -> None:
         _merge(stream.clock, self.calls.host)
         self.clock = dict(stream.clock)
+        self.stream = stream.ident
+        if self.timing:
+            self.calls.timing_events.append(self)
+
+    @property
+    def position(self) -> int:
+        """The ops its stream had queued when it was recorded."""
+        return self.clock[self.stream]
 
     def synchronize(self) -> None:
+        self.calls.host_waits.append("event")
         if self.calls.drop != "event_synchronize" and self.clock is not None:
             _merge(self.calls.host, self.clock)
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        """Milliseconds from this event to `end`: one per op queued between them on their stream."""
+        calls = self.calls
+        if not (self.timing and end.timing) or self.clock is None or end.clock is None:
+            calls.violations.append("timing: elapsed_time of an event without timing, or not recorded")
+            return 0.0
+        if self.stream != end.stream:
+            calls.violations.append(f"timing: events of streams {self.stream} and {end.stream}")
+        elif calls.host.get(self.stream, 0) < max(self.position, end.position):
+            calls.violations.append(f"timing: elapsed_time read before stream {self.stream}'s events were done")
+        return float(end.position - self.position)
 
 
 @dataclass
@@ -123,11 +163,15 @@ class RecordingCalls(CudaCalls):
         self.drop, self.fail_register = drop, fail_register
         self.host: Clock = {}  # what the host knows done
         self.default = FakeStream(self, 0)
+        self.streams = [self.default]
         self.current = self.default
         self.num_streams = 1
         self.registered: dict[int, int] = {}  # address -> bytes, registered now
         self.registrations: list[tuple[int, int]] = []  # every registration, in order
         self.side_ops = 0  # ops queued on side streams (copies): the checks had something to check
+        self.synchronizes = 0  # device-wide synchronizes
+        self.host_waits: list[str] = []  # "device", "stream", "event": every wait of the host
+        self.timing_events: list[FakeEvent] = []  # recorded timing events, in order
         self.violations: list[str] = []
         self._tracked: dict[int, _Tracked] = {}  # storage address -> tracked
         self.pool = _CheckedPool(self)  # in place of CudaCalls.__init__'s unchecked one
@@ -137,9 +181,22 @@ class RecordingCalls(CudaCalls):
     def overlaps(self, device: torch.device) -> bool:
         return True
 
+    def runs_async(self, device: torch.device) -> bool:
+        return True
+
+    def synchronize(self, device: torch.device) -> None:
+        """The host waits for every stream."""
+        self.synchronizes += 1
+        self.host_waits.append("device")
+        if self.drop != "device_synchronize":
+            for stream in self.streams:
+                _merge(self.host, stream.clock)
+
     def new_stream(self, device: torch.device) -> FakeStream:
         self.num_streams += 1
-        return FakeStream(self, self.num_streams - 1)
+        stream = FakeStream(self, self.num_streams - 1)
+        self.streams.append(stream)
+        return stream
 
     def current_stream(self, device: torch.device) -> FakeStream:
         return self.current
@@ -152,8 +209,8 @@ class RecordingCalls(CudaCalls):
         finally:
             self.current = previous
 
-    def new_event(self) -> FakeEvent:
-        return FakeEvent(self)
+    def new_event(self, timing: bool = False) -> FakeEvent:
+        return FakeEvent(self, timing)
 
     def record_stream(self, tensor: torch.Tensor, stream: FakeStream) -> None:
         if self.drop != "record_stream":
@@ -298,3 +355,40 @@ class _StreamOps(TorchDispatchMode):
         for tensor, written in _data_arguments(func, args, kwargs):
             calls.access(tensor, stream, position, written, func)
         return func(*args, **kwargs)
+
+
+class FakeCudaMemory:
+    """torch.cuda's allocator calls: `reserved` bytes cached, `allocated` of them live; empty_cache
+    hands the rest back (and is counted). Not initialised: nothing cached, as torch.cuda says."""
+
+    def __init__(self, *, initialized: bool = True, reserved: int = 0, allocated: int = 0):
+        self.initialized, self.reserved, self.allocated = initialized, reserved, allocated
+        self.empty_cache_calls = 0
+
+    def is_initialized(self) -> bool:
+        return self.initialized
+
+    def memory_reserved(self, device=None) -> int:
+        return self.reserved
+
+    def memory_allocated(self, device=None) -> int:
+        return self.allocated
+
+    def empty_cache(self) -> None:
+        assert self.initialized, "empty_cache would initialise CUDA"
+        self.empty_cache_calls += 1
+        self.reserved = self.allocated
+
+
+class FakeNvml:
+    """pynvml's memory and process queries for one device: `used` of `total` bytes, and the
+    compute processes as (pid, bytes or None: NVML cannot always say)."""
+
+    def __init__(self, *, total: int, used: int, processes=()):
+        self.total, self.used, self.processes = total, used, list(processes)
+
+    def nvmlDeviceGetMemoryInfo(self, handle):
+        return SimpleNamespace(total=self.total, used=self.used, free=self.total - self.used)
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle):
+        return [SimpleNamespace(pid=pid, usedGpuMemory=used) for pid, used in self.processes]

@@ -2,7 +2,9 @@
 
 fp32 methods are judged against a float64 step on the same weights, each within a small factor of
 standard BP's own fp32 error. Stand-in methods (bp followed by a change of its gradients) play a
-method with rounding-level differences and one with a real error.
+method with rounding-level differences and one with a real error. The loss follows the same rule:
+a stand-in reference whose loss sits as far from BP's fp32 loss as fp32 cancellation put a DPO
+loss on an H100 plays the GPU test's case on this CPU.
 """
 
 from __future__ import annotations
@@ -10,8 +12,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sbpbench.data import make_batch
 from sbpbench.methods import MethodSettings
-from sbpbench.methods.exactness import FP32_ERROR_FACTOR, judge_against_fp64
+from sbpbench.methods.exactness import (
+    BASELINE_SANITY,
+    FP32_ERROR_FACTOR,
+    judge_against_fp64,
+    judge_baseline,
+    judge_fp32_step,
+    step_gradients,
+)
 from sbpbench.methods.hf_baseline import bp
 from sbpbench.methods.registry import METHODS, Method
 
@@ -110,3 +120,47 @@ def test_judge_refuses_non_fp32_models():
     model = tiny_model("tiny/qwen3", torch.float64)
     with pytest.raises(ValueError, match="float32"):
         judge_against_fp64(model, padded_batch(model, batch_size=1, seq_len=8), ["ckpt"], SETTINGS)
+
+
+# BP's own fp32 DPO loss against the float64 one on an H100 (Qwen3-0.6B, 4 layers, one pair at
+# T=4096): 1.32442 vs 1.32467, relative 1.9e-4, from cancellation in a difference of two sums of
+# ~4096 log-probs; ckpt and streambp had exactly that error too.
+DPO_FP32_LOSS_ERROR = 1.9e-4
+
+
+def _dpo_steps():
+    """(fp64 reference, bp fp32, streambp fp32) steps of a tiny DPO pair, as the GPU test runs them."""
+    model = tiny_model("tiny/qwen3", torch.float32)
+    batch = make_batch("dpo", batch_size=2, seq_len=48, vocab_size=model.config.vocab_size)
+    model.double()
+    reference = step_gradients("streambp", model, batch, SETTINGS)
+    model.float()
+    return reference, step_gradients("bp", model, batch, SETTINGS), step_gradients("streambp", model, batch, SETTINGS)
+
+
+def _shifted(step, factor):
+    loss, grads = step
+    return loss * factor, grads
+
+
+def test_dpo_loss_is_judged_relative_to_bps_own_error():
+    """With a reference whose loss is 1.9e-4 from BP's fp32 loss (fp32 cancellation at T=4096), BP
+    passes its sanity check and an exact method passes; one whose loss is 1.001x off fails, on the
+    loss alone."""
+    reference, bp_step, streambp_step = _dpo_steps()
+    reference = _shifted(reference, 1 + DPO_FP32_LOSS_ERROR)  # BP's fp32 loss as far off as on the GPU
+    baseline = judge_baseline("bp", "streambp fp64", bp_step, reference)
+    assert baseline.ok, "\n".join(d.describe() for d in baseline.failures())
+    assert baseline.loss.rel_error == pytest.approx(DPO_FP32_LOSS_ERROR, rel=0.01)
+    exact = judge_fp32_step("streambp", streambp_step, baseline, reference, bp_step[1])
+    assert exact.ok, "\n".join(d.describe() for d in exact.failures())
+    off = judge_fp32_step("streambp", _shifted(streambp_step, 1.001), baseline, reference)
+    assert [d.name for d in off.failures()] == ["loss"]
+
+
+def test_a_wrong_reference_loss_fails_the_sanity_check():
+    """A reference loss 1% off (gradients right) is no reference: BP's own step fails against it."""
+    reference, bp_step, _ = _dpo_steps()
+    baseline = judge_baseline("bp", "streambp fp64", bp_step, _shifted(reference, 1.01))
+    assert [d.name for d in baseline.failures()] == ["loss"]
+    assert baseline.loss.rel_error > BASELINE_SANITY

@@ -4,8 +4,11 @@ same path on the CPU.
 Every point here is measured in a worker process of its own (runner/isolated.py: a fresh
 interpreter on a GPU), as `sbp run` measures it: in the pytest process the caching allocator keeps
 the blocks of earlier tests, and the per-process cap is only checked when it asks the driver for
-more, so a capped point could reuse cached blocks and come back ok instead of oom. The CUDA cases
-are skipped without a GPU (conftest.py); the CPU cases run the same isolated path.
+more, so a capped point could reuse cached blocks and come back ok instead of oom. Before each CUDA
+worker the device must be free (device_free.py: a test before this one that kept its cache fails
+it by name, instead of an OOM or a wrong NVML figure). One worker per method serves both the
+memory-source and the ordering test (a module fixture). The CUDA cases are skipped without a GPU
+(conftest.py); the CPU cases run the same isolated path.
 """
 
 from __future__ import annotations
@@ -17,7 +20,10 @@ import pytest
 
 from sbpbench.config import RunSpec
 from sbpbench.methods import MethodSettings
+from sbpbench.records import ResultRow
 from sbpbench.runner import run_isolated
+
+from .device_free import assert_device_free
 
 MIB = 2**20
 DEVICES = [pytest.param("cpu", marks=pytest.mark.slow), pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -31,16 +37,36 @@ POINTS = {
 
 def _spec(device: str, method: str, **values) -> RunSpec:
     base, chunk, _ = POINTS[device]
-    return RunSpec(method=method, settings=MethodSettings(chunk_size=chunk), **{"repeats": 2, **base, **values})
+    return RunSpec(method=method, settings=MethodSettings(chunk_size=chunk), **{"repeats": 1, **base, **values})
+
+
+def _measure(device: str, method: str, **values) -> ResultRow:
+    if device == "cuda":
+        assert_device_free()
+    return run_isolated(_spec(device, method, **values))
+
+
+@pytest.fixture(scope="module")
+def measured():
+    """measured(device, method): the row of one isolated point (warm-up, memory step, one timed
+    step), measured once per module."""
+    rows: dict[tuple[str, str], ResultRow] = {}
+
+    def row(device: str, method: str) -> ResultRow:
+        if (device, method) not in rows:
+            rows[device, method] = _measure(device, method)
+        return rows[device, method]
+
+    return row
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("method", ["bp", "streambp"])
-def test_cuda_memory_sources_agree(method):
+@pytest.mark.parametrize("method", ["bp", pytest.param("streambp", marks=pytest.mark.quick)])
+def test_cuda_memory_sources_agree(measured, method):
     """allocated <= reserved, and NVML's device peak minus idle is the reserved peak plus the CUDA
     context, within 256 MiB or 5% (the allocator's memory is all NVML sees of this process besides
     its context)."""
-    row = run_isolated(_spec("cuda", method))
+    row = measured("cuda", method)
     assert row.status == "ok", row.error
     assert row.memory_source == "torch.cuda"
     assert row.baseline_bytes >= row.weights_bytes + row.grads_bytes
@@ -53,9 +79,9 @@ def test_cuda_memory_sources_agree(method):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_activation_peaks_are_ordered(device):
+def test_activation_peaks_are_ordered(measured, device):
     """bp keeps more activations than ckpt, ckpt more than streambp, each measured in its own process."""
-    peaks = {m: run_isolated(_spec(device, m, repeats=1)).activation_peak_bytes for m in ("bp", "ckpt", "streambp")}
+    peaks = {m: measured(device, m).activation_peak_bytes for m in ("bp", "ckpt", "streambp")}
     print({m: f"{p / MIB:.1f} MiB" for m, p in peaks.items()})
     assert peaks["bp"] > peaks["ckpt"] > peaks["streambp"]
 
@@ -66,11 +92,11 @@ def test_memory_limit_gives_an_oom_row(device):
     oom row, not a crash, and streambp under the same cap on the CPU fits; the cap is recorded as
     applied."""
     cap = POINTS[device][2]
-    row = run_isolated(_spec(device, "bp", memory_limit=cap, repeats=1))
+    row = _measure(device, "bp", memory_limit=cap)
     assert row.status == "oom" and "OutOfMemoryError" in row.error, row.error
     assert row.memory_limit_bytes == row.memory_limit_effective_bytes == cap
     if device == "cpu":
-        assert run_isolated(_spec(device, "streambp", memory_limit=cap, repeats=0)).status == "ok"
+        assert _measure(device, "streambp", memory_limit=cap, repeats=0).status == "ok"
 
 
 def test_gpu_tests_measure_memory_in_their_own_process():

@@ -10,10 +10,11 @@ import warnings
 
 import pytest
 
-# The optional extras' import names (pyproject's [project.optional-dependencies]: deepspeed, peers)
+# The optional extras' import names (pyproject's [project.optional-dependencies]: deepspeed, peers,
+# flash-attn-4; FlashAttention-3's module, built by hand)
 # and the official StreamBP code (its own virtualenv). Each is imported inside the function that uses
 # it, so a plain `pip install -e .` runs every command.
-EXTRAS = ("deepspeed", "liger_kernel", "streambp")
+EXTRAS = ("deepspeed", "liger_kernel", "streambp", "flash_attn", "flash_attn_interface")
 # `python -m sbpbench`: importing it runs the CLI.
 SCRIPTS = ("sbpbench.__main__",)
 

@@ -155,7 +155,7 @@ def test_schema_3_rows_migrate_to_keys_without_unread_settings(tmp_path):
     new = decode_row({**migrated[0], "schema_version": str(SCHEMA_VERSION), "peak_allocated_bytes": "300"})
     upsert_rows(path, [new])
     assert [(r["method"], r["peak_allocated_bytes"]) for r in read_rows(path)] == [("bp", "300"), ("streambp", "50")]
-    assert SCHEMA_VERSION == 9
+    assert SCHEMA_VERSION == 11
     assert SCHEMA_VERSION >= 4
 
 
@@ -221,3 +221,22 @@ def test_a_file_older_than_a_knob_reads_back_with_the_knobs_default(tmp_path):
     path.write_text("".join(",".join(c for i, c in enumerate(line.split(",")) if i != drop) + "\n" for line in lines))
     rows = {row["method"]: row for row in read_rows(path)}
     assert (rows["tiled"]["mlp_tile_size"], rows["bp"]["mlp_tile_size"]) == ("2048", "")
+
+
+def test_streambp_rows_before_schema_10_read_back_with_the_lower_right_chunk_kernel(tmp_path):
+    """Schema 10: a streambp row written before --chunk-attention existed ran its chunks on the
+    lower-right SDPA path, so it reads back as chunk_attention lower-right (an auto row is another
+    point); a bp row, which reads no such knob, stays empty."""
+    path = tmp_path / "old.csv"
+    rows = [
+        {**_v3_row(method, chunk, "2026-01-01T00:00:00+00:00", "9"), "schema_version": "9", "nproc": "1"}
+        for method, chunk in (("streambp", "128"), ("bp", ""))
+    ]
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    migrated = read_rows(path)
+    assert [(r["method"], r.get("chunk_attention", "")) for r in migrated] == [("streambp", "lower-right"), ("bp", "")]
+    upsert_rows(path, [decode_row({**migrated[0], "schema_version": str(SCHEMA_VERSION), "chunk_attention": "auto"})])
+    assert sorted(r["chunk_attention"] for r in read_rows(path) if r["method"] == "streambp") == ["auto", "lower-right"]

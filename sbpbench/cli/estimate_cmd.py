@@ -25,9 +25,10 @@ from .progress import Progress
 from .tables import estimate_table, print_table
 
 # a prediction is for a GPU: the GPU defaults (Qwen/Qwen3-4B, T=9000, bf16) unless told
-# (sdpa_backend: the estimator models torch's own kernel choice, not a forced one)
+# (sdpa_backend, chunk_attention: the estimator models torch's own kernel choice and StreamBP's
+# lower-right chunk path, not a forced or measured kernel)
 ESTIMATE_FIELDS = run_fields_but(
-    "device", "warmup", "repeats", "memory_limit", "timeout_s", "threads", "weights", "sdpa_backend"
+    "device", "warmup", "repeats", "memory_limit", "timeout_s", "threads", "weights", "sdpa_backend", "chunk_attention"
 )
 
 EstimateOutOpt = out_option("none, the table is only printed")

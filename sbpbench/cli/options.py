@@ -32,7 +32,7 @@ CHOICES_IN_METAVAR = 24  # a longer [a|b|...] overflows the help's 30-column opt
 
 
 # The knobs' own flags from before `--set`: still read, hidden from the help, for one release.
-FORMER_KNOB_FLAGS = ("fp32_grad_accumulation", "mlp_tile_size", "offload_checkpoints")
+FORMER_KNOB_FLAGS = ("fp32_grad_accumulation", "mlp_tile_size", "offload_checkpoints", "chunk_attention")
 BOOLEAN_WORDS = {"true": True, "on": True, "yes": True, "1": True, "false": False, "off": False, "no": False, "0": False}
 SetOpt = Annotated[
     list[str] | None,

@@ -46,6 +46,7 @@ PLAN_FIELDS = run_fields_but(
     "offload_checkpoints",
     "weights",
     "sdpa_backend",  # the estimator models torch's own kernel choice
+    "chunk_attention",  # and StreamBP's lower-right chunk path
 )
 
 EXAMPLES = (  # the end of its help (options.py examples)

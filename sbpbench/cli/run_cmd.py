@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -24,13 +24,16 @@ DEFAULT_OUT = Path("results/runs.csv")
 
 EXAMPLES = (  # the end of its help (options.py examples)
     "sbp run --device cpu --model tiny/qwen3 --seq 256      # a quick CPU check",
-    "sbp run --seq 20000 --method streambp --memory-limit 80GiB",
+    "sbp run --seq 20000 --method streambp --memory-limit 80GiB --phases",
     "sbp run --objective grpo --lora-rank 32 --step train --out results/mine.csv",
 )
 
 
+PhasesOpt = Annotated[bool, typer.Option("--phases", help="Also show where streambp's step time went.")]
+
+
 @point_command(RUN_FIELDS)
-def run(settings: dict, methods: tuple[str, ...], out: OutOpt = None) -> None:
+def run(settings: dict, methods: tuple[str, ...], out: OutOpt = None, phases: PhasesOpt = False) -> None:
     """Measure each method's peak memory and step time at one point.
 
     One process per method; the rows go to a results CSV (default: results/runs.csv), replacing
@@ -70,12 +73,25 @@ def run(settings: dict, methods: tuple[str, ...], out: OutOpt = None) -> None:
     point, notes = point_title(rows)
     title = f"{point}{limit}\n{first.device_name} ({first.memory_source}{threads})"
     print_table(console, results_table(rows, title, notes))
+    if phases:
+        print_phases(console, rows)
     for row in rows:
         if row.error:
             console.print(f"{row.method}: {row.status}: {row.error}", highlight=False, soft_wrap=True)
     console.print(written_line(rows, earlier, out), highlight=False, soft_wrap=True)
     if any(row.status in ("error", "timeout") for row in rows):
         raise typer.Exit(1)
+
+
+def print_phases(console: Console, rows: list[ResultRow]) -> None:
+    """A phase table per streambp row that has phase times (cli/phase_table.py), or why there is none."""
+    from .phase_table import has_phases, phase_table
+
+    timed = [row for row in rows if has_phases(row)]
+    for row in timed:
+        print_table(console, phase_table(row))
+    if not timed:
+        console.print("no phase times: they come with streambp points that ran timed steps (--repeats 1 or more)")
 
 
 def interrupted_line(rows: list[ResultRow], specs: list[RunSpec], out: Path) -> str:

@@ -36,11 +36,11 @@ def selftest(
 ) -> None:
     """Check this machine in one command: tests, a run, estimates.
 
-    On a GPU the gpu-marked tests, the default `sbp run`, two Qwen3-8B StreamBP points at 64k with
-    offloaded and recomputed checkpoints, measured vs estimated peaks (Qwen3-4B, Qwen3-8B) and the
-    longest Qwen3-8B StreamBP point the time allows; on a CPU a small check, run and estimate.
-    Writes the rows, the raw log and summary.md (exit 1 if a step failed; one the budget left no
-    time for is not a failure)."""
+    On a GPU the default `sbp run`, two Qwen3-8B StreamBP points at 64k with offloaded and
+    recomputed checkpoints, measured vs estimated peaks (Qwen3-4B, Qwen3-8B), the longest Qwen3-8B
+    StreamBP point the time allows, then the quick gpu-marked tests; on a CPU a small check, run
+    and estimate. Writes the rows, the raw log and summary.md, which names each failed test with
+    its message (exit 1 if a step failed; one the budget left no time for is not a failure)."""
     from ..measure.environment import auto_device, capture_environment
     from ..measure.units import parse_seconds
     from ..runner.selftest import Selftest, find_tests_dir, output_dir, run_selftest, write_summary

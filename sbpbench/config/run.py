@@ -41,7 +41,7 @@ from ..settings import (
 from ..settings.table import DEVICE_KINDS, is_int
 from .device import device_kind, resolve_device
 from .long_context import long_context_defaults
-from .sdpa import check_sdpa_backend
+from .sdpa import check_chunk_attention, check_sdpa_backend
 
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}  # keys: settings DTYPE_NAMES
 
@@ -134,6 +134,7 @@ class RunSpec:
             sizes = self.auto_chunk_sizes()
             settings = replace(settings, **{name: getattr(sizes, name) for name in chosen})
         object.__setattr__(self, "settings", settings)
+        check_chunk_attention(settings.chunk_attention, self.device, self.sdpa_backend)
         kept = [name for name in self.auto_settings if isinstance(getattr(settings, name), int)]
         object.__setattr__(self, "auto_settings", tuple(n for n in CHUNK_SETTINGS if n in chosen or n in kept))
 

@@ -1,4 +1,5 @@
-"""`--sdpa-backend`: one scaled-dot-product-attention kernel forced for every method of a point.
+"""`--sdpa-backend`: one scaled-dot-product-attention kernel forced for every method of a point;
+`--chunk-attention`: StreamBP's kernel for a chunk's attention over its prefix (core/kernel_choice.py).
 
 bp and ckpt reach SDPA through transformers' sdpa attention, streambp through its own attention
 function (core/attention.py); both call torch's SDPA, so `torch.nn.attention.sdpa_kernel` around the
@@ -10,7 +11,7 @@ The names are settings/choices.py's (the CLI lists them without torch).
 from __future__ import annotations
 
 from ..settings import ConfigError
-from ..settings.choices import CPU_SDPA_BACKENDS, SDPA_BACKENDS
+from ..settings.choices import CPU_CHUNK_ATTENTION, CPU_SDPA_BACKENDS, SDPA_BACKENDS
 
 
 def check_sdpa_backend(name: str, device: str) -> None:
@@ -21,4 +22,21 @@ def check_sdpa_backend(name: str, device: str) -> None:
         raise ConfigError(
             "sdpa_backend",
             f"{name} has no CPU kernel; on {device} choose from {', '.join(CPU_SDPA_BACKENDS)} (or run on a GPU)",
+        )
+
+
+def check_chunk_attention(name: str | None, device: str, sdpa_backend: str) -> None:
+    """Refuse, before anything runs, a StreamBP chunk kernel absent on the device kind, or one
+    forced beside a forced SDPA kernel (which asked for that kernel everywhere). None: a method
+    that does not read it. Whether a GPU has the kernel is core's check, at the step's start."""
+    if name is None or name in ("auto", "lower-right"):
+        return
+    if not device.startswith("cuda") and name not in CPU_CHUNK_ATTENTION:
+        raise ConfigError(
+            "chunk_attention", f"{name} has no CPU kernel; on {device} choose from {', '.join(CPU_CHUNK_ATTENTION)}"
+        )
+    if sdpa_backend != "auto":
+        raise ConfigError(
+            "chunk_attention",
+            f"{name} is its own kernel, but --sdpa-backend {sdpa_backend} forces SDPA's; give one of the two",
         )

@@ -11,6 +11,7 @@ from .adapters import SUPPORTED_MODEL_TYPES, UnsupportedModelError, supported_fa
 from .cuda_calls import release_pinned_memory
 from .labels import IGNORE_INDEX
 from .objectives import DPO, GRPO, SFT, Objective
+from .phases import PhaseTimer, PhaseTimes
 from .placement import Placement
 from .stream import DEFAULT_CHUNK_SIZE, DEFAULT_LOGITS_CHUNK_SIZE, LayerProgress, stream_backward
 
@@ -24,6 +25,8 @@ __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "LayerProgress",
     "Objective",
+    "PhaseTimer",
+    "PhaseTimes",
     "Placement",
     "UnsupportedModelError",
     "release_pinned_memory",

@@ -28,6 +28,27 @@ SUPPORTED_MODEL_TYPES = {
 }
 
 
+@dataclass(frozen=True)
+class KeyValueRecipe:
+    """How a family's attention makes the keys/values it hands its attention function, as its
+    transformers 5.x modeling file writes it: input_layernorm; k_proj and v_proj viewed as
+    (B, c, h_kv, hd), transposed to (B, h_kv, c, hd); k_norm where the family has one, on the view
+    before the transpose (Qwen3) or after it (Gemma-3); RoPE on the keys. kv_capture.py runs it."""
+
+    key_norm: str | None = None  # None | "before transpose" | "after transpose"
+    window_from_config: bool = False  # Mistral passes config.sliding_window; the others their attention's own
+
+
+# config.model_type -> its recipe; a family without one captures keys/values through the whole layer
+KEY_VALUE_RECIPES = {
+    "llama": KeyValueRecipe(),
+    "qwen2": KeyValueRecipe(),
+    "qwen3": KeyValueRecipe(key_norm="before transpose"),
+    "mistral": KeyValueRecipe(window_from_config=True),
+    "gemma3_text": KeyValueRecipe(key_norm="after transpose"),
+}
+
+
 class UnsupportedModelError(ValueError):
     """The model cannot be streamed exactly; the message says why and what is supported."""
 
@@ -43,6 +64,7 @@ class DecoderParts:
     norm: nn.Module
     lm_head: nn.Linear
     final_logit_softcap: float | None
+    key_values: KeyValueRecipe | None = None  # the family's K/V recipe (kv_capture.py), if it has one
 
     @property
     def config(self):
@@ -105,6 +127,7 @@ def resolve_parts(model: nn.Module) -> DecoderParts:
         norm=decoder.norm,
         lm_head=lm_head,
         final_logit_softcap=getattr(config, "final_logit_softcapping", None),
+        key_values=KEY_VALUE_RECIPES.get(model_type),
     )
     _check_all_trainable_parameters_covered(parts, wrapper)
     return parts

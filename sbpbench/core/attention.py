@@ -35,6 +35,8 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
 
+from .chunk_kernels import ChunkCall
+from .kernel_choice import run_chunk
 from .layout import ChunkPlan, SequenceLayout, window_start
 
 ATTENTION_NAME = "sbp_stream"  # must not contain "flash": transformers treats such names as hub kernels
@@ -161,14 +163,31 @@ def offset_causal_attention(
     """Causal attention of queries at absolute positions [query_start, query_start + c) over keys at
     [key_start, query_start + c). query (B, H, c, hd); key/value (B, kv_heads, n, hd) -> (B, H, c, hd).
 
+    A square call (no prefix) is SDPA's plain causal attention. A chunk with a prefix runs on the
+    kernel kernel_choice.py picks (`chunk_attention`: the lower-right SDPA path below unless told
+    or measured otherwise)."""
+    num_queries, num_keys = query.shape[2], key.shape[2]
+    query_end = query_start + num_queries
+    assert key_start + num_keys == query_end, "keys must end where the queries end"
+    needs_window = sliding_window is not None and query_end - 1 - key_start >= sliding_window
+    if num_queries == num_keys:
+        return lower_right_attention(ChunkCall(query, key, value, query_start, key_start, scale, sliding_window))
+    call = ChunkCall(query, key, value, query_start, key_start, scale, sliding_window if needs_window else None)
+    return run_chunk(call, lower_right_attention)
+
+
+def lower_right_attention(call: ChunkCall) -> torch.Tensor:
+    """The reference path: SDPA with is_causal (square) or the lower-right causal bias.
+
     Never builds a (T, T) matrix, nor a float (c, n) one without a window: on CUDA the lower-right
     causal bias dispatches to the flash / memory-efficient kernels, on CPU a (c, n) boolean mask
     goes to the CPU flash kernel. A sliding window (HF semantics: attend iff q - k < window) needs
     a (c, n) band mask (an additive float bias inside CUDA's efficient kernel), and there
     n <= c + window."""
+    query, key, value, scale = call.query, call.key, call.value, call.scale
     num_queries, num_keys = query.shape[2], key.shape[2]
+    query_start, key_start, sliding_window = call.query_start, call.key_start, call.window
     query_end = query_start + num_queries
-    assert key_start + num_keys == query_end, "keys must end where the queries end"
     needs_window = sliding_window is not None and query_end - 1 - key_start >= sliding_window
     forced = _forced_cuda_branch
     on_cuda = forced is not None or query.device.type == "cuda"  # SDPA will run CUDA kernels

@@ -1,5 +1,6 @@
-"""The CUDA calls a CheckpointStore makes (placement.py), in one object: side streams, events,
-`record_stream`, page-locking host memory, and the pool of page-locked buffers (host_pool.py).
+"""The CUDA calls a CheckpointStore (placement.py) and a PhaseTimer (phases.py) make, in one object:
+side streams, events, `record_stream`, one synchronize, page-locking host memory, and the pool of
+page-locked buffers (host_pool.py).
 
 `CUDA_CALLS` is the process's: its pool lives as long as the process, so every step after the first
 reuses the buffers the first registered. `release_pinned_memory()` gives them back. Tests pass a
@@ -29,6 +30,10 @@ class CudaCalls:
         """Copies to and from `device` run on a side stream into page-locked host buffers."""
         return device.type == "cuda"
 
+    def runs_async(self, device: torch.device) -> bool:
+        """Work on `device` is queued on streams and runs after the host moves on: timed by events."""
+        return device.type == "cuda"
+
     def new_stream(self, device: torch.device):
         return torch.cuda.Stream(device)
 
@@ -38,8 +43,11 @@ class CudaCalls:
     def use_stream(self, stream) -> AbstractContextManager:
         return torch.cuda.stream(stream)
 
-    def new_event(self):
-        return torch.cuda.Event()
+    def new_event(self, timing: bool = False):
+        return torch.cuda.Event(enable_timing=timing)
+
+    def synchronize(self, device: torch.device) -> None:
+        torch.cuda.synchronize(device)
 
     def record_stream(self, tensor: torch.Tensor, stream) -> None:
         tensor.record_stream(stream)

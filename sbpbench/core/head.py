@@ -30,11 +30,14 @@ def _chunk_logits(parts: DecoderParts, hidden: torch.Tensor, call: Callable[[nn.
     return logits
 
 
-def counted_chunks(seq_len: int, chunk_size: int, objective: Objective):
-    """(start, end) of each chunk holding at least one counted target (others have zero gradient)."""
-    for start, end in chunk_bounds(seq_len, chunk_size):
-        if bool(objective.mask[:, start:end].any()):
-            yield start, end
+def counted_chunks(seq_len: int, chunk_size: int, objective: Objective) -> list[tuple[int, int]]:
+    """(start, end) of each chunk holding at least one counted target (others have zero gradient).
+    One read of the device for all chunks: a read per chunk would stall the device's queue per chunk."""
+    bounds = chunk_bounds(seq_len, chunk_size)
+    counted = objective.mask.any(dim=0)  # (T,): some row counts the position
+    counted = torch.cat([counted, counted.new_zeros(len(bounds) * chunk_size - seq_len)])  # whole chunks
+    flags = counted.view(len(bounds), chunk_size).any(dim=1).tolist()
+    return [bound for bound, flag in zip(bounds, flags) if flag]
 
 
 @torch.no_grad()

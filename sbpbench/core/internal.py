@@ -1,8 +1,8 @@
 """What sbpbench's own packages use of the core beyond its public face (core/__init__.py).
 
 The estimator follows a step's phases and attention state (simulate/), the runner counts the
-checkpoint stores (runner/point.py), and the peers reuse the chunked head and the model's parts
-(methods/). Those are internals: they may change with the algorithm. Naming them here, in one
+checkpoint stores and the chunk kernels that ran (runner/point.py), and the peers reuse the
+chunked head and the model's parts (methods/). Those are internals: they may change with the algorithm. Naming them here, in one
 list, keeps that use explicit. tests/test_layers.py refuses any other import of a core submodule
 from outside core.
 """
@@ -11,6 +11,7 @@ from .adapters import check_no_attention_dropout, resolve_parts, trainable, unwr
 from .attention import ATTENTION_NAME, STATE_KWARG, ChunkState, KVBuffer, force_cuda_branch
 from .checkpoints import forwards_wrapped
 from .head import counted_chunks, sequence_sums
+from .kernel_choice import LOWER_RIGHT, kernel_timing, observe_chunk_kernels, set_choice_cache
 from .labels import count_targets, loss_dtype, shift_labels
 from .objectives import GRPO_LOSS_TYPES
 from .placement import CheckpointStore, observe_stores
@@ -18,6 +19,7 @@ from .placement import CheckpointStore, observe_stores
 __all__ = [
     "ATTENTION_NAME",
     "GRPO_LOSS_TYPES",
+    "LOWER_RIGHT",
     "STATE_KWARG",
     "CheckpointStore",
     "ChunkState",
@@ -27,10 +29,13 @@ __all__ = [
     "counted_chunks",
     "force_cuda_branch",
     "forwards_wrapped",
+    "kernel_timing",
     "loss_dtype",
+    "observe_chunk_kernels",
     "observe_stores",
     "resolve_parts",
     "sequence_sums",
+    "set_choice_cache",
     "shift_labels",
     "trainable",
     "unwrap_model",

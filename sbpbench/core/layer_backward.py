@@ -20,17 +20,27 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .adapters import KeyValueRecipe
 from .attention import STATE_KWARG, ChunkState, KVBuffer, KVCaptured, chunk_plan
 from .chunking import chunk_bounds, chunk_kwargs
 from .grad_accum import ChunkGradAccumulator
+from .kv_capture import Projection, key_value_projection
 from .layout import SequenceLayout
+from .phases import CHUNK_BACKWARD, CHUNK_FORWARD, KV_CAPTURE, PhaseTimer, timed
 
 
-def _capture_keys_values(layer, layer_input: torch.Tensor, kwargs: dict, chunks) -> KVBuffer:
+def _capture_keys_values(
+    layer, layer_input: torch.Tensor, kwargs: dict, chunks, project: Projection | None = None
+) -> KVBuffer:
+    """project: the keys/values alone by the family's recipe (kv_capture.py); None runs the layer
+    until its attention function has stored them."""
     capture = KVBuffer(seq_len=layer_input.shape[1], attend=False)  # fills keys, values (B, kv, T, h)
     with torch.no_grad():
         for start, end in chunks:
             capture.start = start
+            if project is not None:
+                capture.store(*project(layer_input[:, start:end], chunk_kwargs(kwargs, start, end)))
+                continue
             try:  # the layer runs up to its attention call on X[:, start:end] (B, c, d), which raises
                 layer(layer_input[:, start:end], **chunk_kwargs(kwargs, start, end), **{STATE_KWARG: capture})
             except KVCaptured:
@@ -52,35 +62,43 @@ def layer_backward(
     fp32_grad_accumulation: bool,
     call=None,
     layout: SequenceLayout | None = None,
+    key_values: KeyValueRecipe | None = None,
+    timer: PhaseTimer | None = None,
 ) -> None:
     """layer_input X (B, T, d); grad dZ (B, T, d) is overwritten with dX when need_input_grad.
     Leaves the layer's parameter gradients in .grad. call: what runs a chunk, `layer` itself unless
     a data-parallel engine needs its hook-free `forward` (grad_sync.py). layout: the batch's padding
-    and packed documents (layout.py), None when each row is one sequence from position 0."""
+    and packed documents (layout.py), None when each row is one sequence from position 0.
+    key_values: the family's K/V recipe (adapters.py), None to capture through the whole layer.
+    timer: times K/V capture, chunk forward and chunk backward (phases.py)."""
     call = layer if call is None else call
     seq_len = layer_input.shape[1]  # layer_input, grad: (B, T, d)
     chunks = chunk_bounds(seq_len, chunk_size)  # [(start, end), ...] covering [0, T)
-    capture = _capture_keys_values(call, layer_input, kwargs, chunks)
-    keys, values, window = capture.keys, capture.values, capture.sliding_window  # (B, kv, T, h) each
-    acc_dtype = torch.promote_types(keys.dtype, torch.float32)  # dK/dV sum over later chunks
-    grad_keys = torch.zeros_like(keys, dtype=acc_dtype)  # (B, kv, T, h), fp32 (fp64 for an fp64 model)
-    grad_values = torch.zeros_like(values, dtype=acc_dtype)  # (B, kv, T, h)
+    with timed(timer, KV_CAPTURE):
+        project = key_value_projection(layer, call, kwargs, key_values)
+        capture = _capture_keys_values(call, layer_input, kwargs, chunks, project)
+        keys, values, window = capture.keys, capture.values, capture.sliding_window  # (B, kv, T, h) each
+        acc_dtype = torch.promote_types(keys.dtype, torch.float32)  # dK/dV sum over later chunks
+        grad_keys = torch.zeros_like(keys, dtype=acc_dtype)  # (B, kv, T, h), fp32 (fp64 for an fp64 model)
+        grad_values = torch.zeros_like(values, dtype=acc_dtype)  # (B, kv, T, h)
     accumulator = ChunkGradAccumulator(list(layer.parameters()), fp32_grad_accumulation)
 
     for start, end in reversed(chunks):  # last chunk first: its dK/dV from later chunks are complete
         state = ChunkState(start, chunk_plan(layout, start, end, window), capture, grad_keys, grad_values)
         chunk_input = layer_input[:, start:end].detach().requires_grad_(need_input_grad)  # (B, c, d), a leaf
-        with torch.enable_grad():  # queries (B, heads, c, h) against keys[:, :, :start] and its own
+        with timed(timer, CHUNK_FORWARD), torch.enable_grad():  # queries (B, heads, c, h) against keys[..., :end, :]
             output = call(chunk_input, **chunk_kwargs(kwargs, start, end), **{STATE_KWARG: state})  # (B, c, d)
 
-        roots, root_grads = [output], [grad[:, start:end]]  # dZ[chunk] (B, c, d)
-        if end < seq_len:  # later chunks attended to this chunk's keys/values: (B, kv, c, h) each
-            roots += [state.key_chunk, state.value_chunk]
-            root_grads += [grad_keys[:, :, start:end].to(keys.dtype), grad_values[:, :, start:end].to(values.dtype)]
-        pairs = [(r, g) for r, g in zip(roots, root_grads) if r.requires_grad]
-        if pairs:  # the prefix's dK/dV go into grad_keys/grad_values[:, :, :start] on the way (_BufferedPrefix)
-            torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs])
-        if need_input_grad:
-            grad[:, start:end] = chunk_input.grad  # dX[chunk] (B, c, d) overwrites dZ[chunk], now spent
-        accumulator.collect()  # this chunk's weight gradients into the (fp32) sums
-    accumulator.finish()  # the sums into .grad, rounded once
+        with timed(timer, CHUNK_BACKWARD):
+            roots, root_grads = [output], [grad[:, start:end]]  # dZ[chunk] (B, c, d)
+            if end < seq_len:  # later chunks attended to this chunk's keys/values: (B, kv, c, h) each
+                roots += [state.key_chunk, state.value_chunk]
+                root_grads += [grad_keys[:, :, start:end].to(keys.dtype), grad_values[:, :, start:end].to(values.dtype)]
+            pairs = [(r, g) for r, g in zip(roots, root_grads) if r.requires_grad]
+            if pairs:  # the prefix's dK/dV go into grad_keys/grad_values[:, :, :start] on the way (_BufferedPrefix)
+                torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs])
+            if need_input_grad:
+                grad[:, start:end] = chunk_input.grad  # dX[chunk] (B, c, d) overwrites dZ[chunk], now spent
+            accumulator.collect()  # this chunk's weight gradients into the (fp32) sums
+    with timed(timer, CHUNK_BACKWARD):
+        accumulator.finish()  # the sums into .grad, rounded once

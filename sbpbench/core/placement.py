@@ -33,6 +33,7 @@ import torch
 
 from .cuda_calls import CUDA_CALLS, CudaCalls
 from .host_pool import HostBuffer
+from .phases import COPY_WAITS, HOST_COPIES, PhaseTimer, timed
 
 PLACEMENTS = ("gpu", "cpu", "recompute:K", "cpu+recompute:K", "cpu+recompute:K+spill")  # K: a positive integer
 
@@ -107,12 +108,16 @@ class CheckpointStore:
     the device now) and `max_device_inputs`; `host_bytes` / `max_host_bytes` (host copies held);
     `transfer_bytes` (moved host <-> device, both directions); `pins_host_memory` (its host copies
     are page-locked buffers of the pool) and `host_register_s` (seconds spent registering buffers
-    the pool did not have: the first step's cost, 0.0 once the pool holds them)."""
+    the pool did not have: the first step's cost, 0.0 once the pool holds them).
+
+    timer: set by the step (stream.py) to time its copies (on the side stream on CUDA) and the
+    compute stream's waits for them (phases.py)."""
 
     def __init__(self, placement: Placement, num_layers: int, calls: CudaCalls = CUDA_CALLS):
         self.placement = placement
         self.num_layers = num_layers
         self.rebuild: Rebuild | None = None  # set before the first get that needs one (stream.py)
+        self.timer: PhaseTimer | None = None
         self._calls = calls
         self._device: dict[int, torch.Tensor] = {}  # kept or rebuilt inputs on the device
         self._host: dict[int, torch.Tensor] = {}  # offloaded inputs, until their layer is done
@@ -165,12 +170,13 @@ class CheckpointStore:
             self._buffers[index] = buffer
             host = buffer.view(layer_input.shape, layer_input.dtype)
             side.wait_stream(calls.current_stream(layer_input.device))  # X_l is written
-            with calls.use_stream(side):
+            with calls.use_stream(side), timed(self.timer, HOST_COPIES, side):
                 host.copy_(layer_input, non_blocking=True)
             calls.record_stream(layer_input, side)  # its memory is not reused before the copy is done
             self._host[index] = host
         else:
-            self._host[index] = layer_input.to("cpu", copy=True)  # an ordinary copy off a GPU
+            with timed(self.timer, HOST_COPIES):
+                self._host[index] = layer_input.to("cpu", copy=True)  # an ordinary copy off a GPU
         self.host_bytes += layer_input.nbytes
         self.transfer_bytes += layer_input.nbytes
 
@@ -196,12 +202,14 @@ class CheckpointStore:
             target = torch.empty(host.shape, dtype=host.dtype, device=device)
             side.wait_stream(calls.current_stream(device))
             with calls.use_stream(side):
-                target.copy_(host, non_blocking=True)
+                with timed(self.timer, HOST_COPIES, side):
+                    target.copy_(host, non_blocking=True)
                 event = calls.new_event()
                 event.record(side)
             self._arrived[index] = event
         else:
-            target = host.to(device, copy=True)
+            with timed(self.timer, HOST_COPIES):
+                target = host.to(device, copy=True)
         self._device[index] = target
         self._count()
 
@@ -240,7 +248,8 @@ class CheckpointStore:
     def _wait(self, index: int, device: torch.device) -> None:
         event = self._arrived.get(index)
         if event is not None:
-            self._calls.current_stream(device).wait_event(event)
+            with timed(self.timer, COPY_WAITS):  # on the compute stream: how long it stood still
+                self._calls.current_stream(device).wait_event(event)
 
     def release(self, index: int) -> None:
         """X_index is no longer needed (its layer's backward is done): free it, and hand its host

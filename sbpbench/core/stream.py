@@ -27,9 +27,12 @@ from .grad_sync import for_model as grad_sync_for
 from .grad_sync import unwrap
 from .grad_sync_base import GradSync
 from .head import head_backward
+from .kernel_choice import check_chunk_attention
+from .kernel_choice import chunk_attention as use_chunk_attention
 from .layer_backward import layer_backward
 from .layout import build_layout
 from .objectives import SFT, Objective
+from .phases import CHECKPOINT_PASS, HEAD, REBUILD, PhaseTimer, timed
 from .placement import CheckpointStore, Placement
 
 DEFAULT_CHUNK_SIZE = 500  # the paper's layer partition for its max-length runs (appendix D)
@@ -55,6 +58,8 @@ def stream_backward(
     checkpoints: str | Placement = "gpu",
     progress: LayerProgress | None = None,
     scale_wrt_gas: bool = True,
+    timer: PhaseTimer | None = None,
+    chunk_attention: str = "auto",
 ) -> torch.Tensor:
     """Forward + backward of a training objective with StreamBP.
 
@@ -85,9 +90,15 @@ def stream_backward(
     progress: see LayerProgress (per layer of the backward, for long steps). scale_wrt_gas: a
     DeepSpeedEngine only, as `engine.backward(loss, scale_wrt_gas=...)`: False leaves the gradients
     undivided by the engine's gradient_accumulation_steps (transformers' Trainer: its loss is already
-    scaled for accumulation).
+    scaled for accumulation). timer: a PhaseTimer (phases.py) that times each phase of this step,
+    summed over layers; `timer.resolve()` after the step reads it (on CUDA: one synchronize, then).
+    chunk_attention: the kernel for a chunk's attention over its prefix, "auto" (on a GPU the fastest,
+    measured on first use of a shape; elsewhere "lower-right"), "lower-right" (SDPA with a lower-right
+    causal bias), "split", "flex", "fa3" or "fa4" (chunk_kernels.py, kernel_choice.py); each gives the
+    same gradients to rounding.
     """
     _check_sizes(chunk_size, logits_chunk_size)
+    check_chunk_attention(chunk_attention, input_ids.device)
     placement = checkpoints if isinstance(checkpoints, Placement) else Placement.parse(checkpoints)
     if (labels is None) == (objective is None):
         raise ValueError("give either labels (the SFT objective) or objective=..., not both or neither")
@@ -100,24 +111,31 @@ def stream_backward(
     if scale_wrt_gas:
         objective = sync.objective(objective)  # DeepSpeed: each chunk's gradient / accumulation steps
 
+    if timer is not None:
+        timer.start(input_ids.device)
     store = CheckpointStore(placement, len(parts.layers))
-    with _streaming_mode(parts), sync.step(), closing(store):  # close: frees (and unpins) what an error left
-        saved = forward_checkpoints(
-            parts, input_ids, chunk_size, store, gathered=sync.gathered, position_ids=position_ids, layout=layout
-        )
-        store.rebuild = lambda index, x: _rebuild(parts, saved, index, x, chunk_size, sync)
-        sync.gather_head()  # a head unit of its own that the checkpoint pass resharded
-        head_grads = ChunkGradAccumulator(trainable(parts.norm) + trainable(parts.lm_head), fp32_grad_accumulation)
-        loss, grad = head_backward(
-            parts, saved.last_hidden, objective, chunk_size=logits_chunk_size, accumulator=head_grads, call=sync.head
-        )
-        saved.last_hidden = None
+    store.timer = timer
+    kernels = use_chunk_attention(chunk_attention)
+    with _streaming_mode(parts), sync.step(), closing(store), kernels:  # close: frees (and unpins) what an error left
+        with timed(timer, CHECKPOINT_PASS):
+            saved = forward_checkpoints(
+                parts, input_ids, chunk_size, store, gathered=sync.gathered, position_ids=position_ids, layout=layout
+            )
+        store.rebuild = lambda index, x: _rebuild(parts, saved, index, x, chunk_size, sync, timer)
         embed_trainable = bool(trainable(parts.embed))
-        tied = embed_trainable and parts.lm_head.weight is parts.embed.weight
-        if tied:
-            head_grads.round_sums()  # the embedding's gradient joins this sum before it meets .grad
-        else:
-            head_grads.finish()
+        with timed(timer, HEAD):
+            sync.gather_head()  # a head unit of its own that the checkpoint pass resharded
+            head_grads = ChunkGradAccumulator(trainable(parts.norm) + trainable(parts.lm_head), fp32_grad_accumulation)
+            loss, grad = head_backward(
+                parts, saved.last_hidden, objective, chunk_size=logits_chunk_size, accumulator=head_grads,
+                call=sync.head,
+            )  # fmt: skip
+            saved.last_hidden = None
+            tied = embed_trainable and parts.lm_head.weight is parts.embed.weight
+            if tied:
+                head_grads.round_sums()  # the embedding's gradient joins this sum before it meets .grad
+            else:
+                head_grads.finish()
         num_layers = len(parts.layers)
         if progress is not None:
             progress(0, num_layers)
@@ -133,6 +151,8 @@ def stream_backward(
                 fp32_grad_accumulation=fp32_grad_accumulation,
                 call=sync.call(parts.layers[index]),
                 layout=layout,
+                key_values=parts.key_values,
+                timer=timer,
             )
             sync.end(parts.layers[index])  # the chunks' summed gradients, reduced once
             store.release(index)  # free X_l
@@ -143,14 +163,18 @@ def stream_backward(
             with torch.enable_grad():
                 sync.head(parts.embed)(input_ids).backward(grad)
         head_grads.finish()  # no-op unless tied
+    if timer is not None:
+        timer.finish()
     return loss
 
 
-def _rebuild(parts: DecoderParts, saved: Checkpoints, index: int, layer_input, chunk_size: int, sync: GradSync):
+def _rebuild(
+    parts: DecoderParts, saved: Checkpoints, index: int, layer_input, chunk_size: int, sync: GradSync, timer
+):
     """X_{index+1} from X_index, as the checkpoint pass made it (recompute placements). A sharded
     layer is gathered once for the whole rebuild, and its chunks run hook-free (grad_sync.py)."""
     layer = parts.layers[index]
-    with torch.no_grad(), sync.rebuilding(layer):
+    with timed(timer, REBUILD), torch.no_grad(), sync.rebuilding(layer):
         return chunked_layer_forward(sync.call(layer), layer_input, saved.layer_kwargs[index], chunk_size, saved.layout)
 
 

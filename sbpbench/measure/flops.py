@@ -30,6 +30,18 @@ def mean_attended_keys(seq_len: int, window: int | None = None) -> float:
     return (w * (w + 1) / 2 + (seq_len - w) * w) / seq_len
 
 
+def chunk_attention_flops(
+    batch: int, heads: int, num_queries: int, num_keys: int, head_dim: int, *, backward: bool = False
+) -> float:
+    """FLOPs of one offset-causal chunk: c queries over n keys ending where they end (row i sees
+    n - c + i + 1 keys), QK^T and AV at 2 FLOPs per multiply-add, counted below the diagonal as
+    above; a backward 2.5x its forward (dQ, dK, dV and the recomputed QK^T: FlashAttention-2,
+    section 3.1), as kernel benchmarks count it."""
+    seen = num_queries * (num_keys - num_queries) + num_queries * (num_queries + 1) / 2
+    forward = 4 * batch * heads * head_dim * seen
+    return 2.5 * forward if backward else forward
+
+
 def attention_layer_windows(config) -> list[int | None]:
     """Per decoder layer: the sliding window, or None for full attention."""
     num_layers = config.num_hidden_layers
@@ -56,11 +68,13 @@ def training_flops(model: torch.nn.Module, *, batch_size: int, seq_len: int) -> 
 # Same conventions as above: 2 FLOPs per multiply-add, backward = 2x forward (PaLM). Flash-style
 # attention kernels recompute QK^T in their backward (2.5x forward, FlashAttention-2 section 3.1);
 # that is left out here, so the attention shares are if anything low.
+# streambp's phases are those core/phases.py times (a row's phase_*_s columns), so each can show
+# its achieved TFLOP/s; its "rebuild" (recompute placements) is added by phase_flops on request.
 PHASES = {
     # method -> its phases in order; "layers" counts what each phase runs per decoder layer
     "bp": ("forward", "head", "layer backward"),
     "ckpt": ("forward", "head", "layer backward"),
-    "streambp": ("checkpoint pass", "head", "layer backward"),
+    "streambp": ("checkpoint pass", "head", "K/V capture", "chunk forward", "chunk backward"),
 }
 
 
@@ -75,30 +89,49 @@ def _layer_shapes(config) -> tuple[int, int, int]:
     return attention + mlp, 2 * d * kv * head_dim, heads * head_dim
 
 
-def phase_flops(config, *, method: str, batch_size: int, seq_len: int) -> dict[str, tuple[float, float]]:
+def rebuilt_layers(num_layers: int, recompute_every: int) -> list[int]:
+    """The layers a recompute:K placement runs again to rebuild inputs: layer l makes X_{l+1}, which
+    is rebuilt unless kept (l + 1 a multiple of K) or not a layer input (l + 1 = L)."""
+    return [layer for layer in range(num_layers - 1) if (layer + 1) % recompute_every]
+
+
+def phase_flops(
+    config, *, method: str, batch_size: int, seq_len: int, recompute_every: int = 1
+) -> dict[str, tuple[float, float]]:
     """phase -> (matmul FLOPs, attention FLOPs) executed by one step of `method` (bp, ckpt,
     streambp; full fine-tuning, SFT). The head is lm_head over every position, forward and both
-    gradients; layer backward includes what the method recomputes there (ckpt: the layer's
-    forward; streambp: the K/V projections of all positions, then the forward chunk by chunk)."""
+    gradients. bp and ckpt: layer backward includes what ckpt recomputes (the layers' forward).
+    streambp: K/V capture is the k and v projections of every position, chunk forward the layers'
+    forward again, chunk backward their backward; with recompute_every K > 1 (a recompute:K
+    placement) a "rebuild" phase, the forward of the layers it runs again (rebuilt_layers)."""
     if method not in PHASES:
         raise ValueError(f"no phase model for method {method!r}; choose from {', '.join(PHASES)}")
     tokens = batch_size * seq_len
     layer_weights, kv_weights, width = _layer_shapes(config)
-    # one layer's attention forward: QK^T and AV, 2 FLOPs each per multiply-add, over the keys seen
-    attention_fwd = sum(4 * width * mean_attended_keys(seq_len, w) * tokens for w in attention_layer_windows(config))
+    # per layer, its attention forward: QK^T and AV, 2 FLOPs each per multiply-add, over the keys seen
+    attention = [4 * width * mean_attended_keys(seq_len, w) * tokens for w in attention_layer_windows(config)]
     num_layers = config.num_hidden_layers
-    forward = (2 * layer_weights * tokens * num_layers, attention_fwd)
-    backward = (4 * layer_weights * tokens * num_layers, 2 * attention_fwd)
+    forward = (2 * layer_weights * tokens * num_layers, sum(attention))
+    backward = (4 * layer_weights * tokens * num_layers, 2 * sum(attention))
     head = (6 * config.hidden_size * config.vocab_size * tokens, 0.0)
-    recompute = {"bp": (0.0, 0.0), "ckpt": forward}.get(method)
-    if recompute is None:  # streambp: K/V of all T once, then every chunk's forward again
-        recompute = (forward[0] + 2 * kv_weights * tokens * num_layers, forward[1])
-    first = PHASES[method][0]
-    return {
-        first: forward,
+    if method != "streambp":
+        recompute = forward if method == "ckpt" else (0.0, 0.0)
+        return {
+            "forward": forward,
+            "head": head,
+            "layer backward": (backward[0] + recompute[0], backward[1] + recompute[1]),
+        }
+    phases = {
+        "checkpoint pass": forward,
         "head": head,
-        "layer backward": (backward[0] + recompute[0], backward[1] + recompute[1]),
+        "K/V capture": (2 * kv_weights * tokens * num_layers, 0.0),
+        "chunk forward": forward,
+        "chunk backward": backward,
     }
+    if recompute_every > 1:
+        rebuilt = rebuilt_layers(num_layers, recompute_every)
+        phases["rebuild"] = (2 * layer_weights * tokens * len(rebuilt), sum(attention[layer] for layer in rebuilt))
+    return phases
 
 
 def phase_flops_markdown(config, *, model: str, method: str, batch_size: int, seq_len: int, tflops_per_s: float) -> str:

@@ -33,6 +33,7 @@ class MethodSettings:
     mlp_tile_size: int | None = None  # tiled: positions per MLP tile
     offload_checkpoints: bool | None = None  # tiled: layer checkpoints in host memory
     checkpoints: Placement | str | None = None  # StreamBP's placement (given: its name)
+    chunk_attention: str | None = None  # StreamBP's kernel for a chunk's attention over its prefix
 
     def for_method(self, uses: tuple[str, ...]) -> MethodSettings:
         """The knobs in `uses` set (given or default), every other one None."""

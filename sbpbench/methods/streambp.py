@@ -1,9 +1,9 @@
 """StreamBP from sbpbench.core, behind the common method signature.
 
 `reporting_progress(callback)` hands core's per-layer progress callback (core/stream.py
-LayerProgress) to every StreamBP step run inside it: a measuring caller (the worker) sets it
-around its steps without the registry's (model, batch, settings) signature growing an argument
-that no other method reads.
+LayerProgress) to every StreamBP step run inside it, and `timing_phases()` gives each a PhaseTimer
+(core/phases.py): a measuring caller (the worker) sets them around its steps without the registry's
+(model, batch, settings) signature growing an argument that no other method reads.
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ from contextvars import ContextVar
 
 import torch
 
-from ..core import LayerProgress, stream_backward
+from ..core import LayerProgress, PhaseTimer, stream_backward
 from ..data import Batch
 
 _PROGRESS: ContextVar[LayerProgress | None] = ContextVar("streambp_progress", default=None)
+_TIMERS: ContextVar[list[PhaseTimer] | None] = ContextVar("streambp_timers", default=None)
 
 
 @contextmanager
@@ -30,7 +31,24 @@ def reporting_progress(callback: LayerProgress | None) -> Iterator[None]:
         _PROGRESS.reset(token)
 
 
+@contextmanager
+def timing_phases() -> Iterator[list[PhaseTimer]]:
+    """Each StreamBP step run inside gets a PhaseTimer, appended to the yielded list in step order;
+    the caller resolves them after the steps (on CUDA each resolve synchronises the device)."""
+    timers: list[PhaseTimer] = []
+    token = _TIMERS.set(timers)
+    try:
+        yield timers
+    finally:
+        _TIMERS.reset(token)
+
+
 def streambp(model, batch: Batch, settings) -> torch.Tensor:
+    timers = _TIMERS.get()
+    timer = None
+    if timers is not None:
+        timer = PhaseTimer()
+        timers.append(timer)
     return stream_backward(
         model,
         batch.input_ids,
@@ -41,4 +59,6 @@ def streambp(model, batch: Batch, settings) -> torch.Tensor:
         fp32_grad_accumulation=settings.fp32_grad_accumulation,
         progress=_PROGRESS.get(),
         checkpoints=settings.checkpoints,
+        timer=timer,
+        chunk_attention=settings.chunk_attention,
     )

@@ -47,15 +47,24 @@ read back with the new columns empty):
      point's rule chose, methods/chunk_sizes.py), cuda_alloc_conf (the worker's CUDA allocator
      setting); attention_kernel is now also filled on measured rows (the SDPA kernels that ran).
      Older rows read back with these empty (not recorded).
+  10 phase_*_s (streambp): seconds of each phase of the timed step whose time is the median, summed
+     over layers (core/phases.py: checkpoint pass, head, K/V capture, chunk forward, chunk backward,
+     rebuild, host copies, copy waits, and the rest, other); CUDA events on a GPU, wall time on a CPU.
+     Not key columns. Older rows read back with them empty (not recorded).
+  11 chunk_attention (StreamBP's kernel for a chunk's attention over its prefix: auto | lower-right |
+     split | flex | fa3 | fa4, a method setting and part of the key); attention_kernel now also names
+     the chunk kernels that ran besides SDPA's (e.g. cudnn+split). Older streambp rows read back with
+     chunk_attention lower-right, the only kernel they had.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, fields
 
 from ..settings import METHOD_KNOBS, SETTINGS
 
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 11
 
 # skipped: not run because a point of the same settings with no longer sequence and no larger batch
 # already ran out of memory (certain OOM: plots and reports draw it as an OOM) or timed out (certain
@@ -106,11 +115,12 @@ class ResultRow:
     mlp_tile_size: int | None = None
     offload_checkpoints: bool | None = None
     checkpoints: str = ""  # a placement's name
+    chunk_attention: str = ""
     auto_settings: str = ""  # the chunk settings chosen by the point's rule ("chunk_size;logits_chunk_size")
     attn_implementation: str = ""
     sdpa_backend: str = ""  # the SDPA kernel forced for the point (flash | efficient | cudnn | math) or auto
     # the SDPA kernels that ran ('+'-joined): measured, seen in the memory step; simulated, modelled on CUDA
-    attention_kernel: str = ""  # flash | efficient | cudnn | math
+    attention_kernel: str = ""  # flash | efficient | cudnn | math, and StreamBP's split | flex | fa3 | fa4
     memory_limit_bytes: int | None = None  # cap asked for (None: the device's own)
     # the cap that applied: memory_limit_bytes, or where that was above the device's capacity the
     # capacity (a GPU's total memory; on the CPU the machine's RAM, against the tracked bytes)
@@ -151,6 +161,17 @@ class ResultRow:
     time_max_s: float | None = None
     tokens_per_s: float | None = None  # batch_size * seq_len / time_median_s (padding included)
     tflops_per_s: float | None = None  # model_flops / time_median_s / 1e12
+    # streambp: where the median timed step's time went, per phase summed over layers (core/phases.py);
+    # host copies run beside the compute stream on CUDA, so there the phases add up to more than the step
+    phase_checkpoint_pass_s: float | None = None
+    phase_head_s: float | None = None
+    phase_kv_capture_s: float | None = None
+    phase_chunk_forward_s: float | None = None
+    phase_chunk_backward_s: float | None = None
+    phase_rebuild_s: float | None = None  # recompute placements
+    phase_host_copies_s: float | None = None  # offload placements; on a side stream on CUDA
+    phase_copy_waits_s: float | None = None  # the compute stream waiting for a copy back
+    phase_other_s: float | None = None  # the rest of stream_backward (embedding backward, gradient rounding, gaps)
     num_threads: int | None = None  # torch intra-op threads the worker ran with (RunSpec.threads)
     load_avg_1m: float | None = None  # the machine's 1-minute load average as the point started
     # max-length search (kind maxlen): the longest seq_len that ran and the shortest that did not
@@ -176,6 +197,14 @@ class ResultRow:
 
 
 COLUMNS: tuple[str, ...] = tuple(f.name for f in fields(ResultRow))
+
+
+def phase_column(phase: str) -> str:
+    """The column of a StreamBP phase (core/phases.py PHASES, or "other"): "K/V capture" -> phase_kv_capture_s."""
+    return "phase_" + re.sub(r"[^a-z0-9]+", "_", phase.lower().replace("/", "")).strip("_") + "_s"
+
+
+PHASE_COLUMNS: tuple[str, ...] = tuple(name for name in COLUMNS if name.startswith("phase_"))
 
 # What every row of every schema version has: a header without one of these is not a results CSV,
 # and a row with one of them empty is skipped when read (a torn or hand-damaged line).
@@ -250,13 +279,9 @@ def _as_text(value) -> str:
 
 def upgrade(row: dict[str, str]) -> dict[str, str]:
     """A CSV row (strings) of any schema as the current schema reads it, in place: every current
-    column present, those its file lacks empty, but a method knob newer than the file, which a
-    method that reads it ran at its default (a new knob's default keeps what the method did)."""
-    for column in COLUMNS:
-        if column not in row:
-            setting = SETTINGS.get(column)
-            ran_at_default = setting is not None and row.get("method") in setting.read_by
-            row[column] = _as_text(setting.default) if ran_at_default else ""
+    column present. One its file lacks and no rule below fills is empty, but for a method knob
+    newer than the file, which a method that reads it ran at its default (a knob whose default
+    changes what the method did needs a rule here instead, as chunk_attention has)."""
     version = row.get("schema_version", "")
     for column, value in UPGRADES.get(version, {}).items():
         if not row.get(column):
@@ -270,4 +295,11 @@ def upgrade(row: dict[str, str]) -> dict[str, str]:
         row["nproc"] = "1"  # schema 6: every earlier row ran in one process
     if version in ("1", "2", "3", "4", "5", "6", "7", "8") and not row.get("sdpa_backend"):
         row["sdpa_backend"] = "auto"  # schema 9: every earlier row left the kernel to torch
+    if version in ("1", "2", "3", "4", "5", "6", "7", "8", "9", "10") and row.get("method") == "streambp":
+        row["chunk_attention"] = row.get("chunk_attention") or "lower-right"  # schema 11: the only chunk kernel
+    for column in COLUMNS:  # what the rules above did not fill
+        if column not in row:
+            setting = SETTINGS.get(column)
+            ran_at_default = setting is not None and row.get("method") in setting.read_by
+            row[column] = _as_text(setting.default) if ran_at_default else ""
     return row

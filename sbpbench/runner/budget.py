@@ -1,5 +1,5 @@
 """A wall-clock budget for `sbp sweep` and `sbp maxlen` (--budget): stop cleanly before a limit
-that would kill the command, e.g. a lent GPU's 10 minutes a command.
+that would kill the command, e.g. a machine that allows 10 minutes a command.
 
 A point's own timeout (timeout.py) starts at 10 minutes of set-up allowance, so on a lent machine
 the command's limit, not the point's timeout, would end a long point: killed mid-point, with the
@@ -22,7 +22,7 @@ from ..records import ResultRow
 from .timeout import point_timeout_s
 
 # A point left less than this is not started: a process start, imports and building the model
-# take tens of seconds on a GPU before its first step (selftest.py's POINT_OVERHEAD_S is 40).
+# take tens of seconds on a GPU before its first step (selftest.py's POINT_OVERHEAD_S: 30 measured).
 MIN_START_S = 30.0
 
 Measure = Callable[[RunSpec, Environment], ResultRow]

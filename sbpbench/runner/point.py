@@ -10,14 +10,20 @@ Protocol (recorded in every row):
      setup creates there, and a step over --memory-limit stops before any warm-up is spent),
      then the warm-up, which also keeps the tracker's first-run costs out of the timed steps;
   3. `repeats` timed steps, synchronised, with nothing else running (no tracker, no sampler);
-     none for a memory-only point (repeats 0: a max-length probe).
+     none for a memory-only point (repeats 0: a max-length probe). A streambp step times its
+     phases meanwhile (CUDA events, or the CPU's clock; core/phases.py): the row's phase_*_s
+     columns are those of the timed step whose time is the median (the lower middle of an even
+     count), read after the timed steps.
 The worker runs spec.threads intra-op threads (default: OMP_NUM_THREADS, else the physical cores it
 may use); the row records them and the load average as the point started.
 A memory limit above the device's capacity (the paper's 80 GiB on an H100; 100TB on the CPU, whose
 cap is on the tracked bytes, against the machine's RAM) runs at the capacity; the row records the cap
 that applied (memory_limit_effective_bytes) and the parent says so (runner/isolated.py).
 Every step runs under the forced SDPA kernel, if any (spec.sdpa_backend, measure/sdpa.py); the
-memory step records the kernels that ran (attention_kernel).
+memory step records the kernels that ran (attention_kernel): SDPA's, and StreamBP's chunk kernels
+(core/kernel_choice.py) other than the lower-right SDPA path, e.g. "cudnn+split". On CUDA, StreamBP's
+measured kernel choices are kept on disk (measure/kernel_cache.py); a shape class not yet measured
+is timed in a warm-up step, never in the memory step (there it runs the lower-right path).
 Gradients before each step follow the protocol: steady = resident and zeroed in place, first =
 None. An out-of-memory error anywhere is the point's result (status oom), not a crash.
 An offloading StreamBP point on CUDA page-locks its host buffers in its first step (the warm-up, or
@@ -39,10 +45,11 @@ from contextlib import nullcontext
 import torch
 
 from ..config import RunSpec
-from ..core.internal import observe_stores
+from ..core.internal import LOWER_RIGHT, kernel_timing, observe_chunk_kernels, observe_stores, set_choice_cache
 from ..measure.cuda_memory import NvmlPeakSampler, nvml_handle, start_cuda
 from ..measure.flops import training_flops
 from ..measure.host_memory import peak_rss_bytes, reset_peak_rss, total_ram_bytes
+from ..measure.kernel_cache import JsonChoiceCache
 from ..measure.memory_cap import memory_cap
 from ..measure.progress import StepProgress
 from ..measure.sdpa import RecordingSdpaBackends, forcing_sdpa_backend, is_no_kernel_error
@@ -51,8 +58,9 @@ from ..measure.threads import load_average_1m, set_intra_op_threads
 from ..measure.timing import time_steps
 from ..methods import MethodUnsupported
 from ..methods.step import TrainingStep, storage_bytes
-from ..methods.streambp import reporting_progress
+from ..methods.streambp import reporting_progress, timing_phases
 from ..records import ResultRow, one_line
+from ..records.schema import phase_column
 from ..workload.build import build_model_and_batch, training_step
 from ..workload.rows import spec_fields
 from . import ranks
@@ -124,13 +132,13 @@ def _measure_cpu(
     row.baseline_bytes = resident
     tracker = LiveTensorTracker(limit_bytes=limit)
     reset_peak_rss()
-    stores, kernels = [], RecordingSdpaBackends()
+    stores, kernels, chunk_kernels = [], RecordingSdpaBackends(), set()
     try:
         resizes = counting_fsdp_resizes(tracker) if spec.nproc > 1 else nullcontext()
-        with tracker, resizes, observe_stores() as stores, kernels:
+        with tracker, resizes, observe_stores() as stores, kernels, observe_chunk_kernels() as chunk_kernels:
             row.loss = float(step.run())
     finally:  # an OOM row still says how far the step got
-        row.attention_kernel = kernels.names()
+        row.attention_kernel = kernel_names(kernels, chunk_kernels)
         _record_stores(row, stores)
         row.cpu_peak_rss_bytes = peak_rss_bytes()
         row.peak_allocated_bytes = resident + tracker.peak_bytes
@@ -139,6 +147,12 @@ def _measure_cpu(
         prepare(f"warm-up {i} of {spec.warmup}")
         step.run()
     return lambda: None
+
+
+def kernel_names(sdpa: RecordingSdpaBackends, chunk_kernels: set[str]) -> str:
+    """The attention kernels a step ran, sorted and '+'-joined: SDPA's (flash, cudnn, ...) and
+    StreamBP's chunk kernels (split, flex, fa3, fa4); its lower-right path shows as SDPA's kernel."""
+    return "+".join(sorted(set(filter(None, sdpa.names().split("+"))) | (chunk_kernels - {LOWER_RIGHT})))
 
 
 def _record_stores(row: ResultRow, stores) -> None:
@@ -171,13 +185,14 @@ def _measure_cuda(
     row.baseline_bytes = torch.cuda.memory_allocated(device)
     reset_peak_rss()
     sampler = NvmlPeakSampler(nvml_handle(device))
-    stores, kernels = [], RecordingSdpaBackends()
+    stores, kernels, chunk_kernels = [], RecordingSdpaBackends(), set()
     try:
-        with sampler, observe_stores() as stores, kernels:
+        chunks = observe_chunk_kernels()
+        with sampler, observe_stores() as stores, kernels, chunks as chunk_kernels, kernel_timing(False):
             row.loss = float(step.run())
             synchronize()
     finally:  # an OOM row still says how far the step got
-        row.attention_kernel = kernels.names()
+        row.attention_kernel = kernel_names(kernels, chunk_kernels)
         _record_stores(row, stores)
         row.peak_allocated_bytes = torch.cuda.max_memory_allocated(device)
         row.peak_reserved_bytes = torch.cuda.max_memory_reserved(device)
@@ -208,6 +223,7 @@ def _measure(spec: RunSpec) -> ResultRow:
             row.device = str(device)
         if device.type == "cuda":
             start_cuda_point(spec, row, device)
+            set_choice_cache(JsonChoiceCache())  # StreamBP's measured chunk kernels, across points
         step = build_step(spec, row, device, rank)
         row.optimizer_state_bytes = step.optimizer_state_bytes
         progress = StepProgress(
@@ -224,12 +240,16 @@ def _measure(spec: RunSpec) -> ResultRow:
                 synchronize = _measure_cuda(spec, step, row, device, prepare)
             else:
                 synchronize = _measure_cpu(spec, step, row, prepare)
-            timing = None
+            timing, timers = None, []
             if spec.repeats:
                 timed = (f"timed step {i} of {spec.repeats}" for i in range(1, spec.repeats + 1))
-                timing = time_steps(
-                    step.run, repeats=spec.repeats, synchronize=synchronize, before_each=lambda: prepare(next(timed))
-                )
+                with timing_phases() as timers:  # streambp steps: a PhaseTimer each
+                    timing = time_steps(
+                        step.run,
+                        repeats=spec.repeats,
+                        synchronize=synchronize,
+                        before_each=lambda: prepare(next(timed)),
+                    )
         row.optimizer_state_bytes = step.optimizer_state_bytes
     except MethodUnsupported as error:  # the method cannot run here: a result, with the reason
         row.status, row.error = "unsupported", one_line(error)
@@ -244,4 +264,18 @@ def _measure(spec: RunSpec) -> ResultRow:
     row.time_median_s, row.time_min_s, row.time_max_s = timing.median_s, timing.min_s, timing.max_s
     row.tokens_per_s = spec.batch_size * spec.seq_len / timing.median_s
     row.tflops_per_s = row.model_flops / timing.median_s / 1e12
+    record_phases(row, timing.times_s, timers)
     return row
+
+
+def record_phases(row: ResultRow, times_s: tuple[float, ...], timers) -> None:
+    """The phase columns of a streambp point: the timed step whose time is nearest the median, its
+    own phases (a median per phase would not add up to one step). Read after the timed steps, so
+    its one synchronize lies outside them."""
+    if not timers or len(timers) != len(times_s):
+        return
+    median = sorted(times_s)[(len(times_s) - 1) // 2]
+    phases = timers[times_s.index(median)].resolve()
+    for name, seconds in phases.seconds.items():
+        setattr(row, phase_column(name), seconds)
+    row.phase_other_s = phases.other_s

@@ -19,7 +19,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .choices import DTYPE_NAMES, EVERY_METHOD, METHOD_NAMES, OBJECTIVES, PROTOCOLS, SDPA_BACKENDS, STEPS
+from .choices import (
+    CHUNK_ATTENTION,
+    DTYPE_NAMES,
+    EVERY_METHOD,
+    METHOD_NAMES,
+    OBJECTIVES,
+    PROTOCOLS,
+    SDPA_BACKENDS,
+    STEPS,
+)
 from .errors import ConfigError
 
 AUTO = "auto"  # a chunk setting left to the point's rule (methods/chunk_sizes.py)
@@ -69,7 +78,7 @@ SETTINGS: dict[str, Setting] = {
     ),
     "weights": Setting(
         bool,
-        "Real weights, from the directory or the HF cache (default: random, seeded).",
+        "Real weights from the directory or HF cache (default: random).",
         default=False,
     ),
     "seq_len": Setting(
@@ -104,7 +113,7 @@ SETTINGS: dict[str, Setting] = {
         str, "Dtype (default: bf16 on cuda, fp32 on cpu).", DTYPE_NAMES, by_device={"cuda": "bf16", "cpu": "fp32"}
     ),
     "device": Setting(str, "auto (default), cpu, cuda or cuda:N.", default="auto", metavar="DEVICE"),
-    "num_layers": Setting(int, "Keep the first N decoder layers (default: all).", minimum=1),
+    "num_layers": Setting(int, "Keep the first N layers (default: all).", minimum=1),
     # how it is measured
     "protocol": Setting(
         str,
@@ -126,7 +135,7 @@ SETTINGS: dict[str, Setting] = {
     "threads": Setting(int, "torch threads per point (default: OMP_NUM_THREADS, else the physical cores).", minimum=1),
     "nproc": Setting(
         int,
-        "Data-parallel ranks, the model sharded by FSDP2: gloo on cpu, a GPU each on cuda (default: 1).",
+        "Data-parallel ranks (FSDP2): gloo on cpu, a GPU each on cuda (default: 1).",
         default=1,
         minimum=1,
     ),
@@ -181,6 +190,14 @@ SETTINGS: dict[str, Setting] = {
         axis=True,
         metavar="PLACE",
     ),  # no `choices`: K is open; RunSpec checks the name (core.placement.Placement.parse)
+    "chunk_attention": Setting(
+        str,
+        "StreamBP attention kernel (default: auto).",  # auto: the fastest measured on a GPU
+        CHUNK_ATTENTION,
+        default="auto",
+        read_by=("streambp",),
+        metavar="KERNEL",
+    ),  # the choices' meanings: settings/choices.py
     # a max-length search's own (its first probe is seq_len)
     "seq_len_ceiling": Setting(
         int,
@@ -263,7 +280,7 @@ def check(name: str, value: Any) -> None:
     method's knob; "auto" where allowed), a bool's type. ConfigError naming the setting otherwise."""
     setting = SETTINGS[name]
     if setting.choices:
-        if value not in setting.choices:
+        if value not in setting.choices and not (value is None and setting.read_by):  # None: a knob left unset
             raise ConfigError(name, f"unknown {{field}} {value!r}; choose from {', '.join(setting.choices)}")
     elif setting.kind is bool:
         if not isinstance(value, bool) and not (value is None and setting.read_by):

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from functools import lru_cache
 
-from ..config import RunSpec
+from ..config import ConfigError, RunSpec
 from ..core.internal import observe_stores
 from ..measure.environment import capture_environment
 from ..measure.flops import training_flops
@@ -134,6 +134,10 @@ def simulate(
         raise ValueError(f"unknown target {target!r}; choose from {', '.join(TARGETS)}")
     cuda = target == "cuda"
     check_sharded_spec(spec)
+    if spec.settings.chunk_attention not in (None, "auto", "lower-right"):  # auto is lower-right on fake tensors
+        raise ConfigError(
+            "chunk_attention", f"{spec.settings.chunk_attention}: the estimator models the lower-right kernel only"
+        )
     fake = build_fake_step(spec, foreach_optimizer=cuda)
     step = fake.step
     baseline = storage_bytes(step.resident_tensors(), granularity_bytes(target))
