@@ -99,6 +99,9 @@ TABLES = {
     "estimate, 3 methods": lambda: estimate_table([_row(m) for m in ALL_METHODS[:3]], 80 * GIB, MARGIN_NOTE),
     "estimate, every method": lambda: estimate_table([_row(m) for m in ALL_METHODS], 80 * GIB, MARGIN_NOTE),
     "maxlen": lambda: maxlen_table([_row(m, kind="maxlen") for m in ALL_METHODS[:3]]),
+    "maxlen, seeded": lambda: maxlen_table(
+        [_row(m, kind="maxlen", seed_seq_len=1_040_384 if m != "bp" else None) for m in ALL_METHODS[:3]]
+    ),
     "maxlen, grpo simulated": lambda: maxlen_table(
         [_row(m, kind="maxlen", objective="grpo", prompt_len=1000, source="simulated") for m in ALL_METHODS]
     ),

@@ -14,7 +14,7 @@ from sbpbench.settings import METHOD_KNOBS, SETTINGS
 # The command line stays small on purpose: a cap on each command's visible flags stops it growing
 # (an axis added to the point is a deliberate raise of its cap), and a new method knob adds no flag
 # (it comes through --set). Nothing here is a list to edit when a knob is added.
-MAX_VISIBLE_FLAGS = {"run": 28, "maxlen": 36, "estimate": 22, "plan": 18, "check": 17, "sweep": 6}
+MAX_VISIBLE_FLAGS = {"run": 28, "maxlen": 37, "estimate": 22, "plan": 18, "check": 17, "sweep": 6}
 KNOB_AXES = {"chunk_size", "logits_chunk_size", "checkpoints"}  # StreamBP's chunk sizes and placement
 
 
@@ -48,7 +48,8 @@ def test_method_knobs_but_the_axes_come_through_set(command):
 def test_experiment_keys_are_the_config_field_names():
     """An experiment file says seq_len where Python says seq_len: the keys are the fields (plus a
     search's own settings, the point kind and the entry's title)."""
-    assert set(POINT_KEYS) == {*FIELD_NAMES, "seq_len_ceiling", "resolution", "multiple_of", "kind", "title"}
+    search = {"seq_len_ceiling", "resolution", "multiple_of", "seed_from_estimate"}
+    assert set(POINT_KEYS) == {*FIELD_NAMES, *search, "kind", "title"}
     assert set(FLAGS) == set(POINT_KEYS) - {"kind", "title"}
 
 

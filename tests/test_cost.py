@@ -80,6 +80,7 @@ def test_commands_start_a_new_one_when_a_point_would_not_finish():
     assert cost.commands([unknown, costs[0]], budget_s=540) == [1, 1]
 
 
+@pytest.mark.filterwarnings("ignore::sbpbench.config.run.BeyondContextWarning")  # 262k is past Qwen3-8B's context
 def test_the_paper_experiment_is_in_the_order_of_value():
     """paper_on_one_gpu.toml: Figure 3's Qwen3-8B searches at 2% first, then the 64k placements, Table 1
     (ckpt and streambp, 6k-27k, 1 warm-up and 3 timed steps), Table 2's batches, Qwen3-14B's searches,
@@ -101,6 +102,7 @@ def test_the_paper_experiment_is_in_the_order_of_value():
     assert {p.seq_len for p in by_title["peers at 9k and 24k"]} == {9000, 24000}
 
 
+@pytest.mark.filterwarnings("ignore::sbpbench.config.run.BeyondContextWarning")
 def test_pricing_leaves_out_what_the_results_csv_already_holds(tmp_path):
     """A point already in the results CSV (its row key, on the priced GPU) costs nothing and counts
     as done; the others are priced as before."""

@@ -155,7 +155,7 @@ def test_schema_3_rows_migrate_to_keys_without_unread_settings(tmp_path):
     new = decode_row({**migrated[0], "schema_version": str(SCHEMA_VERSION), "peak_allocated_bytes": "300"})
     upsert_rows(path, [new])
     assert [(r["method"], r["peak_allocated_bytes"]) for r in read_rows(path)] == [("bp", "300"), ("streambp", "50")]
-    assert SCHEMA_VERSION == 11
+    assert SCHEMA_VERSION == 12
     assert SCHEMA_VERSION >= 4
 
 
@@ -240,3 +240,27 @@ def test_streambp_rows_before_schema_10_read_back_with_the_lower_right_chunk_ker
     assert [(r["method"], r.get("chunk_attention", "")) for r in migrated] == [("streambp", "lower-right"), ("bp", "")]
     upsert_rows(path, [decode_row({**migrated[0], "schema_version": str(SCHEMA_VERSION), "chunk_attention": "auto"})])
     assert sorted(r["chunk_attention"] for r in read_rows(path) if r["method"] == "streambp") == ["auto", "lower-right"]
+
+
+def test_maxlen_rows_before_schema_12_read_back_without_a_seed_or_probes(tmp_path):
+    """Schema 12: a search's answer written before seeding read back with seed_seq_len and
+    search_probes empty (a blind search that recorded no probes), and keys as a new answer of the
+    same search (which replaces it, seed and probes with it)."""
+    path = tmp_path / "old.csv"
+    old = {
+        **_v3_row("bp", "", "2026-01-01T00:00:00+00:00", "9"),
+        "schema_version": "11", "nproc": "1", "sdpa_backend": "auto", "kind": "maxlen", "seq_len": "",
+        "max_seq_len": "4736", "oom_seq_len": "4800", "search_resolution": "2%", "num_probes": "10",
+    }  # fmt: skip
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(old))
+        writer.writeheader()
+        writer.writerow(old)
+    (migrated,) = read_rows(path)
+    assert not migrated.get("seed_seq_len") and not migrated.get("search_probes")
+    decoded = decode_row(migrated)
+    assert decoded.seed_seq_len is None and decoded.search_probes == "" and decoded.num_probes == 10
+    seeded = {**migrated, "schema_version": str(SCHEMA_VERSION), "seed_seq_len": "4736"}
+    upsert_rows(path, [decode_row({**seeded, "search_probes": "4736:ok 4800:oom", "num_probes": "2"})])
+    (row,) = read_rows(path)
+    assert (row["seed_seq_len"], row["search_probes"], row["num_probes"]) == ("4736", "4736:ok 4800:oom", "2")

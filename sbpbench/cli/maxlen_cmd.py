@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
@@ -31,7 +30,6 @@ from .tables import maxlen_table, print_table, seq_bound
 
 DEFAULT_OUT = Path("results/maxlen.csv")
 SIMULATED_OUT = Path("results/estimates.csv")
-SIMULATED_DEVICE = "simulated GPU"  # what sbpbench.simulate writes as device_name
 MAXLEN_FIELDS = run_fields_but("repeats") + SEARCH_SETTINGS
 
 
@@ -51,7 +49,7 @@ EXAMPLES = (  # the end of its help (options.py examples)
 @point_command(
     MAXLEN_FIELDS,
     helps={
-        "seq_len": f"First probe length (default: {_search_default('seq_len', 'cuda')} cuda, "
+        "seq_len": f"First probe length without a seed (default: {_search_default('seq_len', 'cuda')} cuda, "
         f"{_search_default('seq_len', 'cpu')} cpu).",
         "warmup": "Discarded steps before each probe's memory step (default: 0; its peak needs none).",
         "memory_limit": f"The memory budget, e.g. 80GiB (default: {_search_default('memory_limit', 'cuda')} on cuda, "
@@ -80,24 +78,31 @@ def maxlen(
 ) -> None:
     """Find the longest sequence each method trains in a memory budget.
 
-    Doubling from --seq until a probe runs out of memory, then bisection to --resolution. Each
-    probe is one isolated `sbp run` point (memory only), kept in --out so an interrupted search
-    resumes; the answer is a row of kind maxlen. Several methods give one table with the ratio to
-    ckpt. With --simulate each probe is a prediction for a GPU of --gpu-memory instead, extrapolated
-    from short fake runs (simulate/length.py): the search first probes lengths that share those runs
-    (multiples of the layer chunk), then bisects what is left to --resolution.
+    Each probe is one isolated `sbp run` point (memory only), kept in --out so an interrupted
+    search resumes; the answer is a row of kind maxlen. The search starts at `sbp estimate`'s
+    predicted max T for the same point (seconds of fake-tensor runs on this machine's CPU,
+    for bp, ckpt, ckpt-offload and streambp), probes it and one --resolution step above, and
+    widens by doubling steps only where a probe disagrees: two probes when the prediction is right,
+    the true answer when it is not. Without a seed (--no-seed, or another method) the search
+    doubles T from --seq until a probe runs out of memory, then bisects. Several methods give one
+    table with the ratio to ckpt.
 
-    A search runs about 25 probes at the defaults, each a new process; --resolution 10% is a
-    quicker look."""
+    With --simulate each probe is a prediction for a GPU of --gpu-memory instead (never seeded),
+    extrapolated from short fake runs (simulate/length.py): the search first probes lengths that
+    share those runs (multiples of the layer chunk), then bisects what is left to --resolution.
+
+    A seed takes seconds to a minute of this machine's CPU; a probe is a new process. Without a
+    seed a search at the defaults runs about 25 probes; --resolution 10% is a quicker look."""
     from ..config import MaxlenSpec, point_specs
     from ..config.device import device_kind, resolve_device
     from ..config.maxlen import SEARCH_DEFAULTS
     from ..config.run import check_measurable
+    from ..measure.environment import capture_environment
     from ..measure.units import parse_seconds
     from ..runner.budget import Budget, BudgetSpent, within
     from ..runner.isolated import run_isolated
     from ..runner.maxlen import ProbeFailed, find_max_len
-    from ..simulate.length import shared_multiple
+    from .simulated_search import estimate_seed, simulated_max_len, simulated_probing
 
     with user_errors():
         if budget is not None and simulate:
@@ -111,6 +116,11 @@ def maxlen(
             raise ValueError("--exact is how --simulate predicts a probe: add --simulate")
         if simulate and settings.get("weights"):
             raise ValueError("--weights does not apply to --simulate (fake tensors hold no values); drop it")
+        if simulate and "seed_from_estimate" in settings:
+            raise ValueError(
+                "--no-seed and --seed-from-estimate are for measured searches (a --simulate search's probes are "
+                "the estimate); drop it"
+            )
         host_bytes = parse_bytes(host_memory) if host_memory else total_ram_bytes()
         kind = "cuda" if simulate else device_kind(resolve_device(settings.get("device", "auto")))
         search = {name: settings.pop(name) for name in SEARCH_SETTINGS if name in settings}
@@ -138,24 +148,34 @@ def maxlen(
         stopped = ""  # why the budget stopped the searches
         with Progress(console, len(searches)) as progress:
             if simulate:
-                probing = _simulated_probe(specs[0].memory_limit, host_bytes, exact, progress)
+                probing = simulated_probing(
+                    target="cuda",
+                    memory_bytes=specs[0].memory_limit,
+                    host_memory_bytes=host_bytes,
+                    exact=exact,
+                    note=progress.note,
+                )
             else:
-                probing = {"measure": within(run_isolated, Budget(seconds))} if seconds is not None else {}
+                env = capture_environment(specs[0].device)
+                clock = Budget(seconds) if seconds is not None else None
+                probing = {"env": env, "measure": within(run_isolated, clock) if clock else run_isolated}
+                # the seed's prediction is for this device: its capacity caps --memory-limit as a probe's does
+                probing["seed"] = estimate_seed(
+                    capacity_bytes=env.device_total_memory_bytes, budget=clock, note=progress.note
+                )
             for search_spec in searches:
                 progress.start(f"{search_spec.method}: searching")
 
-                probed: dict[int, ResultRow] = {}  # this run's probes, by length
-
-                def told(row: ResultRow, search_spec=search_spec, probed=probed) -> None:
-                    probed[row.seq_len] = row
+                def told(row: ResultRow, search_spec=search_spec) -> None:
                     progress.note(f"{search_spec.method}: probe {point_line(row)}")
 
                 try:
-                    if simulate and not exact:  # first the lengths whose probes share their short runs
-                        coarse = replace(search_spec, multiple_of=shared_multiple(search_spec))
-                        find_max_len(coarse, out, resume=resume, on_probe=told, **probing)
-                    # then the rest of the bracket, from those probes (and, resuming, the CSV's)
-                    answer = find_max_len(search_spec, out, resume=resume, known=probed, on_probe=told, **probing)
+                    if simulate:
+                        answer = simulated_max_len(
+                            search_spec, out, probing=probing, exact=exact, resume=resume, on_probe=told
+                        )
+                    else:
+                        answer = find_max_len(search_spec, out, resume=resume, on_probe=told, **probing)
                 except ProbeFailed as error:
                     console.print(f"[red]{escape(str(error))}[/]; probes so far are in {out}", highlight=False)
                     raise typer.Exit(1) from None
@@ -195,20 +215,3 @@ def past_context_line(model: str, answers: list[ResultRow], context: int | None)
         f"max T past {model}'s context of {context:,} tokens (max_position_embeddings) for {', '.join(past)}: "
         "memory allows it, but the model was never trained that long"
     )
-
-
-def _simulated_probe(gpu_memory_bytes: int, host_memory_bytes: int, exact: bool, progress: Progress) -> dict:
-    """find_max_len's arguments for probes that are predictions (sbpbench.simulate)."""
-    from ..simulate.depth import estimate_point_by_depth
-
-    def measure(spec, env) -> ResultRow:
-        return estimate_point_by_depth(
-            spec,
-            target="cuda",
-            gpu_memory_bytes=gpu_memory_bytes,
-            host_memory_bytes=host_memory_bytes,
-            exact=exact,
-            note=lambda line: progress.note(f"{spec.method} T={spec.seq_len}: {line}"),
-        )
-
-    return {"measure": measure, "device_name": SIMULATED_DEVICE, "source": "simulated"}

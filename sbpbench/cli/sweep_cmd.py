@@ -68,6 +68,7 @@ def sweep(
     from ..runner.isolated import run_isolated
     from ..runner.maxlen import ProbeFailed
     from ..runner.sweep import plan, run_sweep
+    from .simulated_search import estimate_seed
 
     if dry_run:
         _dry_run(experiment, out, settings.get("device"))
@@ -89,7 +90,8 @@ def sweep(
         highlight=False,
     )
     warn_if_busy()
-    measure = within(run_isolated, Budget(seconds)) if seconds is not None else run_isolated
+    clock = Budget(seconds) if seconds is not None else None
+    measure = within(run_isolated, clock) if clock else run_isolated
     rows: list[ResultRow] = []  # this run's new rows (answers, not probes), as each job ends
     stopped = ""  # why the budget stopped the sweep
     current: list[Job] = []  # the job in flight, for the budget's message
@@ -108,7 +110,9 @@ def sweep(
                 rows.append(row)
                 progress.advance(f"{job.describe()}: {_outcome(row)}")
 
-            run_sweep(todo, out, measure=measure, env=env, on_start=start, on_probe=probed, on_done=done)
+            # a max-length search starts at its predicted max T unless the file says seed_from_estimate = false
+            seed = estimate_seed(capacity_bytes=env.device_total_memory_bytes, budget=clock, note=progress.note)
+            run_sweep(todo, out, measure=measure, env=env, on_start=start, on_probe=probed, on_done=done, seed=seed)
     except BudgetSpent as spent:  # the summary of what ran, then why it stopped
         left = len(todo) - todo.index(current[0])
         stopped = (

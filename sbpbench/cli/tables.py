@@ -277,6 +277,13 @@ def maxlen_table(rows: list[ResultRow]) -> Table:
         Column("probes", lambda r: f"{r.num_probes}", "lengths the search used, cached ones included"),
         Column("peak GiB", lambda r: gib(r.peak_allocated_bytes), "max allocated at max T"),
     )
+    if any(row.seed_seq_len is not None for row in rows):  # a blind or simulated search has none
+        seed = Column(
+            "seed",
+            lambda r: "-" if r.seed_seq_len is None else f"{r.seed_seq_len:,}",
+            "the predicted max T the search started from",
+        )
+        columns = (*columns[:-2], seed, *columns[-2:])
     return rows_table(title, columns, rows, notes)
 
 

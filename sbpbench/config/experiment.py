@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from itertools import product
 from pathlib import Path
 
-from ..settings import SEARCH_SETTINGS, SETTINGS, ConfigError, Setting, default_of
+from ..settings import SEARCH_SETTINGS, SETTINGS, ConfigError, Setting
 from .device import device_kind, resolve_device
 from .maxlen import SEARCH_DEFAULTS, MaxlenSpec
 from .run import RunSpec, point_specs
@@ -149,9 +149,8 @@ def _expand(values: dict, kind: str, overrides: dict, defaults_for: str | None =
     return [
         MaxlenSpec(
             base=base,
-            resolution=values.get("resolution", default_of("resolution")),
             seq_len_ceiling=values.get("seq_len_ceiling", defaults["seq_len_ceiling"]),
-            multiple_of=values.get("multiple_of", default_of("multiple_of")),
+            **{name: values[name] for name in MAXLEN_ONLY if name in values and name != "seq_len_ceiling"},
         )
         for base in point_specs({"repeats": 0, **settings}, methods, defaults_for=defaults_for)
     ]

@@ -60,11 +60,13 @@ class MaxlenSpec:
     resolution: Resolution = DEFAULT_RESOLUTION
     seq_len_ceiling: int = default_of("seq_len_ceiling")  # longest length tried (">= ceiling" if that fits)
     multiple_of: int = default_of("multiple_of")  # probe lengths are multiples of this
+    seed_from_estimate: bool = default_of("seed_from_estimate")  # start at the predicted max T (length_search.py)
 
     def __post_init__(self):
         if not isinstance(self.resolution, Resolution):
             object.__setattr__(self, "resolution", Resolution.parse(self.resolution))
         check("multiple_of", self.multiple_of)
+        check("seed_from_estimate", self.seed_from_estimate)
         if not isinstance(self.seq_len_ceiling, int) or not MIN_SEQ_LEN <= self.base.seq_len <= self.seq_len_ceiling:
             raise ConfigError(
                 "seq_len_ceiling",

@@ -55,6 +55,9 @@ read back with the new columns empty):
      split | flex | fa3 | fa4, a method setting and part of the key); attention_kernel now also names
      the chunk kernels that ran besides SDPA's (e.g. cudnn+split). Older streambp rows read back with
      chunk_attention lower-right, the only kernel they had.
+  12 seed_seq_len (the predicted max T a max-length search started from) and search_probes (every
+     answer the search used, in order: "61440:ok 62464:oom", "(cached)" after one it did not run).
+     Older maxlen rows read back with both empty (blind searches, probes not recorded).
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ from dataclasses import asdict, dataclass, fields
 
 from ..settings import METHOD_KNOBS, SETTINGS
 
-SCHEMA_VERSION = 11
+SCHEMA_VERSION = 12
 
 # skipped: not run because a point of the same settings with no longer sequence and no larger batch
 # already ran out of memory (certain OOM: plots and reports draw it as an OOM) or timed out (certain
@@ -179,6 +182,8 @@ class ResultRow:
     oom_seq_len: int | None = None  # the shortest OOM probe (None if the search hit its ceiling)
     search_resolution: str = ""  # the bracket's stopping width: "1%" (of max_seq_len) or tokens, "256"
     num_probes: int | None = None  # probes the search used, cached ones included
+    seed_seq_len: int | None = None  # the predicted max T it started from (empty: grew blind from seq_len)
+    search_probes: str = ""  # every answer used, in order: "61440:ok 62464:oom 60416:ok(cached)"
     # provenance
     host: str = ""
     device_name: str = ""

@@ -7,7 +7,11 @@ summary and whatever ran after it in the same command lost. Under a budget a poi
 while at least MIN_START_S are left, and runs under the smaller of its own timeout and what is
 left. A point cut by the budget is not a result (it says nothing about the machine): its row is
 dropped, BudgetSpent stops the command, and the same command resumes (every finished point and
-probe is already in the CSV)."""
+probe is already in the CSV).
+
+A max-length search's seed (a prediction on this machine's CPU, seconds a probe) runs under the
+same budget before the search's first probe: each predicted probe starts only while a measured
+point still could (`started_within`); none is cut, as a prediction has no timeout to shorten."""
 
 from __future__ import annotations
 
@@ -63,3 +67,15 @@ def within(measure: Measure, budget: Budget, *, min_start_s: float = MIN_START_S
         return row  # its timeout_s is the cut it ran under
 
     return measured
+
+
+def started_within(work: Callable, budget: Budget, *, what: str, min_start_s: float = MIN_START_S) -> Callable:
+    """`work` (any call), raising BudgetSpent instead of starting once less than min_start_s is left."""
+
+    def started(*args, **kwargs):
+        left = budget.left()
+        if left < min_start_s:
+            raise BudgetSpent(f"{what} not started: {left:.0f} s left, a point needs at least {min_start_s:g}")
+        return work(*args, **kwargs)
+
+    return started

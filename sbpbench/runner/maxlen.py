@@ -1,6 +1,7 @@
 """`sbp maxlen`'s search with real probes: each probe is one `sbp run` point (isolated process,
 status ok or oom), upserted to the results CSV as it finishes, so an interrupted search resumes
-from the CSV. The answer is one more row: kind maxlen, with the longest ok and shortest OOM.
+from the CSV. The answer is one more row: kind maxlen, with the longest ok and shortest OOM, the
+seed the search started from (a predicted max T, `seed`) and every answer it used, in order.
 
 A probe that times out stops the search (ProbeFailed), as an error does, and is not taken as an
 upper bound: the answer is read as a memory limit (the paper's max T, the ratio to ckpt), and a
@@ -11,7 +12,7 @@ message says to rerun with a larger --timeout, and the probes so far are kept fo
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from datetime import UTC, datetime
 
 from ..config import MaxlenSpec, RunSpec
@@ -20,9 +21,12 @@ from ..records import ResultRow, decode_row, read_rows, row_key, upsert_rows
 from ..records.select import is_oom
 from ..workload.rows import spec_key
 from .isolated import run_isolated
-from .length_search import search_max_len
+from .length_search import Probe, answered, search_max_len
 
 Measure = Callable[[RunSpec, Environment], ResultRow]
+# The predicted longest fit for a search's probes (`sbp estimate`'s, run by the caller: the runner
+# does not import the estimator), or None for no prediction (the search then grows blind).
+Seed = Callable[[MaxlenSpec], int | None]
 
 
 class ProbeFailed(RuntimeError):
@@ -60,9 +64,17 @@ def cached_probes(search: MaxlenSpec, out, *, device_name: str, source: str = "m
     return found
 
 
-def maxlen_row(search: MaxlenSpec, result, probe_rows: dict[int, ResultRow]) -> ResultRow:
-    """The answer as a row: the probe settings, kind maxlen, no seq_len, and the memory columns of
-    the longest ok probe."""
+def probe_record(probes: list[Probe]) -> str:
+    """The answers a search used, in order: "61440:ok 62464:oom", with "(cached)" after one no probe
+    of this search ran (an earlier run's row, or settled by a longer ok or a shorter OOM)."""
+    return " ".join(f"{p.seq_len}:{'ok' if p.fits else 'oom'}{'' if p.ran else '(cached)'}" for p in probes)
+
+
+def maxlen_row(
+    search: MaxlenSpec, result, probe_rows: dict[int, ResultRow], seed_seq_len: int | None = None
+) -> ResultRow:
+    """The answer as a row: the probe settings, kind maxlen, no seq_len, the seed and the probes,
+    and the memory columns of the longest ok probe."""
     # a probe of this search (the latest) gives every column but the probe's own length and numbers
     template = max(probe_rows.values(), key=lambda r: r.timestamp_utc)
     row = ResultRow(**{**template.as_dict(), "warmup_steps": search.base.warmup, "repeats": search.base.repeats})
@@ -72,6 +84,7 @@ def maxlen_row(search: MaxlenSpec, result, probe_rows: dict[int, ResultRow]) -> 
         row.error = f"even T={result.min_oom} does not fit"
     row.max_seq_len, row.oom_seq_len = result.max_ok, result.min_oom
     row.search_resolution, row.num_probes = str(search.resolution), len(result.probes)
+    row.seed_seq_len, row.search_probes = seed_seq_len, probe_record(result.probes)
     best = probe_rows.get(result.max_ok)
     for column in ("loss", "num_tokens", "time_median_s", "time_min_s", "time_max_s", "tokens_per_s", "tflops_per_s"):
         setattr(row, column, None)
@@ -97,18 +110,22 @@ def find_max_len(
     device_name: str | None = None,
     source: str = "measured",
     resume: bool = True,
-    known: Mapping[int, ResultRow] | None = None,
     on_probe: Callable[[ResultRow], None] | None = None,
+    seed: Seed | None = None,
+    first_multiple: int | None = None,
 ) -> ResultRow:
     """Search, probing through `measure` (a real isolated run, or a simulation), and upsert the
-    probes and the answer row to `out`. known: probe rows of this search by length, taken as
-    answered whether or not `resume` reads the CSV (a first pass's probes). on_probe(row) sees
-    each probe that ran (not cached or known ones)."""
+    probes and the answer row to `out`. on_probe(row) sees each probe that ran (not the cached
+    ones). seed: where the search starts (length_search.py), asked only when
+    search.seed_from_estimate and the cached answers leave something open. first_multiple: probe
+    first only lengths that are multiples of it (a simulated search's, whose short runs they
+    share), then the rest of the bracket at search.multiple_of."""
     env = env or capture_environment(search.base.device)
     device_name = device_name if device_name is not None else env.device_name
     rows = cached_probes(search, out, device_name=device_name, source=source) if resume else {}
-    rows |= known or {}
-    cached = {seq_len: probe_answer(row.as_dict()) for seq_len, row in rows.items()}
+
+    def answers() -> dict[int, bool]:
+        return {seq_len: probe_answer(row.as_dict()) for seq_len, row in rows.items()}
 
     def probe(seq_len: int) -> bool:
         row = measure(search.probe(seq_len), env)
@@ -125,20 +142,25 @@ def find_max_len(
             raise ProbeFailed(f"{search.method} at T={seq_len}: {row.status}: {row.error}{hint}")
         return answer
 
+    bounds = {"ceiling": search.seq_len_ceiling, "resolution": search.resolution}
+    still_open = not answered(answers(), **bounds, multiple_of=search.multiple_of)
+    seed_seq_len = seed(search) if seed is not None and search.seed_from_estimate and still_open else None
     try:
+        if first_multiple is not None and first_multiple > search.multiple_of:
+            search_max_len(probe, start=search.start, cached=answers(), multiple_of=first_multiple, **bounds)
         result = search_max_len(
             probe,
             start=search.start,
-            ceiling=search.seq_len_ceiling,
-            resolution=search.resolution,
-            cached=cached,
+            cached=answers(),
             multiple_of=search.multiple_of,
+            seed=seed_seq_len,
+            **bounds,
         )
     except _Unsupported as refused:  # the answer row says so, with the reason
         answer = ResultRow(**{**refused.row.as_dict(), "kind": "maxlen", "seq_len": None, "num_probes": 1})
         answer.search_resolution = str(search.resolution)
     else:
-        answer = maxlen_row(search, result, rows)
+        answer = maxlen_row(search, result, rows, seed_seq_len)
     if out is not None:
         upsert_rows(out, [answer])
     return answer

@@ -22,7 +22,7 @@ from ..records.schema import SKIPPED_OOM, SKIPPED_TIMEOUT
 from ..records.select import is_oom
 from ..workload.rows import provenance, spec_fields, spec_key
 from .isolated import run_isolated
-from .maxlen import Measure, find_max_len
+from .maxlen import Measure, Seed, find_max_len
 
 # Rows a resumed sweep keeps; an error is retried (a fixed bug or a freed device may cure it).
 DONE_STATUSES = ("ok", "oom", "skipped", "timeout", "unsupported")
@@ -135,9 +135,11 @@ def run_sweep(
     on_start: Callable[[Job], None] | None = None,
     on_probe: Callable[[Job, ResultRow], None] | None = None,
     on_done: Callable[[Job, ResultRow], None] | None = None,
+    seed: Seed | None = None,
 ) -> list[ResultRow]:
     """Run the jobs not yet done, in order; each result is in `out` before the next job starts.
-    A maxlen job's probes are cached in `out` too. Returns the new rows (answers, not probes)."""
+    A maxlen job's probes are cached in `out` too, and it starts from `seed` where its
+    seed_from_estimate says so (runner/maxlen.py). Returns the new rows (answers, not probes)."""
     todo = [job for job in jobs if not job.done]
     if not todo:
         return []
@@ -155,7 +157,7 @@ def run_sweep(
                 if on_probe:
                     on_probe(job, row)
 
-            row = find_max_len(job.point, out, measure=measure, env=env, on_probe=told)
+            row = find_max_len(job.point, out, measure=measure, env=env, on_probe=told, seed=seed)
         else:
             spec = job.point
             proof = bounds.certain(job.key, spec.seq_len, spec.batch_size)

@@ -214,6 +214,14 @@ SETTINGS: dict[str, Setting] = {
         search=True,
     ),
     "multiple_of": Setting(int, "Probe lengths are multiples of this (default: 8).", default=8, minimum=1, search=True),
+    "seed_from_estimate": Setting(
+        bool,
+        "Start at `sbp estimate`'s predicted max T and probe beside it (default: on); --no-seed: double from "
+        "--seq, blind.",
+        default=True,
+        flags=("--seed-from-estimate/--no-seed",),  # --seed is the random seed's
+        search=True,
+    ),
 }
 
 # `sbp check`'s own choice of a point, over the defaults above: a real shape, two layers, fp64
