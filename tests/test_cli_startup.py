@@ -4,15 +4,18 @@ through Typer's public API."""
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import typer
 from typer.testing import CliRunner
 
+import sbpbench.cli
 from sbpbench.cli import peers_cmd, selftest_cmd
 from sbpbench.cli.errors import error_kind, user_errors
 from sbpbench.cli.flags import FLAGS
@@ -163,3 +166,28 @@ def test_user_errors_are_known_by_class_without_importing_them():
     assert exit_info.value.exit_code == 2
     with pytest.raises(KeyError), user_errors():
         raise KeyError("a bug, not a mistake")
+
+
+MAX_FUNCTION_LINES = 50  # a command parses, calls one library function and renders; the work is the runner's
+
+
+def long_functions(source: str, limit: int = MAX_FUNCTION_LINES) -> list[tuple[str, int]]:
+    """(name, lines) of each function in `source`, nested ones included, longer than `limit`
+    (from its def to its last line: signature, docstring and body)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            lines = node.end_lineno - node.lineno + 1
+            if lines > limit:
+                found.append((node.name, lines))
+    return found
+
+
+def test_no_function_of_the_cli_is_over_50_lines():
+    """Every function under sbpbench/cli, a command's included, fits 50 lines: orchestration lives in
+    the runner, and the checker sees a long one (a 51-line function is reported)."""
+    cli = Path(sbpbench.cli.__file__).parent
+    found = {path.name: long for path in sorted(cli.glob("*.py")) if (long := long_functions(path.read_text()))}
+    assert not found, f"move the work into sbpbench/runner (or split it): {found}"
+    body = "".join(f"    x = {i}\n" for i in range(49))
+    assert long_functions(f"def f():\n{body}") == [] and long_functions(f"def f():\n{body}    y = 0\n") == [("f", 51)]

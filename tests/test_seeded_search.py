@@ -1,7 +1,7 @@
 """A max-length search seeded with the estimator's predicted max T (runner/length_search.py): probe
 counts against fake monotone probes when the prediction is right, 10% or 50% wrong, past the
 ceiling or below the shortest length; resume; the seed and probes in the answer row; the seed's
-own rules (cli/simulated_search.py); and a real seeded search on the CPU (slow)."""
+own rules (runner/simulated_search.py); and a real seeded search on the CPU (slow)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from sbpbench.workload.rows import spec_fields
 from typer.testing import CliRunner
 
-import sbpbench.cli.simulated_search as simulated_search
+import sbpbench.runner.simulated_search as simulated_search
 import sbpbench.runner.isolated as isolated_module
 from sbpbench.cli import app
 from sbpbench.config import MaxlenSpec, Resolution
@@ -231,7 +231,7 @@ def test_an_experiment_files_searches_are_seeded_unless_it_says_otherwise(tmp_pa
 @pytest.fixture
 def fake_seeding(monkeypatch):
     """`sbp maxlen` with fake isolated points (ok up to T=300) and a fake simulated search that
-    answers 296; the seed's own rules (cli/simulated_search.py) run as they are."""
+    answers 296; the seed's own rules (runner/simulated_search.py) run as they are."""
     asked: list[MaxlenSpec] = []
 
     def measure(spec, env) -> ResultRow:

@@ -21,6 +21,7 @@ from .options import (
     predicted_gpu_point_helps,
     run_fields_but,
 )
+from .outcomes import fail_if
 from .progress import Progress
 from .tables import estimate_table, print_table
 
@@ -32,9 +33,13 @@ ESTIMATE_FIELDS = run_fields_but(
 )
 
 EstimateOutOpt = out_option("none, the table is only printed")
+TargetOpt = Annotated[
+    str,
+    typer.Option(metavar="[cuda|cpu]", help="cuda: predict a GPU run; cpu: reproduce what `sbp run --device cpu` measures."),
+]
 
 EXAMPLES = (  # the end of its help (options.py examples)
-    "sbp estimate --model Qwen/Qwen3-8B --seq 20000     # about 30 s on 2 cores",
+    "sbp estimate --model Qwen/Qwen3-8B --seq 20000     # each method's peak",
     "sbp estimate --model Qwen/Qwen3-4B --gpu-memory 24GiB --method all",
     "sbp estimate --model tiny/qwen3 --target cpu    # what sbp run measures",
 )
@@ -48,12 +53,7 @@ def estimate(
     settings: dict,
     methods: tuple[str, ...],
     gpu_memory: GpuMemoryOpt = None,
-    target: Annotated[
-        str,
-        typer.Option(
-            metavar="[cuda|cpu]", help="cuda: predict a GPU run; cpu: reproduce what `sbp run --device cpu` measures."
-        ),
-    ] = "cuda",
+    target: TargetOpt = "cuda",
     exact: ExactOpt = False,
     out: EstimateOutOpt = None,
 ) -> None:
@@ -63,7 +63,7 @@ def estimate(
     attention kernels and allocator rounding modelled. Prints the breakdown, the phase of the
     peak and whether it fits --gpu-memory. Unless --exact, the step runs on a shallow model and at
     short lengths and is extrapolated to the full depth (sbpbench/simulate/depth.py) and length
-    (length.py), equal to the full run to the byte in tests: Qwen3-8B LoRA at T = 1M, 26 s."""
+    (length.py), equal to the full run to the byte in tests."""
     from ..config import point_specs
     from ..simulate import MARGIN_NOTE, TARGETS
     from ..simulate.depth import estimate_point_by_depth
@@ -95,5 +95,4 @@ def estimate(
             console.print(f"{row.method}: error: {escape(row.error)}", highlight=False, soft_wrap=True)
     if out is not None:
         console.print(f"{len(rows)} row(s) written to {out}", highlight=False)
-    if any(row.status == "error" for row in rows):
-        raise typer.Exit(1)
+    fail_if(any(row.status == "error" for row in rows))

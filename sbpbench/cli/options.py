@@ -26,6 +26,7 @@ from ..settings import POINT_SETTINGS, SETTINGS, ConfigError, default_of
 from ..settings.table import has_flag
 from .errors import user_errors
 from .flags import FLAGS, flags_of
+from .outcomes import OK
 
 NUMERIC = (int, float, (int, float))  # kinds read as text and parsed here: `--seq abc` is a one-line error
 CHOICES_IN_METAVAR = 24  # a longer [a|b|...] overflows the help's 30-column option field: named in the help instead
@@ -129,7 +130,7 @@ ReferenceOpt = Annotated[
 ]
 
 
-# `sbp sweep` and `sbp maxlen` (runner/budget.py); exit code BUDGET_EXIT when it stops them
+# `sbp sweep` and `sbp maxlen` (runner/budget.py); outcomes.BUDGET_SPENT (3) when it stops them
 BudgetOpt = Annotated[
     str | None,
     typer.Option(
@@ -138,7 +139,6 @@ BudgetOpt = Annotated[
         "with under 30 s left, and one it cuts is not kept; exit 3, and the same command resumes.",
     ),
 ]
-BUDGET_EXIT = 3
 
 
 # What `sbp estimate` and `sbp plan` fix in the point they predict: fake CPU tensors (fake CUDA
@@ -225,49 +225,60 @@ def point_command(
     as `settings`: a dict of the ones the user gave, and `methods`: the methods named by --method
     and the positional words after it."""
     helps, aliases = helps or {}, aliases or {}
-    keyword = inspect.Parameter.KEYWORD_ONLY
-
     flagged = tuple(name for name in fields if has_flag(name) or name in FORMER_KNOB_FLAGS)
     knobs = tuple(name for name in fields if SETTINGS[name].read_by)  # what --set takes
 
     def decorate(command: Callable) -> Callable:
-        hints = typing.get_type_hints(command, include_extras=True)  # a module's string annotations, resolved
-        parameters = [
-            inspect.Parameter(name, keyword, default=None, annotation=option(name, help=helps.get(name), aliases=also))
-            for name in flagged
-            for also in (aliases.get(name, ()),)
-        ]
-        if knobs:
-            parameters.append(inspect.Parameter("set_knobs", keyword, default=None, annotation=SetOpt))
-        if "method" in fields:
-            parameters.append(inspect.Parameter("more_methods", keyword, default=None, annotation=MoreMethodsArg))
-        parameters += [
-            p.replace(kind=keyword, annotation=hints.get(name, p.annotation))
-            for name, p in inspect.signature(command).parameters.items()
-            if name not in ("settings", "methods")
-        ]
-
         @functools.wraps(command)
         def with_options(**values):
             words = [*(values.pop("method", None) or []), *(values.pop("more_methods", None) or [])]
-            set_words = values.pop("set_knobs", None) or []
-            if "help" in set_words:
-                print(knob_lines(knobs))
-                raise typer.Exit(0)
-            settings = {name: values.pop(name) for name in flagged if name != "method"}
-            with user_errors():
-                numeric = [n for n, v in settings.items() if isinstance(v, str) and SETTINGS[n].kind in NUMERIC]
-                settings |= {name: parse_number(name, settings[name]) for name in numeric}
-                for name, value in parse_knobs(set_words, knobs).items():
-                    if settings.get(name) is not None:
-                        raise ValueError(f"{FLAGS[name]} given twice: by {flags_of(name)[0]} and by --set")
-                    settings[name] = value
-            given = {k: v for k, v in settings.items() if v is not None}
-            return command(settings=given, methods=parse_methods(words), **values)
+            settings = given_settings(values, flagged, knobs)
+            return command(settings=settings, methods=parse_methods(words), **values)
 
         # what Typer reads: this signature (inspect.signature returns __signature__) and its annotations
+        parameters = _parameters(command, fields, flagged, knobs, helps, aliases)
         with_options.__signature__ = inspect.Signature(parameters)
         with_options.__annotations__ = {p.name: p.annotation for p in parameters}
         return with_options
 
     return decorate
+
+
+def _parameters(command: Callable, fields, flagged, knobs, helps, aliases) -> list[inspect.Parameter]:
+    """The command's signature as Typer reads it: the settings' options, --set, the extra methods,
+    then the command's own parameters."""
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    hints = typing.get_type_hints(command, include_extras=True)  # a module's string annotations, resolved
+    parameters = [
+        inspect.Parameter(name, keyword, default=None, annotation=option(name, help=helps.get(name), aliases=also))
+        for name in flagged
+        for also in (aliases.get(name, ()),)
+    ]
+    if knobs:
+        parameters.append(inspect.Parameter("set_knobs", keyword, default=None, annotation=SetOpt))
+    if "method" in fields:
+        parameters.append(inspect.Parameter("more_methods", keyword, default=None, annotation=MoreMethodsArg))
+    return parameters + [
+        p.replace(kind=keyword, annotation=hints.get(name, p.annotation))
+        for name, p in inspect.signature(command).parameters.items()
+        if name not in ("settings", "methods")
+    ]
+
+
+def given_settings(values: dict, flagged: tuple[str, ...], knobs: tuple[str, ...]) -> dict[str, Any]:
+    """The settings given, taken out of `values` (the parsed options): numbers parsed, --set's knobs
+    added; `--set help` prints the knobs and exits."""
+    set_words = values.pop("set_knobs", None) or []
+    if "help" in set_words:
+        print(knob_lines(knobs))
+        raise typer.Exit(OK)
+    settings = {name: values.pop(name) for name in flagged if name != "method"}
+    with user_errors():
+        numeric = [n for n, v in settings.items() if isinstance(v, str) and SETTINGS[n].kind in NUMERIC]
+        settings |= {name: parse_number(name, settings[name]) for name in numeric}
+        for name, value in parse_knobs(set_words, knobs).items():
+            if settings.get(name) is not None:
+                raise ValueError(f"{FLAGS[name]} given twice: by {flags_of(name)[0]} and by --set")
+            settings[name] = value
+    return {k: v for k, v in settings.items() if v is not None}
+

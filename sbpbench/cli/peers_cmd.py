@@ -11,6 +11,7 @@ import typer
 
 from .errors import user_errors
 from .options import examples
+from .outcomes import FAILED, end
 
 # runner/official.py VENV_VARIABLE and DEFAULT_VENV, named here so that help imports no torch;
 # tests/test_cli_startup.py checks they agree
@@ -64,7 +65,7 @@ def setup(
         typer.echo("$ " + " ".join(command))
         if subprocess.run(command, check=False).returncode:
             typer.echo(f"error: the command above failed; {target} is incomplete", err=True)
-            raise typer.Exit(1)
+            end(FAILED)
     if path is not None:
         typer.echo(f"export {VENV_VARIABLE}={target}  # so that sbp finds it")
     typer.echo(f"ready: {target}")

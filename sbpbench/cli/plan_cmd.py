@@ -21,6 +21,7 @@ from .options import (
     predicted_gpu_point_helps,
     run_fields_but,
 )
+from .outcomes import fail_if
 from .progress import Progress
 from .tables import print_table
 
@@ -100,7 +101,7 @@ def plan_command(
             console.print(f"{outcome.candidate.placement.name}: {outcome.bound}", highlight=False, soft_wrap=True)
     if chosen is None:
         console.print("[red]nothing fits[/]: a shorter --seq, LoRA, or more host memory", highlight=False)
-        raise typer.Exit(1)
+    fail_if(chosen is None)
     d = describe(chosen, spec.batch_size * spec.seq_len)
     console.print(
         f"plan: --checkpoints {d['checkpoints']} --chunk-size {d['chunk_size']} --logits-chunk-size "

@@ -9,6 +9,7 @@ import typer
 from rich.console import Console
 
 from .errors import user_errors
+from .outcomes import fail_if
 
 # runner/selftest.py GPU_BUDGET_S and CPU_BUDGET_S, named here so that help imports no torch;
 # tests/test_cli_startup.py checks they agree
@@ -62,5 +63,4 @@ def selftest(
     run_selftest(test, tests_dir=find_tests_dir(), echo=lambda line: console.print(line, highlight=False))
     summary = write_summary(test, env)
     console.print(f"summary: {summary}; rows and log beside it", highlight=False)
-    if any(o.failed for o in test.outcomes):
-        raise typer.Exit(1)
+    fail_if(any(o.failed for o in test.outcomes))

@@ -1,9 +1,8 @@
 """The max-length search on predicted probes (`sbp maxlen --simulate`), and the seed it gives a
 measured search (`sbp maxlen`, `sbp sweep`): the predicted max T for exactly the probes' point.
 
-Here and not in runner/ because it joins the two: runner's search (runner/maxlen.py) with
-simulate's probes (simulate/depth.py), and the layer map lets only the CLI import both. Torch and
-the estimator are imported inside the functions, as in every command (`sbp --help` loads neither).
+It joins runner's search (maxlen.py) with simulate's probes (simulate/depth.py). The estimator is
+imported inside the functions: a command that only parses its options loads none of it.
 """
 
 from __future__ import annotations
@@ -13,13 +12,13 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from .progress import duration
+from ..measure.units import duration
 
 if TYPE_CHECKING:
     from ..config import MaxlenSpec
     from ..records import ResultRow
-    from ..runner.budget import Budget
-    from ..runner.maxlen import Seed
+    from .budget import Budget
+    from .maxlen import Seed
 
 SIMULATED_DEVICE = {"cuda": "simulated GPU", "cpu": "simulated CPU"}  # what sbpbench.simulate writes as device_name
 Note = Callable[[str], None]
@@ -54,8 +53,8 @@ def simulated_max_len(search: MaxlenSpec, out, *, probing: dict, exact: bool = F
     """find_max_len on predicted probes: first the lengths that share their short runs (multiples
     of the layer chunk, simulate/length.py), then the rest of the bracket; `exact` runs each probe
     in full, so no length is cheaper than another."""
-    from ..runner.maxlen import find_max_len
     from ..simulate.length import shared_multiple
+    from .maxlen import find_max_len
 
     first = None if exact else shared_multiple(search)
     return find_max_len(search, out, first_multiple=first, **probing, **options)
@@ -69,9 +68,9 @@ def estimate_seed(*, capacity_bytes: int | None, budget: Budget | None = None, n
     measured one still could (runner/budget.py). note: one line per seed, with what it cost."""
     from ..measure.host_memory import total_ram_bytes
     from ..measure.memory_cap import memory_cap
-    from ..runner.budget import started_within
-    from ..runner.maxlen import ProbeFailed
     from ..simulate.length import EXTRAPOLATED_METHODS
+    from .budget import started_within
+    from .maxlen import ProbeFailed
 
     def seed(search: MaxlenSpec) -> int | None:
         spec = search.base
