@@ -197,3 +197,42 @@ def _refresh() -> None:
 
 if __name__ == "__main__":
     _refresh()
+
+
+# docs/architecture.md, "Writing prose": one idea per sentence, about 30 words at most
+PROSE_PAGES = ["README.md", *(f"docs/{p.name}" for p in sorted((ROOT / "docs").glob("*.md"))), "sbpbench/core/README.md"]
+FIRST_PAGES = ("README.md", "docs/architecture.md", "docs/settings.md", "docs/reproducing.md", "docs/placements.md",
+               "docs/objectives.md", "docs/experiments.md", "docs/results-schema.md", "docs/exactness.md")  # fmt: skip
+MEDIAN_WORDS, FIRST_PAGES_MAX_WORDS = 20, 50
+
+
+def sentences(markdown: str) -> list[str]:
+    """The sentences of a page's prose: not code blocks, indented blocks, tables or headings; each
+    list item on its own; a link as its text, inline code as one word."""
+    markdown = re.sub(r"```.*?```", "", markdown, flags=re.S)
+    blocks, current = [], []
+    for line in [*markdown.splitlines(), ""]:
+        text = line.strip()
+        item = re.match(r"([-*]|\d+\.)\s+", text)
+        if not text or line.startswith("    ") or text.startswith(("|", "#", "<!--")) or item:
+            blocks.append(" ".join(current))
+            current = [text[item.end() :]] if item else []
+        else:
+            current.append(text)
+    found = []
+    for block in blocks:
+        block = re.sub(r"`[^`]*`", "X", re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", block))
+        found += [s for s in re.split(r"(?<=[.!?])\s+(?=[A-Z(\[*X])", block) if len(s.split()) >= 3]
+    return found
+
+
+def test_sentences_are_short():
+    """The pages' median sentence is under 20 words and none of the first pages a newcomer reads runs
+    past 50; a long sentence, a list item and a code block are told apart."""
+    lengths = {page: [len(s.split()) for s in sentences((ROOT / page).read_text())] for page in PROSE_PAGES}
+    everything = sorted(n for page in lengths.values() for n in page)
+    assert everything[len(everything) // 2] <= MEDIAN_WORDS
+    long = {page: max(lengths[page]) for page in FIRST_PAGES if max(lengths[page]) > FIRST_PAGES_MAX_WORDS}
+    assert not long, f"split these pages' longest sentences (docs/architecture.md, Writing prose): {long}"
+    sample = "One two three four.\n- an item of four\n\n```\nno code counts here at all\n```\n    nor this one here\n"
+    assert sentences(sample) == ["One two three four.", "an item of four"]
