@@ -1,7 +1,7 @@
 """sbpbench: exact StreamBP and a benchmark of backpropagation methods on long sequences.
 
 Layer map: each package's job, then after "->" the packages of ours it may import besides itself.
-tests/test_layers.py reads the map from this docstring and fails on any other import of ours, at
+tests/unit/test_layers.py reads the map from this docstring and fails on any other import of ours, at
 module or function level or by a string (a loader's argument, a preload list), on an arrow no
 import uses, and on any import cycle between modules. A module that needs a back-edge is in the
 wrong package. Any module may import this root module (it runs before any of them anyway);

@@ -14,7 +14,7 @@ from .options import examples
 from .outcomes import FAILED, end
 
 # runner/official.py VENV_VARIABLE and DEFAULT_VENV, named here so that help imports no torch;
-# tests/test_cli_startup.py checks they agree
+# tests/cli/test_cli_startup.py checks they agree
 VENV_VARIABLE = "SBP_OFFICIAL_VENV"
 DEFAULT_VENV = "~/.cache/sbpbench/peers/official"
 

@@ -12,7 +12,7 @@ from .errors import user_errors
 from .outcomes import fail_if
 
 # runner/selftest.py GPU_BUDGET_S and CPU_BUDGET_S, named here so that help imports no torch;
-# tests/test_cli_startup.py checks they agree
+# tests/cli/test_cli_startup.py checks they agree
 BUDGET_S = {"cuda": 480.0, "cpu": 480.0}
 MIN_BUDGET_S = 30.0  # runner/budget.py MIN_START_S: less starts no step
 

@@ -198,7 +198,7 @@ def _config(model: str):
 
 # The names a point's settings go by everywhere (CLI option names, experiment-file keys): the
 # table's point settings, which are RunSpec's fields with MethodSettings' in place of `settings`
-# (tests/test_settings.py checks); the table checks those it declares a check for.
+# (tests/unit/test_settings.py checks); the table checks those it declares a check for.
 FIELD_NAMES: tuple[str, ...] = POINT_SETTINGS
 SPEC_CHECKED = tuple(f.name for f in fields(RunSpec) if f.name in POINT_SETTINGS and f.name != "method")
 

@@ -3,7 +3,7 @@
 The estimator follows a step's phases and attention state (simulate/), the runner counts the
 checkpoint stores and the chunk kernels that ran (runner/point.py), and the peers reuse the
 chunked head and the model's parts (methods/). Those are internals: they may change with the algorithm. Naming them here, in one
-list, keeps that use explicit. tests/test_layers.py refuses any other import of a core submodule
+list, keeps that use explicit. tests/unit/test_layers.py refuses any other import of a core submodule
 from outside core.
 """
 

@@ -1,5 +1,5 @@
 """The knobs a method may read: MethodSettings, one field per method knob of the settings table
-(sbpbench/settings, those with `read_by`), in its order. tests/test_settings.py checks that the
+(sbpbench/settings, those with `read_by`), in its order. tests/unit/test_settings.py checks that the
 fields are the table's knobs and take the values it declares.
 
 In a spec and its results row the knobs a method does not read are None, so a method's key holds

@@ -1,7 +1,7 @@
 """The results schema: one dataclass whose fields, in order, are the CSV columns.
 
 The method settings' columns are the settings table's method knobs (sbpbench/settings), in its
-order; tests/test_settings.py checks that they are.
+order; tests/unit/test_settings.py checks that they are.
 
 Raw units live in the column names (`*_bytes`, `*_s`); GiB exist only on screen. Every row
 carries its provenance (when, where, which versions and commit, every setting that changes the

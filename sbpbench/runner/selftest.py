@@ -221,7 +221,7 @@ def _offload_point(test: Selftest, placement: str, config) -> Step:
 
 def quick_test_files(tests_dir: Path) -> list[Path]:
     """The test files that mark a test `quick` (named, so pytest imports only them)."""
-    return [p for p in sorted(tests_dir.glob("test_*.py")) if "pytest.mark.quick" in p.read_text()]
+    return [p for p in sorted(tests_dir.rglob("test_*.py")) if "pytest.mark.quick" in p.read_text()]
 
 
 def _tests(test: Selftest, tests_dir: Path) -> Step:
@@ -451,7 +451,7 @@ def _line(outcome: Outcome) -> str:
 def find_tests_dir() -> Path | None:
     """The repository's tests/ beside the package (an editable install), or None (a wheel)."""
     tests = Path(__file__).resolve().parents[2] / "tests"
-    return tests if (tests / "test_gpu.py").exists() else None
+    return tests if (tests / "gpu" / "test_gpu.py").exists() else None
 
 
 def _rows(path: Path) -> list[dict]:

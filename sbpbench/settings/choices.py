@@ -1,7 +1,7 @@
 """The names a choice setting takes, as plain strings: the CLI lists them without importing the
 torch code behind them. The registries import them from here (data: OBJECTIVES, methods: STEPS,
 config: PROTOCOLS); the method registry and the dtype table keep their own keys, and
-tests/test_settings.py checks that those equal METHOD_NAMES and DTYPE_NAMES."""
+tests/unit/test_settings.py checks that those equal METHOD_NAMES and DTYPE_NAMES."""
 
 from __future__ import annotations
 

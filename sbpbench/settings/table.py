@@ -9,7 +9,7 @@ of experiment files (config/experiment.py), the generic checks and the defaults 
 reads (methods/settings.py, methods/registry.py), and the method-setting columns of the results
 (records/schema.py). Adding a setting is one entry here plus its test (docs/settings.md walks
 through one); a setting the runner reads, not a method, also has its typed field on RunSpec (or
-MaxlenSpec) defaulting to `default_of(name)`. tests/test_settings.py checks that the names agree
+MaxlenSpec) defaulting to `default_of(name)`. tests/unit/test_settings.py checks that the names agree
 and that no module outside this package writes a list of setting names by hand.
 """
 

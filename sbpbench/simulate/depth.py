@@ -6,7 +6,7 @@ affine in the depth L: weights, gradients and optimizer moments per layer, plus 
 stays alive at the peak (bp: its saved activations; ckpt and streambp: its input checkpoint),
 while the peak itself happens in a phase that does not depend on L (the head, or the top layer's
 backward). So the full-depth value is v(2) + (L - 2) * (v(3) - v(2)); with recompute:K, along depths of one
-remainder mod K (`probe_depths`). tests/test_simulate_depth.py checks this against full-depth runs
+remainder mod K (`probe_depths`). tests/estimator/test_simulate_depth.py checks this against full-depth runs
 to the byte; models whose layers differ (Gemma 3's sliding
 and global layers) are always run at full depth.
 

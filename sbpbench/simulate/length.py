@@ -19,7 +19,7 @@ Refused (None; the caller runs the step at T), with the reason: when the phase o
 between the sample lengths (they straddle a change of regime), when a sample's peak is at an
 instant the other samples lack, when an instant names different ops at two lengths, or when the
 sample lengths are not shorter than T; and for the peers that loop over chunks of their own
-(EXTRAPOLATED_METHODS). tests/test_simulate_length.py compares the prediction with the full run at
+(EXTRAPOLATED_METHODS). tests/estimator/test_simulate_length.py compares the prediction with the full run at
 T to the byte over grids of T, remainders by each chunk size included.
 
 Depth extrapolation (depth.py) composes with this: its shallow models are each predicted at T from

@@ -23,7 +23,7 @@ from sbpbench.records import NotWritable, ResultRow, RowsNotSaved, check_writabl
 from sbpbench.records.exactness import ExactnessRow, write_exactness
 from sbpbench.runner import run_points
 
-from .conftest import cli_env
+from ..conftest import cli_env
 
 runner = CliRunner()
 TINY = ["--model", "tiny/qwen3", "--seq", "16", "--method", "bp"]

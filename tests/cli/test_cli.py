@@ -59,7 +59,7 @@ def test_console_script_is_installed():
 
 def test_check_grpo_and_dpo_with_lora():
     """`sbp check --objective grpo|dpo --lora-rank 4`: ckpt and streambp exact on a tiny model (the
-    peers: tests/test_peers.py)."""
+    peers: tests/exactness/test_peers.py)."""
     for objective in ("grpo", "dpo"):
         args = ["check", "--model", "tiny/llama", "--seq", "30", "--chunk-size", "7", "--objective", objective]
         args += ["--method", "ckpt", "streambp"]

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from sbpbench.cli import app
 from sbpbench.records import read_rows
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 runner = CliRunner()
 
 

@@ -17,7 +17,7 @@ from sbpbench.cli.options import parse_methods
 from sbpbench.records import COLUMNS, PROVENANCE_COLUMNS, ResultRow, read_rows, upsert_rows
 from sbpbench.workload.rows import spec_fields
 
-from .conftest import cli_env
+from ..conftest import cli_env
 
 runner = CliRunner()
 TINY = ["--model", "tiny/qwen3", "--seq", "48", "--repeats", "1", "--warmup", "0"]

@@ -1,7 +1,7 @@
 """README.md and the docs: every relative link resolves, and each generated block (README's results
 tables, the H100 study's report) is what `sbp report` prints from the committed rows.
 
-Run `python tests/test_docs.py` to rewrite every block from those rows (then read the diff).
+Run `python tests/cli/test_docs.py` to rewrite every block from those rows (then read the diff).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if __name__ == "__main__":  # run as a script: import the checkout's sbpbench
     sys.path.insert(0, str(ROOT))
 
@@ -153,8 +153,8 @@ def test_link_check_sees_a_broken_link(tmp_path, monkeypatch):
 @pytest.mark.parametrize("page, name, make", BLOCKS, ids=[name for _, name, _ in BLOCKS])
 def test_generated_blocks_are_the_reports(page, name, make):
     """Each generated block (README's CPU glance table and GPU points table, the H100 study's report)
-    equals what `sbp report` makes now from the committed rows; refresh with `python tests/test_docs.py`."""
-    assert _block(page.read_text(), name) == make(), f"{page.name} {name}: stale: run `python tests/test_docs.py`"
+    equals what `sbp report` makes now from the committed rows; refresh with `python tests/cli/test_docs.py`."""
+    assert _block(page.read_text(), name) == make(), f"{page.name} {name}: stale: run `python tests/cli/test_docs.py`"
 
 
 def test_a_changed_row_makes_the_gpu_points_block_stale(tmp_path, monkeypatch):

@@ -16,7 +16,7 @@ from sbpbench.records import load_results, upsert_rows
 from sbpbench.records.reference import load_reference
 from tests.fixtures.make_results import fixture_rows
 
-FIXTURE = Path(__file__).parent / "fixtures" / "results.csv"
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "results.csv"
 PIXELS = (600, 800)  # style.FIGSIZE_IN (8 x 6 in) at style.DPI (100)
 EXPECTED_STEMS = {
     # (e) max T vs time per token, one point per method: the capped H200 has both kinds of rows
@@ -105,6 +105,7 @@ def test_truncated_model_named_by_depth_without_paper_marks(tmp_path):
     assert "Qwen/Qwen3-8B (4 layers): peak memory (GiB)" in svg and "paper" not in svg
 
 
+@pytest.mark.slow  # over 3 s on 2 cores
 def test_sbp_plot_knows_model_depths(tmp_path):
     """`sbp plot` reads each model's full depth from the registry, as plot_all(full_depth=...) does."""
     out = tmp_path / "plots"
@@ -215,7 +216,7 @@ def test_token_counts_read_as_the_paper_writes_them():
     assert len(markers) == 5
 
 
-GPU_ROWS = Path(__file__).parent.parent / "results" / "gpu" / "NVIDIA-H100-80GB-HBM3"
+GPU_ROWS = Path(__file__).parents[2] / "results" / "gpu" / "NVIDIA-H100-80GB-HBM3"
 
 
 def test_measured_on_predicted_draws_gpu_peaks_on_the_estimates(tmp_path):

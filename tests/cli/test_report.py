@@ -16,7 +16,7 @@ from sbpbench.records.store import encode_row
 from sbpbench.report import glance_markdown, markdown_report
 from tests.fixtures.make_results import fixture_rows
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).parents[1] / "fixtures"
 FIXTURE, EXPECTED = FIXTURES / "results.csv", FIXTURES / "expected_report.md"
 runner = CliRunner()
 CAPPED = "NVIDIA H200, limit 80 GiB, steady"
@@ -246,7 +246,7 @@ def test_glance_without_peers_says_so(table):
     assert glance_markdown(table) == "No measured rows of a peer method: no summary table.\n"
 
 
-GPU_ROWS = Path(__file__).parent.parent / "results" / "gpu" / "NVIDIA-H100-80GB-HBM3"
+GPU_ROWS = Path(__file__).parents[2] / "results" / "gpu" / "NVIDIA-H100-80GB-HBM3"
 
 
 def test_points_put_each_gpu_peak_beside_its_estimate_and_the_paper(report_text):

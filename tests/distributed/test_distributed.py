@@ -10,20 +10,16 @@ rank 0 sends full gradients and collective counts back to the parent.
 from __future__ import annotations
 
 import os
-import queue as queue_module
-import socket
-import traceback
 from dataclasses import replace
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from sbpbench.data import make_batch
 
-from .conftest import tiny_model
+from ..conftest import tiny_model
+from .ranks import WORLD, run_distributed, serve_cases
 
-WORLD = 2
 SEQ = 24
 # Collectives FSDP2 issues (torch 2.13 calls the *_single names; older ones the others).
 _COLLECTIVES = {
@@ -245,55 +241,7 @@ def _worker(rank, port, cases, queue):
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        for case in cases:
-            grads, counts = _run_case(case, rank)
-            if rank == 0:
-                queue.put((case["name"], grads, counts, None))
-    except Exception:
-        queue.put((None, None, None, f"rank {rank}: {traceback.format_exc()}"))
-    finally:
-        dist.destroy_process_group()
-        queue.close()
-        queue.join_thread()  # flush what was put before leaving without the interpreter's exit
-        os._exit(0)  # gloo can abort at interpreter exit ("terminate called without an active exception")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def run_distributed(cases, timeout_s: float = 240.0, target=None) -> dict:
-    """Run `cases` in one spawn of WORLD gloo workers (`target(rank, port, cases, queue)`, default this
-    module's FSDP2 worker); {name: (full grads, counts)} from rank 0."""
-    context = mp.get_context("spawn")
-    queue = context.Queue()
-    port = _free_port()
-    workers = [context.Process(target=target or _worker, args=(rank, port, cases, queue)) for rank in range(WORLD)]
-    for worker in workers:
-        worker.start()
-    results, waited = {}, 0.0
-    try:
-        while len(results) < len(cases):
-            try:
-                name, grads, counts, error = queue.get(timeout=1.0)
-            except queue_module.Empty:
-                waited += 1.0
-                dead = [w.exitcode for w in workers if not w.is_alive()]
-                if dead or waited > timeout_s:
-                    raise AssertionError(f"workers exited ({dead}) or timed out after {len(results)} cases") from None
-                continue
-            if error is not None:
-                raise AssertionError(error)
-            results[name] = ({key: torch.from_numpy(value) for key, value in grads.items()}, counts)
-    finally:
-        for worker in workers:
-            worker.join(timeout=30)
-            if worker.is_alive():
-                worker.kill()
-    return results
+    serve_cases(rank, cases, queue, _run_case, finish=dist.destroy_process_group)
 
 
 @pytest.fixture(scope="module")
@@ -301,7 +249,7 @@ def results():
     pytest.importorskip("torch.distributed.fsdp")
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("torch built without gloo")
-    return run_distributed(CASES)
+    return run_distributed(CASES, target=_worker)
 
 
 def _assert_close(name, grads, reference, tolerance=1e-5):

@@ -2,7 +2,7 @@
 gradient is reduced once and (ZeRO-3) each parameter gathered once per pass, whatever the chunk
 count (core/grad_sync_deepspeed.py).
 
-As in tests/test_distributed.py: each rank trains on its own batch; the reference is standard BP in
+As in tests/distributed/test_distributed.py: each rank trains on its own batch; the reference is standard BP in
 one process, rank-averaged and micro-batch-summed, divided by gradient_accumulation_steps as
 engine.backward does. All cases run in one spawn of two workers; rank 0 sends full gradients
 (deepspeed.utils.safe_get_full_grad) and the collectives DeepSpeed issued back to the parent.
@@ -11,13 +11,11 @@ Skipped where DeepSpeed is not installed (`pip install -e ".[deepspeed]"`, run i
 
 from __future__ import annotations
 
-import os
-import traceback
-
 import pytest
 import torch
 
-from .test_distributed import WORLD, _assert_close, _batch, _model, _reference, run_distributed
+from .ranks import deepspeed_rank, run_distributed, serve_cases
+from .test_distributed import _assert_close, _batch, _model, _reference
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is an optional extra: pip install -e '.[deepspeed]'")
 
@@ -196,47 +194,12 @@ def _run_case(case, rank):
     return grads, dict(counter.counts)
 
 
-def deepspeed_rank(rank: int, port: int) -> None:
-    """Make this spawned process rank `rank` of WORLD for DeepSpeed on CPU (the environment variables
-    deepspeed and Accelerate read), before any process group exists."""
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(WORLD),
-        OMP_NUM_THREADS="1",
-        DS_ACCELERATOR="cpu",
-    )
-    import logging
-    import sys
-
-    import deepspeed
-
-    deepspeed.utils.logger.setLevel(logging.WARNING)
-    torch.set_num_threads(1)
-    # The CPU accelerator JIT-compiles a shared-memory all-reduce op on first use (a minute of g++ on
-    # 2 cores, then a file lock on ~/.cache/torch_extensions); gloo alone is what is tested here.
-    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # deepspeed.comm.torch is torch itself
-
-
 def _worker(rank, port, cases, queue):
     import deepspeed
 
     deepspeed_rank(rank, port)
     deepspeed.init_distributed(dist_backend="gloo")
-    try:
-        for case in cases:
-            grads, counts = _run_case(case, rank)
-            if rank == 0:
-                queue.put((case["name"], grads, counts, None))
-    except Exception:
-        queue.put((None, None, None, f"rank {rank}: {traceback.format_exc()}"))
-    finally:
-        torch.distributed.destroy_process_group()
-        queue.close()
-        queue.join_thread()
-        os._exit(0)  # gloo can abort at interpreter exit ("terminate called without an active exception")
+    serve_cases(rank, cases, queue, _run_case, finish=torch.distributed.destroy_process_group)
 
 
 @pytest.fixture(scope="module")

@@ -7,20 +7,17 @@ only (see CASES).
 
 FSDP2 through Accelerate is not run here: Accelerate turns FSDP on only for GPU process groups. The
 layout it gives (embedding and [final norm, lm_head] in units of their own) is tested on CPU ranks
-in tests/test_distributed.py ("accelerate" cases)."""
+in tests/distributed/test_distributed.py ("accelerate" cases)."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
-import traceback
 
 import pytest
 import torch
 
-from .test_distributed import run_distributed
-from .test_distributed_deepspeed import deepspeed_rank
+from .ranks import deepspeed_rank, run_distributed, serve_cases
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is an optional extra: pip install -e '.[deepspeed]'")
 
@@ -41,8 +38,8 @@ def _train(case, streambp: bool, rank: int) -> dict:
 
     from sbpbench import integrations
 
-    from .conftest import tiny_model
-    from .test_trainers import _common, _pad_collator, _token_rows
+    from ..conftest import tiny_model
+    from ..exactness.test_trainers import _common, _pad_collator, _token_rows
 
     model = tiny_model("tiny/qwen3", torch.float32)  # before the config: ZeRO-3 would partition it at init
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
@@ -75,19 +72,15 @@ def _train(case, streambp: bool, rank: int) -> dict:
     return updates
 
 
+def _both(case, rank):
+    """The stock trainer's updates and StreamBP's, as one result."""
+    stock, ours = _train(case, False, rank), _train(case, True, rank)
+    return {**stock, **{f"streambp:{k}": v for k, v in ours.items()}}, {}
+
+
 def _worker(rank, port, cases, queue):
     deepspeed_rank(rank, port)  # the Trainer's Accelerator starts the process group (HF_HUB_OFFLINE: conftest's)
-    try:
-        for case in cases:
-            stock, ours = _train(case, False, rank), _train(case, True, rank)
-            if rank == 0:
-                queue.put((case["name"], {**stock, **{f"streambp:{k}": v for k, v in ours.items()}}, {}, None))
-    except Exception:
-        queue.put((None, None, None, f"rank {rank}: {traceback.format_exc()}"))
-    finally:
-        queue.close()
-        queue.join_thread()
-        os._exit(0)  # gloo can abort at interpreter exit
+    serve_cases(rank, cases, queue, _both)
 
 
 @pytest.fixture(scope="module")

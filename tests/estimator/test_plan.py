@@ -157,6 +157,7 @@ def test_the_page_locking_rate_is_measured_where_rows_record_it(tmp_path):
     assert "pinning_bytes_s" in fitted.measured
 
 
+@pytest.mark.slow  # over 3 s on 2 cores
 def test_bounds_rule_out_what_cannot_fit_without_a_simulation(monkeypatch):
     """Qwen3-8B at T = 1M on 80 GiB and 100 GiB of host: every candidate whose resident bytes plus the
     layer inputs it holds at once exceed the GPU, or whose host copies exceed the host, is ruled out
@@ -178,6 +179,7 @@ def test_bounds_rule_out_what_cannot_fit_without_a_simulation(monkeypatch):
     assert first not in bounds and Placement.parse(first).offload
 
 
+@pytest.mark.slow  # over 3 s on 2 cores
 def test_a_spill_twin_is_estimated_first_and_bounds_its_placement(monkeypatch):
     """cpu+recompute:4 needs an estimate: its spill twin (fewer layer inputs on the device) is
     estimated first; its peak in the top layer's backward plus the two more layer inputs the twin

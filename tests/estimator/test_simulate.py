@@ -255,7 +255,7 @@ FIGURE3 = [  # (model, method, the paper's longest T on one 80 GB GPU)
 
 def _paper_baseline_fits(model: str, method: str, seq_len: int) -> bool:
     """Whether the paper's baseline fits 80 GiB, predicted from two shallow models as `sbp estimate`
-    does (simulate/depth.py: exact for uniform layers, tests/test_simulate_depth.py)."""
+    does (simulate/depth.py: exact for uniform layers, tests/estimator/test_simulate_depth.py)."""
     spec = RunSpec(model=model, method=method, seq_len=seq_len, dtype="bf16", repeats=1)
     row = estimate_point_by_depth(spec, target="cuda", gpu_memory_bytes=GPU_80GIB, method=PAPER_METHODS[method])
     assert row.status in ("ok", "oom"), row.error

@@ -84,6 +84,7 @@ def test_sample_lengths_share_the_remainder_and_end_in_four_chunks():
     assert sample_lengths(grpo)[0] > 2 * 40  # the prompt whole (it is capped at T // 2)
 
 
+@pytest.mark.slow  # over 3 s on 2 cores
 def test_streambp_peak_at_t_from_two_short_runs_equals_the_full_run():
     """tiny/qwen3 StreamBP on a GPU at T = 401 from T = 209 and 305: every column to the byte."""
     _assert_extrapolated_equals_full(_spec("tiny/qwen3", "streambp", 401))
@@ -170,6 +171,7 @@ def test_depth_of_length_extrapolated_rows_equals_the_full_run():
             assert getattr(row, column) == getattr(full, column), (exact, column)
 
 
+@pytest.mark.slow  # over 3 s on 2 cores
 def test_exact_runs_the_full_step_without_extrapolating(monkeypatch):
     """estimate_point_by_depth(exact=True) never extrapolates in length (nor in depth): the full run's row."""
     from sbpbench.simulate import length

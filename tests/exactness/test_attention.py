@@ -102,7 +102,7 @@ def test_a_chunk_attends_through_a_view_of_the_buffers_not_a_copy(monkeypatch, f
     from sbpbench.core import layer_backward, stream_backward
     from sbpbench.data import make_batch
 
-    from .conftest import tiny_model
+    from ..conftest import tiny_model
 
     buffers, calls = [], []
     capture = layer_backward._capture_keys_values

@@ -14,7 +14,7 @@ import torch
 from sbpbench.core.chunk_kernels import ChunkKernel
 from sbpbench.measure.flops import chunk_attention_flops
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "attention_kernels.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "attention_kernels.py"
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import torch
 from sbpbench.methods import MethodSettings, run_method
 from sbpbench.methods.exactness import step_gradients
 
-from .conftest import padded_batch, tiny_model
+from ..conftest import padded_batch, tiny_model
 
 SETTINGS = MethodSettings(chunk_size=8, logits_chunk_size=8)
 BF16_SUMS = MethodSettings(chunk_size=8, logits_chunk_size=8, fp32_grad_accumulation=False)

@@ -30,7 +30,7 @@ from sbpbench.methods import MethodSettings
 from sbpbench.methods.exactness import compare_methods
 from sbpbench.settings.choices import CHUNK_ATTENTION
 
-from .conftest import FAMILIES, left_padded_batch, packed_rows, padded_batch, tiny_model
+from ..conftest import FAMILIES, left_padded_batch, packed_rows, padded_batch, tiny_model
 from .test_layouts import DOCS, SEQ_LEN, SPANS, assert_same, per_document_step, streamed_step
 
 # (start, end, key_start) of a chunk's queries and the first key they see; windows that cut or not

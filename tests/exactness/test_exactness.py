@@ -9,7 +9,7 @@ from sbpbench.data import SFTBatch
 from sbpbench.methods import MethodSettings, run_method
 from sbpbench.methods.exactness import compare_methods
 
-from .conftest import FAMILIES, padded_batch, tiny_model
+from ..conftest import FAMILIES, padded_batch, tiny_model
 
 # name -> (batch size, T, real lengths per row or None for no padding, chunk, logits chunk, config overrides)
 CASES = {

@@ -25,7 +25,7 @@ from sbpbench.methods.exactness import (
 from sbpbench.methods.hf_baseline import bp
 from sbpbench.methods.registry import METHODS, Method
 
-from .conftest import padded_batch, tiny_model
+from ..conftest import padded_batch, tiny_model
 
 SETTINGS = MethodSettings(chunk_size=7, logits_chunk_size=9)
 PERTURBED = "model.layers.1.self_attn.k_norm.weight"  # a small tensor, like the one the H100 flagged

@@ -18,7 +18,7 @@ from sbpbench.core.placement import CheckpointStore, Placement, observe_stores
 from sbpbench.data import make_batch
 from sbpbench.runner.point import is_out_of_memory
 
-from .cuda_standin import RecordingCalls, route_stores
+from ..cuda_standin import RecordingCalls, route_stores
 from .test_placement import NUM_LAYERS, _deep_model, _step
 
 
@@ -162,6 +162,7 @@ def test_the_planner_counts_registration_in_the_first_step_only(monkeypatch, che
     assert found[Placement(), 500].time.first_step_pinning_s == 0
 
 
+@pytest.mark.slow  # over 3 s on 2 cores
 def test_a_measured_point_records_its_first_steps_registration(monkeypatch):
     """measure_point on the stand-in: host_register_s is the first step's page-locking (one buffer
     per layer input, registered once across the point's memory, warm-up and timed steps); a failed

@@ -18,7 +18,7 @@ from sbpbench.core.stream import _streaming_mode
 from sbpbench.data import make_batch
 from sbpbench.models import apply_lora
 
-from .conftest import FAMILIES, tiny_model
+from ..conftest import FAMILIES, tiny_model
 
 # windows shorter than T, so that the sliding_window each capture records matters
 WINDOWED = {

@@ -22,7 +22,7 @@ from sbpbench.methods.exactness import compare_methods, compare_step
 from sbpbench.methods.hf_baseline import hf_forward_backward
 from sbpbench.models import apply_lora
 
-from .conftest import FAMILIES, left_padded_batch, packed_rows, tiny_model
+from ..conftest import FAMILIES, left_padded_batch, packed_rows, tiny_model
 from .test_placement import PLACEMENTS, _deep_model
 
 SEQ_LEN = 29

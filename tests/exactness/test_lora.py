@@ -14,7 +14,7 @@ from sbpbench.methods import MethodSettings, run_method
 from sbpbench.methods.exactness import compare_methods
 from sbpbench.models import apply_lora
 
-from .conftest import FAMILIES, padded_batch, tiny_model
+from ..conftest import FAMILIES, padded_batch, tiny_model
 from .test_model_unchanged import _snapshot
 
 peft = pytest.importorskip("peft")

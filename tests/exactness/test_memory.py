@@ -8,7 +8,7 @@ import torch
 from sbpbench.measure.tensor_tracker import LiveTensorTracker
 from sbpbench.methods import MethodSettings, run_method
 
-from .conftest import padded_batch, tiny_model
+from ..conftest import padded_batch, tiny_model
 
 SEQ_LEN = 4096
 VOCAB = 32000  # a realistic vocabulary: full logits are what standard BP and ckpt pay for

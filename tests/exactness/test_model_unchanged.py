@@ -7,7 +7,7 @@ import torch
 
 from sbpbench.methods import MethodSettings, run_method
 
-from .conftest import FAMILIES, needs_trl, padded_batch, tiny_model
+from ..conftest import FAMILIES, needs_trl, padded_batch, tiny_model
 
 
 def _is_checkpointing(model) -> list[bool]:

@@ -1,7 +1,7 @@
 """Every TRL option of the GRPO and DPO objectives (core/objectives/), streamed, equals the same
 objective on transformers' full logits (bp), fp64, on TRL's batch layouts: GRPO's left-padded
 prompts and right-padded completions, DPO's chosen rows then rejected rows. That the formulas are
-TRL's own is tests/test_trl_losses.py's job."""
+TRL's own is tests/exactness/test_trl_losses.py's job."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from sbpbench.core.objectives import DPO_LOSS_TYPES, token_logps
 from sbpbench.methods import MethodSettings
 from sbpbench.methods.exactness import compare_methods
 
-from .conftest import ObjectiveBatch, grpo_rows, padded_batch, tiny_model
+from ..conftest import ObjectiveBatch, grpo_rows, padded_batch, tiny_model
 
 SETTINGS = MethodSettings(chunk_size=5, logits_chunk_size=7)  # neither divides T
 PROMPTS, COMPLETIONS = [9, 4, 6, 9], [12, 15, 3, 8]  # TRL layout: prompt width 9, completion width 15

@@ -14,7 +14,7 @@ from sbpbench.data import DPOBatch, GRPOBatch, make_dpo_batch, make_grpo_batch
 from sbpbench.methods import MethodSettings
 from sbpbench.methods.exactness import compare_methods
 
-from .conftest import tiny_model
+from ..conftest import tiny_model
 
 SETTINGS = MethodSettings(chunk_size=5, logits_chunk_size=7)  # neither divides T
 FAMILIES = ("tiny/qwen3", "tiny/llama", "tiny/mistral")  # qwen3 and llama tie embeddings; mistral does not

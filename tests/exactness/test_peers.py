@@ -13,7 +13,7 @@ from sbpbench.methods import MethodSettings, MethodUnsupported, offload, run_met
 from sbpbench.methods.exactness import compare_methods
 from sbpbench.runner.point import measure_point
 
-from .conftest import FAMILIES, needs_trl, padded_batch, tiny_model
+from ..conftest import FAMILIES, needs_trl, padded_batch, tiny_model
 
 PEERS = ["ckpt-offload", "ckpt-chunked-ce", "tiled"]  # the ones that run on a CPU
 # logits chunks and MLP tiles that do not divide T, and ones >= T

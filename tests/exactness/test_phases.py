@@ -19,8 +19,8 @@ from sbpbench.measure.flops import phase_flops
 from sbpbench.records import ResultRow
 from sbpbench.records.schema import phase_column
 
-from .conftest import tiny_model
-from .cuda_standin import RecordingCalls, route_stores
+from ..conftest import tiny_model
+from ..cuda_standin import RecordingCalls, route_stores
 from .test_placement import _deep_model
 
 COMPUTED = ("checkpoint pass", "head", "K/V capture", "chunk forward", "chunk backward")  # every step runs them

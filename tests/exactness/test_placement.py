@@ -16,7 +16,7 @@ from sbpbench.core.placement import CheckpointStore, Placement
 from sbpbench.data import make_batch
 from sbpbench.models import apply_lora
 
-from .conftest import FAMILIES, tiny_model
+from ..conftest import FAMILIES, tiny_model
 
 NUM_LAYERS = 5  # K = 2, 3 do not divide it, K = 5 does, K = 7 is deeper than the model
 PLACEMENTS = (
@@ -78,7 +78,7 @@ def test_every_placement_gives_gpu_gradients(family, objective):
     _assert_same_as_gpu(model, batch)
 
 
-@pytest.mark.parametrize("family", ["tiny/qwen3", "tiny/gemma3"])
+@pytest.mark.parametrize("family", ["tiny/qwen3", pytest.param("tiny/gemma3", marks=pytest.mark.slow)])  # gemma3: over 3 s
 def test_every_placement_gives_gpu_gradients_with_lora(family):
     """LoRA (frozen base, adapters trained, frozen embedding: layer 0 needs no input gradient)."""
     model = _deep_model(family, lora=True)

@@ -13,7 +13,7 @@ import torch
 from sbpbench.core.placement import Placement, observe_stores
 from sbpbench.data import make_batch
 
-from .cuda_standin import RecordingCalls, route_stores
+from ..cuda_standin import RecordingCalls, route_stores
 from .test_placement import NUM_LAYERS, _deep_model, _step
 
 PLACEMENTS = ("gpu", "cpu", "recompute:2", "cpu+recompute:2", "cpu+recompute:4+spill", "cpu+recompute:5+spill")

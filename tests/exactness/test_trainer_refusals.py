@@ -13,7 +13,7 @@ from accelerate.utils import DistributedType
 
 from sbpbench.integrations import StreamBPConfig
 
-from .conftest import needs_trl, tiny_model
+from ..conftest import needs_trl, tiny_model
 from .test_trainers import _common, _pad_collator, _texts, _token_rows, _tokenizer
 
 

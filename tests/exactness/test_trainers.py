@@ -24,7 +24,7 @@ import torch
 from sbpbench.core.labels import shift_labels, sum_cross_entropy
 from sbpbench.models import apply_lora
 
-from .conftest import needs_trl, tiny_model
+from ..conftest import needs_trl, tiny_model
 
 # Our trainers warn that gradient checkpointing (TRL's default) does nothing for them; the stock
 # config is used unchanged here, so the warning is expected (test_gradient_checkpointing_warns).

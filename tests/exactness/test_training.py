@@ -15,7 +15,7 @@ from sbpbench.methods.exactness import tensor_diff
 from sbpbench.models.lora import apply_lora
 from sbpbench.runner.point import measure_point
 
-from .conftest import tiny_model
+from ..conftest import tiny_model
 
 SETTINGS = MethodSettings(chunk_size=6, logits_chunk_size=5)
 

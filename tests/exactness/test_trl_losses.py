@@ -18,7 +18,7 @@ import torch
 from sbpbench.core import DPO, GRPO
 from sbpbench.core.objectives import DPO_LOSS_TYPES, token_logps
 
-from .conftest import grpo_rows, tiny_model
+from ..conftest import grpo_rows, tiny_model
 from .test_layouts import assert_same, streamed_step
 
 trl = pytest.importorskip("trl", minversion="1.16", reason="needs TRL >= 1.16: pip install -e '.[trl]'")

@@ -28,7 +28,7 @@ from sbpbench.methods import MethodSettings
 from sbpbench.methods.exactness import Step, fp64_step, judge_against_fp64, step_gradients
 from sbpbench.models import build_model
 
-from .conftest import padded_batch
+from ..conftest import padded_batch
 
 pytestmark = pytest.mark.gpu
 

@@ -23,7 +23,7 @@ from sbpbench.methods import MethodSettings
 from sbpbench.records import ResultRow
 from sbpbench.runner import run_isolated
 
-from .device_free import assert_device_free
+from ..device_free import assert_device_free
 
 MIB = 2**20
 DEVICES = [pytest.param("cpu", marks=pytest.mark.slow), pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -102,7 +102,7 @@ def test_memory_limit_gives_an_oom_row(device):
 def test_gpu_tests_measure_memory_in_their_own_process():
     """No gpu-marked test module measures a point with measure_point, in the pytest process, whose
     allocator cache the earlier tests filled: they go through run_isolated (or sbp's commands)."""
-    for path in sorted(Path(__file__).parent.glob("test_*.py")):
+    for path in sorted(Path(__file__).parents[1].rglob("test_*.py")):
         tree = ast.parse(path.read_text())
         source = path.read_text()
         if "pytest.mark.gpu" not in source:

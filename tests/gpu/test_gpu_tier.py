@@ -17,9 +17,10 @@ import torch
 
 from sbpbench.runner.selftest_summary import TEST_REPORT_ENV, read_test_report
 
-from . import conftest, test_gpu, test_gpu_measure
-from .cuda_standin import FakeCudaMemory, FakeNvml
-from .device_free import GIB, assert_device_free, busy_device_message, device_use
+from .. import conftest
+from ..cuda_standin import FakeCudaMemory, FakeNvml
+from ..device_free import GIB, assert_device_free, busy_device_message, device_use
+from . import test_gpu, test_gpu_measure
 
 
 class _Item:
@@ -145,7 +146,7 @@ def test_a_killed_pytest_run_keeps_what_finished(tmp_path):
         "def test_after(): pass\n"
     )
     path = tmp_path / "tests.jsonl"
-    repository = Path(__file__).resolve().parents[1]
+    repository = Path(__file__).resolve().parents[2]
     env = {**os.environ, TEST_REPORT_ENV: str(path), "PYTHONPATH": str(repository)}
     argv = [sys.executable, "-m", "pytest", "-q", "-p", "tests.conftest", "-p", "no:cacheprovider", str(tmp_path)]
     process = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "hopper_goals.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "hopper_goals.py"
 
 
 def _script():

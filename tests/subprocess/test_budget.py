@@ -185,7 +185,7 @@ def test_sweep_budget_prints_what_ran_says_how_to_resume_and_exits_3(tmp_path, f
 
 def test_maxlen_budget_exits_3_and_the_same_command_finishes_the_search(tmp_path, fake_points):
     out = tmp_path / "maxlen.csv"
-    # blind: a seed's budget is tests/test_seeded_search.py's
+    # blind: a seed's budget is tests/unit/test_seeded_search.py's
     args = ["maxlen", "--device", "cpu", "--model", "tiny/qwen3", "--method", "bp", "--seq", "64", "--no-seed"]
     args += ["--out", str(out)]
     result = runner.invoke(app, [*args, "--budget", "200s"])

@@ -21,7 +21,7 @@ from sbpbench.models import UnsupportedModelError, build_model, config_dict, ful
 from sbpbench.records import KEY_COLUMNS, read_rows
 from sbpbench.workload.rows import spec_fields
 
-from .conftest import cli_env
+from ..conftest import cli_env
 
 runner = CliRunner()
 HUB_ID = "acme/tiny-qwen2"  # a made-up repository: only the cache below has it

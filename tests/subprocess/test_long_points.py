@@ -15,7 +15,7 @@ from sbpbench.measure.progress import PROGRESS_PREFIX, StepProgress
 from sbpbench.records import ResultRow
 from sbpbench.runner import point
 
-from .conftest import padded_batch, tiny_model
+from ..conftest import padded_batch, tiny_model
 
 
 def test_memory_only_points_default_to_no_warmup():

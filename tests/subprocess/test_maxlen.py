@@ -15,8 +15,8 @@ from sbpbench.runner.length_search import search_max_len
 from sbpbench.runner.maxlen import ProbeFailed, find_max_len
 from sbpbench.workload.rows import spec_fields
 
-from .conftest import cli_env
-from .test_cli_run import _sbp
+from ..cli.test_cli_run import _sbp
+from ..conftest import cli_env
 
 
 class Stop(Exception):

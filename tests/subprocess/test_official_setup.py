@@ -13,8 +13,8 @@ import pytest
 from sbpbench.runner.official import REQUIREMENTS, setup_commands
 from sbpbench.runner.parent_torch import link_parent_torch, requirement_closure
 
-from .conftest import cli_env
-from .test_cli_run import _sbp
+from ..cli.test_cli_run import _sbp
+from ..conftest import cli_env
 
 
 def test_torch_closure_holds_its_requirements_and_nothing_that_needs_our_transformers():
@@ -23,6 +23,7 @@ def test_torch_closure_holds_its_requirements_and_nothing_that_needs_our_transfo
     assert not names & {"transformers", "huggingface-hub", "tokenizers", "datasets", "accelerate", "trl", "peft"}
 
 
+@pytest.mark.slow  # over 3 s on 2 cores
 def test_a_linked_virtualenv_imports_this_torch_and_none_of_our_other_packages(tmp_path):
     """In a bare virtualenv (no pip, nothing installed) with the link: torch imports, the same
     version from this environment; transformers and datasets do not (a leaked datasets built for our
@@ -51,6 +52,7 @@ def test_setup_with_wheels_never_asks_the_index():
     assert "--no-index" not in next(c for c in setup_commands(Path("/v")) if "pip" in c)
 
 
+@pytest.mark.slow  # over 3 s on 2 cores
 def test_wheels_that_are_not_a_folder_are_one_line_exit_2(tmp_path):
     result = subprocess.run(
         [_sbp(), "peers", "setup", "official", "--path", str(tmp_path / "v"), "--wheels", str(tmp_path / "nowhere")],

@@ -19,7 +19,7 @@ import pytest
 from sbpbench.config.experiment import load_experiment
 from sbpbench.runner.point import measure_point
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 EXPERIMENT = ROOT / "experiments" / "peers_cpu.toml"
 RESULTS = ROOT / "results" / "cpu" / "peers_cpu.csv"
 SEQ = 1024
@@ -37,7 +37,7 @@ def _specs():
 
 SPECS = _specs()
 # official runs only as an external worker in its own virtualenv (runner/official.py), never in this
-# process, and liger needs CUDA: both are checked by tests/test_peers.py instead.
+# process, and liger needs CUDA: both are checked by tests/exactness/test_peers.py instead.
 IN_PROCESS = sorted(set(SPECS) - {"official", "liger"})
 
 

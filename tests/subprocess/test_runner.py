@@ -84,7 +84,7 @@ def test_run_isolated_returns_a_row_with_provenance_and_oom_is_a_value(tmp_path)
 
 def test_a_point_past_its_timeout_is_a_timeout_row(monkeypatch):
     """A worker still running at its timeout is killed and its point is a timeout row with provenance
-    (a fresh worker: starting the fork server costs this tier seconds; tests/test_fork_server.py
+    (a fresh worker: starting the fork server costs this tier seconds; tests/subprocess/test_fork_server.py
     times a forked one out)."""
     monkeypatch.setenv(fork_server.ENABLE_ENV, "0")
     row = run_isolated(_spec("bp", timeout_s=0.5, repeats=1000))

@@ -72,7 +72,7 @@ def test_gpu_plan_covers_its_points(tmp_path):
     T=4608 and ckpt T=20000 memory-only, the long point, then the quick gpu-marked tests (their
     files named, each test's result recorded); an estimate of every point beside them."""
     test = st.Selftest("cuda", tmp_path, st.GPU_BUDGET_S)
-    steps = st.gpu_plan(test, tests_dir=Path(__file__).parent)
+    steps = st.gpu_plan(test, tests_dir=Path(__file__).parents[1])
     foreground = [s.argv for s in steps if not s.background]
     assert foreground[0] == ("sbpbench", "run", "--out", str(test.runs_csv))
     offload = [a for a in foreground if "--checkpoints" in a]
@@ -150,8 +150,8 @@ def test_log_readers():
         [
             f"{PROGRESS_PREFIX} streambp Qwen/Qwen3-8B T=110000: checkpoint pass and head done, 20.5 s",
             f"{PROGRESS_PREFIX} streambp Qwen/Qwen3-8B T=110000: layer 36 of 36 backward done, 81.0 s",
-            "tests/test_gpu.py::test_a[x] PASSED  [ 50%]",
-            "tests/test_gpu.py::test_b FAILED  [100%]",
+            "tests/gpu/test_gpu.py::test_a[x] PASSED  [ 50%]",
+            "tests/gpu/test_gpu.py::test_b FAILED  [100%]",
         ]
     )
     assert progress_seconds(log, "streambp Qwen/Qwen3-8B T=110000") == 81.0
@@ -172,16 +172,16 @@ def test_a_failed_steps_last_lines_are_read_from_its_last_run():
             *(f"line {i}" for i in range(12)),
             f"===== {name}: failed (exit 1), 12.0 s",
             "===== pytest -m 'gpu and quick': python -m pytest ...",
-            "tests/test_gpu.py::test_a PASSED",
-            "tests/test_gpu.py::test_b ===== pytest -m 'gpu and quick': timeout (60 s), 60.0 s",  # killed mid-line
+            "tests/gpu/test_gpu.py::test_a PASSED",
+            "tests/gpu/test_gpu.py::test_b ===== pytest -m 'gpu and quick': timeout (60 s), 60.0 s",  # killed mid-line
             "===== estimate Qwen/Qwen3-8B T=4608 bp: python -m sbpbench estimate ...",
             "an estimate's line",
         ]
     )
     assert step_output_tail(log, name, max_lines=3) == ["line 9", "line 10", "line 11"]
     assert step_output_tail(log, "pytest -m 'gpu and quick'") == [
-        "tests/test_gpu.py::test_a PASSED",
-        "tests/test_gpu.py::test_b",
+        "tests/gpu/test_gpu.py::test_a PASSED",
+        "tests/gpu/test_gpu.py::test_b",
     ]
     assert step_output_tail(log, "never ran") == []
 
@@ -225,7 +225,7 @@ def test_gpu_selftest_runs_its_plan_and_writes_the_summary(tmp_path, monkeypatch
 
     test.tests_report.write_text('{"event": "start", "test": "from/an/earlier/run"}\n')
     monkeypatch.setattr(st, "run_step", fake_run_step)
-    st.run_selftest(test, tests_dir=Path(__file__).parent, echo=lambda line: None)
+    st.run_selftest(test, tests_dir=Path(__file__).parents[1], echo=lambda line: None)
     assert test.long_seq_len == 110_000
     assert sum(s.background for s in ran) == 6  # five fixed points' estimates and the long one's
     summary = st.write_summary(test, capture_environment("cpu")).read_text()
@@ -233,10 +233,10 @@ def test_gpu_selftest_runs_its_plan_and_writes_the_summary(tmp_path, monkeypatch
     # predicted: 30 s plus its FLOPs at the speed of a 2 s Qwen3-4B step
     assert "| run Qwen/Qwen3-8B T=110000 streambp (memory only) | ok | 1 | 139 | - |" in summary
     assert "gpu-marked tests: 1 failed, 1 passed (details in selftest.log)." in summary
-    assert "Failed: `tests/test_gpu.py::test_dpo` (12 s):" in summary
+    assert "Failed: `tests/gpu/test_gpu.py::test_dpo` (12 s):" in summary
     assert "AssertionError: bp vs streambp fp64:\n  loss: rel error 1.897e-04 (tolerance 1e-05)" in summary
-    assert "Cut while running: `tests/test_gpu_measure.py::test_memory[bp]`." in summary
-    assert "Not reached: 1 (`tests/test_gpu_measure.py::test_memory[streambp]`)." in summary
+    assert "Cut while running: `tests/gpu/test_gpu_measure.py::test_memory[bp]`." in summary
+    assert "Not reached: 1 (`tests/gpu/test_gpu_measure.py::test_memory[streambp]`)." in summary
     assert "earlier/run" not in summary  # the report is this run's
     assert "`pytest -m 'gpu and quick'`: timeout (45 s); its last lines in selftest.log:" in summary
     assert "| Qwen/Qwen3-8B | 110000 | streambp | - | 50.00 | 50.50 | +1.0% |" in summary
@@ -258,27 +258,27 @@ _TEST_REPORT = "\n".join(
     json.dumps(line)
     for line in [
         {"event": "collected", "tests": [f"tests/{t}" for t in _TESTS]},
-        {"event": "start", "test": "tests/test_gpu.py::test_fp32"},
+        {"event": "start", "test": "tests/gpu/test_gpu.py::test_fp32"},
         {
             "event": "result",
-            "test": "tests/test_gpu.py::test_fp32",
+            "test": "tests/gpu/test_gpu.py::test_fp32",
             "when": "call",
             "outcome": "passed",
             "seconds": 9.0,
             "message": "",
         },
-        {"event": "start", "test": "tests/test_gpu.py::test_dpo"},
+        {"event": "start", "test": "tests/gpu/test_gpu.py::test_dpo"},
         {
             "event": "result",
-            "test": "tests/test_gpu.py::test_dpo",
+            "test": "tests/gpu/test_gpu.py::test_dpo",
             "when": "call",
             "outcome": "failed",
             "seconds": 12.3,
-            "message": "tests/test_gpu.py:95: in test_dpo\n    _assert_judged(results)\n"
+            "message": "tests/gpu/test_gpu.py:95: in test_dpo\n    _assert_judged(results)\n"
             "E   AssertionError: bp vs streambp fp64:\n"
             "E     loss: rel error 1.897e-04 (tolerance 1e-05)\nE   assert False",
         },
-        {"event": "start", "test": "tests/test_gpu_measure.py::test_memory[bp]"},
+        {"event": "start", "test": "tests/gpu/test_gpu_measure.py::test_memory[bp]"},
     ]
 )
 
@@ -382,7 +382,7 @@ def _priced(tmp_path, monkeypatch, seconds_of):
         return st.Outcome(step, "ok", seconds)
 
     monkeypatch.setattr(st, "run_step", priced_run_step)
-    st.run_selftest(test, tests_dir=Path(__file__).parent, echo=lambda line: None)
+    st.run_selftest(test, tests_dir=Path(__file__).parents[1], echo=lambda line: None)
     return test, clock[0]
 
 
@@ -415,7 +415,7 @@ def test_predictions_come_from_this_devices_earlier_log(tmp_path, monkeypatch):
         f"===== {tests_step}: ok, 60.0 s\n"
         "===== run Qwen/Qwen3-8B T=4608 bp (memory only): timeout (120 s), 120.0 s\n"  # not a prediction
     )
-    plan = st.gpu_plan(st.Selftest("cuda", tmp_path, st.GPU_BUDGET_S), Path(__file__).parent)
+    plan = st.gpu_plan(st.Selftest("cuda", tmp_path, st.GPU_BUDGET_S), Path(__file__).parents[1])
     steps = st.with_measured_predictions(plan, earlier)
     predicted = {s.name: s.predicted_s for s in steps}
     assert predicted[tests_step] == 60.0

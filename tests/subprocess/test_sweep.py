@@ -19,10 +19,10 @@ from sbpbench.records import COLUMNS, ResultRow, read_rows, row_key
 from sbpbench.runner.sweep import plan, run_sweep
 from sbpbench.workload.rows import spec_fields
 
-from .conftest import cli_env
-from .test_cli_run import _sbp
+from ..cli.test_cli_run import _sbp
+from ..conftest import cli_env
 
-SMOKE = Path(__file__).resolve().parents[1] / "experiments" / "smoke_cpu.toml"
+SMOKE = Path(__file__).resolve().parents[2] / "experiments" / "smoke_cpu.toml"
 runner = CliRunner()
 
 

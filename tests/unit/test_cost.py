@@ -18,7 +18,7 @@ from sbpbench.runner.pricing import price_experiment
 from sbpbench.simulate import cost
 from sbpbench.simulate.timing import Rates
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PAPER = ROOT / "experiments" / "paper_on_one_gpu.toml"
 
 

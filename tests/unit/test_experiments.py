@@ -10,7 +10,7 @@ import pytest
 from sbpbench.config import MaxlenSpec, RunSpec
 from sbpbench.config.experiment import ExperimentError, load_experiment
 
-EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
+EXPERIMENTS = Path(__file__).resolve().parents[2] / "experiments"
 # the paper's Figure 3 and the peers' file go past Qwen3's 40,960-token context on purpose (test_bad_input.py: the warning)
 pytestmark = pytest.mark.filterwarnings("ignore::sbpbench.config.run.BeyondContextWarning")
 

@@ -31,7 +31,7 @@ from sbpbench.methods import MethodSettings
 from sbpbench.methods.exactness import compare_methods
 from sbpbench.runner.point import kernel_names
 
-from .conftest import padded_batch, tiny_model
+from ..conftest import padded_batch, tiny_model
 
 
 class FakeClock:

@@ -14,7 +14,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10: tomllib is in the standard library from 3.11
     tomllib = pytest.importorskip("tomli")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CSV = ROOT / "experiments" / "reference" / "streambp_paper.csv"
 TOML = ROOT / "experiments" / "paper_table3.toml"
 COLUMNS = [

@@ -10,11 +10,10 @@ import subprocess
 from dataclasses import replace
 
 import pytest
-from sbpbench.workload.rows import spec_fields
 from typer.testing import CliRunner
 
-import sbpbench.runner.simulated_search as simulated_search
 import sbpbench.runner.isolated as isolated_module
+import sbpbench.runner.simulated_search as simulated_search
 from sbpbench.cli import app
 from sbpbench.config import MaxlenSpec, Resolution
 from sbpbench.config.experiment import load_experiment
@@ -25,10 +24,11 @@ from sbpbench.runner.budget import Budget, BudgetSpent
 from sbpbench.runner.length_search import Probe, answered, search_max_len
 from sbpbench.runner.maxlen import find_max_len, probe_record
 from sbpbench.runner.sweep import plan, run_sweep
+from sbpbench.workload.rows import spec_fields
 
-from .conftest import cli_env
-from .test_cli_run import _sbp
-from .test_maxlen import Stop, _fake_measure, _fits_up_to, _search
+from ..cli.test_cli_run import _sbp
+from ..conftest import cli_env
+from ..subprocess.test_maxlen import Stop, _fake_measure, _fits_up_to, _search
 
 runner = CliRunner()
 CEILING = 262_144

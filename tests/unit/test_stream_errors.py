@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, GPT2Config
 from sbpbench.core import UnsupportedModelError, stream_backward
 from sbpbench.data import make_batch
 
-from .conftest import padded_batch, tiny_model
+from ..conftest import padded_batch, tiny_model
 
 
 def test_padding_between_real_tokens_is_refused():
