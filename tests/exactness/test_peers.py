@@ -275,8 +275,8 @@ def test_a_max_length_search_of_an_unsupported_method_answers_unsupported(tmp_pa
     )
     assert [r["status"] for r in read_rows(tmp_path / "m.csv")] == ["unsupported", "unsupported"]
     # The summary table and the sweep's progress line name the status (they crashed on the missing length).
-    from sbpbench.cli.sweep_cmd import _outcome
     from sbpbench.cli.tables import maxlen_table
+    from sbpbench.runner.experiment import _ended
 
     maxlen_table([answer])
-    assert _outcome(answer) == "unsupported: needs a CUDA GPU"
+    assert _ended(answer) == "unsupported: needs a CUDA GPU"

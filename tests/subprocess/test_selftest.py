@@ -257,7 +257,7 @@ _TESTS = (
 _TEST_REPORT = "\n".join(
     json.dumps(line)
     for line in [
-        {"event": "collected", "tests": [f"tests/{t}" for t in _TESTS]},
+        {"event": "collected", "tests": [f"tests/gpu/{t}" for t in _TESTS]},
         {"event": "start", "test": "tests/gpu/test_gpu.py::test_fp32"},
         {
             "event": "result",
