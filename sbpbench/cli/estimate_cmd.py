@@ -35,7 +35,9 @@ ESTIMATE_FIELDS = run_fields_but(
 EstimateOutOpt = out_option("none, the table is only printed")
 TargetOpt = Annotated[
     str,
-    typer.Option(metavar="[cuda|cpu]", help="cuda: predict a GPU run; cpu: reproduce what `sbp run --device cpu` measures."),
+    typer.Option(
+        metavar="[cuda|cpu]", help="cuda: predict a GPU run; cpu: reproduce what `sbp run --device cpu` measures."
+    ),
 ]
 
 EXAMPLES = (  # the end of its help (options.py examples)

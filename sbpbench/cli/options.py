@@ -34,7 +34,16 @@ CHOICES_IN_METAVAR = 24  # a longer [a|b|...] overflows the help's 30-column opt
 
 # The knobs' own flags from before `--set`: still read, hidden from the help, for one release.
 FORMER_KNOB_FLAGS = ("fp32_grad_accumulation", "mlp_tile_size", "offload_checkpoints", "chunk_attention")
-BOOLEAN_WORDS = {"true": True, "on": True, "yes": True, "1": True, "false": False, "off": False, "no": False, "0": False}
+BOOLEAN_WORDS = {
+    "true": True,
+    "on": True,
+    "yes": True,
+    "1": True,
+    "false": False,
+    "off": False,
+    "no": False,
+    "0": False,
+}
 SetOpt = Annotated[
     list[str] | None,
     typer.Option(
@@ -281,4 +290,3 @@ def given_settings(values: dict, flagged: tuple[str, ...], knobs: tuple[str, ...
                 raise ValueError(f"{FLAGS[name]} given twice: by {flags_of(name)[0]} and by --set")
             settings[name] = value
     return {k: v for k, v in settings.items() if v is not None}
-

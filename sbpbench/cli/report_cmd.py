@@ -20,12 +20,15 @@ EXAMPLES = (  # the end of its help (options.py examples)
 
 
 ReportOutOpt = Annotated[
-    Path | None, typer.Option("--out", "-o", metavar="FILE", help="Write the Markdown to this file (default: print it).")
+    Path | None,
+    typer.Option("--out", "-o", metavar="FILE", help="Write the Markdown to this file (default: print it)."),
 ]
 ExactnessCsvOpt = Annotated[
     Path | None,
     typer.Option(
-        "--exactness", metavar="CSV", help="An exactness CSV written by `sbp check --out`: its table, and the peers' column."
+        "--exactness",
+        metavar="CSV",
+        help="An exactness CSV written by `sbp check --out`: its table, and the peers' column.",
     ),
 ]
 GlanceOpt = Annotated[

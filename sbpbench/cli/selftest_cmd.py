@@ -24,7 +24,10 @@ EXAMPLES = (  # the end of its help (options.py examples)
 
 def selftest(
     out: Annotated[
-        Path, typer.Option("--out", "-o", metavar="DIR", help="Results directory: writes OUT/gpu/<device name>/ or OUT/cpu-selftest/.")
+        Path,
+        typer.Option(
+            "--out", "-o", metavar="DIR", help="Results directory: writes OUT/gpu/<device name>/ or OUT/cpu-selftest/."
+        ),
     ] = Path("results"),
     budget: Annotated[
         str | None,
@@ -57,9 +60,7 @@ def selftest(
     console = Console()
     if kind != "cuda":
         console.print("No CUDA GPU visible: running the CPU subset (sbp check, run, estimate; 2 to 3 minutes).")
-    test = Selftest(
-        kind, output_dir(out, kind, env.device_name), seconds or BUDGET_S[kind]
-    )
+    test = Selftest(kind, output_dir(out, kind, env.device_name), seconds or BUDGET_S[kind])
     run_selftest(test, tests_dir=find_tests_dir(), echo=lambda line: console.print(line, highlight=False))
     summary = write_summary(test, env)
     console.print(f"summary: {summary}; rows and log beside it", highlight=False)

@@ -36,7 +36,9 @@ EXAMPLES = (  # the end of its help (options.py examples)
 def sweep(
     settings: dict,
     methods: tuple[str, ...],
-    experiment: Annotated[Path, typer.Argument(metavar="EXPERIMENT", help="Experiment file, e.g. experiments/smoke_cpu.toml.")],
+    experiment: Annotated[
+        Path, typer.Argument(metavar="EXPERIMENT", help="Experiment file, e.g. experiments/smoke_cpu.toml.")
+    ],
     out: SweepOutOpt = None,
     resume: Annotated[
         bool, typer.Option(help="Skip points already in --out (same settings); --no-resume reruns them.")

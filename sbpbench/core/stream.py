@@ -168,9 +168,7 @@ def stream_backward(
     return loss
 
 
-def _rebuild(
-    parts: DecoderParts, saved: Checkpoints, index: int, layer_input, chunk_size: int, sync: GradSync, timer
-):
+def _rebuild(parts: DecoderParts, saved: Checkpoints, index: int, layer_input, chunk_size: int, sync: GradSync, timer):
     """X_{index+1} from X_index, as the checkpoint pass made it (recompute placements). A sharded
     layer is gathered once for the whole rebuild, and its chunks run hook-free (grad_sync.py)."""
     layer = parts.layers[index]

@@ -221,9 +221,7 @@ def judge_fp32_step(
     gradients, versus_baseline reports the old fixed rule's number."""
     (loss, grads), (ref_loss, ref_grads) = ours, ref
     base = {d.name: d for d in baseline.grads}
-    diffs = [
-        tensor_diff(n, grads[n], r, _bound(base[n].rel_error), base[n].noise_floor) for n, r in ref_grads.items()
-    ]
+    diffs = [tensor_diff(n, grads[n], r, _bound(base[n].rel_error), base[n].noise_floor) for n, r in ref_grads.items()]
     loss_diff = tensor_diff("loss", loss, ref_loss, _bound(baseline.loss.rel_error))
     versus = None if base_grads is None else _same_precision_diffs(grads, base_grads)
     return MethodComparison(method, baseline.reference, loss_diff, diffs, versus)

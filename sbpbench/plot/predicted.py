@@ -82,7 +82,9 @@ def _figure(rows, curves, predicted, reference, out_dir: Path, formats) -> list[
     budgets = sorted({number(b) for b in curves["memory_limit_bytes"] if number(b)})
     for budget in budgets:
         if capacity and abs(budget - capacity) > GIB / 100:
-            ax.axhline(budget / GIB, color="black", linestyle=":", linewidth=0.8, label=f"predicted for {budget / GIB:.2f} GiB")
+            ax.axhline(
+                budget / GIB, color="black", linestyle=":", linewidth=0.8, label=f"predicted for {budget / GIB:.2f} GiB"
+            )
     xs += _draw_paper(ax, reference, like)
     top = max([y for y in ys if y] + [1.0])
     ax.set_ylim(0, top * 1.12)

@@ -6,7 +6,17 @@ tests/unit/test_settings.py checks that those equal METHOD_NAMES and DTYPE_NAMES
 from __future__ import annotations
 
 # sbpbench/methods/registry.py METHODS, in its order: the paper's three, then the peers
-METHOD_NAMES = ("bp", "ckpt", "streambp", "ckpt-offload", "ckpt-chunked-ce", "tiled", "liger", "trl-default", "official")
+METHOD_NAMES = (
+    "bp",
+    "ckpt",
+    "streambp",
+    "ckpt-offload",
+    "ckpt-chunked-ce",
+    "tiled",
+    "liger",
+    "trl-default",
+    "official",
+)
 EVERY_METHOD = "all"  # stands for every registered method
 OBJECTIVES = ("sft", "grpo", "dpo")
 STEPS = ("bp", "train")  # bp: forward + backward; train: + AdamW (methods/training.py)

@@ -98,7 +98,9 @@ def search_cost(search: MaxlenSpec, rates: Rates, max_t: int | None, why: str = 
     """A seeded search: SEEDED_PROBES memory-only points at about `max_t` (the predicted max T, None
     when unknown: no device time can be given)."""
     base = search.base
-    label = f"{base.model} {base.method} max T" + ("" if _default_placement(base) else f" ({base.settings.checkpoints})")
+    label = f"{base.model} {base.method} max T" + (
+        "" if _default_placement(base) else f" ({base.settings.checkpoints})"
+    )
     if max_t is None:
         return Cost(label, 0, float("nan"), SEED_S, note="max T unknown: predict it with `sbp maxlen --simulate`")
     probe = search.probe(max(1, min(max_t, search.seq_len_ceiling)))
@@ -192,9 +194,7 @@ def measured_gpu(results: Path) -> str | None:
     return max(counts, key=counts.get) if counts else None
 
 
-def price(
-    points: list, titles: list[str], *, results: Path, gpu: str, reference=None, done: int = 0
-) -> Pricing:
+def price(points: list, titles: list[str], *, results: Path, gpu: str, reference=None, done: int = 0) -> Pricing:
     """The points (in order, with their entries' titles) priced for `gpu`: rates fitted to its rows
     under `results`, the searches' max T from the simulated rows there (else the paper's)."""
     rates = fitted_rates(results, gpu, meta_model)

@@ -148,10 +148,14 @@ def test_ctrl_c_says_which_rows_were_kept_and_exits_130(tmp_path, monkeypatch):
     """Ctrl-C during the second of three points: one line naming the kept row and the file, the
     methods not measured, exit 130; the finished row is in the CSV."""
     out = tmp_path / "r.csv"
-    monkeypatch.setattr(runner_package, "run_points", _stub_runner("a" * 40, "2025-01-01T00:00:00+00:00", interrupt_after=1))
+    monkeypatch.setattr(
+        runner_package, "run_points", _stub_runner("a" * 40, "2025-01-01T00:00:00+00:00", interrupt_after=1)
+    )
     result = runner.invoke(app, ["run", "--model", "tiny/qwen3", "--seq", "16", "--device", "cpu", "--out", str(out)])
     assert result.exit_code == 130, result.output
-    assert f"interrupted: 1 of 3 row(s) kept in {out} (bp); not measured: ckpt, streambp" in " ".join(result.output.split())
+    assert f"interrupted: 1 of 3 row(s) kept in {out} (bp); not measured: ckpt, streambp" in " ".join(
+        result.output.split()
+    )
     assert [r["method"] for r in read_rows(out)] == ["bp"]
 
 

@@ -104,7 +104,9 @@ def test_point_command_builds_options_from_the_settings_table():
     replaced where asked); what it receives is the settings given, numbers parsed, and the methods."""
     received = {}
 
-    @point_command(("method", "seq_len", "dtype"), helps={"dtype": "Only fp64 here."}, aliases={"seq_len": ("--start",)})
+    @point_command(
+        ("method", "seq_len", "dtype"), helps={"dtype": "Only fp64 here."}, aliases={"seq_len": ("--start",)}
+    )
     def command(settings: dict, methods: tuple[str, ...], verbose: bool = False) -> None:
         received.update(settings=settings, methods=methods, verbose=verbose)
 

@@ -108,8 +108,13 @@ TABLES = {
     "sweep, several models": lambda: points_table(
         "smoke: every point", [_row(m, model=f"meta-llama/Llama-3.1-{n}B") for m in ALL_METHODS for n in (8, 70)]
     ),
-    "plan": lambda: plan_table(RunSpec(model="Qwen/Qwen3-8B", method="streambp", seq_len=1_048_576), _plan_outcomes(),
-                               80 * GIB, 2000 * GIB, Rates()),
+    "plan": lambda: plan_table(
+        RunSpec(model="Qwen/Qwen3-8B", method="streambp", seq_len=1_048_576),
+        _plan_outcomes(),
+        80 * GIB,
+        2000 * GIB,
+        Rates(),
+    ),
 }
 PRINTED_AS_IS = {  # commands that print with console.print: their long cells fold
     "check, fp32, every method": lambda: exactness_table(*_comparisons()),

@@ -200,7 +200,11 @@ if __name__ == "__main__":
 
 
 # docs/architecture.md, "Writing prose": one idea per sentence, about 30 words at most
-PROSE_PAGES = ["README.md", *(f"docs/{p.name}" for p in sorted((ROOT / "docs").glob("*.md"))), "sbpbench/core/README.md"]
+PROSE_PAGES = [
+    "README.md",
+    *(f"docs/{p.name}" for p in sorted((ROOT / "docs").glob("*.md"))),
+    "sbpbench/core/README.md",
+]
 FIRST_PAGES = ("README.md", "docs/architecture.md", "docs/settings.md", "docs/reproducing.md", "docs/placements.md",
                "docs/objectives.md", "docs/experiments.md", "docs/results-schema.md", "docs/exactness.md")  # fmt: skip
 MEDIAN_WORDS, FIRST_PAGES_MAX_WORDS = 20, 50

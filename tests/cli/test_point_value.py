@@ -44,7 +44,16 @@ def test_a_run_parses_the_placement_once_in_its_parent_and_never_in_its_worker(p
 
     monkeypatch.setattr(isolated, "_run_workers", in_process)
     argv = ["run", "--device", "cpu", "--model", "tiny/qwen3", "--seq", "64", "--method", "streambp"]
-    argv += ["--checkpoints", "cpu+recompute:2", "--threads", "1", "--repeats", "1", "--out", str(tmp_path / "runs.csv")]
+    argv += [
+        "--checkpoints",
+        "cpu+recompute:2",
+        "--threads",
+        "1",
+        "--repeats",
+        "1",
+        "--out",
+        str(tmp_path / "runs.csv"),
+    ]
     result = CliRunner().invoke(app, argv)
     assert result.exit_code == 0, result.output
     assert seen == {"parent": ["cpu+recompute:2"], "worker": []} and parses == []
@@ -64,7 +73,7 @@ def test_the_worker_rebuilds_the_spec_without_checking_it(monkeypatch):
 
 
 def test_chunk_sizes_are_numbers_with_a_record_of_the_rules_choice():
-    """"auto" and "T/k" become numbers when the spec is made; auto_settings names the rule's; a knob
+    """ "auto" and "T/k" become numbers when the spec is made; auto_settings names the rule's; a knob
     given later (with_settings) is no longer the rule's; a bad size is one ConfigError."""
     values = {"device": "cpu", "model": "tiny/qwen3", "seq_len": 90, "chunk_size": "T/3"}
     (spec,) = point_specs(values, ["streambp"])

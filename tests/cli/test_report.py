@@ -269,8 +269,13 @@ def test_points_keep_placements_apart_and_mark_rough_times():
     result = runner.invoke(app, ["report", str(GPU_ROWS), "--points"])
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
-    assert "| Qwen3-8B | streambp (cpu) | 65,536 | 35.59 | 35.52 | -0.2% | 28.350* | max T 110,000 (Figure 3) |" in lines
-    assert any(line.startswith("| Qwen3-8B | streambp (recompute:4) | 65,536 | 40.59 | 40.52 | -0.2% | 32.671* |") for line in lines)
+    assert (
+        "| Qwen3-8B | streambp (cpu) | 65,536 | 35.59 | 35.52 | -0.2% | 28.350* | max T 110,000 (Figure 3) |" in lines
+    )
+    assert any(
+        line.startswith("| Qwen3-8B | streambp (recompute:4) | 65,536 | 40.59 | 40.52 | -0.2% | 32.671* |")
+        for line in lines
+    )
     assert any(line.startswith("\\* a rough time") for line in lines)
     assert "## Measured beside the paper" not in result.output  # --points: that section only
 

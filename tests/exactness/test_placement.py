@@ -78,7 +78,9 @@ def test_every_placement_gives_gpu_gradients(family, objective):
     _assert_same_as_gpu(model, batch)
 
 
-@pytest.mark.parametrize("family", ["tiny/qwen3", pytest.param("tiny/gemma3", marks=pytest.mark.slow)])  # gemma3: over 3 s
+@pytest.mark.parametrize(
+    "family", ["tiny/qwen3", pytest.param("tiny/gemma3", marks=pytest.mark.slow)]
+)  # gemma3: over 3 s
 def test_every_placement_gives_gpu_gradients_with_lora(family):
     """LoRA (frozen base, adapters trained, frozen embedding: layer 0 needs no input gradient)."""
     model = _deep_model(family, lora=True)

@@ -50,7 +50,9 @@ def test_a_cuda_probe_runs_one_step(monkeypatch):
     for warmup, expected in ((0, ["memory step"]), (1, ["warm-up 1 of 1", "memory step"])):
         (spec,) = point_specs({"model": "tiny/qwen3", "repeats": 0, "warmup": warmup}, ["streambp"])
         step, names = _CountingStep(), []
-        point._measure_cuda(spec, step, ResultRow(), torch.device("cuda:0"), lambda name, names=names: names.append(name))
+        point._measure_cuda(
+            spec, step, ResultRow(), torch.device("cuda:0"), lambda name, names=names: names.append(name)
+        )
         assert step.runs == 1 + warmup and names == expected
 
 

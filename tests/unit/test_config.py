@@ -24,7 +24,9 @@ def _flags(command_name: str, *, hidden: bool = False) -> set[str]:
     flags = set()
     for param in command.params:
         if hidden or not getattr(param, "hidden", False):
-            flags |= {f for f in (*param.opts, *param.secondary_opts) if f.startswith("--") and not f.startswith("--no-")}
+            flags |= {
+                f for f in (*param.opts, *param.secondary_opts) if f.startswith("--") and not f.startswith("--no-")
+            }
     return flags
 
 

@@ -92,7 +92,11 @@ def test_the_paper_experiment_is_in_the_order_of_value():
     by_title = {t: [p for p, title in zip(loaded.points, loaded.titles) if title == t] for t in titles}
     fig3 = by_title["Fig. 3 max T, Qwen3-8B"]
     assert [s.method for s in fig3] == ["bp", "ckpt", "streambp"] and {str(s.resolution) for s in fig3} == {"2%"}
-    assert {str(p.settings.checkpoints) for p in by_title["64k: gpu, cpu, recompute:4"]} == {"gpu", "cpu", "recompute:4"}
+    assert {str(p.settings.checkpoints) for p in by_title["64k: gpu, cpu, recompute:4"]} == {
+        "gpu",
+        "cpu",
+        "recompute:4",
+    }
     table1 = by_title["Table 1, Qwen3-4B"]
     assert {p.method for p in table1} == {"ckpt", "streambp"} and {(p.warmup, p.repeats) for p in table1} == {(1, 3)}
     assert sorted({p.seq_len for p in table1}) == list(range(6000, 27001, 3000))

@@ -295,7 +295,10 @@ def test_cycle_checker_finds_cycles_at_any_level():
         "__init__.py": "",
     }
     graph = import_graph(sources)
-    assert graph["sbpbench.a.y"] == {"sbpbench.a.x", "sbpbench.b"} and graph["sbpbench.b.w"] == {"sbpbench.b", "sbpbench"}
+    assert graph["sbpbench.a.y"] == {"sbpbench.a.x", "sbpbench.b"} and graph["sbpbench.b.w"] == {
+        "sbpbench.b",
+        "sbpbench",
+    }
     assert cycles(graph) == [
         ["sbpbench.a.x", "sbpbench.a.y"],
         ["sbpbench.b", "sbpbench.b.u", "sbpbench.b.v", "sbpbench.b.w"],

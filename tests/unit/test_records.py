@@ -215,7 +215,9 @@ def test_a_file_older_than_a_knob_reads_back_with_the_knobs_default(tmp_path):
     """A CSV written before a knob's column existed reads back with the column: the knob's default
     for a method that reads it (it ran at that default), empty for one that does not."""
     path = tmp_path / "old.csv"
-    upsert_rows(path, [ResultRow(model="m", method="tiled", status="ok"), ResultRow(model="m", method="bp", status="ok")])
+    upsert_rows(
+        path, [ResultRow(model="m", method="tiled", status="ok"), ResultRow(model="m", method="bp", status="ok")]
+    )
     lines = path.read_text().splitlines()
     drop = lines[0].split(",").index("mlp_tile_size")
     path.write_text("".join(",".join(c for i, c in enumerate(line.split(",")) if i != drop) + "\n" for line in lines))

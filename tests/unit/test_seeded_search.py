@@ -36,9 +36,7 @@ ANSWERS = (4736, 22_800, 143_500)  # Qwen3-8B's bp, ckpt and streambp max T on 8
 
 
 def _blind(answer: int, resolution: Resolution):
-    return search_max_len(
-        lambda t: t <= answer, start=1024, ceiling=CEILING, resolution=resolution, multiple_of=8
-    )
+    return search_max_len(lambda t: t <= answer, start=1024, ceiling=CEILING, resolution=resolution, multiple_of=8)
 
 
 def _seeded(answer: int, resolution: Resolution, seed: int, calls: list[int] | None = None, **options):

@@ -55,7 +55,9 @@ def test_every_spec_field_has_one_entry():
     """The point settings are RunSpec's fields with MethodSettings' in place of `settings` (and
     auto_settings, what the rule chose of them); the search settings are MaxlenSpec's own fields
     (besides its base point)."""
-    spec_fields = [f.name for f in fields(RunSpec) if f.name not in ("settings", "auto_settings")] + [f.name for f in fields(MethodSettings)]
+    spec_fields = [f.name for f in fields(RunSpec) if f.name not in ("settings", "auto_settings")] + [
+        f.name for f in fields(MethodSettings)
+    ]
     assert sorted(spec_fields) == sorted(POINT_SETTINGS) and FIELD_NAMES == POINT_SETTINGS
     assert set(SEARCH_SETTINGS) == {f.name for f in fields(MaxlenSpec)} - {"base"}
 
