@@ -4,9 +4,7 @@ so the GPU command cannot rot between GPU sessions."""
 from __future__ import annotations
 
 import csv
-import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,17 +12,13 @@ import torch
 from sbpbench.core.chunk_kernels import ChunkKernel
 from sbpbench.measure.flops import chunk_attention_flops
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "attention_kernels.py"
+from ..conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("attention_kernels_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up there
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+    yield load_script("benchmarks/attention_kernels.py", "attention_kernels_benchmark")
+    del sys.modules["attention_kernels_benchmark"]
 
 
 def test_tiny_mode_writes_every_kernel_at_every_shape(bench, tmp_path):

@@ -4,20 +4,15 @@ the device's peak), and, slow, the whole script on tiny CPU shapes."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "hopper_goals.py"
+from ..conftest import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("hopper_goals", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/hopper_goals.py", "hopper_goals")
 
 
 def test_the_goal_points_come_first_and_the_variants_set_their_chunks():

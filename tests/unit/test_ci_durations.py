@@ -3,17 +3,11 @@ the limit, with an allowance that grows with the machine's load."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[2] / ".ci" / "durations.py"
+from ..conftest import load_script
 
 
 def _durations():
-    spec = importlib.util.spec_from_file_location("ci_durations", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(".ci/durations.py", "ci_durations")
 
 
 def test_calls_over_the_limit_are_found_and_setup_is_not_counted():
