@@ -120,5 +120,5 @@ def _unseeded(spec, extrapolated: tuple[str, ...]) -> str:
         return f"the estimator models torch's own kernel choice, not --sdpa-backend {spec.sdpa_backend}"
     kernel = spec.settings.chunk_attention
     if kernel not in (None, "auto", "lower-right"):  # simulate/estimate.py refuses it
-        return f"the estimator models the lower-right chunk kernel only, not --chunk-attention {kernel}"
+        return f"the estimator models the lower-right chunk kernel only, not --set chunk_attention={kernel}"
     return ""

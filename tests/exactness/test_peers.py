@@ -1,4 +1,4 @@
-"""The peers (issue 16) give standard BP's loss and every gradient, to rounding, and do what they
+"""The peers give standard BP's loss and every gradient, to rounding, and do what they
 claim: no (B, T, V) logits, tiled MLPs, offloaded checkpoints; liger refuses a CPU point."""
 
 from __future__ import annotations
