@@ -10,10 +10,11 @@ import typer
 from rich.console import Console
 
 from ..measure.threads import busy_warning
-from ..measure.units import gib
 from ..records import ResultRow, check_writable, read_rows, row_key
+from ..runner.outcome import point_line
 from .errors import user_errors
 from .options import RUN_FIELDS, OutOpt, point_command
+from .outcomes import fail_if, interrupted
 from .progress import Progress
 from .tables import point_title, print_table, results_table
 
@@ -62,8 +63,7 @@ def run(settings: dict, methods: tuple[str, ...], out: OutOpt = None, phases: Ph
                 if len(rows) < len(specs):
                     progress.start(_measuring(specs[len(rows)]))
     except KeyboardInterrupt:
-        console.print(interrupted_line(rows, specs, out), highlight=False, soft_wrap=True)
-        raise typer.Exit(130) from None
+        interrupted(console, interrupted_line(rows, specs, out))
     first = rows[0]
     limit = f", limit {first.memory_limit_bytes / 2**30:.2f} GiB" if first.memory_limit_bytes else ""
     effective = first.memory_limit_effective_bytes
@@ -79,8 +79,7 @@ def run(settings: dict, methods: tuple[str, ...], out: OutOpt = None, phases: Ph
         if row.error:
             console.print(f"{row.method}: {row.status}: {row.error}", highlight=False, soft_wrap=True)
     console.print(written_line(rows, earlier, out), highlight=False, soft_wrap=True)
-    if any(row.status in ("error", "timeout") for row in rows):
-        raise typer.Exit(1)
+    fail_if(any(row.status in ("error", "timeout") for row in rows))
 
 
 def print_phases(console: Console, rows: list[ResultRow]) -> None:
@@ -128,16 +127,6 @@ def warn_if_busy() -> None:
     warning = busy_warning()
     if warning:
         print(warning, file=sys.stderr, flush=True)
-
-
-def point_line(row: ResultRow) -> str:
-    """How a finished point ended, in one line."""
-    line = f"{row.method} T={row.seq_len}: {row.status}"
-    if row.peak_allocated_bytes is not None:
-        line += f", peak {gib(row.peak_allocated_bytes)} GiB"
-    if row.time_median_s is not None:
-        line += f", {row.time_median_s:.3f} s/step"
-    return line
 
 
 def _measuring(spec: RunSpec) -> str:

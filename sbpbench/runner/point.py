@@ -45,8 +45,7 @@ from contextlib import nullcontext
 import torch
 
 from ..config import RunSpec
-from ..core.kernel_choice import LOWER_RIGHT, kernel_timing, observe_chunk_kernels, set_choice_cache
-from ..core.placement import observe_stores
+from ..core.internal import LOWER_RIGHT, kernel_timing, observe_chunk_kernels, observe_stores, set_choice_cache
 from ..measure.cuda_memory import NvmlPeakSampler, nvml_handle, start_cuda
 from ..measure.flops import training_flops
 from ..measure.host_memory import peak_rss_bytes, reset_peak_rss, total_ram_bytes
@@ -60,10 +59,10 @@ from ..measure.timing import time_steps
 from ..methods import MethodUnsupported
 from ..methods.step import TrainingStep, storage_bytes
 from ..methods.streambp import reporting_progress, timing_phases
-from ..points.build import build_model_and_batch, training_step
-from ..points.rows import spec_fields
 from ..records import ResultRow, one_line
 from ..records.schema import phase_column
+from ..workload.build import build_model_and_batch, training_step
+from ..workload.rows import spec_fields
 from . import ranks
 from .allocator import allocator_setting
 
@@ -255,7 +254,7 @@ def _measure(spec: RunSpec) -> ResultRow:
     except MethodUnsupported as error:  # the method cannot run here: a result, with the reason
         row.status, row.error = "unsupported", one_line(error)
         return row
-    except Exception as error:  # noqa: BLE001 (any failure is the point's outcome, classified; the traceback goes to the worker's stderr)
+    except Exception as error:
         traceback.print_exc()
         row.status, row.error = failure_outcome(spec, error)
         return row
