@@ -12,7 +12,16 @@ from rich.table import Table
 from ..measure.host_memory import total_ram_bytes
 from ..measure.units import parse_bytes
 from .errors import user_errors
-from .options import PREDICTED_POINT, point_command, predicted_gpu_point_helps, run_fields_but
+from .options import (
+    DEFAULT_GPU_MEMORY,
+    PREDICTED_POINT,
+    GpuMemoryOpt,
+    HostMemoryOpt,
+    point_command,
+    predicted_gpu_point_helps,
+    run_fields_but,
+)
+from .outcomes import fail_if
 from .progress import Progress
 from .tables import print_table
 
@@ -54,11 +63,8 @@ EXAMPLES = (  # the end of its help (options.py examples)
 def plan_command(
     settings: dict,
     methods: tuple[str, ...],
-    gpu_memory: Annotated[str, typer.Option(metavar="SIZE", help="The GPU's memory, e.g. 80GiB.")] = "80GiB",
-    host_memory: Annotated[
-        str | None,
-        typer.Option(metavar="SIZE", help="Host memory the step may use, e.g. 100GiB (default: this machine's RAM)."),
-    ] = None,
+    gpu_memory: GpuMemoryOpt = None,
+    host_memory: HostMemoryOpt = None,
     gpu: Annotated[
         str,
         typer.Option(metavar="NAME", help="The GPU whose measured rows give the rates: its device name contains this."),
@@ -79,7 +85,7 @@ def plan_command(
     from ..simulate.timing import fitted_rates
 
     with user_errors():
-        gpu_bytes = parse_bytes(gpu_memory)
+        gpu_bytes = parse_bytes(gpu_memory or DEFAULT_GPU_MEMORY)
         host_bytes = parse_bytes(host_memory) if host_memory else total_ram_bytes()
         (spec,) = point_specs({**settings, **PREDICTED_POINT}, ["streambp"], defaults_for="cuda")
         rates = fitted_rates(results, gpu, meta_model)
@@ -95,7 +101,7 @@ def plan_command(
             console.print(f"{outcome.candidate.placement.name}: {outcome.bound}", highlight=False, soft_wrap=True)
     if chosen is None:
         console.print("[red]nothing fits[/]: a shorter --seq, LoRA, or more host memory", highlight=False)
-        raise typer.Exit(1)
+    fail_if(chosen is None)
     d = describe(chosen, spec.batch_size * spec.seq_len)
     console.print(
         f"plan: --checkpoints {d['checkpoints']} --chunk-size {d['chunk_size']} --logits-chunk-size "

@@ -10,10 +10,11 @@ import typer
 from rich.console import Console
 
 from ..measure.threads import busy_warning
-from ..measure.units import gib
 from ..records import ResultRow, check_writable, read_rows, row_key
+from ..runner.outcome import point_line
 from .errors import user_errors
 from .options import RUN_FIELDS, OutOpt, point_command
+from .outcomes import fail_if, interrupted
 from .progress import Progress
 from .tables import point_title, print_table, results_table
 
@@ -48,7 +49,6 @@ def run(
     on a CPU (small/qwen3, T=2048, fp32)."""
     from ..config import point_specs
     from ..config.run import check_measurable
-    from ..runner import run_points
 
     out = out or DEFAULT_OUT
     with user_errors():
@@ -60,7 +60,25 @@ def run(
         earlier = {row_key(row): row for row in read_rows(out)}  # to say what this run replaces
     console = Console()
     warn_if_busy()
-    rows = []
+    rows = _measure_all(console, specs, out, timeline)
+    title, notes = _results_title(rows)
+    print_table(console, results_table(rows, title, notes))
+    if phases:
+        print_phases(console, rows)
+    if timeline:
+        print_timelines(console, specs, rows, out)
+    for row in rows:
+        if row.error:
+            console.print(f"{row.method}: {row.status}: {row.error}", highlight=False, soft_wrap=True)
+    console.print(written_line(rows, earlier, out), highlight=False, soft_wrap=True)
+    fail_if(any(row.status in ("error", "timeout") for row in rows))
+
+
+def _measure_all(console: Console, specs: list[RunSpec], out: Path, timeline: bool) -> list[ResultRow]:
+    """Each spec measured in its own process, with a progress line per point; Ctrl-C says what was kept."""
+    from ..runner import run_points
+
+    rows: list[ResultRow] = []
     try:
         # user_errors: a write that fails after a point was measured says where its row was kept
         with user_errors(), Progress(console, len(specs)) as progress:
@@ -72,8 +90,12 @@ def run(
                 if len(rows) < len(specs):
                     progress.start(_measuring(specs[len(rows)]))
     except KeyboardInterrupt:
-        console.print(interrupted_line(rows, specs, out), highlight=False, soft_wrap=True)
-        raise typer.Exit(130) from None
+        interrupted(console, interrupted_line(rows, specs, out))
+    return rows
+
+
+def _results_title(rows: list[ResultRow]) -> tuple[str, list[str]]:
+    """The results table's title (the point, its cap, the device) and its notes."""
     first = rows[0]
     limit = f", limit {first.memory_limit_bytes / 2**30:.2f} GiB" if first.memory_limit_bytes else ""
     effective = first.memory_limit_effective_bytes
@@ -81,18 +103,7 @@ def run(
         limit += f" (ran at {effective / 2**30:.2f})"
     threads = f", {first.num_threads} thread(s)" if first.num_threads else ""
     point, notes = point_title(rows)
-    title = f"{point}{limit}\n{first.device_name} ({first.memory_source}{threads})"
-    print_table(console, results_table(rows, title, notes))
-    if phases:
-        print_phases(console, rows)
-    if timeline:
-        print_timelines(console, specs, rows, out)
-    for row in rows:
-        if row.error:
-            console.print(f"{row.method}: {row.status}: {row.error}", highlight=False, soft_wrap=True)
-    console.print(written_line(rows, earlier, out), highlight=False, soft_wrap=True)
-    if any(row.status in ("error", "timeout") for row in rows):
-        raise typer.Exit(1)
+    return f"{point}{limit}\n{first.device_name} ({first.memory_source}{threads})", notes
 
 
 def print_phases(console: Console, rows: list[ResultRow]) -> None:
@@ -168,16 +179,6 @@ def warn_if_busy() -> None:
     warning = busy_warning()
     if warning:
         print(warning, file=sys.stderr, flush=True)
-
-
-def point_line(row: ResultRow) -> str:
-    """How a finished point ended, in one line."""
-    line = f"{row.method} T={row.seq_len}: {row.status}"
-    if row.peak_allocated_bytes is not None:
-        line += f", peak {gib(row.peak_allocated_bytes)} GiB"
-    if row.time_median_s is not None:
-        line += f", {row.time_median_s:.3f} s/step"
-    return line
 
 
 def _measuring(spec: RunSpec) -> str:

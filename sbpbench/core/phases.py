@@ -15,7 +15,7 @@ wait they leave on the compute stream is its own phase. `other_s` is the rest of
 compute stream: the embedding's backward, gradient rounding and sync, the host's launch gaps.
 
 The names are measure/flops.py's streambp phases plus the three with no FLOPs, so a table can put
-achieved TFLOP/s beside each (tests/test_phases.py checks that they agree).
+achieved TFLOP/s beside each (tests/exactness/test_phases.py checks that they agree).
 """
 
 from __future__ import annotations

@@ -72,6 +72,9 @@ class Placement:
             )
         return cls(offload, every, spill)
 
+    def __str__(self) -> str:
+        return self.name
+
     @property
     def name(self) -> str:
         parts = (["cpu"] if self.offload else []) + (

@@ -99,7 +99,7 @@ def stream_backward(
     """
     _check_sizes(chunk_size, logits_chunk_size)
     check_chunk_attention(chunk_attention, input_ids.device)
-    placement = Placement.parse(checkpoints)
+    placement = checkpoints if isinstance(checkpoints, Placement) else Placement.parse(checkpoints)
     if (labels is None) == (objective is None):
         raise ValueError("give either labels (the SFT objective) or objective=..., not both or neither")
     objective = objective if objective is not None else SFT(labels)
@@ -168,9 +168,7 @@ def stream_backward(
     return loss
 
 
-def _rebuild(
-    parts: DecoderParts, saved: Checkpoints, index: int, layer_input, chunk_size: int, sync: GradSync, timer
-):
+def _rebuild(parts: DecoderParts, saved: Checkpoints, index: int, layer_input, chunk_size: int, sync: GradSync, timer):
     """X_{index+1} from X_index, as the checkpoint pass made it (recompute placements). A sharded
     layer is gathered once for the whole rebuild, and its chunks run hook-free (grad_sync.py)."""
     layer = parts.layers[index]

@@ -36,8 +36,7 @@ from transformers import Trainer
 from transformers.training_args import OptimizerNames
 
 from ..core import SFT, Objective, stream_backward
-from ..core.adapters import check_no_attention_dropout, resolve_parts
-from ..core.kernel_choice import observe_chunk_kernels
+from ..core.internal import check_no_attention_dropout, observe_chunk_kernels, resolve_parts
 from .config import StreamBPConfig
 from .token_outputs import TokenRecorder
 

@@ -110,7 +110,7 @@ class CudaTimeline(PhaseMarks):
             self.calls.set_metadata("")
             self.allocated_after = self.calls.allocated(self.device)
             self.snapshot = self.calls.snapshot()
-        except Exception as error:  # noqa: BLE001 (the step's own outcome comes first; timeline() says this)
+        except Exception as error:
             self.failure = error
         finally:
             self.calls.stop()

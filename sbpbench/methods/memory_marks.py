@@ -20,9 +20,8 @@ from contextlib import ExitStack, contextmanager
 
 import torch
 
-from ..core import memory_kinds
-from ..core.adapters import UnsupportedModelError, resolve_parts
-from ..core.placement import observe_stores
+from ..core import UnsupportedModelError
+from ..core.internal import memory_kinds, observe_stores, resolve_parts
 from .phase_labels import PhaseLabels
 from .streambp import timing_phases
 

@@ -15,7 +15,8 @@ from contextlib import ExitStack, contextmanager
 
 import torch
 
-from ..core.adapters import UnsupportedModelError, resolve_parts
+from ..core import UnsupportedModelError
+from ..core.internal import resolve_parts
 
 
 class PhaseLabels:

@@ -14,9 +14,7 @@ from contextvars import ContextVar
 
 import torch
 
-from ..core import stream_backward
-from ..core.phases import PhaseTimer
-from ..core.stream import LayerProgress
+from ..core import LayerProgress, PhaseTimer, stream_backward
 from ..data import Batch
 
 _PROGRESS: ContextVar[LayerProgress | None] = ContextVar("streambp_progress", default=None)

@@ -22,15 +22,15 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from ..config import RunSpec
 from ..measure.environment import Environment, capture_environment
 from ..measure.progress import PROGRESS_PREFIX
 from ..methods import METHODS, data_parallel_unsupported
-from ..points.rows import provenance, spec_fields
 from ..records import ResultRow, upsert_rows
+from ..workload.rows import provenance, spec_fields
 from . import fork_server
 from .allocator import worker_environment
 from .official import run_official
@@ -110,7 +110,7 @@ def run_isolated(spec: RunSpec, env: Environment | None = None, *, timeline_dir:
     reason = data_parallel_unsupported(spec.method, spec.nproc)
     if METHODS[spec.method].external and reason is None:  # its own environment and driver, the same protocol
         row = run_official(spec, env)
-        row.timestamp_utc = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        row.timestamp_utc = datetime.now(UTC).isoformat(timespec="seconds")
         return row
     remove_stale_point_dirs()
     stderr = ""
@@ -124,7 +124,7 @@ def run_isolated(spec: RunSpec, env: Environment | None = None, *, timeline_dir:
         print("\n".join(stderr.splitlines()[-_STDERR_TAIL_LINES:]), file=sys.stderr)
     for name, value in provenance(env).items():
         setattr(row, name, value)
-    row.timestamp_utc = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    row.timestamp_utc = datetime.now(UTC).isoformat(timespec="seconds")
     notice = cap_notice(row)
     if notice:
         _say_once(notice)
@@ -162,7 +162,10 @@ def _start_worker(
     if spec.device == "cpu" and fork_server.enabled():
         try:
             return fork_server.shared_server().start(
-                request_json(spec, timeline_dir), result_path, env or dict(os.environ), None if spec.nproc == 1 else (group or 0)
+                request_json(spec, timeline_dir),
+                result_path,
+                env or dict(os.environ),
+                None if spec.nproc == 1 else (group or 0),
             )
         except fork_server.ForkServerUnavailable as error:
             if os.environ.get("SBP_DEBUG"):
@@ -237,7 +240,7 @@ def _run_workers(spec: RunSpec, tmp: Path, timeline_dir: Path | None = None) -> 
         reader.join()
     stderr = "".join(lines)
     rows = []
-    for r, (worker, result_path) in enumerate(zip(workers, results)):
+    for worker, result_path in zip(workers, results):
         if result_path.exists():
             rows.append(ResultRow(**json.loads(result_path.read_text())))
             continue

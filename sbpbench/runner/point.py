@@ -50,8 +50,7 @@ from pathlib import Path
 import torch
 
 from ..config import RunSpec
-from ..core.kernel_choice import LOWER_RIGHT, kernel_timing, observe_chunk_kernels, set_choice_cache
-from ..core.placement import observe_stores
+from ..core.internal import LOWER_RIGHT, kernel_timing, observe_chunk_kernels, observe_stores, set_choice_cache
 from ..measure.cuda_memory import NvmlPeakSampler, nvml_handle, start_cuda
 from ..measure.cuda_timeline import CUDA_MEMORY, CudaMemoryCalls, CudaTimeline
 from ..measure.cuda_timeline import ROUNDING as CUDA_ROUNDING
@@ -68,11 +67,11 @@ from ..measure.tracked_timeline import TrackedTimeline
 from ..methods import MethodUnsupported
 from ..methods.step import TrainingStep, storage_bytes
 from ..methods.streambp import reporting_progress, timing_phases
-from ..points.build import build_model_and_batch, training_step
-from ..points.rows import spec_fields
-from ..points.timeline import resident_kinds
 from ..records import ResultRow, one_line
 from ..records.schema import phase_column
+from ..workload.build import build_model_and_batch, training_step
+from ..workload.rows import spec_fields
+from ..workload.timeline import resident_kinds
 from . import ranks, timelines
 from .allocator import allocator_setting
 
@@ -223,7 +222,15 @@ def _measure_cuda(
     error = None
     try:
         chunks = observe_chunk_kernels()
-        with sampler, history, marks, observe_stores() as stores, kernels, chunks as chunk_kernels, kernel_timing(False):
+        with (
+            sampler,
+            history,
+            marks,
+            observe_stores() as stores,
+            kernels,
+            chunks as chunk_kernels,
+            kernel_timing(False),
+        ):
             row.loss = float(step.run())
             synchronize()
     except BaseException as failed:
@@ -295,7 +302,7 @@ def _measure(spec: RunSpec, timeline_dir: Path | None) -> ResultRow:
     except MethodUnsupported as error:  # the method cannot run here: a result, with the reason
         row.status, row.error = "unsupported", one_line(error)
         return row
-    except Exception as error:  # noqa: BLE001 (any failure is the point's outcome, classified; the traceback goes to the worker's stderr)
+    except Exception as error:
         traceback.print_exc()
         row.status, row.error = failure_outcome(spec, error)
         return row

@@ -1,7 +1,7 @@
 """Memory timelines of measured points (`sbp run --timeline`): recorded in the worker's memory step,
 saved beside the results CSV, and predicted for the same point by the estimator.
 
-Files go to `timelines/` beside the CSV, named by the point (points/timeline.py `timeline_stem`):
+Files go to `timelines/` beside the CSV, named by the point (workload/timeline.py `timeline_stem`):
 `<stem>.measured.json`, `<stem>.predicted.json` and on a GPU `<stem>.snapshot.pickle` (PyTorch's raw
 memory snapshot, for pytorch.org/memory_viz). The row's `timeline_file` names the measured one,
 relative to the CSV's directory, so a results folder moves with its timelines.
@@ -21,8 +21,8 @@ from ..measure.memory_timeline import Timeline, load_timeline
 from ..measure.tracked_timeline import TrackedTimeline
 from ..methods.memory_marks import marking
 from ..methods.step import TrainingStep
-from ..points.timeline import MEASURED, PREDICTED, SNAPSHOT, point_of, timeline_stem
 from ..records import ResultRow
+from ..workload.timeline import MEASURED, PREDICTED, SNAPSHOT, point_of, timeline_stem
 
 TIMELINES = "timelines"  # the folder beside the results CSV
 
@@ -48,7 +48,7 @@ def _kept_going():
     block of a failed step, its error): the traceback goes to the worker's stderr."""
     try:
         yield
-    except Exception:  # noqa: BLE001
+    except Exception:
         traceback.print_exc()
 
 
@@ -103,7 +103,7 @@ def predict_beside(spec: RunSpec, row: ResultRow, out: str | Path) -> Timeline |
     target = "cpu" if spec.device == "cpu" else "cuda"
     try:
         timeline = predicted_timeline(spec, target=target)
-    except Exception as error:  # noqa: BLE001 (any failure of the walk leaves the measurement as it is)
+    except Exception as error:
         path.unlink(missing_ok=True)  # an earlier run's prediction is not this one's
         return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
     timeline.point = {**point_of(row), "device_name": "simulated CPU" if target == "cpu" else "simulated GPU"}

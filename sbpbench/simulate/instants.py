@@ -20,9 +20,8 @@ from __future__ import annotations
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from ..core.adapters import UnsupportedModelError, resolve_parts
-from ..core.attention import STATE_KWARG, ChunkState, KVBuffer
-from ..core.checkpoints import forwards_wrapped
+from ..core import UnsupportedModelError
+from ..core.internal import STATE_KWARG, ChunkState, KVBuffer, forwards_wrapped, resolve_parts
 from .memory_counter import SimulatedMemory
 
 FIRST = "first"

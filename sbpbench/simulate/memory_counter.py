@@ -74,7 +74,9 @@ class SimulatedMemory(LiveTensorTracker):
         if now > self.peak_bytes:
             self.peak_bytes = now
             self.peak_kinds = dict(self.kind_bytes)
-            self.peak_kinds[INTERMEDIATES] = self.peak_kinds.get(INTERMEDIATES, 0) + hidden  # a kernel's own buffers: the op's intermediates
+            self.peak_kinds[INTERMEDIATES] = (
+                self.peak_kinds.get(INTERMEDIATES, 0) + hidden
+            )  # a kernel's own buffers: the op's intermediates
         if self.peak_bytes > peak:
             self.peak_phase = self.phase
         self.observe(func, now, inside)

@@ -22,8 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ..config import DTYPES, RunSpec
-from ..config.chunks import resolved_settings
-from ..core.placement import Placement
+from ..core import Placement
 from ..methods.step import storage_bytes
 from ..models import apply_lora, load_config
 from ..records import ResultRow
@@ -129,7 +128,6 @@ def plan(
     """(the fastest candidate that fits, or None; every candidate decided on the way, by a bound or
     an estimate). spec: a streambp point; its placement and chunk size are what the planner picks."""
     rates = rates or Rates()
-    spec = replace(spec, settings=resolved_settings(spec))  # the logits chunk the rule gives, if left to it
     model = meta_model(spec)
     found = candidates(spec, model, rates)
     bounds = _Bounds(spec, gpu_memory_bytes, host_memory_bytes, model.config.num_hidden_layers)
@@ -138,9 +136,8 @@ def plan(
     def estimate(candidate: Candidate) -> PlanOutcome:
         if note:
             note(f"{candidate.placement.name} --chunk-size {candidate.chunk_size}: estimating")
-        settings = replace(spec.settings, checkpoints=candidate.placement.name, chunk_size=candidate.chunk_size)
         row = estimate_point_by_depth(
-            replace(spec, settings=settings),
+            spec.with_settings(checkpoints=candidate.placement, chunk_size=candidate.chunk_size),
             target="cuda",
             gpu_memory_bytes=gpu_memory_bytes,
             host_memory_bytes=host_memory_bytes,

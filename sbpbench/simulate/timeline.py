@@ -17,7 +17,7 @@ from ..config import RunSpec
 from ..measure.memory_timeline import Timeline
 from ..measure.tracked_timeline import TrackerMarks
 from ..methods.memory_marks import marking
-from ..points.timeline import resident_kinds
+from ..workload.timeline import resident_kinds
 from .estimate import granularity_bytes, simulate, unrun_step
 from .memory_counter import SimulatedMemory
 
