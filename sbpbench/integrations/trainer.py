@@ -133,7 +133,7 @@ class StreamBPStep(Trainer):
         self._streambp_ran = {
             "streambp/chunk_size": config.chunk_size,
             "streambp/logits_chunk_size": config.logits_chunk_size,
-            "streambp/checkpoints": config.checkpoints,
+            "streambp/checkpoints": config.checkpoints.name,
             "streambp/chunk_attention": "+".join(sorted(kernels)) or ran.get("streambp/chunk_attention", ""),
             peak[0]: round(max(peak[1], ran.get(peak[0], 0.0)), 3),
         }
