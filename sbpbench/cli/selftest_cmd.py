@@ -1,4 +1,4 @@
-"""`sbp selftest`: check this machine in one command (a GPU: about 8 minutes; a CPU: 2 or 3)."""
+"""`sbp selftest`: check this machine in one command (about 8 minutes on a GPU, under one on an idle CPU)."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def selftest(
     env = capture_environment("cuda:0" if kind == "cuda" else "cpu")
     console = Console()
     if kind != "cuda":
-        console.print("No CUDA GPU visible: running the CPU subset (sbp check, run, estimate; 2 to 3 minutes).")
+        console.print("No CUDA GPU visible: running the CPU subset (sbp check, run, estimate; about 40 CPU-seconds).")
     test = Selftest(kind, output_dir(out, kind, env.device_name), seconds or BUDGET_S[kind])
     run_selftest(test, tests_dir=find_tests_dir(), echo=lambda line: console.print(line, highlight=False))
     summary = write_summary(test, env)

@@ -51,6 +51,19 @@ def test_output_directories_name_the_device():
     assert st.output_dir(Path("r"), "cpu", "AMD EPYC") == Path("r/cpu-selftest")
 
 
+def test_a_cpu_selftest_with_its_defaults_leaves_the_checkout_as_it_was():
+    """The default CPU output (`--out results`) is ignored by git and holds no tracked file, so checking
+    a machine from a clone changes nothing git would show."""
+    repo = Path(__file__).resolve().parents[2]
+    if not (repo / ".git").exists():
+        pytest.skip("not a git checkout")
+    default_out = st.output_dir(Path("results"), "cpu", "AMD EPYC")
+    ignored = subprocess.run(["git", "check-ignore", "-q", f"{default_out}/runs.csv"], cwd=repo, check=False)
+    assert ignored.returncode == 0, f"{default_out}/ is not ignored by git"
+    tracked = subprocess.run(["git", "ls-files", str(default_out)], cwd=repo, capture_output=True, text=True)
+    assert tracked.stdout == "", tracked.stdout
+
+
 def test_cpu_plan_is_a_check_a_run_and_its_estimate(tmp_path):
     """The CPU subset: sbp check, a short sbp run and the estimate of the same point, into OUT."""
     test = st.Selftest("cpu", tmp_path, st.CPU_BUDGET_S)
