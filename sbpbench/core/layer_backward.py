@@ -9,6 +9,8 @@
    before it runs, so each position's K/V projections are recomputed once per layer backward,
    not once per later chunk as in the official code.
 3. dX[chunk] is final once its chunk is done and overwrites dZ[chunk] in place.
+X and dZ / dX are read and written a chunk at a time (sequences.py): on the device, or from and to
+host memory one chunk ahead (the stream placement).
 """
 
 from __future__ import annotations
@@ -25,20 +27,18 @@ from .layout import SequenceLayout
 from .phases import CHUNK_BACKWARD, CHUNK_FORWARD, KV_CAPTURE, PhaseTimer, timed
 
 
-def _capture_keys_values(
-    layer, layer_input: torch.Tensor, kwargs: dict, chunks, project: Projection | None = None
-) -> KVBuffer:
-    """project: the keys/values alone by the family's recipe (kv_capture.py); None runs the layer
-    until its attention function has stored them."""
+def _capture_keys_values(layer, layer_input, kwargs: dict, chunks, project: Projection | None = None) -> KVBuffer:
+    """layer_input: X (sequences.py), read first chunk to last. project: the keys/values alone by the
+    family's recipe (kv_capture.py); None runs the layer until its attention function has stored them."""
     capture = KVBuffer(seq_len=layer_input.shape[1], attend=False)
     with torch.no_grad():
-        for start, end in chunks:
+        for (start, end), hidden in zip(chunks, layer_input.chunks(chunks)):
             capture.start = start
             if project is not None:
-                capture.store(*project(layer_input[:, start:end], chunk_kwargs(kwargs, start, end)))
+                capture.store(*project(hidden, chunk_kwargs(kwargs, start, end)))
                 continue
             try:
-                layer(layer_input[:, start:end], **chunk_kwargs(kwargs, start, end), **{STATE_KWARG: capture})
+                layer(hidden, **chunk_kwargs(kwargs, start, end), **{STATE_KWARG: capture})
             except KVCaptured:
                 continue
             raise RuntimeError(
@@ -49,8 +49,8 @@ def _capture_keys_values(
 
 def layer_backward(
     layer: nn.Module,
-    layer_input: torch.Tensor,
-    grad: torch.Tensor,
+    layer_input,
+    grad,
     kwargs: dict,
     *,
     chunk_size: int,
@@ -61,8 +61,8 @@ def layer_backward(
     key_values: KeyValueRecipe | None = None,
     timer: PhaseTimer | None = None,
 ) -> None:
-    """layer_input X (B, T, d); grad dZ (B, T, d) is overwritten with dX when need_input_grad.
-    Leaves the layer's parameter gradients in .grad. call: what runs a chunk, `layer` itself unless
+    """layer_input X (B, T, d); grad dZ (B, T, d) is overwritten with dX when need_input_grad (both
+    sequences.py: read and written chunk by chunk). Leaves the layer's parameter gradients in .grad. call: what runs a chunk, `layer` itself unless
     a data-parallel engine needs its hook-free `forward` (grad_sync.py). layout: the batch's padding
     and packed documents (layout.py), None when each row is one sequence from position 0.
     key_values: the family's K/V recipe (adapters.py), None to capture through the whole layer.
@@ -79,14 +79,17 @@ def layer_backward(
         grad_values = torch.zeros_like(values, dtype=acc_dtype)
     accumulator = ChunkGradAccumulator(list(layer.parameters()), fp32_grad_accumulation)
 
-    for start, end in reversed(chunks):
+    backward_order = list(reversed(chunks))
+    # each chunk taken where it is first read: a host copy is waited for just before its use
+    inputs, grads = layer_input.chunks(backward_order), grad.chunks(backward_order)
+    for start, end in backward_order:
         state = ChunkState(start, chunk_plan(layout, start, end, window), capture, grad_keys, grad_values)
-        chunk_input = layer_input[:, start:end].detach().requires_grad_(need_input_grad)
+        chunk_input = next(inputs).detach().requires_grad_(need_input_grad)
         with timed(timer, CHUNK_FORWARD), torch.enable_grad():
             output = call(chunk_input, **chunk_kwargs(kwargs, start, end), **{STATE_KWARG: state})
 
         with timed(timer, CHUNK_BACKWARD):
-            roots, root_grads = [output], [grad[:, start:end]]
+            roots, root_grads = [output], [next(grads)]
             if end < seq_len:  # later chunks attended to this chunk's keys/values
                 roots += [state.key_chunk, state.value_chunk]
                 root_grads += [grad_keys[:, :, start:end].to(keys.dtype), grad_values[:, :, start:end].to(values.dtype)]
@@ -94,7 +97,7 @@ def layer_backward(
             if pairs:  # the prefix's dK/dV go into grad_keys/grad_values on the way (_BufferedPrefix)
                 torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs])
             if need_input_grad:
-                grad[:, start:end] = chunk_input.grad
+                grad.write(start, end, chunk_input.grad)
             accumulator.collect()
     with timed(timer, CHUNK_BACKWARD):
         accumulator.finish()

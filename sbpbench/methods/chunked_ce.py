@@ -20,6 +20,7 @@ import torch
 from ..core.adapters import resolve_parts, trainable
 from ..core.head import counted_chunks, sequence_sums
 from ..core.labels import loss_dtype
+from ..core.sequences import DeviceSequence
 from ..data import Batch
 from .hf_baseline import hf_gradient_checkpointing
 
@@ -38,8 +39,8 @@ class ChunkedHeadLoss(torch.autograd.Function):
         seq_len = hidden.shape[1]
         total = torch.zeros((), dtype=loss_dtype(hidden.dtype), device=hidden.device)
         if objective.needs_sequence_sums:  # DPO, GSPO: the sums first; the loss comes from them alone
-            logits_of = lambda start, end: head(hidden[:, start:end])
-            objective.prepare(sequence_sums(objective, logits_of, seq_len, chunk_size, hidden.dtype))
+            counted = counted_chunks(seq_len, chunk_size, objective)
+            objective.prepare(sequence_sums(objective, head, counted, DeviceSequence(hidden), hidden.dtype))
             return objective.streamed_loss(total)
         for start, end in counted_chunks(seq_len, chunk_size, objective):
             total += objective.chunk_loss(head(hidden[:, start:end]), start, end)
