@@ -42,7 +42,7 @@ EXPECTED_OPTIONS = {
     "plan": {
         "--model", "--seq", "--batch", "--objective", "--prompt-len", "--lora-rank", "--lora-alpha", "--step",
         "--dtype", "--logits-chunk-size", "--fp32-grad-accumulation", "--num-layers", "--protocol", "--seed",
-        "--gpu-memory", "--host-memory", "--gpu", "--results",
+        "--gpu-memory", "--host-memory", "--gpu", "--results", "--all",
     },
     "sweep": {"--device", "--threads", "--out", "--resume", "--budget", "--dry-run"},
 }  # fmt: skip

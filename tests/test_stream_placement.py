@@ -7,7 +7,7 @@ and rebuilds as few layers as binomial checkpointing allows."""
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 import pytest
 import torch
@@ -86,9 +86,9 @@ class _Shapes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for tensor in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(tensor, torch.Tensor) and tensor.untyped_storage().nbytes() >= tensor.nbytes > 0:
-                if tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == tensor.nbytes:
-                    self.made.add(tuple(tensor.shape))
+            owns = isinstance(tensor, torch.Tensor) and tensor.storage_offset() == 0
+            if owns and tensor.untyped_storage().nbytes() == tensor.nbytes > 0:
+                self.made.add(tuple(tensor.shape))
         return out
 
 
@@ -125,7 +125,7 @@ def test_the_store_keeps_at_most_n_buffers_and_rebuilds_as_the_schedule_says(num
     assert store.device_inputs == store.max_device_inputs == 0
 
 
-@lru_cache(maxsize=None)
+@cache
 def _brute_force(layers: int, free: int) -> float:
     """F(layers, free) by trying every way: advance m <= layers - 1 into a free buffer, serve the top,
     free it, serve the rest (or infinity without a buffer)."""
@@ -178,3 +178,19 @@ def test_a_bad_stream_placement_is_refused(text):
     """stream:N needs N >= 2 and stands alone."""
     with pytest.raises(ValueError, match="N >= 2|recompute:K"):
         Placement.parse(text)
+
+
+@pytest.mark.parametrize(("num_buffers", "lora"), [(2, False), (3, True), (5, False)])
+def test_the_planner_counts_the_copies_a_stream_step_makes(num_buffers, lora):
+    """simulate/depth.py's stream_transfers, which the planner's time model and the depth lift use,
+    is what a real step's copies move (every head chunk with a target; LoRA: no dX_0, no embedding
+    backward), in layer inputs."""
+    from sbpbench.simulate.depth import stream_transfers
+
+    model = _deep_model("tiny/qwen3", lora=lora)
+    ids = torch.randint(0, model.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(0))
+    with observe_stores() as stores:
+        _run(model, ids, f"stream:{num_buffers}", labels=ids)
+    (store,) = stores
+    layer_input = 20 * model.config.hidden_size * 8  # B = 1, T = 20, fp64
+    assert store.transfer_bytes == stream_transfers(NUM_LAYERS, num_buffers, embedding_trains=not lora) * layer_input
