@@ -132,8 +132,8 @@ def measure(run, call: ChunkCall, grad_out, reference_outputs, reps: int, timer)
         with torch.enable_grad():
             leafy, _ = _leaves(call)
             outputs = []
-            forward.append(timer(lambda: outputs.append(run(leafy))))
-            backward.append(timer(lambda: outputs.pop().backward(grad_out)))
+            forward.append(timer(lambda outputs=outputs, leafy=leafy: outputs.append(run(leafy))))
+            backward.append(timer(lambda outputs=outputs: outputs.pop().backward(grad_out)))
     peak = torch.cuda.max_memory_allocated(device) - before if device.type == "cuda" else None
     return {"forward": forward, "backward": backward, "error": error, "peak": peak}
 
@@ -174,7 +174,7 @@ def benchmark(shapes, *, heads, kv_heads, head_dim, dtype_name, device, reps, ke
             else:
                 try:
                     result = measure(run, call, grad_out, reference, reps, timer)
-                except Exception as error:  # noqa: BLE001 (a failure is this row's result)
+                except Exception as error:
                     row.status = "oom" if _is_oom(error) else "error"
                     row.reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
                 else:

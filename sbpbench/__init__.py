@@ -1,7 +1,7 @@
 """sbpbench: exact StreamBP and a benchmark of backpropagation methods on long sequences.
 
 Layer map: each package's job, then after "->" the packages of ours it may import besides itself.
-tests/test_layers.py reads the map from this docstring and fails on any other import of ours, at
+tests/unit/test_layers.py reads the map from this docstring and fails on any other import of ours, at
 module or function level or by a string (a loader's argument, a preload list), on an arrow no
 import uses, and on any import cycle between modules. A module that needs a back-edge is in the
 wrong package. Any module may import this root module (it runs before any of them anyway);
@@ -14,10 +14,10 @@ wrong package. Any module may import this root module (it runs before any of the
     models: named model shapes (shipped configs), local checkpoints and Hub ids, building them, LoRA -> core
     data: synthetic batches per objective (of core: objective types, label constants) -> core, settings
     methods: the compared methods by name, the training step, exactness checks -> core, data, settings
-    config: typed, validated settings of points and searches, experiment files -> settings, methods, models, measure, core
-    points: a spec's model, batch and step, its row's key and provenance (runner's and simulate's) -> config, methods, models, data, measure, records
-    runner: points measured in own processes, sweeps, max-T search, timeouts, what a sweep costs -> points, config, methods, measure, records, models, core, simulate
-    simulate: peak memory predicted under fake tensors -> points, config, methods, measure, records, models, data, core
+    config: a point as a value (RunSpec, MaxlenSpec: made, checked and resolved once), experiment files -> settings, methods, models, measure, core
+    workload: what a spec builds (model, batch, training step) and its row's key and provenance, for runner and simulate -> config, methods, models, data, measure, records
+    runner: points measured in own processes, sweeps, max-T search, timeouts, what a sweep costs -> workload, config, methods, measure, records, models, core, simulate
+    simulate: peak memory predicted under fake tensors -> workload, config, methods, measure, records, models, data, core
     report: the results table beside the paper's numbers, as Markdown -> records, measure
     plot: figures of a results table -> records, measure, settings
     cli: the `sbp` commands (each imports torch's side inside its function) -> settings, config, runner, simulate, report, plot, records, measure, models

@@ -35,6 +35,19 @@ FAMILIES = ("tiny/qwen3", "tiny/qwen2", "tiny/llama", "tiny/mistral", "tiny/gemm
 needs_trl = pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="needs TRL: pip install -e '.[trl]'")
 
 
+REPOSITORY = Path(__file__).resolve().parents[1]
+
+
+def load_script(relative: str, name: str):
+    """A script of the repository that is not a package module (benchmarks/, .ci/), loaded as the
+    module `name`, which is in sys.modules while it is (a dataclass of its looks itself up there)."""
+    spec = importlib.util.spec_from_file_location(name, REPOSITORY / relative)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def tiny_model(name: str, dtype=torch.float64, seed: int = 0, **overrides):
     return build_model(name, dtype=dtype, seed=seed, **overrides)
 

@@ -17,6 +17,7 @@ GIB = 2**30
 # What an idle device may show in use: on one H100, NVML counts 0.48 GiB with no process on it and
 # a CUDA context takes 0.67 GiB (this process's, once a test touched CUDA).
 FREE_SLACK_BYTES = 2 * GIB
+CUDA_0 = torch.device("cuda:0")  # the device a GPU test runs on unless told
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,7 @@ def busy_device_message(use: DeviceUse, *, own_pid: int, slack_bytes: int = FREE
     return "; ".join(parts)
 
 
-def assert_device_free(device: torch.device = torch.device("cuda:0"), *, handle=None, nvml=None, cuda=None) -> None:
+def assert_device_free(device: torch.device = CUDA_0, *, handle=None, nvml=None, cuda=None) -> None:
     """Fail with busy_device_message when the device is not free; handle, nvml and cuda default to
     NVML's handle of `device`, pynvml and torch.cuda (no check without NVML)."""
     if nvml is None:

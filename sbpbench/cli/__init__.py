@@ -1,7 +1,7 @@
 """The `sbp` command line: thin Typer commands, one module each.
 
 Importing it loads no torch or transformers: a command imports what it runs inside its function,
-so `sbp --help` and `sbp <command> --help` answer at once (tests/test_cli_startup.py). Each
+so `sbp --help` and `sbp <command> --help` answer at once (tests/cli/test_cli_startup.py). Each
 command's first docstring line is its summary in `sbp --help`; its module's EXAMPLES end its help.
 """
 

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
-import typer
 from rich.console import Console
 from rich.table import Table
 
@@ -13,6 +12,7 @@ from ..records.exactness import ExactnessRow, check_exactness_writable, write_ex
 from ..settings import EXACTNESS_DEFAULTS
 from .errors import user_errors
 from .options import ExactnessOutOpt, point_command, run_fields_but
+from .outcomes import fail_if
 
 if TYPE_CHECKING:
     from ..config import RunSpec
@@ -72,8 +72,7 @@ def check(settings: dict, methods: tuple[str, ...], out: ExactnessOutOpt = None)
     failed = [d for r in results for d in r.failures()]
     for diff in failed:
         console.print(f"[red]{diff.describe()}[/]", highlight=False)
-    if failed:
-        raise typer.Exit(1)
+    fail_if(bool(failed))
 
 
 def exactness_table(specs: list[RunSpec], results: list) -> Table:
@@ -151,7 +150,7 @@ def _exactness_row(spec, result) -> ExactnessRow:
     else:
         outcome = "exact" if result.ok else "differs"
     return ExactnessRow(
-        timestamp_utc=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        timestamp_utc=datetime.now(UTC).isoformat(timespec="seconds"),
         method=result.method,
         reference=result.reference,
         result=outcome,

@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 from . import app
 
-WIDTH = 80  # columns the helps are rendered at (tests/test_cli_startup.py: every help fits them)
+WIDTH = 80  # columns the helps are rendered at (tests/cli/test_cli_startup.py: every help fits them)
 # The environment a help is rendered in, whatever the shell's: Typer 0.29's CliRunner fixes 80 columns
 # itself, older Typers read COLUMNS; no colour even where the shell forces it.
 HELP_ENV = {"COLUMNS": str(WIDTH), "NO_COLOR": "1", "FORCE_COLOR": None, "TERM": "dumb"}

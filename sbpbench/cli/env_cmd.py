@@ -24,7 +24,12 @@ def env(
         bool, typer.Option("--json", help="Print one JSON object with the raw values instead of a table.")
     ] = False,
     device: Annotated[
-        str, typer.Option("--device", metavar="DEVICE", help="cpu, cuda, cuda:N, or auto (cuda when NVML sees a GPU and torch has CUDA).")
+        str,
+        typer.Option(
+            "--device",
+            metavar="DEVICE",
+            help="cpu, cuda, cuda:N, or auto (cuda when NVML sees a GPU and torch has CUDA).",
+        ),
     ] = "auto",
 ) -> None:
     """Print the device, driver, versions, CPU, RAM and git commit.

@@ -11,6 +11,7 @@ from rich.markup import escape
 
 from ..settings import ConfigError
 from .flags import FLAGS
+from .outcomes import USAGE
 
 _stderr = Console(stderr=True)
 
@@ -35,7 +36,7 @@ def error_kind(error: BaseException) -> str | None:
 
 @contextmanager
 def user_errors():
-    """Turn a known exception into `error: <kind>: <message>` and exit code 2."""
+    """Turn a known exception into `error: <kind>: <message>` and exit code 2 (outcomes.USAGE)."""
     try:
         yield
     except Exception as error:
@@ -46,4 +47,4 @@ def user_errors():
             error = ValueError(error.naming(FLAGS.get(error.field, error.field)))
         message = str(error).splitlines()[0] if str(error) else type(error).__name__
         _stderr.print(f"[bold red]error[/]: {kind}: {escape(message)}", highlight=False, soft_wrap=True)
-        raise typer.Exit(2) from None
+        raise typer.Exit(USAGE) from None

@@ -11,7 +11,17 @@ from rich.markup import escape
 from ..measure.units import parse_bytes
 from ..records import check_writable, upsert_rows
 from .errors import user_errors
-from .options import PREDICTED_POINT, OutOpt, point_command, predicted_gpu_point_helps, run_fields_but
+from .options import (
+    DEFAULT_GPU_MEMORY,
+    PREDICTED_POINT,
+    ExactOpt,
+    GpuMemoryOpt,
+    out_option,
+    point_command,
+    predicted_gpu_point_helps,
+    run_fields_but,
+)
+from .outcomes import fail_if
 from .progress import Progress
 from .tables import estimate_table, print_table
 
@@ -22,8 +32,16 @@ ESTIMATE_FIELDS = run_fields_but(
     "device", "warmup", "repeats", "memory_limit", "timeout_s", "threads", "weights", "sdpa_backend", "chunk_attention"
 )
 
+EstimateOutOpt = out_option("none, the table is only printed")
+TargetOpt = Annotated[
+    str,
+    typer.Option(
+        metavar="[cuda|cpu]", help="cuda: predict a GPU run; cpu: reproduce what `sbp run --device cpu` measures."
+    ),
+]
+
 EXAMPLES = (  # the end of its help (options.py examples)
-    "sbp estimate --model Qwen/Qwen3-8B --seq 20000     # about 30 s on 2 cores",
+    "sbp estimate --model Qwen/Qwen3-8B --seq 20000     # each method's peak",
     "sbp estimate --model Qwen/Qwen3-4B --gpu-memory 24GiB --method all",
     "sbp estimate --model tiny/qwen3 --target cpu    # what sbp run measures",
 )
@@ -36,19 +54,10 @@ EXAMPLES = (  # the end of its help (options.py examples)
 def estimate(
     settings: dict,
     methods: tuple[str, ...],
-    gpu_memory: Annotated[
-        str, typer.Option(metavar="SIZE", help="GPU memory to check the prediction against, e.g. 80GiB, 24GB.")
-    ] = "80GiB",
-    target: Annotated[
-        str,
-        typer.Option(
-            metavar="[cuda|cpu]", help="cuda: predict a GPU run; cpu: reproduce what `sbp run --device cpu` measures."
-        ),
-    ] = "cuda",
-    exact: Annotated[
-        bool, typer.Option("--exact", help="Run the fake step at the point's own depth and length (slow).")
-    ] = False,
-    out: OutOpt = None,
+    gpu_memory: GpuMemoryOpt = None,
+    target: TargetOpt = "cuda",
+    exact: ExactOpt = False,
+    out: EstimateOutOpt = None,
 ) -> None:
     """Predict each method's peak GPU memory, without a GPU.
 
@@ -56,7 +65,7 @@ def estimate(
     attention kernels and allocator rounding modelled. Prints the breakdown, the phase of the
     peak and whether it fits --gpu-memory. Unless --exact, the step runs on a shallow model and at
     short lengths and is extrapolated to the full depth (sbpbench/simulate/depth.py) and length
-    (length.py), equal to the full run to the byte in tests: Qwen3-8B LoRA at T = 1M, 26 s."""
+    (length.py), equal to the full run to the byte in tests."""
     from ..config import point_specs
     from ..simulate import MARGIN_NOTE, TARGETS
     from ..simulate.depth import estimate_point_by_depth
@@ -64,7 +73,7 @@ def estimate(
     with user_errors():
         if target not in TARGETS:
             raise ValueError(f"unknown --target {target!r}; choose from {', '.join(TARGETS)}")
-        gpu_memory_bytes = parse_bytes(gpu_memory)
+        gpu_memory_bytes = parse_bytes(gpu_memory or DEFAULT_GPU_MEMORY)
         specs = point_specs({**settings, **PREDICTED_POINT}, methods, defaults_for="cuda")
         if out is not None:
             check_writable(out)
@@ -88,5 +97,4 @@ def estimate(
             console.print(f"{row.method}: error: {escape(row.error)}", highlight=False, soft_wrap=True)
     if out is not None:
         console.print(f"{len(rows)} row(s) written to {out}", highlight=False)
-    if any(row.status == "error" for row in rows):
-        raise typer.Exit(1)
+    fail_if(any(row.status == "error" for row in rows))

@@ -1,9 +1,11 @@
 """A setting's command-line flags, from the settings table: what options.py declares and what
-errors.py names in a ConfigError's message ("--seq must be at least 2")."""
+errors.py names in a ConfigError's message ("--seq must be at least 2"; a knob without a flag of
+its own: "--set mlp_tile_size must be at least 1")."""
 
 from __future__ import annotations
 
 from ..settings import SETTINGS
+from ..settings.table import has_flag
 
 
 def flags_of(name: str) -> tuple[str, ...]:
@@ -16,5 +18,7 @@ def flags_of(name: str) -> tuple[str, ...]:
     return (f"--{dashed}/--no-{dashed}",) if setting.kind is bool else (f"--{dashed}",)
 
 
-# setting -> the flag a user typed, for messages ("--seq must be at least 2")
-FLAGS: dict[str, str] = {name: flags_of(name)[0].split("/")[0] for name in SETTINGS}
+# setting -> what a user typed, for messages ("--seq must be at least 2", "--set mlp_tile_size ...")
+FLAGS: dict[str, str] = {
+    name: flags_of(name)[0].split("/")[0] if has_flag(name) else f"--set {name}" for name in SETTINGS
+}

@@ -3,21 +3,31 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
-from rich.markup import escape
 
 from ..measure.host_memory import total_ram_bytes
 from ..measure.units import parse_bytes
 from ..records import ResultRow, check_writable
 from ..settings import SEARCH_SETTINGS, default_of
 from .errors import user_errors
-from .options import BUDGET_EXIT, BudgetOpt, point_command, run_fields_but
+from .options import (
+    BudgetOpt,
+    ExactOpt,
+    GpuMemoryOpt,
+    HostMemoryOpt,
+    out_option,
+    point_command,
+    run_fields_but,
+)
+from .outcomes import finish
 from .progress import Progress
-from .run_cmd import point_line
-from .tables import maxlen_table, print_table, seq_bound
+from .tables import maxlen_table, print_table
+
+if TYPE_CHECKING:
+    from ..runner.searches import Probing
 
 DEFAULT_OUT = Path("results/maxlen.csv")
 SIMULATED_OUT = Path("results/estimates.csv")
@@ -27,6 +37,17 @@ MAXLEN_FIELDS = run_fields_but("repeats") + SEARCH_SETTINGS
 def _search_default(name: str, device: str):
     return default_of(name, device, search=True)
 
+
+ResumeOpt = Annotated[bool, typer.Option(help="Reuse probes already in --out (same settings).")]
+SimulateOpt = Annotated[
+    bool,
+    typer.Option(
+        "--simulate",
+        help="Probe with `sbp estimate` (the real step on fake tensors, modelling a GPU) instead of running: "
+        "no GPU needed; rows are marked source=simulated.",
+    ),
+]
+MaxlenOutOpt = out_option("results/maxlen.csv; --simulate: results/estimates.csv")
 
 EXAMPLES = (  # the end of its help (options.py examples)
     "sbp maxlen --model Qwen/Qwen3-8B --memory-limit 80GiB --budget 9m  # Fig. 3",
@@ -50,42 +71,12 @@ EXAMPLES = (  # the end of its help (options.py examples)
 def maxlen(
     settings: dict,
     methods: tuple[str, ...],
-    resume: Annotated[bool, typer.Option(help="Reuse probes already in --out (same settings).")] = True,
-    simulate: Annotated[
-        bool,
-        typer.Option(
-            "--simulate",
-            help="Probe with `sbp estimate` (the real step on fake tensors, modelling a GPU) instead of running: "
-            "no GPU needed; rows are marked source=simulated.",
-        ),
-    ] = False,
-    gpu_memory: Annotated[
-        str | None,
-        typer.Option(
-            metavar="SIZE", help="--simulate: the GPU's memory, e.g. 80GiB (default: --memory-limit, or 80GiB)."
-        ),
-    ] = None,
-    host_memory: Annotated[
-        str | None,
-        typer.Option(
-            metavar="SIZE",
-            help="--simulate: host memory for checkpoints a placement keeps there, e.g. 100GiB (default: this "
-            "machine's RAM).",
-        ),
-    ] = None,
-    exact: Annotated[
-        bool,
-        typer.Option("--exact", help="--simulate: each probe's fake step at its own depth and length (slow)."),
-    ] = False,
-    out: Annotated[
-        Path | None,
-        typer.Option(
-            "--out",
-            "-o",
-            metavar="CSV",
-            help="Results CSV (default: results/maxlen.csv; simulated: results/estimates.csv).",
-        ),
-    ] = None,
+    resume: ResumeOpt = True,
+    simulate: SimulateOpt = False,
+    gpu_memory: GpuMemoryOpt = None,
+    host_memory: HostMemoryOpt = None,
+    exact: ExactOpt = False,
+    out: MaxlenOutOpt = None,
     budget: BudgetOpt = None,
 ) -> None:
     """Find the longest sequence each method trains in a memory budget.
@@ -103,118 +94,64 @@ def maxlen(
     extrapolated from short fake runs (simulate/length.py): the search first probes lengths that
     share those runs (multiples of the layer chunk), then bisects what is left to --resolution.
 
-    How long: a seed takes seconds to a minute of this machine's CPU, a probe is a new process
-    of seconds to minutes (longer T, longer step). Without a seed the CPU defaults (three
-    methods, 1% resolution, ceiling 16384) run about 25 probes: for a quick look pass
-    --resolution 10%."""
-    from ..config import MaxlenSpec, point_specs
-    from ..config.device import device_kind, resolve_device
-    from ..config.maxlen import SEARCH_DEFAULTS
+    A seed takes seconds to a minute of this machine's CPU; a probe is a new process. Without a
+    seed a search at the defaults runs about 25 probes; --resolution 10% is a quicker look."""
+    from ..config.maxlen import search_specs
     from ..config.run import check_measurable
-    from ..measure.environment import capture_environment
-    from ..measure.units import parse_seconds
-    from ..runner.budget import Budget, BudgetSpent, within
-    from ..runner.isolated import run_isolated
-    from ..runner.maxlen import ProbeFailed, find_max_len
-    from .simulated_search import estimate_seed, simulated_max_len, simulated_probing
+    from ..runner.searches import run_searches
 
     with user_errors():
-        if budget is not None and simulate:
-            raise ValueError("--budget stops measured probes: drop it with --simulate (a prediction takes seconds)")
-        seconds = parse_seconds(budget) if budget is not None else None
-        if gpu_memory and not simulate:
-            raise ValueError("--gpu-memory is the simulated GPU's size: add --simulate, or use --memory-limit")
-        if host_memory and not simulate:
-            raise ValueError("--host-memory is the simulated host's size: add --simulate")
-        if exact and not simulate:
-            raise ValueError("--exact is how --simulate predicts a probe: add --simulate")
-        if simulate and settings.get("weights"):
-            raise ValueError("--weights does not apply to --simulate (fake tensors hold no values); drop it")
-        if simulate and "seed_from_estimate" in settings:
-            raise ValueError(
-                "--no-seed and --seed-from-estimate are for measured searches (a --simulate search's probes are "
-                "the estimate); drop it"
-            )
-        host_bytes = parse_bytes(host_memory) if host_memory else total_ram_bytes()
-        kind = "cuda" if simulate else device_kind(resolve_device(settings.get("device", "auto")))
-        search = {name: settings.pop(name) for name in SEARCH_SETTINGS if name in settings}
-        defaults = {**SEARCH_DEFAULTS[kind], "repeats": 0}  # probes measure memory only
-        if gpu_memory:
-            settings["memory_limit"] = gpu_memory
-        if simulate:
-            settings["device"] = "cpu"  # fake CPU tensors stand in for the GPU's
-        ceiling = search.get("seq_len_ceiling", defaults.pop("seq_len_ceiling"))
-        specs = point_specs(settings, methods, defaults=defaults, defaults_for=kind)
+        probing = _probing(settings, simulate, gpu_memory, host_memory, exact, budget)
+        searches = search_specs(settings, methods, simulate=simulate, gpu_memory=gpu_memory)
         if not simulate:
-            check_measurable(specs)
-        searches = [
-            MaxlenSpec(
-                base=spec,
-                seq_len_ceiling=ceiling,
-                **{k: v for k, v in search.items() if k != "seq_len_ceiling"},
-            )
-            for spec in specs
-        ]
+            check_measurable([search.base for search in searches])
         out = out or (SIMULATED_OUT if simulate else DEFAULT_OUT)
         check_writable(out)
-        console = Console()
-        answers = []
-        stopped = ""  # why the budget stopped the searches
-        with Progress(console, len(searches)) as progress:
-            if simulate:
-                probing = simulated_probing(
-                    target="cuda",
-                    memory_bytes=specs[0].memory_limit,
-                    host_memory_bytes=host_bytes,
-                    exact=exact,
-                    note=progress.note,
-                )
-            else:
-                env = capture_environment(specs[0].device)
-                clock = Budget(seconds) if seconds is not None else None
-                probing = {"env": env, "measure": within(run_isolated, clock) if clock else run_isolated}
-                # the seed's prediction is for this device: its capacity caps --memory-limit as a probe's does
-                probing["seed"] = estimate_seed(
-                    capacity_bytes=env.device_total_memory_bytes, budget=clock, note=progress.note
-                )
-            for search_spec in searches:
-                progress.start(f"{search_spec.method}: searching")
+    console = Console()
+    with user_errors(), Progress(console, len(searches)) as progress:
+        outcome = run_searches(searches, out, probing=probing, resume=resume, steps=progress)
+    if outcome.rows:
+        print_table(console, maxlen_table(outcome.rows))
+    if not (outcome.stopped or outcome.failed or outcome.interrupted):
+        _say_past_context(console, searches[0].base.model, outcome.rows)
+        console.print(f"{len(outcome.rows)} max-length row(s) written to {out}", highlight=False, soft_wrap=True)
+    finish(console, outcome)
 
-                def told(row: ResultRow, search_spec=search_spec) -> None:
-                    progress.note(f"{search_spec.method}: probe {point_line(row)}")
 
-                try:
-                    if simulate:
-                        answer = simulated_max_len(
-                            search_spec, out, probing=probing, exact=exact, resume=resume, on_probe=told
-                        )
-                    else:
-                        answer = find_max_len(search_spec, out, resume=resume, on_probe=told, **probing)
-                except ProbeFailed as error:
-                    console.print(f"[red]{escape(str(error))}[/]; probes so far are in {out}", highlight=False)
-                    raise typer.Exit(1) from None
-                except BudgetSpent as spent:  # the answers so far, then why it stopped
-                    stopped = (
-                        f"--budget {budget} spent in {search_spec.method}'s search ({spent}): "
-                        f"{len(searches) - len(answers)} of {len(searches)} search(es) left; probes so far are in "
-                        f"{out}; run the same command to resume"
-                    )
-                    break
-                answers.append(answer)
-                progress.advance(f"{search_spec.method}: max T {seq_bound(answer)} ({answer.num_probes} probes)")
-    if stopped:
-        if answers:
-            print_table(console, maxlen_table(answers))
-        console.print(stopped, style="yellow", highlight=False, soft_wrap=True)
-        raise typer.Exit(BUDGET_EXIT)
-    print_table(console, maxlen_table(answers))
+def _probing(settings: dict, simulate: bool, gpu_memory, host_memory, exact: bool, budget: str | None) -> Probing:
+    """How the probes run, from the options; a combination that does not apply is a one-line error."""
+    from ..measure.units import parse_seconds
+    from ..runner.searches import Probing
+
+    if budget is not None and simulate:
+        raise ValueError("--budget stops measured probes: drop it with --simulate (a prediction takes seconds)")
+    for given, what in ((gpu_memory, "--gpu-memory is the simulated GPU's size: add --simulate, or use --memory-limit"),
+                        (host_memory, "--host-memory is the simulated host's size: add --simulate"),
+                        (exact, "--exact is how --simulate predicts a probe: add --simulate")):  # fmt: skip
+        if given and not simulate:
+            raise ValueError(what)
+    if simulate and settings.get("weights"):
+        raise ValueError("--weights does not apply to --simulate (fake tensors hold no values); drop it")
+    if simulate and "seed_from_estimate" in settings:
+        raise ValueError(
+            "--no-seed and --seed-from-estimate are for measured searches (a --simulate search's probes are "
+            "the estimate); drop it"
+        )
+    return Probing(
+        simulate=simulate,
+        exact=exact,
+        host_memory_bytes=parse_bytes(host_memory) if host_memory else total_ram_bytes(),
+        budget_s=parse_seconds(budget) if budget is not None else None,
+        budget=budget or "",
+    )
+
+
+def _say_past_context(console: Console, model: str, answers: list[ResultRow]) -> None:
     from ..models import load_config
 
-    context = getattr(load_config(specs[0].model), "max_position_embeddings", None)
-    past = past_context_line(specs[0].model, answers, context)
+    past = past_context_line(model, answers, getattr(load_config(model), "max_position_embeddings", None))
     if past:
         console.print(past, style="yellow", highlight=False, soft_wrap=True)
-    console.print(f"{len(answers)} max-length row(s) written to {out}", highlight=False, soft_wrap=True)
 
 
 def past_context_line(model: str, answers: list[ResultRow], context: int | None) -> str | None:

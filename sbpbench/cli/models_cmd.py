@@ -6,7 +6,6 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-
 EXAMPLES = (  # the end of its help (options.py examples)
     "sbp models",
     "sbp models | grep -i qwen3        # then: sbp run --model NAME",

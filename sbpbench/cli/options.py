@@ -23,11 +23,35 @@ from typing import Annotated, Any
 import typer
 
 from ..settings import POINT_SETTINGS, SETTINGS, ConfigError, default_of
+from ..settings.table import has_flag
 from .errors import user_errors
-from .flags import flags_of
+from .flags import FLAGS, flags_of
+from .outcomes import OK
 
 NUMERIC = (int, float, (int, float))  # kinds read as text and parsed here: `--seq abc` is a one-line error
 CHOICES_IN_METAVAR = 24  # a longer [a|b|...] overflows the help's 30-column option field: named in the help instead
+
+
+# The knobs' own flags from before `--set`: still read, hidden from the help, for one release.
+FORMER_KNOB_FLAGS = ("fp32_grad_accumulation", "mlp_tile_size", "offload_checkpoints", "chunk_attention")
+BOOLEAN_WORDS = {
+    "true": True,
+    "on": True,
+    "yes": True,
+    "1": True,
+    "false": False,
+    "off": False,
+    "no": False,
+    "0": False,
+}
+SetOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--set",
+        metavar="KNOB=VALUE",
+        help="Another method knob, repeatable, e.g. --set mlp_tile_size=1024 (--set help: every knob).",
+    ),
+]
 
 
 def option(name: str, *, help: str | None = None, aliases: tuple[str, ...] = ()) -> Any:
@@ -53,15 +77,40 @@ def option(name: str, *, help: str | None = None, aliases: tuple[str, ...] = ())
         kind, extra = bool, {"show_default": False}
     else:
         kind = str  # numbers parsed by `point_command`; sizes ("80GiB", "T/3") and choices by the config
-    return Annotated[kind | None, typer.Option(*flags_of(name), *aliases, help=text, **extra)]
+    hidden = not has_flag(name)  # a former knob flag (FORMER_KNOB_FLAGS)
+    return Annotated[kind | None, typer.Option(*flags_of(name), *aliases, help=text, hidden=hidden, **extra)]
 
 
 MoreMethodsArg = Annotated[
     list[str] | None,
     typer.Argument(metavar="METHOD", help="More methods after --method (see --method).", hidden=True),
 ]
-OutOpt = Annotated[
-    Path | None, typer.Option("--out", "-o", metavar="CSV", help="Results CSV (rows upserted by point).")
+
+
+# Options several commands share, declared once here.
+def out_option(default: str, what: str = "Results CSV, rows upserted by point") -> Any:
+    """--out of a command that writes rows: `what`, and its default path (a command's own)."""
+    return Annotated[Path | None, typer.Option("--out", "-o", metavar="CSV", help=f"{what} (default: {default}).")]
+
+
+OutOpt = out_option("results/runs.csv")  # `sbp run`, `sbp estimate` (results/estimates.csv: its docstring)
+DEFAULT_GPU_MEMORY = "80GiB"  # the paper's GPU
+GpuMemoryOpt = Annotated[
+    str | None,
+    typer.Option(
+        metavar="SIZE", help="The predicted GPU's memory, e.g. 80GiB (default: 80GiB; maxlen: --memory-limit if given)."
+    ),
+]
+HostMemoryOpt = Annotated[
+    str | None,
+    typer.Option(
+        metavar="SIZE",
+        help="Predicted host memory for checkpoints kept there, e.g. 100GiB (default: this machine's RAM).",
+    ),
+]
+ExactOpt = Annotated[
+    bool,
+    typer.Option("--exact", help="Predict at the point's own depth and length, not from shorter runs (slow)."),
 ]
 # `sbp check` (here: a point command's own options resolve in this module)
 ExactnessOutOpt = Annotated[
@@ -90,16 +139,15 @@ ReferenceOpt = Annotated[
 ]
 
 
-# `sbp sweep` and `sbp maxlen` (runner/budget.py); exit code BUDGET_EXIT when it stops them
+# `sbp sweep` and `sbp maxlen` (runner/budget.py); outcomes.BUDGET_SPENT (3) when it stops them
 BudgetOpt = Annotated[
     str | None,
     typer.Option(
         metavar="DURATION",
-        help="Stop cleanly after this long, e.g. 9m for a machine that kills a command at 10: no point starts "
+        help="Stop cleanly after this long, e.g. 9m: no point starts "
         "with under 30 s left, and one it cuts is not kept; exit 3, and the same command resumes.",
     ),
 ]
-BUDGET_EXIT = 3
 
 
 # What `sbp estimate` and `sbp plan` fix in the point they predict: fake CPU tensors (fake CUDA
@@ -148,6 +196,36 @@ def parse_number(name: str, value: str) -> int | float:
         raise ConfigError(name, f"must be {what}, got {value!r}") from None
 
 
+def parse_knobs(words: list[str], knobs: tuple[str, ...]) -> dict[str, Any]:
+    """`--set NAME=VALUE` words as {knob: value}, each value as its setting's kind (the config checks
+    the rest); a name that is not one of `knobs`, or a word without "=", is a one-line error."""
+    values = {}
+    for word in words:
+        given, equals, text = word.partition("=")
+        name, text = given.strip().replace("-", "_"), text.strip()
+        if name not in knobs:
+            raise ValueError(f"--set: unknown knob {given!r}; this command takes {', '.join(knobs)}")
+        if not equals:
+            raise ValueError(f"--set takes KNOB=VALUE, e.g. --set {name}=..., got {word!r}")
+        kind = SETTINGS[name].kind
+        if kind is bool:
+            if text.lower() not in BOOLEAN_WORDS:
+                raise ConfigError(name, f"must be true or false, got {text!r}")
+            values[name] = BOOLEAN_WORDS[text.lower()]
+        elif kind is int or (kind == (int, str) and text.isdigit()):
+            values[name] = parse_number(name, text) if kind is int else int(text)
+        else:
+            values[name] = text  # a size ("T/3", "auto") or a name: checked by the config
+    return values
+
+
+def knob_lines(knobs: tuple[str, ...]) -> str:
+    """What `--set help` prints: each knob, its value and its help, from the settings table."""
+    values = {name: SETTINGS[name].metavar or ("true|false" if SETTINGS[name].kind is bool else "N") for name in knobs}
+    width = max(len(f"{name}={value}") for name, value in values.items())
+    return "\n".join(f"{f'{name}={value}':<{width}}  {SETTINGS[name].help}" for name, value in values.items())
+
+
 def point_command(
     fields: tuple[str, ...], *, helps: dict[str, str] | None = None, aliases: dict[str, tuple[str, ...]] | None = None
 ) -> Callable:
@@ -156,37 +234,59 @@ def point_command(
     as `settings`: a dict of the ones the user gave, and `methods`: the methods named by --method
     and the positional words after it."""
     helps, aliases = helps or {}, aliases or {}
-    keyword = inspect.Parameter.KEYWORD_ONLY
+    flagged = tuple(name for name in fields if has_flag(name) or name in FORMER_KNOB_FLAGS)
+    knobs = tuple(name for name in fields if SETTINGS[name].read_by)  # what --set takes
 
     def decorate(command: Callable) -> Callable:
-        hints = typing.get_type_hints(command, include_extras=True)  # a module's string annotations, resolved
-        parameters = [
-            inspect.Parameter(name, keyword, default=None, annotation=option(name, help=helps.get(name), aliases=also))
-            for name in fields
-            for also in (aliases.get(name, ()),)
-        ]
-        if "method" in fields:
-            parameters.append(inspect.Parameter("more_methods", keyword, default=None, annotation=MoreMethodsArg))
-        parameters += [
-            p.replace(kind=keyword, annotation=hints.get(name, p.annotation))
-            for name, p in inspect.signature(command).parameters.items()
-            if name not in ("settings", "methods")
-        ]
-
         @functools.wraps(command)
         def with_options(**values):
             words = [*(values.pop("method", None) or []), *(values.pop("more_methods", None) or [])]
-            settings = {name: values.pop(name) for name in fields if name != "method"}
-            numeric = [n for n, v in settings.items() if isinstance(v, str) and SETTINGS[n].kind in NUMERIC]
-            if numeric:
-                with user_errors():
-                    settings |= {name: parse_number(name, settings[name]) for name in numeric}
-            given = {k: v for k, v in settings.items() if v is not None}
-            return command(settings=given, methods=parse_methods(words), **values)
+            settings = given_settings(values, flagged, knobs)
+            return command(settings=settings, methods=parse_methods(words), **values)
 
         # what Typer reads: this signature (inspect.signature returns __signature__) and its annotations
+        parameters = _parameters(command, fields, flagged, knobs, helps, aliases)
         with_options.__signature__ = inspect.Signature(parameters)
         with_options.__annotations__ = {p.name: p.annotation for p in parameters}
         return with_options
 
     return decorate
+
+
+def _parameters(command: Callable, fields, flagged, knobs, helps, aliases) -> list[inspect.Parameter]:
+    """The command's signature as Typer reads it: the settings' options, --set, the extra methods,
+    then the command's own parameters."""
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    hints = typing.get_type_hints(command, include_extras=True)  # a module's string annotations, resolved
+    parameters = [
+        inspect.Parameter(name, keyword, default=None, annotation=option(name, help=helps.get(name), aliases=also))
+        for name in flagged
+        for also in (aliases.get(name, ()),)
+    ]
+    if knobs:
+        parameters.append(inspect.Parameter("set_knobs", keyword, default=None, annotation=SetOpt))
+    if "method" in fields:
+        parameters.append(inspect.Parameter("more_methods", keyword, default=None, annotation=MoreMethodsArg))
+    return parameters + [
+        p.replace(kind=keyword, annotation=hints.get(name, p.annotation))
+        for name, p in inspect.signature(command).parameters.items()
+        if name not in ("settings", "methods")
+    ]
+
+
+def given_settings(values: dict, flagged: tuple[str, ...], knobs: tuple[str, ...]) -> dict[str, Any]:
+    """The settings given, taken out of `values` (the parsed options): numbers parsed, --set's knobs
+    added; `--set help` prints the knobs and exits."""
+    set_words = values.pop("set_knobs", None) or []
+    if "help" in set_words:
+        print(knob_lines(knobs))
+        raise typer.Exit(OK)
+    settings = {name: values.pop(name) for name in flagged if name != "method"}
+    with user_errors():
+        numeric = [n for n, v in settings.items() if isinstance(v, str) and SETTINGS[n].kind in NUMERIC]
+        settings |= {name: parse_number(name, settings[name]) for name in numeric}
+        for name, value in parse_knobs(set_words, knobs).items():
+            if settings.get(name) is not None:
+                raise ValueError(f"{FLAGS[name]} given twice: by {flags_of(name)[0]} and by --set")
+            settings[name] = value
+    return {k: v for k, v in settings.items() if v is not None}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import subprocess
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
@@ -11,16 +11,17 @@ import typer
 
 from .errors import user_errors
 from .options import examples
+from .outcomes import FAILED, end
 
 # runner/official.py VENV_VARIABLE and DEFAULT_VENV, named here so that help imports no torch;
-# tests/test_cli_startup.py checks they agree
+# tests/cli/test_cli_startup.py checks they agree
 VENV_VARIABLE = "SBP_OFFICIAL_VENV"
 DEFAULT_VENV = "~/.cache/sbpbench/peers/official"
 
 peers = typer.Typer(help="Set up the peers that need an environment of their own.", no_args_is_help=True)
 
 
-class Peer(str, Enum):
+class Peer(StrEnum):
     official = "official"
 
 
@@ -64,7 +65,7 @@ def setup(
         typer.echo("$ " + " ".join(command))
         if subprocess.run(command, check=False).returncode:
             typer.echo(f"error: the command above failed; {target} is incomplete", err=True)
-            raise typer.Exit(1)
+            end(FAILED)
     if path is not None:
         typer.echo(f"export {VENV_VARIABLE}={target}  # so that sbp finds it")
     typer.echo(f"ready: {target}")

@@ -17,7 +17,7 @@ from rich.table import Table
 from ..records import ResultRow
 from ..records.schema import phase_column
 
-# core/phases.py PHASES, in order (the CLI's help imports no torch; tests/test_cli_phases.py checks it)
+# core/phases.py PHASES, in order (the CLI's help imports no torch; tests/cli/test_cli_phases.py checks it)
 PHASE_NAMES = (
     "checkpoint pass",
     "head",

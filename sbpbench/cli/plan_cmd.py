@@ -12,7 +12,16 @@ from rich.table import Table
 from ..measure.host_memory import total_ram_bytes
 from ..measure.units import parse_bytes
 from .errors import user_errors
-from .options import PREDICTED_POINT, point_command, predicted_gpu_point_helps, run_fields_but
+from .options import (
+    DEFAULT_GPU_MEMORY,
+    PREDICTED_POINT,
+    GpuMemoryOpt,
+    HostMemoryOpt,
+    point_command,
+    predicted_gpu_point_helps,
+    run_fields_but,
+)
+from .outcomes import fail_if
 from .progress import Progress
 from .tables import print_table
 
@@ -54,11 +63,8 @@ EXAMPLES = (  # the end of its help (options.py examples)
 def plan_command(
     settings: dict,
     methods: tuple[str, ...],
-    gpu_memory: Annotated[str, typer.Option(metavar="SIZE", help="The GPU's memory, e.g. 80GiB.")] = "80GiB",
-    host_memory: Annotated[
-        str | None,
-        typer.Option(metavar="SIZE", help="Host memory the step may use, e.g. 100GiB (default: this machine's RAM)."),
-    ] = None,
+    gpu_memory: GpuMemoryOpt = None,
+    host_memory: HostMemoryOpt = None,
     gpu: Annotated[
         str,
         typer.Option(metavar="NAME", help="The GPU whose measured rows give the rates: its device name contains this."),
@@ -79,12 +85,11 @@ def plan_command(
     are any, else published H100 figures. Prints the fastest candidate of each kind of placement
     and why it is or is not the plan. Predictions, not measurements."""
     from ..config import point_specs
-    from ..simulate.depth import layer_input_bytes
-    from ..simulate.plan import describe, meta_model, plan, planned, summary
+    from ..simulate.plan import candidates, meta_model, plan, summary
     from ..simulate.timing import fitted_rates
 
     with user_errors():
-        gpu_bytes = parse_bytes(gpu_memory)
+        gpu_bytes = parse_bytes(gpu_memory or DEFAULT_GPU_MEMORY)
         host_bytes = parse_bytes(host_memory) if host_memory else total_ram_bytes()
         (spec,) = point_specs({**settings, **PREDICTED_POINT}, ["streambp"], defaults_for="cuda")
         rates = fitted_rates(results, gpu, meta_model)
@@ -94,30 +99,42 @@ def plan_command(
         chosen, tried = plan(
             spec, gpu_memory_bytes=gpu_bytes, host_memory_bytes=host_bytes, rates=rates, note=progress.note
         )
-    resolved, found = planned(spec, rates, host_bytes)
+    found = candidates(spec, meta_model(spec), rates, host_bytes)
     if all_candidates:
-        print_table(console, plan_table(resolved, tried, gpu_bytes, host_bytes, rates))
-        for outcome in tried:
-            if outcome.bound:
-                chunk = "any chunk" if outcome.any_chunk else f"chunk {outcome.candidate.chunk_size}"
-                console.print(f"{outcome.candidate.placement.name}, {chunk}: {outcome.bound}", highlight=False)
-    print_table(console, summary_table(resolved, summary(chosen, tried, found), chosen, gpu_bytes, host_bytes, rates))
+        print_every_candidate(console, spec, tried, gpu_bytes, host_bytes, rates)
+    print_table(console, summary_table(spec, summary(chosen, tried, found), chosen, gpu_bytes, host_bytes, rates))
     if chosen is None:
         console.print("[red]nothing fits[/]: a shorter --seq, LoRA, or more host memory", highlight=False)
-        raise typer.Exit(1)
+    fail_if(chosen is None)
+    print_choice(console, spec, chosen, gpu_bytes, host_bytes)
+
+
+def print_every_candidate(
+    console: Console, spec: RunSpec, tried: list[PlanOutcome], gpu_bytes: int, host_bytes: int, rates: Rates
+) -> None:
+    """--all: every candidate decided, and each bound with the chunk sizes it covers."""
+    print_table(console, plan_table(spec, tried, gpu_bytes, host_bytes, rates))
+    for outcome in tried:
+        if outcome.bound:
+            chunk = "any chunk" if outcome.any_chunk else f"chunk {outcome.candidate.chunk_size}"
+            console.print(f"{outcome.candidate.placement.name}, {chunk}: {outcome.bound}", highlight=False)
+
+
+def print_choice(console: Console, spec: RunSpec, chosen: PlanOutcome, gpu_bytes: int, host_bytes: int) -> None:
+    """The plan's flags, its predicted time and page-locking, and why it won."""
+    from ..simulate.depth import layer_input_bytes
+    from ..simulate.plan import describe
+
     d = describe(chosen, spec.batch_size * spec.seq_len)
-    pinned = chosen.candidate.counts.max_host_inputs * layer_input_bytes(resolved)
+    pinned = chosen.candidate.counts.max_host_inputs * layer_input_bytes(spec)
     console.print(
         f"plan: --checkpoints {d['checkpoints']} --chunk-size {d['chunk_size']} --logits-chunk-size "
         f"{d['logits_chunk_size']}", highlight=False,
     )  # fmt: skip
+    pinning = f"; the first step pins {pinned / GIB:.0f} GiB of host memory ({d['first_step_pinning_s']:.0f} s)"
     console.print(
         f"predicted {d['predicted_time_s']:,.0f} s per step ({d['tokens_per_s']:,.0f} tokens/s)"
-        + (
-            f"; the first step pins {pinned / GIB:.0f} GiB of host memory ({d['first_step_pinning_s']:.0f} s)"
-            if pinned
-            else ""
-        ),
+        + (pinning if pinned else ""),
         highlight=False,
     )
     console.print(

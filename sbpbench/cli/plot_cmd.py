@@ -18,10 +18,15 @@ EXAMPLES = (  # the end of its help (options.py examples)
 
 def plot(
     results: ResultsArg,
-    out: Annotated[Path, typer.Option("--out", "-o", metavar="DIR", help="Directory for the figures (created).")] = Path("plots"),
+    out: Annotated[
+        Path, typer.Option("--out", "-o", metavar="DIR", help="Directory for the figures (created).")
+    ] = Path("plots"),
     reference: ReferenceOpt = None,
     formats: Annotated[
-        list[str] | None, typer.Option("--format", metavar="[png|svg|pdf]", help="png, svg or pdf; several allowed (default: png and svg).")
+        list[str] | None,
+        typer.Option(
+            "--format", metavar="[png|svg|pdf]", help="png, svg or pdf; several allowed (default: png and svg)."
+        ),
     ] = None,
 ) -> None:
     """Draw every figure a results table has the data for.

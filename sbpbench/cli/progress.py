@@ -16,15 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsed
 from rich.progress import Progress as RichProgress
 from rich.table import Column
 
-
-def duration(seconds: float) -> str:
-    """12 s, 3 min 05 s, 1 h 02 min."""
-    seconds = round(seconds)
-    if seconds < 60:
-        return f"{seconds} s"
-    if seconds < 3600:
-        return f"{seconds // 60} min {seconds % 60:02d} s"
-    return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
+from ..measure.units import duration
 
 
 class Progress:

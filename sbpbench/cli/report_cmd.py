@@ -19,32 +19,40 @@ EXAMPLES = (  # the end of its help (options.py examples)
 )
 
 
+ReportOutOpt = Annotated[
+    Path | None,
+    typer.Option("--out", "-o", metavar="FILE", help="Write the Markdown to this file (default: print it)."),
+]
+ExactnessCsvOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--exactness",
+        metavar="CSV",
+        help="An exactness CSV written by `sbp check --out`: its table, and the peers' column.",
+    ),
+]
+GlanceOpt = Annotated[
+    bool,
+    typer.Option(
+        "--glance", help="Only the summary table: one row per method, at the lengths every method ran (README.md's)."
+    ),
+]
+PointsOpt = Annotated[
+    bool,
+    typer.Option(
+        "--points",
+        help="Only the GPU points: each measured peak beside its estimate and the paper's number (README.md's).",
+    ),
+]
+
+
 def report(
     results: ResultsArg,
-    out: Annotated[
-        Path | None, typer.Option("--out", "-o", metavar="FILE", help="Write the Markdown to this file (default: print it).")
-    ] = None,
+    out: ReportOutOpt = None,
     reference: ReferenceOpt = None,
-    exactness: Annotated[
-        Path | None,
-        typer.Option(
-            "--exactness", metavar="CSV", help="An exactness CSV written by `sbp check --out`: its table, and the peers' column."
-        ),
-    ] = None,
-    glance: Annotated[
-        bool,
-        typer.Option(
-            "--glance",
-            help="Only the summary table: one row per method, at the lengths every method ran (README.md's).",
-        ),
-    ] = False,
-    points: Annotated[
-        bool,
-        typer.Option(
-            "--points",
-            help="Only the GPU points: each measured peak beside its estimate and the paper's number (README.md's).",
-        ),
-    ] = False,
+    exactness: ExactnessCsvOpt = None,
+    glance: GlanceOpt = False,
+    points: PointsOpt = False,
 ) -> None:
     """Compare results with the paper's numbers, as Markdown.
 

@@ -9,9 +9,10 @@ import typer
 from rich.console import Console
 
 from .errors import user_errors
+from .outcomes import fail_if
 
 # runner/selftest.py GPU_BUDGET_S and CPU_BUDGET_S, named here so that help imports no torch;
-# tests/test_cli_startup.py checks they agree
+# tests/cli/test_cli_startup.py checks they agree
 BUDGET_S = {"cuda": 480.0, "cpu": 480.0}
 MIN_BUDGET_S = 30.0  # runner/budget.py MIN_START_S: less starts no step
 
@@ -23,7 +24,10 @@ EXAMPLES = (  # the end of its help (options.py examples)
 
 def selftest(
     out: Annotated[
-        Path, typer.Option("--out", "-o", metavar="DIR", help="Results directory: writes OUT/gpu/<device name>/ or OUT/cpu-selftest/.")
+        Path,
+        typer.Option(
+            "--out", "-o", metavar="DIR", help="Results directory: writes OUT/gpu/<device name>/ or OUT/cpu-selftest/."
+        ),
     ] = Path("results"),
     budget: Annotated[
         str | None,
@@ -56,11 +60,8 @@ def selftest(
     console = Console()
     if kind != "cuda":
         console.print("No CUDA GPU visible: running the CPU subset (sbp check, run, estimate; 2 to 3 minutes).")
-    test = Selftest(
-        kind, output_dir(out, kind, env.device_name), seconds or BUDGET_S[kind]
-    )
+    test = Selftest(kind, output_dir(out, kind, env.device_name), seconds or BUDGET_S[kind])
     run_selftest(test, tests_dir=find_tests_dir(), echo=lambda line: console.print(line, highlight=False))
     summary = write_summary(test, env)
     console.print(f"summary: {summary}; rows and log beside it", highlight=False)
-    if any(o.failed for o in test.outcomes):
-        raise typer.Exit(1)
+    fail_if(any(o.failed for o in test.outcomes))

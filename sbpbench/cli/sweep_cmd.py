@@ -3,22 +3,21 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
-from ..records import ResultRow, check_writable, decode_row, read_rows, row_key
+from ..records import ResultRow
 from .errors import user_errors
-from .options import BUDGET_EXIT, BudgetOpt, point_command
+from .options import BudgetOpt, out_option, point_command
+from .outcomes import finish
 from .progress import Progress
-from .run_cmd import point_line, warn_if_busy
-from .tables import maxlen_table, points_table, print_table, seq_bound
+from .run_cmd import warn_if_busy
+from .tables import maxlen_table, points_table, print_table
 
-if TYPE_CHECKING:
-    from ..runner.sweep import Job
+SweepOutOpt = out_option("results/<experiment name>.csv")
 
 EXAMPLES = (  # the end of its help (options.py examples)
     "sbp sweep experiments/smoke_cpu.toml    # the paper's figures in miniature",
@@ -37,10 +36,10 @@ EXAMPLES = (  # the end of its help (options.py examples)
 def sweep(
     settings: dict,
     methods: tuple[str, ...],
-    experiment: Annotated[Path, typer.Argument(metavar="EXPERIMENT", help="Experiment file, e.g. experiments/smoke_cpu.toml.")],
-    out: Annotated[
-        Path | None, typer.Option("--out", "-o", metavar="CSV", help="Results CSV (default: results/<experiment name>.csv).")
-    ] = None,
+    experiment: Annotated[
+        Path, typer.Argument(metavar="EXPERIMENT", help="Experiment file, e.g. experiments/smoke_cpu.toml.")
+    ],
+    out: SweepOutOpt = None,
     resume: Annotated[
         bool, typer.Option(help="Skip points already in --out (same settings); --no-resume reruns them.")
     ] = True,
@@ -61,14 +60,8 @@ def sweep(
     OOM is recorded and the sweep goes on; longer sequences of the same settings are then
     recorded as skipped (certain OOM)."""
     from ..config.experiment import load_experiment
-    from ..config.run import check_measurable
-    from ..measure.environment import capture_environment
     from ..measure.units import parse_seconds
-    from ..runner.budget import Budget, BudgetSpent, within
-    from ..runner.isolated import run_isolated
-    from ..runner.maxlen import ProbeFailed
-    from ..runner.sweep import plan, run_sweep
-    from .simulated_search import estimate_seed
+    from ..runner.experiment import plan_experiment, run_experiment
 
     if dry_run:
         _dry_run(experiment, out, settings.get("device"))
@@ -76,64 +69,17 @@ def sweep(
     with user_errors():
         seconds = parse_seconds(budget) if budget is not None else None
         loaded = load_experiment(experiment, device=settings.get("device"), threads=settings.get("threads"))
-        check_measurable([*loaded.grid, *(s.base for s in loaded.searches)])
-        out = out or Path("results") / f"{loaded.name}.csv"
-        check_writable(out)
-        first = (loaded.grid or [s.base for s in loaded.searches])[0]
-        env = capture_environment(first.device)
-        jobs = plan(loaded.points, out, device_name=env.device_name, resume=resume)
+        sweep = plan_experiment(loaded, out, resume=resume)
     console = Console()
-    todo = [job for job in jobs if not job.done]
-    console.print(
-        f"{loaded.name}: {len(jobs)} point(s), {len(jobs) - len(todo)} already in {out}, {len(todo)} to run "
-        f"on {env.device_name}",
-        highlight=False,
-    )
+    console.print(sweep.header(), highlight=False)
     warn_if_busy()
-    clock = Budget(seconds) if seconds is not None else None
-    measure = within(run_isolated, clock) if clock else run_isolated
-    rows: list[ResultRow] = []  # this run's new rows (answers, not probes), as each job ends
-    stopped = ""  # why the budget stopped the sweep
-    current: list[Job] = []  # the job in flight, for the budget's message
-    try:
-        # user_errors: a write that fails after a point was measured says where its row was kept
-        with user_errors(), Progress(console, len(todo)) as progress:
-
-            def start(job: Job) -> None:
-                current[:] = [job]
-                progress.start(job.describe())
-
-            def probed(job: Job, row: ResultRow) -> None:
-                progress.note(f"{job.describe()}: probe {point_line(row)}")
-
-            def done(job: Job, row: ResultRow) -> None:
-                rows.append(row)
-                progress.advance(f"{job.describe()}: {_outcome(row)}")
-
-            # a max-length search starts at its predicted max T unless the file says seed_from_estimate = false
-            seed = estimate_seed(capacity_bytes=env.device_total_memory_bytes, budget=clock, note=progress.note)
-            run_sweep(todo, out, measure=measure, env=env, on_start=start, on_probe=probed, on_done=done, seed=seed)
-    except BudgetSpent as spent:  # the summary of what ran, then why it stopped
-        left = len(todo) - todo.index(current[0])
-        stopped = (
-            f"--budget {budget} spent at {current[0].describe()} ({spent}): {left} of {len(todo)} point(s) left; "
-            f"finished points are in {out}; run the same command to resume"
-        )
-    except KeyboardInterrupt:
-        console.print(f"interrupted: finished points are in {out}; run the same command to resume", highlight=False)
-        raise typer.Exit(130) from None
-    except ProbeFailed as error:
-        console.print(f"[red]{escape(str(error))}[/]; finished points are in {out}", highlight=False)
-        raise typer.Exit(1) from None
-    keys = {job.key for job in jobs}
-    _summary(console, loaded.name, [decode_row(r) for r in read_rows(out) if row_key(r) in keys])
-    console.print(f"{len(rows)} new row(s) in {out}", highlight=False, soft_wrap=True)
-    if stopped:
-        console.print(stopped, style="yellow", highlight=False, soft_wrap=True)
-    if any(row.status in ("error", "timeout") for row in rows):
-        raise typer.Exit(1)
-    if stopped:
-        raise typer.Exit(BUDGET_EXIT)
+    # user_errors: a write that fails after a point was measured says where its row was kept
+    with user_errors(), Progress(console, len(sweep.todo)) as progress:
+        outcome = run_experiment(sweep, steps=progress, budget_s=seconds, budget=budget or "")
+    if not outcome.interrupted and not outcome.failed:
+        _summary(console, loaded.name, sweep.rows())
+        console.print(f"{len(outcome.rows)} new row(s) in {sweep.out}", highlight=False, soft_wrap=True)
+    finish(console, outcome)
 
 
 def _dry_run(experiment: Path, out: Path | None, device: str | None) -> None:
@@ -167,12 +113,6 @@ def _dry_run(experiment: Path, out: Path | None, device: str | None) -> None:
         f"Rates: {pricing.rates.describe()}"
     )
     print_table(console, table)
-
-
-def _outcome(row: ResultRow) -> str:
-    if row.kind == "maxlen":
-        return f"max T {seq_bound(row)}" if row.status == "ok" else row.status + (f": {row.error}" if row.error else "")
-    return point_line(row).split(": ", 1)[1]
 
 
 def _summary(console: Console, name: str, rows: list[ResultRow]) -> None:

@@ -19,6 +19,7 @@ from rich.table import Table
 from ..measure.units import gib
 from ..records import ResultRow
 from ..records.select import MAXLEN_TABLE, paper_rows
+from ..runner.outcome import seq_bound
 
 
 def print_table(console: Console, table: Table) -> None:
@@ -223,17 +224,8 @@ def estimate_table(rows: list[ResultRow], gpu_memory_bytes: int, margin_note: st
     return rows_table(title, columns, rows, notes)
 
 
-def seq_bound(row: ResultRow) -> str:
-    """A search's answer in words: its status where it has no length (unsupported, error)."""
-    if row.status != "ok" or (row.max_seq_len is None and row.oom_seq_len is None):
-        return row.status
-    if row.max_seq_len is None:
-        return f"< {row.oom_seq_len:,}"
-    return f"{row.max_seq_len:,}" if row.oom_seq_len is not None else f">= {row.max_seq_len:,} (ceiling)"
-
-
-def maxlen_table(rows: list[ResultRow]) -> Table:
-    """Max T per method, the ratio to ckpt, and the paper's number where it has one."""
+def _maxlen_title(rows: list[ResultRow]) -> tuple[str, list[str]]:
+    """A max-length table's title (the point, its budget, the device) and notes."""
     first = rows[0]
     budget = first.device_total_memory_bytes if first.source == "simulated" else first.memory_limit_bytes
     title, notes = point_title(rows, seq_len=False)
@@ -246,7 +238,13 @@ def maxlen_table(rows: list[ResultRow]) -> Table:
             "simulated: a prediction, not a measurement; our bp/ckpt free the logits after the loss, the paper's"
             " script keeps them through the backward (sbpbench/simulate/paper_baseline.py), so ours reach longer"
         )
-    prompted = first.objective != "sft"
+    return title, notes
+
+
+def maxlen_table(rows: list[ResultRow]) -> Table:
+    """Max T per method, the ratio to ckpt, and the paper's number where it has one."""
+    title, notes = _maxlen_title(rows)
+    prompted = rows[0].objective != "sft"
     ckpt = next((r.max_seq_len for r in rows if r.method == "ckpt" and r.max_seq_len), None)
 
     def shown(row: ResultRow) -> str:

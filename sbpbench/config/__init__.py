@@ -1,6 +1,6 @@
 """Run configuration: the typed specs every command, experiment file and Python caller builds
 (RunSpec, MaxlenSpec) with the settings table's defaults and checks, device resolution, experiment
-files. The model and batch a spec describes are built in sbpbench.points."""
+files. The model and batch a spec describes are built in sbpbench.workload."""
 
 from ..settings import ConfigError
 from .device import resolve_device

@@ -24,11 +24,10 @@ and every value by the spec itself; a mistake is reported as
 
 from __future__ import annotations
 
+import tomllib
 from dataclasses import dataclass
 from itertools import product
 from pathlib import Path
-
-import tomllib
 
 from ..settings import SEARCH_SETTINGS, SETTINGS, ConfigError, Setting
 from .device import device_kind, resolve_device

@@ -4,9 +4,11 @@ how the search runs. Its first probe is base.seq_len; it never tries past seq_le
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
-from ..settings import SETTINGS, ConfigError, check, default_of, device_defaults
+from ..settings import SEARCH_SETTINGS, SETTINGS, ConfigError, check, default_of, device_defaults
 from ..settings.table import DEVICE_KINDS
 from .run import RunSpec
 
@@ -82,4 +84,27 @@ class MaxlenSpec:
         return self.base.seq_len
 
     def probe(self, seq_len: int) -> RunSpec:
-        return replace(self.base, seq_len=seq_len)
+        return self.base.at_length(seq_len)
+
+
+def search_specs(
+    settings: Mapping[str, Any], methods: Sequence[str], *, simulate: bool = False, gpu_memory: str | None = None
+) -> list[MaxlenSpec]:
+    """One search per method from the settings someone gave (`sbp maxlen`'s options: a point's and
+    a search's), filled with a search's defaults for the device kind it measures. simulate: the
+    probes are predictions of a GPU (of gpu_memory, else the memory limit) on fake CPU tensors."""
+    from .device import device_kind, resolve_device
+    from .run import point_specs
+
+    settings = dict(settings)
+    kind = "cuda" if simulate else device_kind(resolve_device(settings.get("device", "auto")))
+    search = {name: settings.pop(name) for name in SEARCH_SETTINGS if name in settings}
+    defaults = {**SEARCH_DEFAULTS[kind], "repeats": 0}  # probes measure memory only
+    if gpu_memory:
+        settings["memory_limit"] = gpu_memory
+    if simulate:
+        settings["device"] = "cpu"  # fake CPU tensors stand in for the GPU's
+    search.setdefault("seq_len_ceiling", defaults.pop("seq_len_ceiling"))
+    return [
+        MaxlenSpec(base=spec, **search) for spec in point_specs(settings, methods, defaults=defaults, defaults_for=kind)
+    ]

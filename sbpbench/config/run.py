@@ -17,15 +17,16 @@ import math
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
+from functools import cache
 from typing import Any
 
 import torch
 
-from ..core.adapters import SUPPORTED_MODEL_TYPES, UnsupportedModelError, supported_families
-from ..core.placement import Placement
+from ..core import SUPPORTED_MODEL_TYPES, Placement, UnsupportedModelError, supported_families
 from ..measure.threads import available_cpus, default_threads
 from ..measure.units import parse_bytes
 from ..methods import METHODS, MethodSettings, method_names
+from ..methods.chunk_sizes import ChunkSizes, auto_chunk_sizes
 from ..settings import (
     AUTO,
     CHUNK_SETTINGS,
@@ -39,8 +40,8 @@ from ..settings import (
 )
 from ..settings.table import DEVICE_KINDS, is_int
 from .device import device_kind, resolve_device
+from .long_context import long_context_defaults
 from .sdpa import check_chunk_attention, check_sdpa_backend
-from .timing import long_context_defaults
 
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}  # keys: settings DTYPE_NAMES
 
@@ -90,14 +91,20 @@ class RunSpec:
     # scaled-dot-product-attention kernel forced on every method (config/sdpa.py); auto: torch's choice.
     # Part of a row's key: it changes time, and memory (math keeps the scores).
     sdpa_backend: str = default_of("sdpa_backend")
+    # the chunk settings the point's rule chose (methods/chunk_sizes.py), in the table's order: the
+    # row's auto_settings column. Their numbers are in `settings`; `at_length` chooses them afresh.
+    auto_settings: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ConfigError("method", f"unknown {{field}} {self.method!r}; choose from {', '.join(METHODS)}")
         for name in SPEC_CHECKED:  # the table's checks: choices, integer minimums, bools
             check(name, getattr(self, name))
-        for name in METHOD_KNOBS:
-            check(name, getattr(self.settings, name))
+        knobs = {name: getattr(self.settings, name) for name in METHOD_KNOBS}
+        for name in CHUNK_SETTINGS:  # "T/k" as the number it means at this T
+            knobs[name] = chunk_size_for(knobs[name], self.seq_len, name)
+        for name, value in knobs.items():
+            check(name, value)
         if self.objective == "dpo" and self.batch_size % 2:
             raise ConfigError(
                 "batch_size", f"counts chosen + rejected rows for dpo: give an even number, got {self.batch_size}"
@@ -111,19 +118,36 @@ class RunSpec:
             raise ConfigError(
                 "timeout_s", f"must be a positive number of seconds (or unset to predict it), got {timeout!r}"
             )
-        if self.settings.checkpoints is not None:
-            try:  # stored by its canonical name, so "recompute:2+cpu" and "cpu+recompute:2" are one key
-                name = Placement.parse(self.settings.checkpoints).name
+        if isinstance(knobs["checkpoints"], str):  # the one parse: "recompute:2+cpu" is cpu+recompute:2's Placement
+            try:
+                knobs["checkpoints"] = Placement.parse(knobs["checkpoints"])
             except ValueError as error:
                 raise ConfigError("checkpoints", str(error).removeprefix("checkpoints ")) from None
-            object.__setattr__(self, "settings", replace(self.settings, checkpoints=name))
         # one resolution, here: every later torch.cuda call gets an indexed device
         object.__setattr__(self, "device", resolve_device(self.device))
         check_sdpa_backend(self.sdpa_backend, self.device)
         if self.nproc > 1 and self.device.startswith("cuda"):  # a CPU spec may be a simulation's (check_measurable)
             check_nproc(self.nproc, self.device)
-        object.__setattr__(self, "settings", self.settings.for_method(knobs_read_by(self.method)))
-        check_chunk_attention(self.settings.chunk_attention, self.device, self.sdpa_backend)
+        settings = MethodSettings(**knobs).for_method(knobs_read_by(self.method))
+        chosen = tuple(name for name in CHUNK_SETTINGS if getattr(settings, name) == AUTO)
+        if chosen:  # the rule's numbers for this point (methods/chunk_sizes.py), recorded as its choice
+            sizes = self.auto_chunk_sizes()
+            settings = replace(settings, **{name: getattr(sizes, name) for name in chosen})
+        object.__setattr__(self, "settings", settings)
+        check_chunk_attention(settings.chunk_attention, self.device, self.sdpa_backend)
+        kept = [name for name in self.auto_settings if isinstance(getattr(settings, name), int)]
+        object.__setattr__(self, "auto_settings", tuple(n for n in CHUNK_SETTINGS if n in chosen or n in kept))
+
+    def auto_chunk_sizes(self) -> ChunkSizes:
+        """The rule's chunk sizes for this point (memory budget: its memory limit, else the rule's
+        default; the model's depth does not enter)."""
+        return auto_chunk_sizes(
+            _config(self.model),
+            seq_len=self.seq_len,
+            batch_size=self.batch_size,
+            dtype_bytes=DTYPES[self.dtype].itemsize,
+            memory_bytes=self.memory_limit,
+        )
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -131,21 +155,50 @@ class RunSpec:
 
     def with_method(self, method: str) -> RunSpec:
         """The same point for another method (settings re-derived for what it reads)."""
-        return replace(self, method=method, settings=MethodSettings(**self.settings.as_dict()))
+        return replace(self, method=method, settings=MethodSettings(**vars(self.settings)))
+
+    def with_settings(self, **knobs: Any) -> RunSpec:
+        """The point with these knobs given: no longer the rule's choice where they were."""
+        return replace(
+            self,
+            settings=replace(self.settings, **knobs),
+            auto_settings=tuple(name for name in self.auto_settings if name not in knobs),
+        )
+
+    def at_length(self, seq_len: int) -> RunSpec:
+        """The point at another T, its chunk sizes chosen afresh where the rule chose them (a
+        max-length probe); replace(spec, seq_len=...) keeps the numbers instead."""
+        again = dict.fromkeys(self.auto_settings, AUTO)
+        return replace(self, seq_len=seq_len, settings=replace(self.settings, **again))
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
 
     @classmethod
     def from_json(cls, text: str) -> RunSpec:
+        """The spec to_json wrote, as it was: the worker trusts it, so nothing is checked or parsed
+        again (the placement comes back from its fields, not its name)."""
         values = json.loads(text)
-        values["settings"] = MethodSettings(**values["settings"])
-        return cls(**values)
+        knobs = values.pop("settings")
+        if knobs["checkpoints"] is not None:
+            knobs["checkpoints"] = Placement(**knobs["checkpoints"])
+        values.update(settings=MethodSettings(**knobs), auto_settings=tuple(values["auto_settings"]))
+        spec = object.__new__(cls)
+        for name, value in values.items():
+            object.__setattr__(spec, name, value)
+        return spec
+
+
+@cache
+def _config(model: str):
+    from ..models import load_config
+
+    return load_config(model)
 
 
 # The names a point's settings go by everywhere (CLI option names, experiment-file keys): the
 # table's point settings, which are RunSpec's fields with MethodSettings' in place of `settings`
-# (tests/test_settings.py checks); the table checks those it declares a check for.
+# (tests/unit/test_settings.py checks); the table checks those it declares a check for.
 FIELD_NAMES: tuple[str, ...] = POINT_SETTINGS
 SPEC_CHECKED = tuple(f.name for f in fields(RunSpec) if f.name in POINT_SETTINGS and f.name != "method")
 
@@ -181,8 +234,8 @@ def check_measurable(specs: Iterable[RunSpec]) -> None:
 
 def chunk_size_for(value, seq_len: int, field: str = "chunk_size") -> int | str:
     """An integer, "T/k": seq_len / k rounded up (the paper's timing runs use T/3), or "auto" (kept:
-    chosen per point, config/chunks.py)."""
-    if is_int(value) or value == AUTO:
+    RunSpec then asks the rule); None (unset) as is."""
+    if value is None or is_int(value) or value == AUTO:
         return value
     text = str(value).replace(" ", "")
     if text.isdigit():
@@ -231,12 +284,9 @@ def point_specs(
     if given.get("repeats") == 0:  # memory only (a max-length probe): one step, its peak needs no
         given.setdefault("warmup", 0)  # warm-up (runner/point.py `_measure_cuda` says why)
     long_context_defaults(given)  # a long point: one memory step and one timed step
-    seq_len = given["seq_len"]
     settings = {name: given.pop(name) for name in METHOD_KNOBS if name in given}
     for name in CHUNK_SETTINGS:  # StreamBP's chunks (and the chunked heads'): chosen per point unless given
         settings.setdefault(name, AUTO)
-        if is_int(seq_len):
-            settings[name] = chunk_size_for(settings[name], seq_len, name)
     given["memory_limit"] = memory_limit_bytes(given.get("memory_limit"))
     given["device"] = device
     given.pop("method", None)

@@ -4,24 +4,30 @@ A training loop calls `stream_backward(model, input_ids, labels, ...)` instead o
 `model(..., labels=labels).loss.backward()`: same loss, same gradients, without full-sequence
 logits or a whole layer's intermediates in memory. Imports torch and transformers only.
 core/README.md tells the algorithm as this package implements it, in its order of work.
+This module is the library's face; internal.py is what sbpbench's own packages use besides.
 """
 
 from .adapters import SUPPORTED_MODEL_TYPES, UnsupportedModelError, supported_families
 from .cuda_calls import release_pinned_memory
+from .labels import IGNORE_INDEX
 from .objectives import DPO, GRPO, SFT, Objective
 from .phases import PhaseTimer, PhaseTimes
-from .stream import DEFAULT_CHUNK_SIZE, DEFAULT_LOGITS_CHUNK_SIZE, stream_backward
+from .placement import Placement
+from .stream import DEFAULT_CHUNK_SIZE, DEFAULT_LOGITS_CHUNK_SIZE, LayerProgress, stream_backward
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
     "DEFAULT_LOGITS_CHUNK_SIZE",
     "DPO",
     "GRPO",
+    "IGNORE_INDEX",
     "SFT",
     "SUPPORTED_MODEL_TYPES",
+    "LayerProgress",
     "Objective",
     "PhaseTimer",
     "PhaseTimes",
+    "Placement",
     "UnsupportedModelError",
     "release_pinned_memory",
     "stream_backward",

@@ -25,7 +25,7 @@ once (reduce-scatter, all-reduce under `replicate`/HSDP). `set_requires_gradient
 gradient accumulation is honoured: FSDP2's own post-backward keeps the unsharded gradient.
 
 FSDP2 has no public "reduce this unit now" call outside autograd hooks, so `FSDP2Sync` uses three
-private names, pinned here and nowhere else; tests/test_distributed.py counts the collectives, so a
+private names, pinned here and nowhere else; tests/distributed/test_distributed.py counts the collectives, so a
 torch release that changes them fails CI instead of silently changing gradients.
 """
 

@@ -20,6 +20,7 @@ from .adapters import DecoderParts
 from .chunking import chunk_bounds
 from .grad_accum import ChunkGradAccumulator
 from .labels import loss_dtype
+from .memory_kinds import LOGITS, allocating
 from .objectives import Objective
 
 
@@ -50,7 +51,8 @@ def sequence_sums(
     hidden: the last layer's output (sequences.py); dtype: its dtype."""
     sums = None
     for (start, end), chunk in zip(bounds, hidden.chunks(bounds)):
-        part = objective.sequence_sums(logits_of(chunk), start, end)
+        with allocating(LOGITS):
+            part = objective.sequence_sums(logits_of(chunk), start, end)
         sums = part if sums is None else sums + part
     if sums is None:  # nothing counted: the sums over no positions
         empty = torch.zeros(objective.labels.shape[0], 0, dtype=loss_dtype(dtype), device=objective.labels.device)
@@ -81,9 +83,10 @@ def head_backward(
     total = torch.zeros((), dtype=loss_dtype(dtype), device=last_hidden.device)
     for (start, end), chunk in zip(counted, last_hidden.chunks(counted)):
         hidden = chunk.detach().requires_grad_()
-        with torch.enable_grad():
-            part = objective.chunk_loss(_chunk_logits(parts, hidden, call), start, end)
-        part.backward()
+        with allocating(LOGITS):
+            with torch.enable_grad():
+                part = objective.chunk_loss(_chunk_logits(parts, hidden, call), start, end)
+            part.backward()
         grad_hidden.write(start, end, hidden.grad)
         total += part.detach()
         accumulator.collect()

@@ -291,4 +291,3 @@ def _is_fake(tensor: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import is_fake
 
     return is_fake(tensor)
-

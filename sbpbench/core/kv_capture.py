@@ -8,7 +8,7 @@ not its queries. Run through the whole layer until its attention function stores
 `KeyValueRecipe` (adapters.py) only input_layernorm, k_proj, v_proj, k_norm and the keys' RoPE run,
 each module called as the layer calls it (its hooks, a LoRA wrapper, autocast apply alike), in the
 modeling file's own order and layouts, with its own `apply_rotary_pos_emb`: bitwise the tensors the
-layer would hand its attention function (tests/test_kv_capture.py, every family, fp64 and fp32, LoRA).
+layer would hand its attention function (tests/exactness/test_kv_capture.py, every family, fp64 and fp32, LoRA).
 
 `key_value_projection` says whether the recipe applies to a layer as it is called here; where it does
 not (a family without a recipe, a patched forward, a hook on the layer or its attention that the

@@ -2,15 +2,19 @@
 
 1. Keys/values of all T positions are recomputed from X_l once, without grad, into buffers
    (B, kv_heads, T, head_dim) - small under GQA.
-2. Chunks run last to first through the layer's own forward: the chunk's queries attend to the
-   buffered prefix (a view of the buffers whose gradient is added to fp32 dK/dV sums for earlier
-   positions) and to the chunk's own keys and values (in the graph). The backward roots are (output, dZ[chunk]) plus (chunk keys/values,
-   dK/dV accumulated from later chunks). Going last to first makes a chunk's dK/dV complete
-   before it runs, so each position's K/V projections are recomputed once per layer backward,
-   not once per later chunk as in the official code.
+2. Chunks run last to first through the layer's own forward. The chunk's queries attend to the
+   buffered prefix and to the chunk's own keys and values (in the graph). The prefix is a view of
+   the buffers whose gradient is added to fp32 dK/dV sums for earlier positions. The backward
+   roots are (output, dZ[chunk]) plus (chunk keys/values, dK/dV accumulated from later chunks).
+   Going last to first makes a chunk's dK/dV complete before it runs. So each position's K/V
+   projections are recomputed once per layer backward, not once per later chunk as in the
+   official code.
 3. dX[chunk] is final once its chunk is done and overwrites dZ[chunk] in place.
 X and dZ / dX are read and written a chunk at a time (sequences.py): on the device, or from and to
 host memory one chunk ahead (the stream placement).
+
+Shapes: B rows, T positions, d hidden size, c = end - start positions of a chunk, kv = key/value
+heads (before GQA repetition), h = head_dim.
 """
 
 from __future__ import annotations
@@ -24,20 +28,21 @@ from .chunking import chunk_bounds, chunk_kwargs
 from .grad_accum import ChunkGradAccumulator
 from .kv_capture import Projection, key_value_projection
 from .layout import SequenceLayout
+from .memory_kinds import KV_GRAD_SUMS, allocating
 from .phases import CHUNK_BACKWARD, CHUNK_FORWARD, KV_CAPTURE, PhaseTimer, timed
 
 
 def _capture_keys_values(layer, layer_input, kwargs: dict, chunks, project: Projection | None = None) -> KVBuffer:
     """layer_input: X (sequences.py), read first chunk to last. project: the keys/values alone by the
     family's recipe (kv_capture.py); None runs the layer until its attention function has stored them."""
-    capture = KVBuffer(seq_len=layer_input.shape[1], attend=False)
+    capture = KVBuffer(seq_len=layer_input.shape[1], attend=False)  # fills keys, values (B, kv, T, h)
     with torch.no_grad():
         for (start, end), hidden in zip(chunks, layer_input.chunks(chunks)):
             capture.start = start
             if project is not None:
                 capture.store(*project(hidden, chunk_kwargs(kwargs, start, end)))
                 continue
-            try:
+            try:  # the layer runs up to its attention call on X[:, start:end] (B, c, d), which raises
                 layer(hidden, **chunk_kwargs(kwargs, start, end), **{STATE_KWARG: capture})
             except KVCaptured:
                 continue
@@ -68,36 +73,37 @@ def layer_backward(
     key_values: the family's K/V recipe (adapters.py), None to capture through the whole layer.
     timer: times K/V capture, chunk forward and chunk backward (phases.py)."""
     call = layer if call is None else call
-    seq_len = layer_input.shape[1]
-    chunks = chunk_bounds(seq_len, chunk_size)
+    seq_len = layer_input.shape[1]  # layer_input, grad: (B, T, d)
+    chunks = chunk_bounds(seq_len, chunk_size)  # [(start, end), ...] covering [0, T)
     with timed(timer, KV_CAPTURE):
         project = key_value_projection(layer, call, kwargs, key_values)
         capture = _capture_keys_values(call, layer_input, kwargs, chunks, project)
-        keys, values, window = capture.keys, capture.values, capture.sliding_window
+        keys, values, window = capture.keys, capture.values, capture.sliding_window  # (B, kv, T, h) each
         acc_dtype = torch.promote_types(keys.dtype, torch.float32)  # dK/dV sum over later chunks
-        grad_keys = torch.zeros_like(keys, dtype=acc_dtype)
-        grad_values = torch.zeros_like(values, dtype=acc_dtype)
+        with allocating(KV_GRAD_SUMS):
+            grad_keys = torch.zeros_like(keys, dtype=acc_dtype)  # (B, kv, T, h), fp32 (fp64 for an fp64 model)
+            grad_values = torch.zeros_like(values, dtype=acc_dtype)  # (B, kv, T, h)
     accumulator = ChunkGradAccumulator(list(layer.parameters()), fp32_grad_accumulation)
 
-    backward_order = list(reversed(chunks))
+    backward_order = list(reversed(chunks))  # last chunk first: its dK/dV from later chunks are complete
     # each chunk taken where it is first read: a host copy is waited for just before its use
     inputs, grads = layer_input.chunks(backward_order), grad.chunks(backward_order)
     for start, end in backward_order:
         state = ChunkState(start, chunk_plan(layout, start, end, window), capture, grad_keys, grad_values)
-        chunk_input = next(inputs).detach().requires_grad_(need_input_grad)
-        with timed(timer, CHUNK_FORWARD), torch.enable_grad():
-            output = call(chunk_input, **chunk_kwargs(kwargs, start, end), **{STATE_KWARG: state})
+        chunk_input = next(inputs).detach().requires_grad_(need_input_grad)  # X[chunk] (B, c, d), a leaf
+        with timed(timer, CHUNK_FORWARD), torch.enable_grad():  # queries (B, heads, c, h) against keys[..., :end, :]
+            output = call(chunk_input, **chunk_kwargs(kwargs, start, end), **{STATE_KWARG: state})  # (B, c, d)
 
         with timed(timer, CHUNK_BACKWARD):
-            roots, root_grads = [output], [next(grads)]
-            if end < seq_len:  # later chunks attended to this chunk's keys/values
+            roots, root_grads = [output], [next(grads)]  # dZ[chunk] (B, c, d)
+            if end < seq_len:  # later chunks attended to this chunk's keys/values: (B, kv, c, h) each
                 roots += [state.key_chunk, state.value_chunk]
                 root_grads += [grad_keys[:, :, start:end].to(keys.dtype), grad_values[:, :, start:end].to(values.dtype)]
             pairs = [(r, g) for r, g in zip(roots, root_grads) if r.requires_grad]
-            if pairs:  # the prefix's dK/dV go into grad_keys/grad_values on the way (_BufferedPrefix)
+            if pairs:  # the prefix's dK/dV go into grad_keys/grad_values[:, :, :start] on the way (_BufferedPrefix)
                 torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs])
             if need_input_grad:
-                grad.write(start, end, chunk_input.grad)
-            accumulator.collect()
+                grad.write(start, end, chunk_input.grad)  # dX[chunk] (B, c, d) over dZ[chunk], now spent
+            accumulator.collect()  # this chunk's weight gradients into the (fp32) sums
     with timed(timer, CHUNK_BACKWARD):
-        accumulator.finish()
+        accumulator.finish()  # the sums into .grad, rounded once

@@ -39,6 +39,7 @@ import torch
 from .cuda_calls import CUDA_CALLS, CudaCalls
 from .host_copies import Copier
 from .host_pool import HostBuffer
+from .memory_kinds import CHECKPOINTS, allocating, note
 from .phases import PhaseTimer
 from .rebuild_schedule import every_input_buffers
 from .sequences import DeviceSequence
@@ -94,6 +95,9 @@ class Placement:
                 f"stream:N keeps at most N layer inputs in host memory, the gradient's included: N >= 2, got {text!r}"
             )
         return cls(stream=True, host_buffers=int(number))
+
+    def __str__(self) -> str:
+        return self.name
 
     @property
     def name(self) -> str:
@@ -196,7 +200,8 @@ class CheckpointStore:
         """The checkpoint pass through layer `index`: X_l put, run(source, sink) chunk by chunk into
         X_{l+1}, which goes back to the decoder."""
         self.put(index, layer_input)
-        output = torch.empty_like(layer_input)  # becomes X_{l+1}
+        with allocating(CHECKPOINTS):
+            output = torch.empty_like(layer_input)  # becomes X_{l+1}
         run(DeviceSequence(layer_input), DeviceSequence(output))
         return output
 
@@ -205,6 +210,7 @@ class CheckpointStore:
         (rebuilt later)."""
         if not self.placement.kept(index):
             return
+        note(CHECKPOINTS, layer_input)  # X_0 is the embedding's output, made before the pass could say
         if not self.placement.offload:
             self._device[index] = layer_input
         else:
@@ -216,13 +222,14 @@ class CheckpointStore:
         if _shapes_only:
             self._host[index] = _HostShape(layer_input.shape, layer_input.dtype, layer_input.nbytes)
             self._copier.to_host_bytes += layer_input.nbytes
-        elif self._copier.overlaps(layer_input.device):
+        elif self._copier.overlaps(layer_input.device):  # host memory: no device allocation to tell of
             buffer = self._buffers[index] = self._copier.take_buffer(layer_input.nbytes)
             host = buffer.view(layer_input.shape, layer_input.dtype)
             self._copier.to_host(host, layer_input)
             self._host[index] = host
         else:  # an ordinary copy off a GPU
-            host = self._host[index] = torch.empty(layer_input.shape, dtype=layer_input.dtype)
+            with allocating(CHECKPOINTS):  # on a CPU: in the memory counted
+                host = self._host[index] = torch.empty(layer_input.shape, dtype=layer_input.dtype)
             self._copier.to_host(host, layer_input)
         self.host_bytes += layer_input.nbytes
 
@@ -245,6 +252,13 @@ class CheckpointStore:
         if index < 0 or index in self._device or index not in self._host:
             return
         host = self._host[index]
+        with allocating(CHECKPOINTS):
+            target = self._bring_back(index, host, device)
+        self._device[index] = target
+        self._count()
+
+    def _bring_back(self, index: int, host, device: torch.device) -> torch.Tensor:
+        """A device copy of the host copy of X_index, on its way (a side stream on CUDA)."""
         if _shapes_only:
             target = torch.empty(host.shape, dtype=host.dtype, device=device)
             self._copier.to_device_bytes += host.nbytes
@@ -253,8 +267,7 @@ class CheckpointStore:
             target, event = self._copier.to_device(host, device)
             if event is not None:
                 self._arrived[index] = event
-        self._device[index] = target
-        self._count()
+        return target
 
     def get(self, index: int, device: torch.device) -> DeviceSequence:
         """X_index on `device`. The first get of a segment [s, s + K) (its last layer) brings X_s
@@ -281,7 +294,8 @@ class CheckpointStore:
         assert self.rebuild_into is not None, "a recomputing store needs its rebuild function"
         for layer in range(start, top):
             source = self._device[layer]
-            output = torch.empty_like(source)
+            with allocating(CHECKPOINTS):
+                output = torch.empty_like(source)
             self.rebuild_into(layer, DeviceSequence(source), DeviceSequence(output))
             self._device[layer + 1] = output
             self._count()

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from .host_copies import Copier
+from .memory_kinds import CHECKPOINTS, allocating
 
 Bounds = Sequence[tuple[int, int]]  # (start, end) of each chunk, in the order a loop reads them
 
@@ -76,7 +77,8 @@ class HostSequence:
             self._buffer = copier.take_buffer(self.nbytes)
             self.host = self._buffer.view(self.shape, dtype)
         else:
-            self.host = torch.empty(self.shape, dtype=dtype)  # a CPU device: ordinary memory
+            with allocating(CHECKPOINTS):  # a CPU device: ordinary memory, the memory counted
+                self.host = torch.empty(self.shape, dtype=dtype)
 
     def chunks(self, bounds: Bounds) -> Iterator[torch.Tensor]:
         """Each chunk on the device in order. The first chunk's copy starts now; each later one's

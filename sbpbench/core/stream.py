@@ -102,7 +102,7 @@ def stream_backward(
     """
     _check_sizes(chunk_size, logits_chunk_size)
     check_chunk_attention(chunk_attention, input_ids.device)
-    placement = Placement.parse(checkpoints)
+    placement = checkpoints if isinstance(checkpoints, Placement) else Placement.parse(checkpoints)
     if (labels is None) == (objective is None):
         raise ValueError("give either labels (the SFT objective) or objective=..., not both or neither")
     objective = objective if objective is not None else SFT(labels)

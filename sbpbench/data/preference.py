@@ -19,8 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.labels import IGNORE_INDEX
-from ..core.objectives import DPO, GRPO
+from ..core import DPO, GRPO, IGNORE_INDEX
 from ..settings import SETTINGS
 from .sft import TokenBatch, pad_lengths
 

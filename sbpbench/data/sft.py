@@ -12,8 +12,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from ..core.labels import IGNORE_INDEX
-from ..core.objectives import SFT
+from ..core import IGNORE_INDEX, SFT
 
 
 class TokenBatch:

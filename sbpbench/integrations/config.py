@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..core import DEFAULT_CHUNK_SIZE, DEFAULT_LOGITS_CHUNK_SIZE
-from ..core.placement import Placement
+from ..core import DEFAULT_CHUNK_SIZE, DEFAULT_LOGITS_CHUNK_SIZE, Placement
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -17,11 +16,12 @@ class StreamBPConfig:
 
     chunk_size: int = DEFAULT_CHUNK_SIZE
     logits_chunk_size: int = DEFAULT_LOGITS_CHUNK_SIZE
-    checkpoints: str = "gpu"
+    checkpoints: str | Placement = "gpu"  # held parsed: each training step gets the Placement
 
     def __post_init__(self):
         for name in ("chunk_size", "logits_chunk_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"StreamBPConfig.{name} must be a positive integer, got {value!r}")
-        Placement.parse(self.checkpoints)  # raises ValueError naming the accepted placements
+        # raises ValueError naming the accepted placements
+        object.__setattr__(self, "checkpoints", Placement.parse(self.checkpoints))

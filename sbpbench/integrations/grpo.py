@@ -21,9 +21,8 @@ from __future__ import annotations
 import torch
 from trl import GRPOTrainer
 
-from ..core import GRPO
-from ..core.labels import IGNORE_INDEX
-from ..core.objectives import GRPO_LOSS_TYPES
+from ..core import GRPO, IGNORE_INDEX
+from ..core.internal import GRPO_LOSS_TYPES
 from .trainer import StreamBPInit, StreamBPStep, StreamedBatch, check_batch_keys, refuse
 
 GRPO_KEYS = (

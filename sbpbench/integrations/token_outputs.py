@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import torch
 
-from ..core.labels import loss_dtype
+from ..core.internal import loss_dtype
 
 FIELDS = ("log_probs", "entropy", "mean_logits", "is_top1")
 

@@ -92,7 +92,7 @@ def _layer_shapes(config) -> tuple[int, int, int]:
 def rebuilt_layers(num_layers: int, recompute_every: int) -> list[int]:
     """The layers a recompute:K placement runs again to rebuild inputs: layer l makes X_{l+1}, which
     is rebuilt unless kept (l + 1 a multiple of K) or not a layer input (l + 1 = L)."""
-    return [l for l in range(num_layers - 1) if (l + 1) % recompute_every]
+    return [layer for layer in range(num_layers - 1) if (layer + 1) % recompute_every]
 
 
 def phase_flops(
@@ -130,7 +130,7 @@ def phase_flops(
     }
     if recompute_every > 1:
         rebuilt = rebuilt_layers(num_layers, recompute_every)
-        phases["rebuild"] = (2 * layer_weights * tokens * len(rebuilt), sum(attention[l] for l in rebuilt))
+        phases["rebuild"] = (2 * layer_weights * tokens * len(rebuilt), sum(attention[layer] for layer in rebuilt))
     return phases
 
 

@@ -1,7 +1,7 @@
 """CPU threads of a measurement: how many intra-op threads a point runs with, and how busy the
 machine was. A CPU step's time depends on both far more than on anything else in the row:
 oversubscribed threads (more runnable threads than cores) slowed StreamBP's many chunk-sized
-operations 9x on a loaded 2-core machine, bp and ckpt 2-3x (issue 18).
+operations 9x on a loaded 2-core machine, bp and ckpt 2-3x.
 """
 
 from __future__ import annotations

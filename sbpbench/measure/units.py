@@ -48,3 +48,13 @@ def parse_seconds(text: str) -> float:
         raise ValueError(f"cannot read the duration {text!r}; write e.g. 9m, 540s, 1.5h or a number of seconds")
     unit = match.group(2).lower() if match.group(2) else None
     return float(match.group(1)) * _SECONDS[unit]
+
+
+def duration(seconds: float) -> str:
+    """12 s, 3 min 05 s, 1 h 02 min."""
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min {seconds % 60:02d} s"
+    return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"

@@ -17,10 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core.adapters import resolve_parts, trainable
-from ..core.head import counted_chunks, sequence_sums
-from ..core.labels import loss_dtype
-from ..core.sequences import DeviceSequence
+from ..core.internal import DeviceSequence, counted_chunks, loss_dtype, resolve_parts, sequence_sums, trainable
 from ..data import Batch
 from .hf_baseline import hf_gradient_checkpointing
 

@@ -6,11 +6,11 @@ fp64 1e-10, fp32 1e-5; bf16 is reported, never judged (both sides round differen
 
 fp32 at scale (`judge_against_fp64`): a fixed 1e-5 between two fp32 methods fails on rounding
 alone once sums run over thousands of positions (a small q_norm-like gradient on an H100 at T=9000:
-5.98458e-4 vs 5.98452e-4). So, as the paper's Table 6 and tests/test_bf16.py do, every method runs
+5.98458e-4 vs 5.98452e-4). So, as the paper's Table 6 and tests/exactness/test_bf16.py do, every method runs
 in fp32 and is compared with a float64 step on the same weights; a method passes a tensor when
 its error is within FP32_ERROR_FACTOR x standard BP's own fp32 error on that tensor (plus a
 relative floor of a few units of fp32 rounding, and the absolute noise floor below). A wrong
-gradient is off by far more than BP's rounding (tests/test_exactness_fp32.py perturbs one). The
+gradient is off by far more than BP's rounding (tests/exactness/test_exactness_fp32.py perturbs one). The
 loss is judged the same way: a DPO loss is a difference of sums over thousands of log-probs, so
 fp32 cancellation leaves BP's own loss 1.9e-4 off the float64 one (Qwen3-0.6B, T=4096, one H100).
 The judging is a pure function of the three steps (`judge_baseline`, `judge_fp32_step`), so it is
@@ -41,7 +41,7 @@ ROUNDING_UNITS = 4
 # max-element errors of two correct fp32 methods differ by chance (different summation orders), so
 # the factor leaves room (streambp over bp, per tensor: at most 1.15x on the Qwen3-4B shape at T=256,
 # 1.45x on tiny/qwen3; benchmarks/fp32_vs_fp64_cpu_2026-11-23.md), while a wrong gradient (off by far more than
-# rounding) still fails (tests/test_exactness_fp32.py).
+# rounding) still fails (tests/exactness/test_exactness_fp32.py).
 FP32_ERROR_FACTOR = 4.0
 # Relative floor on every tensor's bound: BP may round a tensor (nearly) exactly where another
 # summation order cannot; 64 fp32 units (7.6e-6) is below the old fixed 1e-5.
@@ -221,9 +221,7 @@ def judge_fp32_step(
     gradients, versus_baseline reports the old fixed rule's number."""
     (loss, grads), (ref_loss, ref_grads) = ours, ref
     base = {d.name: d for d in baseline.grads}
-    diffs = [
-        tensor_diff(n, grads[n], r, _bound(base[n].rel_error), base[n].noise_floor) for n, r in ref_grads.items()
-    ]
+    diffs = [tensor_diff(n, grads[n], r, _bound(base[n].rel_error), base[n].noise_floor) for n, r in ref_grads.items()]
     loss_diff = tensor_diff("loss", loss, ref_loss, _bound(baseline.loss.rel_error))
     versus = None if base_grads is None else _same_precision_diffs(grads, base_grads)
     return MethodComparison(method, baseline.reference, loss_diff, diffs, versus)

@@ -7,7 +7,7 @@ from contextlib import contextmanager
 
 import torch
 
-from ..core.objectives import SFT
+from ..core import SFT
 from ..data import Batch
 
 

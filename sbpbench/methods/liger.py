@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from ..core.adapters import resolve_parts
-from ..core.labels import IGNORE_INDEX
-from ..core.objectives import SFT
+from ..core import IGNORE_INDEX, SFT
+from ..core.internal import resolve_parts
 from ..data import Batch
 from .hf_baseline import hf_gradient_checkpointing
 from .unsupported import MethodUnsupported

@@ -12,12 +12,12 @@ settings/choices.py METHOD_NAMES (the CLI lists the names without importing torc
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import NamedTuple
 
 import torch
 
-from ..core.attention import ATTENTION_NAME
-from ..core.labels import count_targets, shift_labels
+from ..core.internal import ATTENTION_NAME, count_targets, shift_labels
 from ..data import Batch
 from ..settings import EVERY_METHOD, SETTINGS, knobs_read_by
 from .chunked_ce import ckpt_chunked_ce
@@ -52,7 +52,7 @@ METHODS: dict[str, Method] = {
         ATTENTION_NAME,
         data_parallel=True,
     ),
-    # peers: what users reach for instead (issue 16)
+    # peers: what users reach for instead
     "ckpt-offload": Method(ckpt_offload, "ckpt with the layer checkpoints in host memory (transformers' offload=True)"),
     "ckpt-chunked-ce": Method(
         ckpt_chunked_ce,
@@ -106,9 +106,14 @@ def get_method(name: str) -> Method:
         raise ValueError(f"unknown method {name!r}; choose from {', '.join(METHODS)}") from None
 
 
-def run_method(name: str, model, batch: Batch, settings: MethodSettings | None = None) -> torch.Tensor:
-    """Validate the batch the same way for every method, then run one step with the settings it
-    reads (unset ones at their defaults)."""
+def prepared_method(name: str, batch: Batch, settings: MethodSettings | None = None) -> partial:
+    """The method's step function with the settings it reads (unset ones at their defaults), for
+    steps on `batch`, which is checked here the same way for every method."""
     method = get_method(name)
     count_targets(shift_labels(batch.labels))  # every method refuses a batch with nothing to predict
-    return method.fn(model, batch, (settings or MethodSettings()).for_method(knobs_read_by(name)))
+    return partial(method.fn, settings=(settings or MethodSettings()).for_method(knobs_read_by(name)))
+
+
+def run_method(name: str, model, batch: Batch, settings: MethodSettings | None = None) -> torch.Tensor:
+    """One step of the method (prepared_method's checks and settings, then the step)."""
+    return prepared_method(name, batch, settings)(model, batch)

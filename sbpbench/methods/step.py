@@ -17,13 +17,13 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 
 from ..data import Batch
+from .registry import prepared_method
 from .settings import MethodSettings
 from .training import (
     init_optimizer_state,
     make_optimizer,
     optimizer_state_bytes,
     optimizer_state_tensors,
-    run_step,
     trainable_parameters,
 )
 
@@ -57,7 +57,11 @@ class TrainingStep:
         (the estimator's fake-tensor mode)."""
         self.model = model.train()
         self.batch = batch
-        self.method, self.settings, self.protocol = method, settings, protocol
+        # checked and filled once, not per step: the batch has something to predict, the knobs are
+        # what the method reads (a spec's already are; a library caller's may not be)
+        self.method, self.protocol = method, protocol
+        self._step = prepared_method(method, batch, settings)
+        self.settings = self._step.keywords["settings"]
         self.trainable = trainable_parameters(self.model)
         self.optimizer = make_optimizer(self.model) if step == "train" else None
         if self.optimizer is not None and foreach_optimizer is not None:
@@ -102,4 +106,8 @@ class TrainingStep:
         gc.collect()  # reference cycles must not carry one step's tensors into the next
 
     def run(self) -> torch.Tensor:
-        return run_step(self.method, self.model, self.batch, self.settings, self.optimizer)
+        """One step: the method's forward and backward, then the optimizer's step if any."""
+        loss = self._step(self.model, self.batch)
+        if self.optimizer is not None:
+            self.optimizer.step()
+        return loss

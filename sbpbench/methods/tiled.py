@@ -18,8 +18,7 @@ from contextlib import ExitStack, contextmanager
 
 import torch
 
-from ..core.adapters import resolve_parts, trainable
-from ..core.labels import loss_dtype
+from ..core.internal import loss_dtype, resolve_parts, trainable
 from ..data import Batch
 from .chunked_ce import chunked_head_loss
 from .hf_baseline import hf_gradient_checkpointing

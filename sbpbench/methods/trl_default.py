@@ -10,7 +10,7 @@ so this step is the objective's loss from them (`loss_from_logps`), as SFTTraine
 DPOTrainer._compute_loss and GRPOTrainer._compute_loss compute theirs.
 
 TRL folds each tile in float32 whatever the model dtype, so in a float64 model this step agrees
-with bp to float32 rounding only (tests/test_peers.py). An optional extra (`pip install -e .[trl]`):
+with bp to float32 rounding only (tests/exactness/test_peers.py). An optional extra (`pip install -e .[trl]`):
 without TRL the point is "unsupported", never another computation. The patched forward is the
 model's for the step only.
 """
@@ -22,7 +22,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from ..core.adapters import unwrap_model
+from ..core.internal import unwrap_model
 from ..data import Batch
 from .hf_baseline import hf_gradient_checkpointing
 from .unsupported import MethodUnsupported

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core.adapters import unwrap_model
+from ..core.internal import unwrap_model
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:

@@ -30,7 +30,7 @@ def measured_on_predicted(table, out_dir: Path, reference=None, formats: Sequenc
     measured = measured[~measured.apply(is_truncated, axis=1)] if len(measured) else measured
     predicted = points[(points["source"] == "simulated") & points["peak_allocated_bytes"].notna()]
     paths = []
-    for (device, *shared), rows in measured.groupby(["device_name", *SHARED], sort=True, dropna=False):
+    for (_device, *shared), rows in measured.groupby(["device_name", *SHARED], sort=True, dropna=False):
         curves = predicted[_same(predicted, dict(zip(SHARED, shared)))]
         curves = curves[curves.apply(_default_placement, axis=1)] if len(curves) else curves
         if curves.empty or curves.groupby("method")["seq_len"].nunique().max() < 2:
@@ -82,7 +82,9 @@ def _figure(rows, curves, predicted, reference, out_dir: Path, formats) -> list[
     budgets = sorted({number(b) for b in curves["memory_limit_bytes"] if number(b)})
     for budget in budgets:
         if capacity and abs(budget - capacity) > GIB / 100:
-            ax.axhline(budget / GIB, color="black", linestyle=":", linewidth=0.8, label=f"predicted for {budget / GIB:.2f} GiB")
+            ax.axhline(
+                budget / GIB, color="black", linestyle=":", linewidth=0.8, label=f"predicted for {budget / GIB:.2f} GiB"
+            )
     xs += _draw_paper(ax, reference, like)
     top = max([y for y in ys if y] + [1.0])
     ax.set_ylim(0, top * 1.12)

@@ -3,7 +3,7 @@
 One row per number in the paper (Luo et al. 2025, arXiv 2506.03077): which table, the setting
 (model, method, objective, lora, step, dtype, batch_size, seq_len, num_gpus, device), the metric
 and its value in raw units (bytes, seconds, tokens). An OOM cell has status "oom" and no value.
-Plots and the report read it through `load_reference`; tests/test_reference.py checks it.
+Plots and the report read it through `load_reference`; tests/unit/test_reference.py checks it.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The results schema: one dataclass whose fields, in order, are the CSV columns.
 
 The method settings' columns are the settings table's method knobs (sbpbench/settings), in its
-order; the rest are written out here.
+order; tests/unit/test_settings.py checks that they are.
 
 Raw units live in the column names (`*_bytes`, `*_s`); GiB exist only on screen. Every row
 carries its provenance (when, where, which versions and commit, every setting that changes the
@@ -58,16 +58,19 @@ read back with the new columns empty):
   12 seed_seq_len (the predicted max T a max-length search started from) and search_probes (every
      answer the search used, in order: "61440:ok 62464:oom", "(cached)" after one it did not run).
      Older maxlen rows read back with both empty (blind searches, probes not recorded).
+  13 timeline_file: the measured step's memory timeline (`sbp run --timeline`: a JSON file, its
+     prediction and on a GPU PyTorch's raw memory snapshot beside it), relative to the CSV's
+     directory (runner/timelines.py). Not a key column. Older rows read back with it empty (none).
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, field, fields, make_dataclass
+from dataclasses import asdict, dataclass, fields
 
 from ..settings import METHOD_KNOBS, SETTINGS
 
-SCHEMA_VERSION = 12
+SCHEMA_VERSION = 13
 
 # skipped: not run because a point of the same settings with no longer sequence and no larger batch
 # already ran out of memory (certain OOM: plots and reports draw it as an OOM) or timed out (certain
@@ -84,8 +87,8 @@ SOURCES = ("measured", "simulated")
 
 
 @dataclass(kw_only=True)
-class _PointColumns:
-    """ResultRow's columns before the method settings'."""
+class ResultRow:
+    """One CSV row: its fields, in order, are the columns."""
 
     schema_version: int = SCHEMA_VERSION
     timestamp_utc: str = ""  # ISO 8601, when the point finished
@@ -110,34 +113,15 @@ class _PointColumns:
     device: str = ""  # cpu | cuda | cuda:N (several ranks: rank 0's; rank r runs on cuda:N+r)
     nproc: int | None = None  # data-parallel ranks (FSDP2 FULL_SHARD); 1: one process
     protocol: str = ""  # steady (gradient buffers resident before the step) | first (allocated in it)
-
-
-def _knob_column(name: str) -> tuple[str, str, object]:
-    """A method knob's column: a text knob is text ("" when the method does not read it), any other
-    the number or bool the point ran with (a chunk's "auto" as the number chosen), empty as None."""
-    kind = SETTINGS[name].kind
-    first = (kind if isinstance(kind, tuple) else (kind,))[0]
-    if first is str:
-        return name, "str", field(default="")
-    return name, f"{first.__name__} | None", field(default=None)
-
-
-# The method settings' columns, one per knob of the settings table in its order (schema 4: empty in
-# a row whose method does not read the knob). Generated, so that a knob is declared once, in the table;
-# the columns before and after are written out.
-_MethodColumns = make_dataclass(
-    "_MethodColumns",
-    [_knob_column(name) for name in METHOD_KNOBS],
-    bases=(_PointColumns,),
-    namespace={"__module__": __name__},
-    kw_only=True,
-)
-
-
-@dataclass(kw_only=True)
-class ResultRow(_MethodColumns):
-    """One CSV row: _PointColumns' columns, the method settings', then these."""
-
+    # the method settings: the settings table's method knobs, in its order (a test checks), each
+    # empty in a row whose method does not read it (schema 4); a chunk's "auto" as the number chosen
+    chunk_size: int | None = None
+    logits_chunk_size: int | None = None
+    fp32_grad_accumulation: bool | None = None
+    mlp_tile_size: int | None = None
+    offload_checkpoints: bool | None = None
+    checkpoints: str = ""  # a placement's name
+    chunk_attention: str = ""
     auto_settings: str = ""  # the chunk settings chosen by the point's rule ("chunk_size;logits_chunk_size")
     attn_implementation: str = ""
     sdpa_backend: str = ""  # the SDPA kernel forced for the point (flash | efficient | cudnn | math) or auto
@@ -177,6 +161,7 @@ class ResultRow(_MethodColumns):
     host_register_s: float | None = None  # the first step's page-locking of host buffers (schema 7); empty: none pinned
     peak_phase: str = ""  # simulated: where in the step the peak happens (e.g. "backward, layer 3")
     margin_bytes: int | None = None  # simulated: CUDA context + allocator fragmentation, not in the peak
+    timeline_file: str = ""  # the memory step's timeline (sbp run --timeline), relative to the CSV's directory
     # time: warm-up discarded, synchronised, `repeats` timed steps
     time_median_s: float | None = None
     time_min_s: float | None = None
@@ -296,8 +281,16 @@ UPGRADES: dict[str, dict[str, str]] = {
 SETTINGLESS_BEFORE_4 = ("bp", "ckpt")
 
 
+def _as_text(value) -> str:
+    """A default as the CSV writes it (records/store.py encode)."""
+    return ("true" if value else "false") if isinstance(value, bool) else str(value)
+
+
 def upgrade(row: dict[str, str]) -> dict[str, str]:
-    """A CSV row (strings) of any schema as the current schema reads it, in place."""
+    """A CSV row (strings) of any schema as the current schema reads it, in place: every current
+    column present. One its file lacks and no rule below fills is empty, but for a method knob
+    newer than the file, which a method that reads it ran at its default (a knob whose default
+    changes what the method did needs a rule here instead, as chunk_attention has)."""
     version = row.get("schema_version", "")
     for column, value in UPGRADES.get(version, {}).items():
         if not row.get(column):
@@ -313,4 +306,9 @@ def upgrade(row: dict[str, str]) -> dict[str, str]:
         row["sdpa_backend"] = "auto"  # schema 9: every earlier row left the kernel to torch
     if version in ("1", "2", "3", "4", "5", "6", "7", "8", "9", "10") and row.get("method") == "streambp":
         row["chunk_attention"] = row.get("chunk_attention") or "lower-right"  # schema 11: the only chunk kernel
+    for column in COLUMNS:  # what the rules above did not fill
+        if column not in row:
+            setting = SETTINGS.get(column)
+            ran_at_default = setting is not None and row.get("method") in setting.read_by
+            row[column] = _as_text(setting.default) if ran_at_default else ""
     return row

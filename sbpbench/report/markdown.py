@@ -107,7 +107,7 @@ def _peers_table(rows, seqs: list[int], exactness: list[dict]) -> list[str]:
 
 
 def _verdict(rows) -> list[str]:
-    """Issue 16's target, judged from the rows: StreamBP's max T at least TARGET_RATIO x the best
+    """The peers' target, judged from the rows: StreamBP's max T at least TARGET_RATIO x the best
     other method's, at equal or lower step time (the median ratio over every T both ran, each listed);
     not judged from times without a warm-up step or from one timed step. Nothing when a side lacks an
     answer."""

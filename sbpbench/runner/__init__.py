@@ -1,7 +1,20 @@
 """Orchestration: each measured point in a process of its own (its model and batch from
-sbpbench.points), sweeps, the max-length search, timeouts."""
+sbpbench.workload), sweeps, the max-length searches, timeouts, and what they end with (outcome.py).
 
-from .exactness import ExactnessSpec, check_exactness
-from .isolated import run_isolated, run_points
+Its names are loaded on first use, so that the CLI can import outcome.py's lines without torch."""
 
-__all__ = ["ExactnessSpec", "check_exactness", "run_isolated", "run_points"]
+from importlib import import_module
+
+_NAMES = {
+    "ExactnessSpec": ".exactness",
+    "check_exactness": ".exactness",
+    "run_isolated": ".isolated",
+    "run_points": ".isolated",
+}
+__all__ = sorted(_NAMES)
+
+
+def __getattr__(name: str):
+    if name not in _NAMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(_NAMES[name], __name__), name)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from ..config.timing import LONG_CONTEXT_SEQ_LEN
+from ..config.long_context import LONG_CONTEXT_SEQ_LEN
 
 ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 LONG_POINT_ALLOC_CONF = "expandable_segments:True"

@@ -11,10 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from ..config import RunSpec
-from ..config.chunks import resolved_settings
 from ..methods import METHODS, MethodSettings
 from ..methods.exactness import MethodComparison, compare_methods, compare_step, judge_against_fp64, step_gradients
-from ..points.build import build_model_and_batch
+from ..workload.build import build_model_and_batch
 
 
 @dataclass(frozen=True)
@@ -37,7 +36,7 @@ def check_exactness(spec: ExactnessSpec) -> list[MethodComparison]:
     # each method reads its own knobs from one settings object: the union of what the specs set
     settings = MethodSettings(
         **{
-            name: next((v for s in spec.specs if (v := getattr(resolved_settings(s), name)) is not None), None)
+            name: next((v for s in spec.specs if (v := getattr(s.settings, name)) is not None), None)
             for name in (f.name for f in fields(MethodSettings))
         }
     )

@@ -264,7 +264,7 @@ def _child(sock: socket.socket, request: dict, stderr_fd: int) -> None:
         code = run_point(request["spec"], Path(request["result"]))
     except SystemExit as exit_:
         code = exit_.code if isinstance(exit_.code, int) else 1
-    except BaseException:  # noqa: BLE001 (the worker's traceback is its error line, as in a fresh worker)
+    except BaseException:
         traceback.print_exc()
     finally:
         sys.stdout.flush()

@@ -13,13 +13,13 @@ message says to rerun with a larger --timeout, and the probes so far are kept fo
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from ..config import MaxlenSpec, RunSpec
 from ..measure.environment import Environment, capture_environment
-from ..points.rows import spec_key
 from ..records import ResultRow, decode_row, read_rows, row_key, upsert_rows
 from ..records.select import is_oom
+from ..workload.rows import spec_key
 from .isolated import run_isolated
 from .length_search import Probe, answered, search_max_len
 
@@ -97,7 +97,7 @@ def maxlen_row(
     ):
         setattr(row, column, None if best is None else getattr(best, column))
     row.peak_phase = "" if best is None else best.peak_phase
-    row.timestamp_utc = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    row.timestamp_utc = datetime.now(UTC).isoformat(timespec="seconds")
     return row
 
 

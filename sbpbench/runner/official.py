@@ -24,12 +24,11 @@ from pathlib import Path
 import torch
 
 from ..config import RunSpec
-from ..config.chunks import resolved_settings
 from ..config.run import DTYPES
 from ..measure.environment import Environment
-from ..points.build import make_spec_batch
-from ..points.rows import provenance, spec_fields
 from ..records import ResultRow
+from ..workload.build import make_spec_batch
+from ..workload.rows import provenance, spec_fields
 from .timeout import point_timeout_s
 
 VENV_VARIABLE = "SBP_OFFICIAL_VENV"  # where the virtualenv is (default below)
@@ -105,8 +104,8 @@ def _job(spec: RunSpec, tmp: Path, config, *, mode: str, weights: dict | None = 
         "dtype": spec.dtype,
         "device": spec.device,
         "seed": spec.seed,
-        "chunk_size": resolved_settings(spec).chunk_size,
-        "logits_chunk_size": resolved_settings(spec).logits_chunk_size,
+        "chunk_size": spec.settings.chunk_size,
+        "logits_chunk_size": spec.settings.logits_chunk_size,
         "warmup": spec.warmup,
         "repeats": spec.repeats,
         "memory_limit": spec.memory_limit,

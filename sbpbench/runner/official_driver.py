@@ -196,7 +196,7 @@ def main(argv: list[str]) -> int:
             torch.save(grads, job["grads_path"])
         else:
             measure(job, model, stream, batch, result)
-    except Exception as error:  # noqa: BLE001 (the row says what happened, as the project's worker does)
+    except Exception as error:
         traceback.print_exc()
         name = type(error).__name__
         oom = isinstance(error, (torch.OutOfMemoryError, MemoryError)) or "TrackedOutOfMemoryError" in name

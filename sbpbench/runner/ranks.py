@@ -18,8 +18,8 @@ import torch
 
 from ..config import RunSpec
 from ..methods.step import TrainingStep
-from ..points.build import build_model_and_batch, training_step
 from ..records import ResultRow
+from ..workload.build import build_model_and_batch, training_step
 
 INIT_METHOD_ENV = "SBP_INIT_METHOD"
 

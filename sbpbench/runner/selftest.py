@@ -39,6 +39,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from ..core import Placement
 from ..measure.environment import Environment
 from ..measure.flops import phase_flops
 from ..models import load_config
@@ -203,7 +204,8 @@ def offload_timeout_s(placement: str, config) -> float:
     """The offload point's time limit: OFFLOAD_MARGIN x its prediction, POINT_OVERHEAD_S plus its
     two steps' executed FLOPs (timeout.py: a recompute placement runs one forward more) at the
     assumed rate."""
-    flops = executed_flops(config, method="streambp", batch_size=1, seq_len=OFFLOAD_SEQ_LEN, checkpoints=placement)
+    checkpoints = Placement.parse(placement)
+    flops = executed_flops(config, method="streambp", batch_size=1, seq_len=OFFLOAD_SEQ_LEN, checkpoints=checkpoints)
     return OFFLOAD_MARGIN * (POINT_OVERHEAD_S + 2 * flops * seconds_per_executed_flop(None, config))
 
 
@@ -219,7 +221,7 @@ def _offload_point(test: Selftest, placement: str, config) -> Step:
 
 def quick_test_files(tests_dir: Path) -> list[Path]:
     """The test files that mark a test `quick` (named, so pytest imports only them)."""
-    return [p for p in sorted(tests_dir.glob("test_*.py")) if "pytest.mark.quick" in p.read_text()]
+    return [p for p in sorted(tests_dir.rglob("test_*.py")) if "pytest.mark.quick" in p.read_text()]
 
 
 def _tests(test: Selftest, tests_dir: Path) -> Step:
@@ -449,7 +451,7 @@ def _line(outcome: Outcome) -> str:
 def find_tests_dir() -> Path | None:
     """The repository's tests/ beside the package (an editable install), or None (a wheel)."""
     tests = Path(__file__).resolve().parents[2] / "tests"
-    return tests if (tests / "test_gpu.py").exists() else None
+    return tests if (tests / "gpu" / "test_gpu.py").exists() else None
 
 
 def _rows(path: Path) -> list[dict]:

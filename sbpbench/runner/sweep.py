@@ -13,14 +13,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from ..config import MaxlenSpec, RunSpec
 from ..measure.environment import Environment, capture_environment
-from ..points.rows import provenance, spec_fields, spec_key
 from ..records import KEY_COLUMNS, ResultRow, read_rows, row_key, upsert_rows
 from ..records.schema import SKIPPED_OOM, SKIPPED_TIMEOUT
 from ..records.select import is_oom
+from ..workload.rows import provenance, spec_fields, spec_key
 from .isolated import run_isolated
 from .maxlen import Measure, Seed, find_max_len
 
@@ -122,7 +122,7 @@ def skipped_row(spec: RunSpec, env: Environment, proof: tuple[int, int, str]) ->
         row.error = f"{SKIPPED_TIMEOUT}: T={seq_len}, batch {batch} timed out; not run"
     for name, value in provenance(env).items():
         setattr(row, name, value)
-    row.timestamp_utc = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    row.timestamp_utc = datetime.now(UTC).isoformat(timespec="seconds")
     return row
 
 

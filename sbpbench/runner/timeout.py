@@ -6,7 +6,7 @@ steps = warmup + the memory step + repeats. The executed FLOPs are measure/flops
 count (recomputation included; a recompute:K placement adds one more forward). The rates are set
 low on purpose: a timeout is a guard against a hung point, and a good point cut short wastes more
 than a hung one runs on.
-- cuda bf16: 150 TFLOP/s executed (an H100's StreamBP measured 187-220 model TFLOP/s, issue 26);
+- cuda bf16: 150 TFLOP/s executed (an H100's StreamBP measured 187-220 model TFLOP/s);
   fp32 without TF32 15, fp64 1 (consumer cards run fp64 at a few percent of fp32).
 - cpu fp32: 2 GFLOP/s, whatever the thread count: this project's 2-core machine measured 58-85
   (small/qwen3, bp, T = 2048-8192, 2 threads, idle), and a load of 6 made steps up to 9x slower;
@@ -22,7 +22,7 @@ from functools import cache
 
 from ..config import RunSpec
 from ..config.device import device_kind
-from ..core.placement import Placement
+from ..core import Placement
 from ..measure.flops import phase_flops
 
 START_S = 600.0
@@ -46,12 +46,14 @@ def _config(model: str, num_layers: int | None):
     return load_config(model, **({"num_hidden_layers": num_layers} if num_layers else {}))
 
 
-def executed_flops(config, *, method: str, batch_size: int, seq_len: int, checkpoints: str | None = None) -> float:
+def executed_flops(
+    config, *, method: str, batch_size: int, seq_len: int, checkpoints: Placement | None = None
+) -> float:
     """FLOPs one step executes (measure/flops.py's phases of the method's schedule, plus one
     forward more for a recompute placement)."""
     phases = phase_flops(config, method=PHASE_MODEL.get(method, "ckpt"), batch_size=batch_size, seq_len=seq_len)
     total = sum(matmul + attention for matmul, attention in phases.values())
-    if checkpoints and Placement.parse(checkpoints).recompute_every > 1:
+    if checkpoints and checkpoints.recompute_every > 1:
         total += sum(phases["checkpoint pass"])
     return total
 

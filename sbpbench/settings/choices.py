@@ -1,12 +1,22 @@
 """The names a choice setting takes, as plain strings: the CLI lists them without importing the
 torch code behind them. The registries import them from here (data: OBJECTIVES, methods: STEPS,
 config: PROTOCOLS); the method registry and the dtype table keep their own keys, and
-tests/test_settings.py checks that those equal METHOD_NAMES and DTYPE_NAMES."""
+tests/unit/test_settings.py checks that those equal METHOD_NAMES and DTYPE_NAMES."""
 
 from __future__ import annotations
 
 # sbpbench/methods/registry.py METHODS, in its order: the paper's three, then the peers
-METHOD_NAMES = ("bp", "ckpt", "streambp", "ckpt-offload", "ckpt-chunked-ce", "tiled", "liger", "trl-default", "official")
+METHOD_NAMES = (
+    "bp",
+    "ckpt",
+    "streambp",
+    "ckpt-offload",
+    "ckpt-chunked-ce",
+    "tiled",
+    "liger",
+    "trl-default",
+    "official",
+)
 EVERY_METHOD = "all"  # stands for every registered method
 OBJECTIVES = ("sft", "grpo", "dpo")
 STEPS = ("bp", "train")  # bp: forward + backward; train: + AdamW (methods/training.py)
@@ -20,7 +30,7 @@ PROTOCOLS = ("steady", "first")
 # path; the efficient and cuDNN kernels exist only on CUDA.
 SDPA_BACKENDS = ("auto", "flash", "efficient", "cudnn", "math")
 CPU_SDPA_BACKENDS = ("auto", "flash", "math")
-# `--chunk-attention` (core/kernel_choice.py CHUNK_ATTENTION_CHOICES, which a test checks equal):
+# `--set chunk_attention=` (core/kernel_choice.py CHUNK_ATTENTION_CHOICES, which a test checks equal):
 # the kernel of a StreamBP chunk's attention over its prefix. auto: measured on a GPU, lower-right
 # elsewhere; lower-right: SDPA with a lower-right causal bias (FlashAttention-2 on a GPU); split:
 # prefix + diagonal block on cuDNN, merged by log-sum-exp; flex: FlexAttention; fa3 / fa4:

@@ -9,7 +9,7 @@ of experiment files (config/experiment.py), the generic checks and the defaults 
 reads (methods/settings.py, methods/registry.py), and the method-setting columns of the results
 (records/schema.py). Adding a setting is one entry here plus its test (docs/settings.md walks
 through one); a setting the runner reads, not a method, also has its typed field on RunSpec (or
-MaxlenSpec) defaulting to `default_of(name)`. tests/test_settings.py checks that the names agree
+MaxlenSpec) defaulting to `default_of(name)`. tests/unit/test_settings.py checks that the names agree
 and that no module outside this package writes a list of setting names by hand.
 """
 
@@ -49,6 +49,9 @@ class Setting:
     minimum: int | None = None  # an integer setting's least value (checked by `check`)
     auto: bool = False  # may be "auto": chosen per point (methods/chunk_sizes.py), a point's default
     read_by: tuple[str, ...] = ()  # a method's knob (a MethodSettings field): the methods that read it
+    # a knob that is also an axis of the point: its own CLI flag. Every other knob is given on the
+    # command line as `--set NAME=VALUE`, so a new knob adds no option to any command
+    axis: bool = False
     may_list: bool = False  # a list is a grid axis (experiment files; the CLI's --method takes several)
     flags: tuple[str, ...] = ()  # CLI spellings kept from before; default: --the-name-with-dashes
     metavar: str = ""  # what the CLI's help shows for the value (default: from kind and choices)
@@ -150,6 +153,7 @@ SETTINGS: dict[str, Setting] = {
         minimum=1,
         auto=True,
         read_by=("streambp", "official"),
+        axis=True,
         metavar="N|T/k|auto",
     ),
     "logits_chunk_size": Setting(
@@ -159,6 +163,7 @@ SETTINGS: dict[str, Setting] = {
         minimum=1,
         auto=True,
         read_by=("streambp", "ckpt-chunked-ce", "tiled", "official"),
+        axis=True,
         metavar="N|auto",
     ),
     "fp32_grad_accumulation": Setting(
@@ -182,6 +187,7 @@ SETTINGS: dict[str, Setting] = {
         "cpu+recompute:K[+spill], stream[:N].",
         default="gpu",
         read_by=("streambp",),
+        axis=True,
         metavar="PLACE",
     ),  # no `choices`: K is open; RunSpec checks the name (core.placement.Placement.parse)
     "chunk_attention": Setting(
@@ -257,6 +263,13 @@ def device_defaults(device: str, *, search: bool = False) -> dict[str, Any]:
     else:
         names = [n for n, s in SETTINGS.items() if s.by_device and not s.search]
     return {name: default_of(name, device, search=search) for name in names}
+
+
+def has_flag(name: str) -> bool:
+    """Whether a setting has a CLI flag of its own: every one but a method's knob that is not an axis
+    of the point (`--set NAME=VALUE` gives those)."""
+    setting = SETTINGS[name]
+    return not setting.read_by or setting.axis
 
 
 def knobs_read_by(method: str) -> tuple[str, ...]:

@@ -1,4 +1,4 @@
-"""Peak-memory prediction without the memory: the real step under fake tensors (issue 6).
+"""Peak-memory prediction without the memory: the real step under fake tensors.
 
 `estimate_point(spec, target="cuda")` runs the step `sbp run` measures on fake CPU tensors and
 predicts the GPU's max_memory_allocated, its breakdown and the phase of the peak;

@@ -26,8 +26,7 @@ from types import SimpleNamespace
 import torch
 
 from ..config import MaxlenSpec, RunSpec
-from ..config.chunks import resolved_settings
-from ..core.placement import Placement
+from ..core import Placement
 from ..records import read_rows
 from .plan import meta_model
 from .timing import Rates, fitted_rates, step_time, work
@@ -74,7 +73,7 @@ def step_s(spec: RunSpec, rates: Rates) -> tuple[float, float, str]:
     """One step's predicted seconds, the first step's page-locking of host copies (once per
     process), and a note when the method has no time model of its own."""
     method = spec.method if spec.method in TIMED_METHODS else "ckpt"
-    settings = resolved_settings(spec)
+    settings = spec.settings
     step = work(
         _model(spec),
         method=method,
@@ -82,7 +81,7 @@ def step_s(spec: RunSpec, rates: Rates) -> tuple[float, float, str]:
         seq_len=spec.seq_len,
         chunk_size=settings.chunk_size,
         logits_chunk_size=settings.logits_chunk_size,
-        placement=Placement.parse(settings.checkpoints) if settings.checkpoints else None,
+        placement=settings.checkpoints,
     )
     timed = step_time(step, rates)
     note = "" if method == spec.method else "priced as ckpt"
@@ -99,7 +98,9 @@ def search_cost(search: MaxlenSpec, rates: Rates, max_t: int | None, why: str = 
     """A seeded search: SEEDED_PROBES memory-only points at about `max_t` (the predicted max T, None
     when unknown: no device time can be given)."""
     base = search.base
-    label = f"{base.model} {base.method} max T" + ("" if _default_placement(base) else f" ({base.settings.checkpoints})")
+    label = f"{base.model} {base.method} max T" + (
+        "" if _default_placement(base) else f" ({base.settings.checkpoints})"
+    )
     if max_t is None:
         return Cost(label, 0, float("nan"), SEED_S, note="max T unknown: predict it with `sbp maxlen --simulate`")
     probe = search.probe(max(1, min(max_t, search.seq_len_ceiling)))
@@ -132,7 +133,7 @@ def predicted_max_t(search: MaxlenSpec, rows: list[dict], reference=None) -> tup
         "model": base.model, "method": base.method, "objective": base.objective, "lora_rank": str(base.lora_rank),
         "step": base.step, "dtype": base.dtype, "batch_size": str(base.batch_size),
     }  # fmt: skip
-    place = base.settings.checkpoints or ("gpu" if base.method == "streambp" else "")
+    place = str(base.settings.checkpoints or ("gpu" if base.method == "streambp" else ""))
     found = [
         row
         for row in rows
@@ -156,7 +157,7 @@ def predicted_max_t(search: MaxlenSpec, rows: list[dict], reference=None) -> tup
 
 
 def _default_placement(spec: RunSpec) -> bool:
-    return spec.method != "streambp" or spec.settings.checkpoints in (None, "gpu")
+    return spec.method != "streambp" or spec.settings.checkpoints in (None, Placement())
 
 
 def _label(spec: RunSpec) -> str:
@@ -193,9 +194,7 @@ def measured_gpu(results: Path) -> str | None:
     return max(counts, key=counts.get) if counts else None
 
 
-def price(
-    points: list, titles: list[str], *, results: Path, gpu: str, reference=None, done: int = 0
-) -> Pricing:
+def price(points: list, titles: list[str], *, results: Path, gpu: str, reference=None, done: int = 0) -> Pricing:
     """The points (in order, with their entries' titles) priced for `gpu`: rates fitted to its rows
     under `results`, the searches' max T from the simulated rows there (else the paper's)."""
     rates = fitted_rates(results, gpu, meta_model)

@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import CausalBias, CausalVariant, causal_lower_right
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ..core.attention import force_cuda_branch
+from ..core.internal import force_cuda_branch
 
 aten = torch.ops.aten
 

@@ -6,7 +6,7 @@ affine in the depth L: weights, gradients and optimizer moments per layer, plus 
 stays alive at the peak (bp: its saved activations; ckpt and streambp: its input checkpoint),
 while the peak itself happens in a phase that does not depend on L (the head, or the top layer's
 backward). So the full-depth value is v(2) + (L - 2) * (v(3) - v(2)); with recompute:K, along depths of one
-remainder mod K (`probe_depths`). tests/test_simulate_depth.py checks this against full-depth runs
+remainder mod K (`probe_depths`). tests/estimator/test_simulate_depth.py checks this against full-depth runs
 to the byte; models whose layers differ (Gemma 3's sliding
 and global layers) are always run at full depth.
 
@@ -37,8 +37,8 @@ from functools import partial
 import torch
 
 from ..config import RunSpec
-from ..core.placement import CheckpointStore, Placement
-from ..core.rebuild_schedule import schedule
+from ..core import Placement
+from ..core.internal import CheckpointStore, schedule
 from ..methods import MethodFn
 from ..models import load_config
 from ..records import ResultRow
@@ -98,7 +98,7 @@ def estimate_point_by_depth(
     predicted from shorter sequences (length.py) unless `exact`. note: progress lines."""
     estimator = None if exact else partial(predict, note=note)
     depth = spec.num_layers or load_config(spec.model).num_hidden_layers
-    every = Placement.parse(spec.settings.checkpoints).recompute_every if spec.settings.checkpoints else 1
+    every = spec.settings.checkpoints.recompute_every if spec.settings.checkpoints else 1
     depths = None if exact else probe_depths(depth, every)
     if depths is None or not uniform_layers(spec.model):
         return estimate_point(
@@ -203,7 +203,7 @@ def _lifted(spec: RunSpec, low: int, *, target: str, method: MethodFn | None, no
     segment."""
     if spec.step == "train" and spec.protocol == "first":  # moments made in the step, per layer: measure the slope
         return None
-    placement = Placement.parse(spec.settings.checkpoints)
+    placement = spec.settings.checkpoints
     depth = spec.num_layers or load_config(spec.model).num_hidden_layers
     shallow = predict(replace(spec, num_layers=low), target=target, method=method, note=note)
     layer_input = layer_input_bytes(spec)
@@ -242,7 +242,7 @@ def _lifted_streamed(
     depth = spec.num_layers or load_config(spec.model).num_hidden_layers
     # every stream:N with N >= low runs the same shallow step as stream: one sample run for all of them
     same = replace(placement, host_buffers=None) if placement.buffers(low) == low else placement
-    shallow_spec = replace(spec, num_layers=low, settings=replace(spec.settings, checkpoints=same.name))
+    shallow_spec = replace(spec.with_settings(checkpoints=same), num_layers=low)
     shallow = predict(shallow_spec, target=target, method=method, note=note)
     layer_input = layer_input_bytes(spec)
     if shallow.host_pinned_bytes != placement.buffers(low) * layer_input:

@@ -24,21 +24,21 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from functools import lru_cache
 
 from ..config import ConfigError, RunSpec
-from ..core.placement import observe_stores
+from ..core.internal import observe_stores
 from ..measure.environment import capture_environment
 from ..measure.flops import training_flops
 from ..methods import MethodFn, MethodSettings, MethodUnsupported
+from ..methods.phase_labels import PhaseLabels
 from ..methods.step import storage_bytes
-from ..points.rows import spec_fields
 from ..records import ResultRow, one_line
+from ..workload.rows import spec_fields
 from .cuda_attention import CudaAttention, hidden_buffers, streambp_cuda_branch
 from .fake_mode import build_fake_step
 from .memory_counter import CUDA_ALLOCATOR_ROUNDING, SimulatedMemory
-from .phases import PhaseLabels
 from .sharded import check_sharded_spec, per_rank, sharded_terms
 
 TARGETS = ("cuda", "cpu")
@@ -110,7 +110,7 @@ def estimate(spec: RunSpec, *, target: str = "cuda", method: MethodFn | None = N
     """Run the point's step under fake tensors and count its memory; see the module docstring.
 
     method: a stand-in for the registered spec.method with the same signature (e.g.
-    paper_baseline.PAPER_METHODS["ckpt"]), followed by the optimizer step as run_step does."""
+    paper_baseline.PAPER_METHODS["ckpt"]), followed by the optimizer step as TrainingStep.run does."""
     return simulate(spec, target=target, method=method)[0]
 
 
@@ -149,7 +149,7 @@ def simulate(
         # On a GPU the host copies are another memory; on the CPU they are in the same one, as the
         # tracker counts them: fake copies, so the counter sees them.
         stores = stack.enter_context(observe_stores(shapes_only=cuda))
-        stack.enter_context(counter.attached(step.model))
+        stack.enter_context(counter.attached(step))
         stack.enter_context(fake.mode)
         stack.enter_context(counter)
         if method is None:
@@ -180,7 +180,7 @@ def _unrun(spec: RunSpec, cuda: bool):
 def unrun_step(spec: RunSpec, target: str):
     """The point's fake step, built and not run: what is resident before it. Its method settings
     do not change that, so one is built per point whatever the placement or chunk sizes."""
-    return _unrun(replace(spec, settings=MethodSettings()), target == "cuda")
+    return _unrun(replace(spec, settings=MethodSettings(), auto_settings=()), target == "cuda")
 
 
 def assemble_unrun(spec: RunSpec, memory: StepMemory, target: str) -> Estimate:
@@ -242,13 +242,13 @@ def estimate_point(
     for name in ("host", "torch_version", "transformers_version", "sbpbench_version", "python_version"):
         setattr(row, name, getattr(env, name))
     row.git_commit, row.git_dirty = env.git_commit, env.git_dirty
-    row.timestamp_utc = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    row.timestamp_utc = datetime.now(UTC).isoformat(timespec="seconds")
     try:
         result = (estimator or estimate)(spec, target=target, method=method)
     except MethodUnsupported as error:
         row.status, row.error = "unsupported", one_line(error)
         return row
-    except Exception as error:  # noqa: BLE001 (a failed simulation is the row's outcome, as in measure_point)
+    except Exception as error:
         row.status, row.error = "error", one_line(error)
         return row
     for name in (

@@ -7,7 +7,7 @@ autograd runs). Built on meta first because peft moves its adapters with `module
 fails on fake parameters (the fake mode holds weak references, so they cannot be swapped). The
 batch is real: it is small, and the step's Python reads its values (token counts, which chunks
 hold targets), which fake tensors cannot give. The step itself is the measured one
-(methods/step.py); the model matches points/build.py's (same config, overrides, LoRA).
+(methods/step.py); the model matches workload/build.py's (same config, overrides, LoRA).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 from ..config import DTYPES, RunSpec
 from ..methods.step import TrainingStep
 from ..models import apply_lora, load_config
-from ..points.build import make_spec_batch, training_step
+from ..workload.build import make_spec_batch, training_step
 
 
 class CheaperKeyFakeTensorMode(FakeTensorMode):

@@ -19,7 +19,7 @@ Refused (None; the caller runs the step at T), with the reason: when the phase o
 between the sample lengths (they straddle a change of regime), when a sample's peak is at an
 instant the other samples lack, when an instant names different ops at two lengths, or when the
 sample lengths are not shorter than T; and for the peers that loop over chunks of their own
-(EXTRAPOLATED_METHODS). tests/test_simulate_length.py compares the prediction with the full run at
+(EXTRAPOLATED_METHODS). tests/estimator/test_simulate_length.py compares the prediction with the full run at
 T to the byte over grids of T, remainders by each chunk size included.
 
 Depth extrapolation (depth.py) composes with this: its shallow models are each predicted at T from
@@ -39,9 +39,8 @@ from itertools import pairwise
 import numpy as np
 
 from ..config import MaxlenSpec, RunSpec
-from ..config.chunks import resolved_settings
-from ..core.attention import grouped_as_for, kv_heads_per_call
-from ..core.placement import Placement
+from ..core import Placement
+from ..core.internal import grouped_as_for, kv_heads_per_call
 from ..methods import MethodFn
 from ..models import load_config
 from ..records.select import PROMPTED_OBJECTIVES
@@ -99,7 +98,7 @@ def shared_multiple(search: MaxlenSpec) -> int:
     multiple_of and of `period` at the chunk sizes the longest probe runs with (the rule's "auto"
     gives the same from T = 3 x its largest layer chunk on)."""
     longest = search.probe(search.seq_len_ceiling)
-    return math.lcm(search.multiple_of, period(replace(longest, settings=resolved_settings(longest))))
+    return math.lcm(search.multiple_of, period(longest))
 
 
 @dataclass
@@ -196,7 +195,7 @@ def estimate_by_length(
     to the rule ("auto") are the ones it gives at spec.seq_len, at every sample length too."""
     if spec.method not in EXTRAPOLATED_METHODS:
         return None
-    fixed = replace(spec, settings=resolved_settings(spec))
+    fixed = spec  # replace(spec, seq_len=...) keeps its chunk sizes
     lengths = sample_lengths(fixed)
     if lengths is None:
         return None
@@ -254,8 +253,8 @@ def _fit(
 
 
 def _head_chunk(label: str) -> tuple[str, int]:
-    """("head chunk", k) of a "head chunk k" label (phases.py; or "head sums chunk", "backward embedding
-    chunk": chunks numbered from the first as the head's are), ("", -1) for another."""
+    """("head chunk", k) of a "head chunk k" label (methods/phase_labels.py; or "head sums chunk",
+    "backward embedding chunk": chunks numbered from the first as the head's are), ("", -1) for another."""
     match = HEAD_CHUNK.fullmatch(label)
     return (match.group(1), int(match.group(2))) if match else ("", -1)
 

@@ -26,10 +26,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ..config import DTYPES, RunSpec
-from ..config.chunks import resolved_settings
-from ..core.attention import kv_heads_per_call
-from ..core.placement import Placement
-from ..core.rebuild_schedule import every_input_buffers
+from ..core import Placement
+from ..core.internal import every_input_buffers, kv_heads_per_call
 from ..methods.step import storage_bytes
 from ..models import apply_lora, load_config
 from ..records import ResultRow
@@ -142,12 +140,6 @@ def candidates(
     return sorted(found, key=lambda c: (c.predicted_time_s, -c.chunk_size))
 
 
-def planned(spec: RunSpec, rates: Rates, host_memory_bytes: int | None) -> tuple[RunSpec, list[Candidate]]:
-    """The spec with the chunk sizes the rule gives where left to it, and its candidates."""
-    spec = replace(spec, settings=resolved_settings(spec))  # the logits chunk the rule gives, if left to it
-    return spec, candidates(spec, meta_model(spec), rates, host_memory_bytes)
-
-
 def plan(
     spec: RunSpec,
     *,
@@ -160,7 +152,7 @@ def plan(
     """(the fastest candidate that fits, or None; every candidate decided on the way, by a bound or
     an estimate). spec: a streambp point; its placement and chunk size are what the planner picks."""
     rates = rates or Rates()
-    spec, found = planned(spec, rates, host_memory_bytes)
+    found = candidates(spec, meta_model(spec), rates, host_memory_bytes)
     num_layers = spec.num_layers or load_config(spec.model).num_hidden_layers
     bounds = _Bounds(spec, gpu_memory_bytes, host_memory_bytes, num_layers)
     decided: dict[tuple[Placement, int], PlanOutcome] = {}
@@ -168,9 +160,8 @@ def plan(
     def estimate(candidate: Candidate) -> PlanOutcome:
         if note:
             note(f"{candidate.placement.name} --chunk-size {candidate.chunk_size}: estimating")
-        settings = replace(spec.settings, checkpoints=candidate.placement.name, chunk_size=candidate.chunk_size)
         row = estimate_point_by_depth(
-            replace(spec, settings=settings),
+            spec.with_settings(checkpoints=candidate.placement, chunk_size=candidate.chunk_size),
             target="cuda",
             gpu_memory_bytes=gpu_memory_bytes,
             host_memory_bytes=host_memory_bytes,

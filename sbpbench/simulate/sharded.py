@@ -20,7 +20,7 @@ activations, which depend on the rank's batch only. So, per rank:
 
 FSDP2's backward prefetch of the next layer and the reduce-scatter buffers (one layer's gradients,
 flat, plus their 1/N output) are not added: on 2 gloo ranks with the tensor tracker
-(tests/test_simulate_sharded.py) the peak came before both. That test's agreement: bp exact, streambp
+(tests/subprocess/test_nproc.py) the peak came before both. That test's agreement: bp exact, streambp
 and ckpt over-estimated by about 1% and 3% (tiny/qwen3, fp32, T=256, --target cpu). Only the
 steady protocol is modelled (under `first` one-GPU activations would include full-size gradients).
 """
@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..config import ConfigError, RunSpec
-from ..core.adapters import unwrap_model
+from ..core.internal import unwrap_model
 from ..methods import MethodUnsupported, data_parallel_unsupported
 
 

@@ -40,8 +40,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..core.placement import Placement
-from ..core.rebuild_schedule import schedule
+from ..core import Placement
+from ..core.internal import schedule
 from ..measure.flops import attention_layer_windows, matmul_parameters, mean_attended_keys
 from ..records import decode_row, read_rows
 
@@ -64,7 +64,7 @@ DEFAULT_RATES_NOTE = "H100 SXM figures: 794.5 TFLOP/s matmul, FlashAttention-2 3
 
 
 # Page-locking "is itself expensive (~1-2 GB/s)" (openvm-org/stark-backend#384); 5-19 s for the 18 GiB of a
-# Qwen3-8B cpu step at 64k (1.0-3.9 GB/s, the reading in issue 26). Replaced by the measured rate where
+# Qwen3-8B cpu step at 64k (1.0-3.9 GB/s measured on an H100 host). Replaced by the measured rate where
 # GPU rows record their first step's page-locking (host_register_s, core/host_pool.py).
 HOST_REGISTER_BYTES_S = 2e9
 

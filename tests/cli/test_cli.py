@@ -1,0 +1,68 @@
+"""The `sbp` command line: exit codes, tables, one-line errors."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from sbpbench.cli import app
+
+runner = CliRunner()
+
+
+def test_check_reports_exact_methods():
+    """`sbp check` on a tiny model prints every method that runs on a CPU as exact (liger as
+    unsupported) and exits 0."""
+    methods = ["ckpt", "streambp", "ckpt-offload", "ckpt-chunked-ce", "tiled", "liger"]
+    args = ["check", "--model", "tiny/gemma3", "--seq", "30", "--chunk-size", "7", "--set", "mlp_tile_size=7"]
+    result = runner.invoke(app, [*args, "--method", *methods])
+    assert result.exit_code == 0, result.output
+    assert result.output.count("exact") == 5 and "DIFFERS" not in result.output
+    assert "unsupported" in result.output
+
+
+def test_check_unknown_model_is_a_one_line_error():
+    """An unknown model gives `error: ...` naming the known models, exit 2, no traceback."""
+    result = runner.invoke(app, ["check", "--model", "nope/nope"])
+    assert result.exit_code == 2
+    assert "unknown model 'nope/nope'" in result.output and "Traceback" not in result.output
+
+
+def test_check_refuses_cuda_without_a_gpu():
+    """`sbp check --device cuda` on a machine without a GPU: exit 2 and a message saying so."""
+    result = runner.invoke(app, ["check", "--model", "tiny/qwen3", "--device", "cuda"])
+    assert result.exit_code == 2 and "no CUDA GPU" in result.output
+
+
+def test_models_lists_the_registry():
+    """`sbp models` lists real and tiny names of the registry."""
+    result = runner.invoke(app, ["models"])
+    assert result.exit_code == 0
+    for name in ("Qwen/Qwen3-32B", "meta-llama/Llama-3.1-8B", "tiny/gemma3"):
+        assert name in result.output
+
+
+@pytest.mark.slow
+def test_console_script_is_installed():
+    """The installed `sbp` entry point runs in a fresh process."""
+    beside_python = Path(sys.executable).parent / "sbp"
+    script = str(beside_python) if beside_python.exists() else shutil.which("sbp")
+    assert script, "the sbp console script is not installed"
+    done = subprocess.run([script, "--help"], check=False, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "check" in done.stdout
+
+
+def test_check_grpo_and_dpo_with_lora():
+    """`sbp check --objective grpo|dpo --lora-rank 4`: ckpt and streambp exact on a tiny model (the
+    peers: tests/exactness/test_peers.py)."""
+    for objective in ("grpo", "dpo"):
+        args = ["check", "--model", "tiny/llama", "--seq", "30", "--chunk-size", "7", "--objective", objective]
+        args += ["--method", "ckpt", "streambp"]
+        result = runner.invoke(app, [*args, "--lora-rank", "4", "--batch", "4"])
+        assert result.exit_code == 0, result.output
+        assert result.output.count("exact") == 2 and "DIFFERS" not in result.output

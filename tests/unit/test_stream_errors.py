@@ -1,0 +1,90 @@
+"""Inputs StreamBP cannot handle exactly are refused with a clear message, never approximated."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config
+
+from sbpbench.core import UnsupportedModelError, stream_backward
+from sbpbench.data import make_batch
+
+from ..conftest import padded_batch, tiny_model
+
+
+def test_padding_between_real_tokens_is_refused():
+    """An attention_mask row that is not 0...0 1...1 0...0 (a hole among real tokens) is refused."""
+    model = tiny_model("tiny/qwen3")
+    batch = padded_batch(model, batch_size=2, seq_len=8)
+    mask = batch.attention_mask.clone()
+    mask[1, 3] = 0
+    labels = batch.labels.masked_fill(mask == 0, -100)
+    labels[1, 4] = -100
+    with pytest.raises(ValueError, match="padding between real tokens"):
+        stream_backward(model, batch.input_ids, labels, attention_mask=mask)
+
+
+@pytest.mark.parametrize("left", [False, True], ids=["right", "left"])
+def test_counted_label_after_padding_is_refused(left):
+    """A padded position that would predict a counted label (the token after a right or left pad) is refused."""
+    model = tiny_model("tiny/qwen3")
+    batch = padded_batch(model, batch_size=2, seq_len=8, lengths=[8, 4])
+    mask = batch.attention_mask.flip(1) if left else batch.attention_mask
+    with pytest.raises(ValueError, match="-100 where a padded position"):
+        stream_backward(model, batch.input_ids, batch.input_ids, attention_mask=mask)
+
+
+@pytest.mark.parametrize(
+    ("position_ids", "message"),
+    [
+        ([[0, 1, 2, 4, 5, 6]], "count 0, 1, 2"),
+        ([[1, 2, 3, 4, 5, 6]], "count 0, 1, 2"),
+        ([[0, 1, 2, 3, 4]], "position_ids must be"),
+        ([[0, 1, 2, 0, 1, 2]], "starts a packed document"),
+    ],
+)
+def test_bad_position_ids_are_refused(position_ids, message):
+    """position_ids that do not count up from 0 per document, of the wrong shape, or a counted
+    label at a document's first token (the previous document would predict it) are refused."""
+    model = tiny_model("tiny/qwen3")
+    ids = torch.randint(0, 512, (1, 6))
+    with pytest.raises(ValueError, match=message):
+        stream_backward(model, ids, ids, position_ids=torch.tensor(position_ids))
+
+
+@pytest.mark.parametrize("objective", ["grpo", "dpo"])
+def test_packed_rows_are_refused_for_per_row_objectives(objective):
+    """GRPO's advantages and DPO's sums are per row: packed rows are refused for them, before any work."""
+    model = tiny_model("tiny/qwen3")
+    batch = make_batch(objective, batch_size=2, seq_len=8, vocab_size=512, prompt_len=2)
+    position_ids = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]] * 2)
+    with pytest.raises(ValueError, match="packed rows .* are refused"):
+        stream_backward(model, batch.input_ids, objective=batch.objective(), position_ids=position_ids)
+
+
+@pytest.mark.parametrize("kwargs", [{"chunk_size": 0}, {"logits_chunk_size": -3}, {"chunk_size": 2.5}])
+def test_bad_chunk_sizes_are_refused(kwargs):
+    """Chunk sizes must be positive integers."""
+    model = tiny_model("tiny/qwen3")
+    batch = padded_batch(model, batch_size=1, seq_len=8)
+    with pytest.raises(ValueError, match="positive integer"):
+        stream_backward(model, batch.input_ids, batch.labels, **kwargs)
+
+
+def test_unsupported_family_is_refused_with_the_supported_list():
+    """A GPT-2 model is refused and the message lists the supported families."""
+    model = AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    ids = torch.randint(0, 64, (1, 8))
+    with pytest.raises(UnsupportedModelError, match="Qwen3.*Llama|Llama.*Qwen3"):
+        stream_backward(model, ids, ids)
+
+
+def test_attention_dropout_in_training_is_refused():
+    """Dropout would make each chunk's re-forward differ from the checkpoint pass."""
+    model = tiny_model("tiny/llama", attention_dropout=0.1)
+    model.train()
+    batch = padded_batch(model, batch_size=1, seq_len=8)
+    with pytest.raises(UnsupportedModelError, match="attention_dropout"):
+        stream_backward(model, batch.input_ids, batch.labels)
+    model.eval()
+    stream_backward(model, batch.input_ids, batch.labels)  # eval mode: no dropout, accepted
