@@ -26,7 +26,8 @@ waited for that. Violations, in `violations`:
 Timing events (a PhaseTimer's, core/phases.py) read one millisecond per op queued between them on
 their stream, so a phase's time counts its ops. `synchronizes` counts device-wide synchronizes,
 `host_waits` every wait of the host (device, stream or event).
-`drop` swallows one call (DROPPABLE): a store with that wait removed, which the checks must catch.
+`drop` swallows one call (DROPPABLE): a store with that wait removed, which the checks must catch;
+with `drop_at`, only the drop_at-th such call (from 0), one wait removed; `calls` counts them.
 
 Below, stand-ins for the device-memory calls the gpu-marked tests' own machinery makes
 (tests/conftest.py's release after each test, tests/device_free.py's check before a worker):
@@ -47,6 +48,7 @@ from sbpbench.core import stream as stream_module
 from sbpbench.core.cuda_calls import CudaCalls
 from sbpbench.core.host_pool import PAGE_BYTES, HostBuffer, HostBufferPool
 from sbpbench.core.placement import CheckpointStore
+from sbpbench.core.stream_store import StreamingStore
 
 DROPPABLE = (
     "wait_event",
@@ -79,16 +81,16 @@ class FakeStream:
         return self.clock[self.ident]
 
     def wait_stream(self, other: FakeStream) -> None:
-        if self.calls.drop != "wait_stream":
+        if not self.calls.dropped("wait_stream"):
             _merge(self.clock, other.clock)
 
     def wait_event(self, event: FakeEvent) -> None:
-        if self.calls.drop != "wait_event" and event.clock is not None:
+        if not self.calls.dropped("wait_event") and event.clock is not None:
             _merge(self.clock, event.clock)
 
     def synchronize(self) -> None:
         self.calls.host_waits.append("stream")
-        if self.calls.drop != "stream_synchronize":
+        if not self.calls.dropped("stream_synchronize"):
             _merge(self.calls.host, self.clock)
 
 
@@ -112,7 +114,7 @@ class FakeEvent:
 
     def synchronize(self) -> None:
         self.calls.host_waits.append("event")
-        if self.calls.drop != "event_synchronize" and self.clock is not None:
+        if not self.calls.dropped("event_synchronize") and self.clock is not None:
             _merge(self.calls.host, self.clock)
 
     def elapsed_time(self, end: FakeEvent) -> float:
@@ -158,9 +160,10 @@ class RecordingCalls(CudaCalls):
     """CudaCalls for CPU tensors: every device overlaps its copies; streams and events are fakes;
     registration is recorded (or fails with `fail_register`, a cudaError)."""
 
-    def __init__(self, drop: str | None = None, fail_register: int = 0):
+    def __init__(self, drop: str | None = None, fail_register: int = 0, drop_at: int | None = None):
         assert drop is None or drop in DROPPABLE, drop
-        self.drop, self.fail_register = drop, fail_register
+        self.drop, self.fail_register, self.drop_at = drop, fail_register, drop_at
+        self.calls: dict[str, int] = dict.fromkeys(DROPPABLE, 0)  # calls of each kind so far
         self.host: Clock = {}  # what the host knows done
         self.default = FakeStream(self, 0)
         self.streams = [self.default]
@@ -176,6 +179,12 @@ class RecordingCalls(CudaCalls):
         self._tracked: dict[int, _Tracked] = {}  # storage address -> tracked
         self.pool = _CheckedPool(self)  # in place of CudaCalls.__init__'s unchecked one
 
+    def dropped(self, kind: str) -> bool:
+        """Whether this call of `kind` is swallowed (counting it)."""
+        index = self.calls[kind]
+        self.calls[kind] += 1
+        return self.drop == kind and (self.drop_at is None or self.drop_at == index)
+
     # -- the calls ---------------------------------------------------------------------------------
 
     def overlaps(self, device: torch.device) -> bool:
@@ -188,7 +197,7 @@ class RecordingCalls(CudaCalls):
         """The host waits for every stream."""
         self.synchronizes += 1
         self.host_waits.append("device")
-        if self.drop != "device_synchronize":
+        if not self.dropped("device_synchronize"):
             for stream in self.streams:
                 _merge(self.host, stream.clock)
 
@@ -213,7 +222,7 @@ class RecordingCalls(CudaCalls):
         return FakeEvent(self, timing)
 
     def record_stream(self, tensor: torch.Tensor, stream: FakeStream) -> None:
-        if self.drop != "record_stream":
+        if not self.dropped("record_stream"):
             self._track(tensor.untyped_storage()).recorded.add(stream.ident)
 
     def cuda_host_register(self, address: int, nbytes: int) -> int:
@@ -319,6 +328,7 @@ class RecordingCalls(CudaCalls):
 def route_stores(monkeypatch, calls: RecordingCalls) -> None:
     """Every stream_backward step in the test makes its store's CUDA calls to `calls`."""
     monkeypatch.setattr(stream_module, "CheckpointStore", partial(CheckpointStore, calls=calls))
+    monkeypatch.setattr(stream_module, "StreamingStore", partial(StreamingStore, calls=calls))
 
 
 def _data_arguments(op, args, kwargs):

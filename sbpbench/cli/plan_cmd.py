@@ -72,6 +72,9 @@ def plan_command(
     results: Annotated[
         Path, typer.Option(metavar="CSV|DIR", help="Results CSV or folder with those measured rows.")
     ] = Path("results"),
+    all_candidates: Annotated[
+        bool, typer.Option("--all", help="Also list every candidate decided, with its reason.")
+    ] = False,
 ) -> None:
     """Pick StreamBP's checkpoint placement and chunk size for a GPU.
 
@@ -79,9 +82,10 @@ def plan_command(
     (matmul and attention rates, chunk overheads, PCIe copies beyond the compute they overlap),
     are ruled out by bounds or estimated (`sbp estimate`, from short fake runs) until one fits
     both the GPU and the host. The rates come from measured rows of --gpu in --results when there
-    are any, else published H100 figures. Predictions, not measurements."""
+    are any, else published H100 figures. Prints the fastest candidate of each kind of placement
+    and why it is or is not the plan. Predictions, not measurements."""
     from ..config import point_specs
-    from ..simulate.plan import describe, meta_model, plan
+    from ..simulate.plan import candidates, meta_model, plan, summary
     from ..simulate.timing import fitted_rates
 
     with user_errors():
@@ -95,20 +99,100 @@ def plan_command(
         chosen, tried = plan(
             spec, gpu_memory_bytes=gpu_bytes, host_memory_bytes=host_bytes, rates=rates, note=progress.note
         )
-    print_table(console, plan_table(spec, tried, gpu_bytes, host_bytes, rates))
-    for outcome in tried:
-        if outcome.bound:
-            console.print(f"{outcome.candidate.placement.name}: {outcome.bound}", highlight=False, soft_wrap=True)
+    found = candidates(spec, meta_model(spec), rates, host_bytes)
+    if all_candidates:
+        print_every_candidate(console, spec, tried, gpu_bytes, host_bytes, rates)
+    print_table(console, summary_table(spec, summary(chosen, tried, found), chosen, gpu_bytes, host_bytes, rates))
     if chosen is None:
         console.print("[red]nothing fits[/]: a shorter --seq, LoRA, or more host memory", highlight=False)
     fail_if(chosen is None)
+    print_choice(console, spec, chosen, gpu_bytes, host_bytes)
+
+
+def print_every_candidate(
+    console: Console, spec: RunSpec, tried: list[PlanOutcome], gpu_bytes: int, host_bytes: int, rates: Rates
+) -> None:
+    """--all: every candidate decided, and each bound with the chunk sizes it covers."""
+    print_table(console, plan_table(spec, tried, gpu_bytes, host_bytes, rates))
+    for outcome in tried:
+        if outcome.bound:
+            chunk = "any chunk" if outcome.any_chunk else f"chunk {outcome.candidate.chunk_size}"
+            console.print(f"{outcome.candidate.placement.name}, {chunk}: {outcome.bound}", highlight=False)
+
+
+def print_choice(console: Console, spec: RunSpec, chosen: PlanOutcome, gpu_bytes: int, host_bytes: int) -> None:
+    """The plan's flags, its predicted time and page-locking, and why it won."""
+    from ..simulate.depth import layer_input_bytes
+    from ..simulate.plan import describe
+
     d = describe(chosen, spec.batch_size * spec.seq_len)
+    pinned = chosen.candidate.counts.max_host_inputs * layer_input_bytes(spec)
     console.print(
         f"plan: --checkpoints {d['checkpoints']} --chunk-size {d['chunk_size']} --logits-chunk-size "
-        f"{d['logits_chunk_size']}  (predicted {d['predicted_time_s']:.1f} s per step, "
-        f"{d['tokens_per_s']:,.0f} tokens/s)",
+        f"{d['logits_chunk_size']}", highlight=False,
+    )  # fmt: skip
+    pinning = f"; the first step pins {pinned / GIB:.0f} GiB of host memory ({d['first_step_pinning_s']:.0f} s)"
+    console.print(
+        f"predicted {d['predicted_time_s']:,.0f} s per step ({d['tokens_per_s']:,.0f} tokens/s)"
+        + (pinning if pinned else ""),
         highlight=False,
     )
+    console.print(
+        f"why: the fastest candidate that fits {gpu_bytes / GIB:.0f} GiB of GPU and {host_bytes / GIB:.0f} GiB of "
+        "host; each faster one above needs more",
+        highlight=False,
+    )
+
+
+def summary_table(
+    spec: RunSpec, rows: list, chosen: PlanOutcome | None, gpu_bytes: int, host_bytes: int, rates: Rates
+) -> Table:
+    """Per kind of placement its fastest candidate (simulate/plan.py `summary`): the plan, why a faster
+    one is not, or that it is slower."""
+    from ..simulate.depth import layer_input_bytes
+    from ..simulate.estimate import HOST_PROCESS_BYTES
+    from ..simulate.plan import Candidate, describe
+
+    tokens = spec.batch_size * spec.seq_len
+    title = f"{spec.model}, T={spec.seq_len:,}, B={spec.batch_size}: fastest of each placement (simulated)"
+    caption = (
+        f"GiB = 2^30 B. GPU: peak allocated + margin, of {gpu_bytes / GIB:.1f} GiB (> x: ruled out without a "
+        f"simulation); host: pinned buffers + process, of {host_bytes / GIB:.1f} GiB. step s: predicted time of "
+        f"a step. Rates: {rates.describe()}"
+    )
+    table = Table(title=title, caption=caption)
+    for column in ("placement", "chunk", "step s", "GPU GiB", "host GiB", "outcome"):
+        table.add_column(column, justify="left" if column in ("placement", "outcome") else "right", no_wrap=True)
+    layer_input = layer_input_bytes(spec)
+    for row in rows:
+        if isinstance(row, Candidate):
+            host = HOST_PROCESS_BYTES + row.counts.max_host_inputs * layer_input
+            table.add_row(
+                row.placement.name,
+                str(row.chunk_size),
+                f"{row.predicted_time_s:,.0f}",
+                "",
+                f"{host / GIB:.1f}",
+                "slower",
+            )
+            continue
+        d = describe(row, tokens)
+        if row.bound:
+            kind = "host" if row.bound.startswith("host") else "GPU"
+            device = row.bound.split("over ")[1].split(" GiB")[0] if kind == "GPU" else ""
+            device, outcome = (f"> {device}" if device else ""), f"{kind} too small"
+        else:
+            device = f"{d['device_bytes'] / GIB:.1f}"
+            outcome = "the plan" if row is chosen else "fits" if d["status"] == "ok" else _too_small(row)
+        table.add_row(
+            d["checkpoints"], "any" if row.any_chunk else str(d["chunk_size"]), f"{d['predicted_time_s']:,.0f}",
+            device, f"{d['host_bytes'] / GIB:.1f}", outcome,
+        )  # fmt: skip
+    return table
+
+
+def _too_small(outcome: PlanOutcome) -> str:
+    return "host too small" if outcome.row.error.startswith("host") else "GPU too small"
 
 
 def plan_table(spec: RunSpec, tried: list[PlanOutcome], gpu_bytes: int, host_bytes: int, rates: Rates) -> Table:

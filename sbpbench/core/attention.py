@@ -11,7 +11,8 @@ unchanged (`STATE_KWARG`), which of three jobs it does for this call:
   the layer;
 - `ChunkState`: attention of a chunk's queries over the buffered prefix keys/values followed by
   the chunk's own (which stay in the graph), a view of the buffer (`_BufferedPrefix`) whose
-  backward adds the prefix's gradient to the layer's fp32 dK/dV sums.
+  backward adds the prefix's gradient to the layer's fp32 dK/dV sums. Over a long prefix, one call
+  per group of K/V heads (`kv_heads_per_call`), so its backward's gradients of n keys are a group's.
 
 Left padding and packed documents (layout.py) cut a chunk's queries into pieces that each attend
 to one contiguous key range (`planned_attention`), no mask needed.
@@ -106,18 +107,17 @@ class ChunkState:
 
 class _BufferedPrefix(torch.autograd.Function):
     """(B, kv_heads, n, hd) keys [prefix_start, start + c) for a chunk's attention, as a view of
-    the whole-sequence buffer: the chunk's own keys are written into it first (its rows hold the
+    the whole-sequence buffer, into which the chunk's own keys were written first (its rows hold the
     same values already; writing keeps the result what concatenating would give), so the prefix
     is not copied. Concatenating it would hold a copy and, in the backward, a prefix leaf's
     gradient, 2 x h_kv x hd x s bytes per key position each, K and V: 8 GiB at T = 1M on
     Qwen3-8B. Positions [start, start + c) of the buffer are not read again: the chunks run last
-    to first. backward: the prefix's gradient into the fp32 sum, the rest to the chunk's keys."""
+    to first. backward: the prefix's gradient into the fp32 sum, a copy of the rest to the chunk's keys."""
 
     @staticmethod
     def forward(ctx, chunk: torch.Tensor, buffer: list, grad_sum: list, prefix_start: int, start: int):
         (whole,) = buffer  # in a list: a tensor argument would be an input, its view a view of one
         end = start + chunk.shape[2]
-        whole[:, :, start:end] = chunk
         ctx.grad_sum, ctx.prefix_start, ctx.start = grad_sum, prefix_start, start
         return whole[:, :, prefix_start:end]
 
@@ -126,7 +126,44 @@ class _BufferedPrefix(torch.autograd.Function):
         prefix = ctx.start - ctx.prefix_start
         (grad_sum,) = ctx.grad_sum
         grad_sum[:, :, ctx.prefix_start : ctx.start] += grad[:, :, :prefix]
-        return grad[:, :, prefix:], None, None, None, None
+        # a copy of the chunk's c rows: a view would keep all n rows alive until the chunk's keys
+        # have their whole gradient (with K/V heads in groups, after every group's backward)
+        return grad[:, :, prefix:].clone(), None, None, None, None
+
+
+# The most bytes one chunk's attention backward may hold per call for its keys: the keys' and values'
+# gradient (2 x hd x s per key and K/V head) and, in FlashAttention-2's backward under GQA, their
+# per-query-head copies summed afterwards (flash_api.cpp mha_bwd dk_expanded, dv_expanded: 2 x H x
+# hd x s per key). Qwen3-8B: 20 KiB per key, 40 GiB at T = 2M in one call; 5 GiB per K/V head. Each
+# call's backward frees its own before the next call's runs (autograd runs the later call's nodes
+# first), so a group of K/V heads per call bounds them. 2 GiB: one call up to about 100k tokens on
+# Qwen3-8B, as every point measured so far ran.
+ATTENTION_BACKWARD_BYTES = 2 * 2**30
+_sized_for: int | None = None  # set by `grouped_as_for`
+
+
+def kv_heads_per_call(batch: int, heads: int, kv_heads: int, head_dim: int, itemsize: int, seq_len: int) -> int:
+    """The most K/V heads one call of a chunk over its prefix takes in a step of seq_len positions (a
+    divisor of kv_heads): the backward's gradients of seq_len keys within ATTENTION_BACKWARD_BYTES,
+    or one head. One number per step, so every chunk of every layer runs the same calls."""
+    per_head = batch * seq_len * 2 * head_dim * itemsize * (1 + heads // kv_heads)
+    for group in range(kv_heads, 0, -1):
+        if kv_heads % group == 0 and group * per_head <= ATTENTION_BACKWARD_BYTES:
+            return group
+    return 1
+
+
+@contextmanager
+def grouped_as_for(seq_len: int) -> Iterator[None]:
+    """Within the block, the attention groups its K/V heads as a step of seq_len positions would,
+    whatever the step's own length: the memory simulator's short samples of a long point run the
+    long point's calls (simulate/length.py). Nests; restores the previous setting on exit."""
+    global _sized_for
+    previous, _sized_for = _sized_for, seq_len
+    try:
+        yield
+    finally:
+        _sized_for = previous
 
 
 CausalBiasFn = Callable[[int, int], torch.Tensor]  # (num_queries, num_keys) -> attn_mask for SDPA
@@ -249,15 +286,41 @@ def stream_attention(
         state.key_chunk, state.value_chunk = key, value
         plan = state.plan
         if state.start > plan.key_start:  # (B, kv_heads, n, hd), a view of the buffer
-            buffer = state.buffer
-            key = _BufferedPrefix.apply(key, [buffer.keys], [state.grad_keys], plan.key_start, state.start)
-            value = _BufferedPrefix.apply(value, [buffer.values], [state.grad_values], plan.key_start, state.start)
+            out = _prefix_attention(state, query, key, value, scaling, sliding_window)
+            return out.transpose(1, 2).contiguous(), None
     else:
         raise TypeError(f"the {ATTENTION_NAME!r} attention function needs a StreamBP state ({STATE_KWARG}=...)")
     out = planned_attention(
         query, key, value, plan, query_start=state.start, scale=scaling, sliding_window=sliding_window
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _prefix_attention(
+    state: ChunkState, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale, sliding_window
+) -> torch.Tensor:
+    """A chunk's attention over the buffered prefix and itself, per group of K/V heads (with their
+    query heads) where one call's backward over the step's T keys would hold more than
+    ATTENTION_BACKWARD_BYTES (`kv_heads_per_call`)."""
+    plan, buffer = state.plan, state.buffer
+    end = state.start + query.shape[2]
+    with torch.no_grad():  # before any view of the buffers is made: a later write would invalidate it
+        buffer.keys[:, :, state.start : end] = key
+        buffer.values[:, :, state.start : end] = value
+    batch, heads, _, head_dim = query.shape
+    kv_heads = key.shape[1]
+    seq_len = buffer.seq_len if _sized_for is None else _sized_for
+    group = kv_heads_per_call(batch, heads, kv_heads, head_dim, key.dtype.itemsize, seq_len)
+    queries = query.split(group * (query.shape[1] // kv_heads), dim=1)
+    outs = []
+    for index, (q, k, v) in enumerate(zip(queries, key.split(group, dim=1), value.split(group, dim=1))):
+        own = slice(index * group, (index + 1) * group)  # this call's K/V heads
+        k = _BufferedPrefix.apply(k, [buffer.keys[:, own]], [state.grad_keys[:, own]], plan.key_start, state.start)
+        v = _BufferedPrefix.apply(v, [buffer.values[:, own]], [state.grad_values[:, own]], plan.key_start, state.start)
+        outs.append(
+            planned_attention(q, k, v, plan, query_start=state.start, scale=scale, sliding_window=sliding_window)
+        )
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
 def planned_attention(

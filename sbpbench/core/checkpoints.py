@@ -26,13 +26,12 @@ from .adapters import DecoderParts
 from .attention import STATE_KWARG, KVBuffer
 from .chunking import chunk_bounds, chunk_kwargs
 from .layout import SequenceLayout
-from .memory_kinds import CHECKPOINTS, allocating
 from .placement import CheckpointStore, Placement
 
 
 @dataclass
 class Checkpoints:
-    layer_inputs: CheckpointStore  # X_l, (B, T, d) each, where the placement keeps them
+    layer_inputs: CheckpointStore  # X_l, (B, T, d) each, where the placement keeps them (or a StreamingStore)
     layer_kwargs: list[dict] = field(default_factory=list)
     last_hidden: torch.Tensor | None = None  # last layer output, input of the final norm
     seen: set[int] = field(default_factory=set)  # layers the forward called
@@ -48,12 +47,15 @@ def forward_checkpoints(
     *,
     position_ids: torch.Tensor | None = None,
     layout: SequenceLayout | None = None,
+    prepare_embedding: Callable[[], None] = lambda: None,
 ) -> Checkpoints:
     """store: where the layer inputs go (default: all kept on their device, the gpu placement).
     gathered(layer): a context that holds the layer's parameters gathered while its chunks run (a
     sharded engine whose hooks would otherwise gather per chunk: DeepSpeed ZeRO-3; grad_sync.py).
     position_ids: (B or 1, T), given to the decoder (packed rows); None: its own, arange(T).
-    layout: the batch's padding and packed documents (layout.py), None for one sequence per row."""
+    layout: the batch's padding and packed documents (layout.py), None for one sequence per row.
+    prepare_embedding: before the embedding runs outside the decoder's call (the stream placement
+    computes X_0 chunk by chunk where it reads it; a sharded engine gathers the embedding)."""
     num_layers = len(parts.layers)
     store = store if store is not None else CheckpointStore(Placement(), num_layers)
     gathered = gathered if gathered is not None else _nothing_to_gather
@@ -64,7 +66,12 @@ def forward_checkpoints(
 
     handle = parts.norm.register_forward_pre_hook(norm_hook)
     try:
-        with _chunked_layers(parts.layers, saved, chunk_size, gathered), _skipped(parts.norm), torch.no_grad():
+        with (
+            store.passing(parts, input_ids, prepare_embedding),
+            _chunked_layers(parts.layers, saved, chunk_size, gathered),
+            _skipped(parts.norm),
+            torch.no_grad(),
+        ):
             # no attention_mask: the layout says which keys each query sees (the normed output is unused)
             parts.decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False)
     finally:
@@ -128,28 +135,31 @@ def _chunked_forward(forward, index: int, saved: Checkpoints, chunk_size: int, g
     def chunked(hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if args:
             raise NotImplementedError("StreamBP expects decoder layers called as layer(hidden_states, **kwargs)")
-        saved.layer_inputs.put(index, hidden_states)
         saved.layer_kwargs[index] = kwargs
         saved.seen.add(index)
+
+        def run(source, sink) -> None:
+            chunked_layer_forward(forward, source, sink, kwargs, chunk_size, saved.layout)
+
         with gathered():
-            return chunked_layer_forward(forward, hidden_states, kwargs, chunk_size, saved.layout)
+            return saved.layer_inputs.forward_layer(index, hidden_states, run)
 
     return chunked
 
 
 def chunked_layer_forward(
-    forward, hidden_states: torch.Tensor, kwargs: dict, chunk_size: int, layout: SequenceLayout | None = None
-) -> torch.Tensor:
-    """X_{l+1} from X_l (B, T, d), chunk_size positions at a time through `forward` (a layer or
-    its forward method), attending over a key/value buffer of the positions before. The checkpoint
-    pass and the recompute placement (placement.py) both run it, so a rebuilt input is the one
-    the pass made. Call it without grad."""
-    seq_len = hidden_states.shape[1]
+    forward, source, sink, kwargs: dict, chunk_size: int, layout: SequenceLayout | None = None
+) -> None:
+    """X_{l+1} into sink from X_l (B, T, d) read from source (sequences.py), chunk_size positions at
+    a time through `forward` (a layer or its forward method), attending over a key/value buffer of
+    the positions before. The checkpoint pass and the recompute placements (placement.py,
+    stream_store.py) both run it, so a rebuilt input is the one the pass made. Each input chunk is
+    read before its output chunk is written, so source and sink may be one host buffer. Call it
+    without grad."""
+    seq_len = source.shape[1]
     buffer = KVBuffer(seq_len=seq_len, attend=True, layout=layout)
-    with allocating(CHECKPOINTS):
-        output = torch.empty_like(hidden_states)  # becomes X_{l+1}
-    for start, end in chunk_bounds(seq_len, chunk_size):
+    bounds = chunk_bounds(seq_len, chunk_size)
+    for (start, end), hidden in zip(bounds, source.chunks(bounds)):
         buffer.start = start
-        chunk = forward(hidden_states[:, start:end], **chunk_kwargs(kwargs, start, end), **{STATE_KWARG: buffer})
-        output[:, start:end] = chunk
-    return output
+        chunk = forward(hidden, **chunk_kwargs(kwargs, start, end), **{STATE_KWARG: buffer})
+        sink.write(start, end, chunk)

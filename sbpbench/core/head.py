@@ -2,7 +2,8 @@
 
 Logits exist for one chunk of positions at a time, (B, c, V), never for the whole sequence. Each
 chunk's backward leaves its final-norm and lm_head weight gradients (accumulated across chunks)
-and writes dL/dZ for its positions, where Z is the last decoder layer's output. An objective that
+and writes dL/dZ for its positions, where Z is the last decoder layer's output. Z and dL/dZ are
+read and written chunk by chunk (sequences.py): on the device, or in host memory (stream placement). An objective that
 is a nonlinear function of whole-sequence sums (DPO, GSPO) first takes a no-grad pass over the chunks
 for those sums (objectives/base.py), so its head costs two lm_head forwards instead of one.
 core/README.md, "Head and loss".
@@ -42,13 +43,16 @@ def counted_chunks(seq_len: int, chunk_size: int, objective: Objective) -> list[
 
 
 @torch.no_grad()
-def sequence_sums(objective: Objective, logits_of, seq_len: int, chunk_size: int, dtype: torch.dtype) -> torch.Tensor:
+def sequence_sums(
+    objective: Objective, logits_of, bounds: list[tuple[int, int]], hidden, dtype: torch.dtype
+) -> torch.Tensor:
     """Pass 1 for objectives of whole-sequence sums (DPO, GSPO): their (B, J) sums, no graph.
-    logits_of(start, end): the (B, c, V) logits of a chunk; dtype: the hidden states' dtype."""
+    logits_of(hidden): the (B, c, V) logits of a chunk's hidden states; bounds: the counted chunks;
+    hidden: the last layer's output (sequences.py); dtype: its dtype."""
     sums = None
-    for start, end in counted_chunks(seq_len, chunk_size, objective):
+    for (start, end), chunk in zip(bounds, hidden.chunks(bounds)):
         with allocating(LOGITS):
-            part = objective.sequence_sums(logits_of(start, end), start, end)
+            part = objective.sequence_sums(logits_of(chunk), start, end)
         sums = part if sums is None else sums + part
     if sums is None:  # nothing counted: the sums over no positions
         empty = torch.zeros(objective.labels.shape[0], 0, dtype=loss_dtype(dtype), device=objective.labels.device)
@@ -58,30 +62,44 @@ def sequence_sums(objective: Objective, logits_of, seq_len: int, chunk_size: int
 
 def head_backward(
     parts: DecoderParts,
-    last_hidden: torch.Tensor,
+    last_hidden,
+    grad_hidden,
     objective: Objective,
     *,
     chunk_size: int,
     accumulator: ChunkGradAccumulator,
     call: Callable[[nn.Module], Callable] = lambda module: module,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """last_hidden (B, T, d): last layer output. Returns (loss, dZ) with dZ (B, T, d) in the hidden
-    dtype. The chunks' norm and lm_head weight gradients are collected into `accumulator`; the
-    caller finishes it. call(module): what to run for the final norm and the lm_head (a sharded
-    unit's hook-free forward: grad_sync.py)."""
-    seq_len = last_hidden.shape[1]
+) -> torch.Tensor:
+    """last_hidden (B, T, d): the last layer's output; grad_hidden (B, T, d): where dZ goes, in the
+    hidden dtype (both sequences.py; one host buffer under the stream placement: each chunk's dZ
+    written over that chunk of Z once read). Returns the loss. The chunks' norm and lm_head weight
+    gradients are collected into `accumulator`; the caller finishes it. call(module): what to run
+    for the final norm and the lm_head (a sharded unit's hook-free forward: grad_sync.py)."""
+    seq_len, dtype = last_hidden.shape[1], last_hidden.dtype
+    counted = counted_chunks(seq_len, chunk_size, objective)
     if objective.needs_sequence_sums:
-        logits_of = lambda start, end: _chunk_logits(parts, last_hidden[:, start:end], call)
-        objective.prepare(sequence_sums(objective, logits_of, seq_len, chunk_size, last_hidden.dtype))
-    grad_hidden = torch.zeros_like(last_hidden)
-    total = torch.zeros((), dtype=loss_dtype(last_hidden.dtype), device=last_hidden.device)
-    for start, end in counted_chunks(seq_len, chunk_size, objective):
-        hidden = last_hidden[:, start:end].detach().requires_grad_()
+        logits_of = lambda hidden: _chunk_logits(parts, hidden, call)
+        objective.prepare(sequence_sums(objective, logits_of, counted, last_hidden, dtype))
+    total = torch.zeros((), dtype=loss_dtype(dtype), device=last_hidden.device)
+    for (start, end), chunk in zip(counted, last_hidden.chunks(counted)):
+        hidden = chunk.detach().requires_grad_()
         with allocating(LOGITS):
             with torch.enable_grad():
                 part = objective.chunk_loss(_chunk_logits(parts, hidden, call), start, end)
             part.backward()
-        grad_hidden[:, start:end] = hidden.grad
+        grad_hidden.write(start, end, hidden.grad)
         total += part.detach()
         accumulator.collect()
-    return objective.streamed_loss(total), grad_hidden
+    for start, end in _uncounted(seq_len, counted):
+        grad_hidden.zero(start, end)  # no target after them: a zero gradient, as BP's
+    return objective.streamed_loss(total)
+
+
+def _uncounted(seq_len: int, counted: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The ranges of [0, seq_len) outside the counted chunks."""
+    gaps, done = [], 0
+    for start, end in counted:
+        if start > done:
+            gaps.append((done, start))
+        done = end
+    return gaps + ([(done, seq_len)] if done < seq_len else [])

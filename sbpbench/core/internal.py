@@ -10,13 +10,23 @@ from outside core.
 
 from . import memory_kinds
 from .adapters import check_no_attention_dropout, resolve_parts, trainable, unwrap_model
-from .attention import ATTENTION_NAME, STATE_KWARG, ChunkState, KVBuffer, force_cuda_branch
+from .attention import (
+    ATTENTION_NAME,
+    STATE_KWARG,
+    ChunkState,
+    KVBuffer,
+    force_cuda_branch,
+    grouped_as_for,
+    kv_heads_per_call,
+)
 from .checkpoints import forwards_wrapped
 from .head import counted_chunks, sequence_sums
 from .kernel_choice import LOWER_RIGHT, kernel_timing, observe_chunk_kernels, set_choice_cache
 from .labels import count_targets, loss_dtype, shift_labels
 from .objectives import GRPO_LOSS_TYPES
 from .placement import CheckpointStore, observe_stores
+from .rebuild_schedule import every_input_buffers, schedule
+from .sequences import DeviceSequence
 
 __all__ = [
     "ATTENTION_NAME",
@@ -25,18 +35,23 @@ __all__ = [
     "STATE_KWARG",
     "CheckpointStore",
     "ChunkState",
+    "DeviceSequence",
     "KVBuffer",
     "check_no_attention_dropout",
     "count_targets",
     "counted_chunks",
+    "every_input_buffers",
     "force_cuda_branch",
     "forwards_wrapped",
+    "grouped_as_for",
     "kernel_timing",
+    "kv_heads_per_call",
     "loss_dtype",
     "memory_kinds",
     "observe_chunk_kernels",
     "observe_stores",
     "resolve_parts",
+    "schedule",
     "sequence_sums",
     "set_choice_cache",
     "shift_labels",

@@ -10,6 +10,8 @@
    projections are recomputed once per layer backward, not once per later chunk as in the
    official code.
 3. dX[chunk] is final once its chunk is done and overwrites dZ[chunk] in place.
+X and dZ / dX are read and written a chunk at a time (sequences.py): on the device, or from and to
+host memory one chunk ahead (the stream placement).
 
 Shapes: B rows, T positions, d hidden size, c = end - start positions of a chunk, kv = key/value
 heads (before GQA repetition), h = head_dim.
@@ -30,20 +32,18 @@ from .memory_kinds import KV_GRAD_SUMS, allocating
 from .phases import CHUNK_BACKWARD, CHUNK_FORWARD, KV_CAPTURE, PhaseTimer, timed
 
 
-def _capture_keys_values(
-    layer, layer_input: torch.Tensor, kwargs: dict, chunks, project: Projection | None = None
-) -> KVBuffer:
-    """project: the keys/values alone by the family's recipe (kv_capture.py); None runs the layer
-    until its attention function has stored them."""
+def _capture_keys_values(layer, layer_input, kwargs: dict, chunks, project: Projection | None = None) -> KVBuffer:
+    """layer_input: X (sequences.py), read first chunk to last. project: the keys/values alone by the
+    family's recipe (kv_capture.py); None runs the layer until its attention function has stored them."""
     capture = KVBuffer(seq_len=layer_input.shape[1], attend=False)  # fills keys, values (B, kv, T, h)
     with torch.no_grad():
-        for start, end in chunks:
+        for (start, end), hidden in zip(chunks, layer_input.chunks(chunks)):
             capture.start = start
             if project is not None:
-                capture.store(*project(layer_input[:, start:end], chunk_kwargs(kwargs, start, end)))
+                capture.store(*project(hidden, chunk_kwargs(kwargs, start, end)))
                 continue
             try:  # the layer runs up to its attention call on X[:, start:end] (B, c, d), which raises
-                layer(layer_input[:, start:end], **chunk_kwargs(kwargs, start, end), **{STATE_KWARG: capture})
+                layer(hidden, **chunk_kwargs(kwargs, start, end), **{STATE_KWARG: capture})
             except KVCaptured:
                 continue
             raise RuntimeError(
@@ -54,8 +54,8 @@ def _capture_keys_values(
 
 def layer_backward(
     layer: nn.Module,
-    layer_input: torch.Tensor,
-    grad: torch.Tensor,
+    layer_input,
+    grad,
     kwargs: dict,
     *,
     chunk_size: int,
@@ -66,8 +66,8 @@ def layer_backward(
     key_values: KeyValueRecipe | None = None,
     timer: PhaseTimer | None = None,
 ) -> None:
-    """layer_input X (B, T, d); grad dZ (B, T, d) is overwritten with dX when need_input_grad.
-    Leaves the layer's parameter gradients in .grad. call: what runs a chunk, `layer` itself unless
+    """layer_input X (B, T, d); grad dZ (B, T, d) is overwritten with dX when need_input_grad (both
+    sequences.py: read and written chunk by chunk). Leaves the layer's parameter gradients in .grad. call: what runs a chunk, `layer` itself unless
     a data-parallel engine needs its hook-free `forward` (grad_sync.py). layout: the batch's padding
     and packed documents (layout.py), None when each row is one sequence from position 0.
     key_values: the family's K/V recipe (adapters.py), None to capture through the whole layer.
@@ -85,14 +85,17 @@ def layer_backward(
             grad_values = torch.zeros_like(values, dtype=acc_dtype)  # (B, kv, T, h)
     accumulator = ChunkGradAccumulator(list(layer.parameters()), fp32_grad_accumulation)
 
-    for start, end in reversed(chunks):  # last chunk first: its dK/dV from later chunks are complete
+    backward_order = list(reversed(chunks))  # last chunk first: its dK/dV from later chunks are complete
+    # each chunk taken where it is first read: a host copy is waited for just before its use
+    inputs, grads = layer_input.chunks(backward_order), grad.chunks(backward_order)
+    for start, end in backward_order:
         state = ChunkState(start, chunk_plan(layout, start, end, window), capture, grad_keys, grad_values)
-        chunk_input = layer_input[:, start:end].detach().requires_grad_(need_input_grad)  # (B, c, d), a leaf
+        chunk_input = next(inputs).detach().requires_grad_(need_input_grad)  # X[chunk] (B, c, d), a leaf
         with timed(timer, CHUNK_FORWARD), torch.enable_grad():  # queries (B, heads, c, h) against keys[..., :end, :]
             output = call(chunk_input, **chunk_kwargs(kwargs, start, end), **{STATE_KWARG: state})  # (B, c, d)
 
         with timed(timer, CHUNK_BACKWARD):
-            roots, root_grads = [output], [grad[:, start:end]]  # dZ[chunk] (B, c, d)
+            roots, root_grads = [output], [next(grads)]  # dZ[chunk] (B, c, d)
             if end < seq_len:  # later chunks attended to this chunk's keys/values: (B, kv, c, h) each
                 roots += [state.key_chunk, state.value_chunk]
                 root_grads += [grad_keys[:, :, start:end].to(keys.dtype), grad_values[:, :, start:end].to(values.dtype)]
@@ -100,7 +103,7 @@ def layer_backward(
             if pairs:  # the prefix's dK/dV go into grad_keys/grad_values[:, :, :start] on the way (_BufferedPrefix)
                 torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs])
             if need_input_grad:
-                grad[:, start:end] = chunk_input.grad  # dX[chunk] (B, c, d) overwrites dZ[chunk], now spent
+                grad.write(start, end, chunk_input.grad)  # dX[chunk] (B, c, d) over dZ[chunk], now spent
             accumulator.collect()  # this chunk's weight gradients into the (fp32) sums
     with timed(timer, CHUNK_BACKWARD):
         accumulator.finish()  # the sums into .grad, rounded once

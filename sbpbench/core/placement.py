@@ -18,25 +18,34 @@ different result: every placement runs the same operations on the same values.
                        made, except the top two; brought back one layer ahead like cpu's, so the
                        device holds at most two layer inputs at a time (cpu's) for K - 3 more
                        host copies than cpu+recompute:K
+    stream             no layer input, no Z_L and no gradient dZ / dX whole on the device: each lives
+                       in a host buffer and moves to the device a chunk at a time (stream_store.py)
+    stream:N           as stream with at most N such host buffers, the gradient's included; the
+                       inputs that do not fit are rebuilt, as few as binomial checkpointing needs
+                       (rebuild_schedule.py)
 
 `CheckpointStore` is what the checkpoint pass `put`s every layer input into and the layer loop
-`get`s and `release`s them from, last layer first.
+`get`s and `release`s them from, last layer first; `StreamingStore` (stream_store.py) serves stream.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
 
 from .cuda_calls import CUDA_CALLS, CudaCalls
+from .host_copies import Copier
 from .host_pool import HostBuffer
 from .memory_kinds import CHECKPOINTS, allocating, note
-from .phases import COPY_WAITS, HOST_COPIES, PhaseTimer, timed
+from .phases import PhaseTimer
+from .rebuild_schedule import every_input_buffers
+from .sequences import DeviceSequence
 
-PLACEMENTS = ("gpu", "cpu", "recompute:K", "cpu+recompute:K", "cpu+recompute:K+spill")  # K: a positive integer
+# K: a positive integer; N: an integer >= 2
+PLACEMENTS = ("gpu", "cpu", "recompute:K", "cpu+recompute:K", "cpu+recompute:K+spill", "stream", "stream:N")
 
 
 @dataclass(frozen=True)
@@ -44,14 +53,18 @@ class Placement:
     offload: bool = False  # kept inputs live in host memory
     recompute_every: int = 1  # keep X_l when l % recompute_every == 0; 1 keeps every one
     spill: bool = False  # rebuilt inputs go to the host too (offload and recompute_every > 1 only)
+    stream: bool = False  # inputs, Z_L and the gradient in host buffers, moved chunk by chunk
+    host_buffers: int | None = None  # stream:N, the most host buffers; None: one per layer input
 
     @classmethod
     def parse(cls, text: str | Placement) -> Placement:
         """ "gpu", "cpu", "recompute:K", "cpu+recompute:K", "cpu+recompute:K+spill" (K >= 1;
-        recompute:1 is gpu), words in any order."""
+        recompute:1 is gpu), words in any order; "stream", "stream:N" (N >= 2) alone."""
         if isinstance(text, Placement):
             return text
         words = str(text).strip().lower().split("+")
+        if len(words) == 1 and (words[0] == "stream" or words[0].startswith("stream:")):
+            return cls._stream(words[0], text)
         offload, every, spill = False, 1, False
         for word in words:
             if word == "cpu" and not offload:
@@ -64,7 +77,7 @@ class Placement:
                 every = int(word[10:])
             else:
                 raise ValueError(
-                    f"checkpoints must be one of {', '.join(PLACEMENTS)} (K a positive integer), got {text!r}"
+                    f"checkpoints must be one of {', '.join(PLACEMENTS)} (K a positive integer, N >= 2), got {text!r}"
                 )
         if spill and not (offload and every > 1):
             raise ValueError(
@@ -72,11 +85,24 @@ class Placement:
             )
         return cls(offload, every, spill)
 
+    @classmethod
+    def _stream(cls, word: str, text) -> Placement:
+        if word == "stream":
+            return cls(stream=True)
+        number = word.removeprefix("stream:")
+        if not number.isdigit() or int(number) < 2:
+            raise ValueError(
+                f"stream:N keeps at most N layer inputs in host memory, the gradient's included: N >= 2, got {text!r}"
+            )
+        return cls(stream=True, host_buffers=int(number))
+
     def __str__(self) -> str:
         return self.name
 
     @property
     def name(self) -> str:
+        if self.stream:
+            return "stream" if self.host_buffers is None else f"stream:{self.host_buffers}"
         parts = (["cpu"] if self.offload else []) + (
             [f"recompute:{self.recompute_every}"] if self.recompute_every > 1 else []
         )
@@ -85,16 +111,24 @@ class Placement:
     def kept(self, index: int) -> bool:
         return index % self.recompute_every == 0
 
+    def buffers(self, num_layers: int) -> int:
+        """stream: the host buffers a model of num_layers uses (N, or fewer where one per input is fewer)."""
+        every = every_input_buffers(num_layers)
+        return every if self.host_buffers is None else min(self.host_buffers, every)
+
     def host_inputs(self, num_layers: int) -> int:
         """Most layer inputs the host holds at once: the kept ones, plus with spill a full segment's
-        rebuilt inputs below its top two."""
+        rebuilt inputs below its top two; stream: its buffers (the gradient's among them)."""
+        if self.stream:
+            return self.buffers(num_layers)
         if not self.offload:
             return 0
         kept = -(-num_layers // self.recompute_every)
         return kept + (max(0, min(self.recompute_every, num_layers) - 3) if self.spill else 0)
 
 
-Rebuild = Callable[[int, torch.Tensor], torch.Tensor]  # (layer index l, X_l) -> X_{l+1}, no grad
+# rebuild_into(l, source, sink): X_{l+1} into sink from X_l read from source, chunk by chunk, no grad
+RebuildInto = Callable[[int, object, object], None]
 
 
 class CheckpointStore:
@@ -117,21 +151,36 @@ class CheckpointStore:
     def __init__(self, placement: Placement, num_layers: int, calls: CudaCalls = CUDA_CALLS):
         self.placement = placement
         self.num_layers = num_layers
-        self.rebuild: Rebuild | None = None  # set before the first get that needs one (stream.py)
-        self.timer: PhaseTimer | None = None
+        self.rebuild_into: RebuildInto | None = None  # set before the first get that needs one (stream.py)
+        self._copier = Copier(calls)
         self._calls = calls
         self._device: dict[int, torch.Tensor] = {}  # kept or rebuilt inputs on the device
         self._host: dict[int, torch.Tensor] = {}  # offloaded inputs, until their layer is done
         self._buffers: dict[int, HostBuffer] = {}  # the pool's page-locked buffers under _host
         self._arrived: dict = {}  # index -> event: the copy back to the device is done
-        self._side = None  # the side stream of the copies, made on the first
         self.max_device_inputs = 0
         self.host_bytes = self.max_host_bytes = 0
-        self.transfer_bytes = 0
-        self.pins_host_memory = False
-        self.host_register_s = 0.0
-        for observer in _observers:
-            observer(self)
+        announce(self)
+
+    @property
+    def timer(self) -> PhaseTimer | None:
+        return self._copier.timer
+
+    @timer.setter
+    def timer(self, timer: PhaseTimer | None) -> None:
+        self._copier.timer = timer
+
+    @property
+    def transfer_bytes(self) -> int:
+        return self._copier.to_device_bytes + self._copier.to_host_bytes
+
+    @property
+    def pins_host_memory(self) -> bool:
+        return self._copier.pins_host_memory
+
+    @property
+    def host_register_s(self) -> float:
+        return self._copier.host_register_s
 
     @property
     def device_inputs(self) -> int:
@@ -141,12 +190,20 @@ class CheckpointStore:
         self.max_device_inputs = max(self.max_device_inputs, len(self._device))
         self.max_host_bytes = max(self.max_host_bytes, self.host_bytes)
 
-    def _side_stream(self, device: torch.device):
-        if self._side is None:
-            self._side = self._calls.new_stream(device)
-        return self._side
-
     # -- checkpoint pass -------------------------------------------------------------------------
+
+    def passing(self, parts, input_ids: torch.Tensor, prepare_embedding) -> AbstractContextManager:
+        """The checkpoint pass runs in this context (nothing to arrange: the decoder's own embedding)."""
+        return nullcontext()
+
+    def forward_layer(self, index: int, layer_input: torch.Tensor, run) -> torch.Tensor:
+        """The checkpoint pass through layer `index`: X_l put, run(source, sink) chunk by chunk into
+        X_{l+1}, which goes back to the decoder."""
+        self.put(index, layer_input)
+        with allocating(CHECKPOINTS):
+            output = torch.empty_like(layer_input)  # becomes X_{l+1}
+        run(DeviceSequence(layer_input), DeviceSequence(output))
+        return output
 
     def put(self, index: int, layer_input: torch.Tensor) -> None:
         """X_l as the checkpoint pass made it: kept on the device, copied to the host, or dropped
@@ -164,25 +221,27 @@ class CheckpointStore:
         """Keep a host copy of X_index: pinned and copied on the side stream on CUDA."""
         if _shapes_only:
             self._host[index] = _HostShape(layer_input.shape, layer_input.dtype, layer_input.nbytes)
-        elif self._calls.overlaps(layer_input.device):  # host memory: no device allocation to tell of
-            calls, side = self._calls, self._side_stream(layer_input.device)
-            self.pins_host_memory = True
-            buffer, seconds = calls.pool.take(layer_input.nbytes)
-            self.host_register_s += seconds
-            self._buffers[index] = buffer
+            self._copier.to_host_bytes += layer_input.nbytes
+        elif self._copier.overlaps(layer_input.device):  # host memory: no device allocation to tell of
+            buffer = self._buffers[index] = self._copier.take_buffer(layer_input.nbytes)
             host = buffer.view(layer_input.shape, layer_input.dtype)
-            side.wait_stream(calls.current_stream(layer_input.device))  # X_l is written
-            with calls.use_stream(side), timed(self.timer, HOST_COPIES, side):
-                host.copy_(layer_input, non_blocking=True)
-            calls.record_stream(layer_input, side)  # its memory is not reused before the copy is done
+            self._copier.to_host(host, layer_input)
             self._host[index] = host
-        else:
-            with timed(self.timer, HOST_COPIES), allocating(CHECKPOINTS):  # on a CPU: in the memory counted
-                self._host[index] = layer_input.to("cpu", copy=True)  # an ordinary copy off a GPU
+        else:  # an ordinary copy off a GPU
+            with allocating(CHECKPOINTS):  # on a CPU: in the memory counted
+                host = self._host[index] = torch.empty(layer_input.shape, dtype=layer_input.dtype)
+            self._copier.to_host(host, layer_input)
         self.host_bytes += layer_input.nbytes
-        self.transfer_bytes += layer_input.nbytes
 
     # -- layer loop ------------------------------------------------------------------------------
+
+    def last_hidden(self, last_hidden: torch.Tensor) -> DeviceSequence:
+        """Z_L as the head reads it: the decoder's tensor, on the device."""
+        return DeviceSequence(last_hidden)
+
+    def head_grad(self, last_hidden: DeviceSequence) -> DeviceSequence:
+        """Where the head writes dZ_L: zeros on the device, like Z_L."""
+        return DeviceSequence(torch.zeros_like(last_hidden.tensor), zeroed=True)
 
     def _segment_start(self, index: int) -> int:
         return index - index % self.placement.recompute_every
@@ -193,7 +252,6 @@ class CheckpointStore:
         if index < 0 or index in self._device or index not in self._host:
             return
         host = self._host[index]
-        self.transfer_bytes += host.nbytes
         with allocating(CHECKPOINTS):
             target = self._bring_back(index, host, device)
         self._device[index] = target
@@ -203,25 +261,15 @@ class CheckpointStore:
         """A device copy of the host copy of X_index, on its way (a side stream on CUDA)."""
         if _shapes_only:
             target = torch.empty(host.shape, dtype=host.dtype, device=device)
-        elif self._calls.overlaps(device):
-            # allocated on the compute stream; the side stream first waits for the work queued so
-            # far (it may still use this memory's previous owner), then copies while the current
-            # layer's backward runs
-            calls, side = self._calls, self._side_stream(device)
-            target = torch.empty(host.shape, dtype=host.dtype, device=device)
-            side.wait_stream(calls.current_stream(device))
-            with calls.use_stream(side):
-                with timed(self.timer, HOST_COPIES, side):
-                    target.copy_(host, non_blocking=True)
-                event = calls.new_event()
-                event.record(side)
-            self._arrived[index] = event
+            self._copier.to_device_bytes += host.nbytes
         else:
-            with timed(self.timer, HOST_COPIES):
-                target = host.to(device, copy=True)
+            # the copy runs while the current layer's backward does (host_copies.py)
+            target, event = self._copier.to_device(host, device)
+            if event is not None:
+                self._arrived[index] = event
         return target
 
-    def get(self, index: int, device: torch.device) -> torch.Tensor:
+    def get(self, index: int, device: torch.device) -> DeviceSequence:
         """X_index on `device`. The first get of a segment [s, s + K) (its last layer) brings X_s
         and rebuilds the rest; the get of X_s sets the previous segment's kept input on its way,
         to arrive while layer s's backward runs. With spill the rebuild sends each input below
@@ -238,14 +286,18 @@ class CheckpointStore:
             self._prefetch(start - self.placement.recompute_every, device)
         elif self.placement.spill:
             self._prefetch(index - 1, device)
-        return self._device[index]
+        return DeviceSequence(self._device[index])
 
     def _rebuild_segment(self, start: int, top: int) -> None:
         """X_{start+1} .. X_top from X_start. Spill: keep only X_{top-1} and X_top on the device;
         X_start's device copy goes (its host copy stays), the others below X_{top-1} are copied out."""
-        assert self.rebuild is not None, "a recomputing store needs its rebuild function"
+        assert self.rebuild_into is not None, "a recomputing store needs its rebuild function"
         for layer in range(start, top):
-            self._device[layer + 1] = self.rebuild(layer, self._device[layer])
+            source = self._device[layer]
+            with allocating(CHECKPOINTS):
+                output = torch.empty_like(source)
+            self.rebuild_into(layer, DeviceSequence(source), DeviceSequence(output))
+            self._device[layer + 1] = output
             self._count()
             if self.placement.spill and layer < top - 1:
                 made = self._device.pop(layer)
@@ -254,10 +306,7 @@ class CheckpointStore:
                     self._count()
 
     def _wait(self, index: int, device: torch.device) -> None:
-        event = self._arrived.get(index)
-        if event is not None:
-            with timed(self.timer, COPY_WAITS):  # on the compute stream: how long it stood still
-                self._calls.current_stream(device).wait_event(event)
+        self._copier.arrive(self._arrived.get(index), device)
 
     def release(self, index: int) -> None:
         """X_index is no longer needed (its layer's backward is done): free it, and hand its host
@@ -269,16 +318,13 @@ class CheckpointStore:
         self.host_bytes -= host.nbytes
         buffer = self._buffers.pop(index, None)
         if buffer is not None:
-            event = self._arrived.pop(index, None)
-            if event is not None:
-                event.synchronize()  # the copy from these pages is done (long since: a layer ago)
-            self._calls.pool.give(buffer)
+            # the copy back from these pages is done (long since: a layer ago)
+            self._copier.give_buffer(buffer, self._arrived.pop(index, None))
 
     def close(self) -> None:
         """Free everything still held (all of it after an error), handing host buffers back once no
         copy uses them; then the pool keeps what this step used (host_pool.py, "Policy")."""
-        if self._side is not None:
-            self._side.synchronize()
+        self._copier.synchronize()
         for index in list(self._host) + list(self._device):
             self.release(index)
         if self.pins_host_memory:
@@ -294,8 +340,19 @@ class _HostShape:
     nbytes: int
 
 
-_observers: list[Callable[[CheckpointStore], None]] = []
+_observers: list[Callable[[object], None]] = []
 _shapes_only = False
+
+
+def announce(store) -> None:
+    """A store was made: hand it to the observers (observe_stores)."""
+    for observer in _observers:
+        observer(store)
+
+
+def storing_shapes_only() -> bool:
+    """Whether host copies keep only shapes and dtypes (observe_stores(shapes_only=True))."""
+    return _shapes_only
 
 
 @contextmanager

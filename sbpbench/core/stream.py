@@ -7,7 +7,7 @@ Order of work (B batch, T sequence, d hidden, L layers, V vocabulary):
   head              final norm + lm_head + loss in chunks of logits_chunk_size -> dZ_L  B x c x V at a time
                     (DPO: a no-grad pass for the sequence sums first)
   layers L-1..0     layer_backward in chunks of chunk_size; dZ becomes dX in place      one B x T x d buffer
-  embedding         embed(input_ids).backward(dX_0)
+  embedding         embed(input_ids[chunk]).backward(dX_0[chunk]) in chunks of chunk_size
 Each checkpoint is dropped as soon as its layer's backward is done. core/README.md follows this
 order section by section; "Memory per phase" gives what is resident when.
 """
@@ -22,6 +22,7 @@ import torch
 from .adapters import DecoderParts, check_no_attention_dropout, resolve_parts, trainable
 from .attention import ATTENTION_NAME
 from .checkpoints import Checkpoints, chunked_layer_forward, forward_checkpoints
+from .chunking import chunk_bounds
 from .grad_accum import ChunkGradAccumulator
 from .grad_sync import for_model as grad_sync_for
 from .grad_sync import unwrap
@@ -34,6 +35,7 @@ from .layout import build_layout
 from .objectives import SFT, Objective
 from .phases import CHECKPOINT_PASS, HEAD, REBUILD, PhaseTimer, timed
 from .placement import CheckpointStore, Placement
+from .stream_store import StreamingStore
 
 DEFAULT_CHUNK_SIZE = 500  # the paper's layer partition for its max-length runs (appendix D)
 DEFAULT_LOGITS_CHUNK_SIZE = 100  # the paper's logits partition
@@ -82,8 +84,9 @@ def stream_backward(
     in the head. fp32_grad_accumulation: sum per-chunk
     gradients of bf16/fp16 parameters in fp32 and round once (see grad_accum.py). checkpoints:
     where the layer inputs live between the checkpoint pass and their layer's backward, "gpu"
-    (the model's device), "cpu", "recompute:K", "cpu+recompute:K" or "cpu+recompute:K+spill"
-    (placement.py); the same
+    (the model's device), "cpu", "recompute:K", "cpu+recompute:K", "cpu+recompute:K+spill", or
+    "stream" / "stream:N" (the inputs, Z_L and the gradient in host memory, moved a chunk at a time;
+    placement.py, stream_store.py); the same
     operations whatever the placement, so the same gradients. On CUDA an offloading placement's host
     copies live in page-locked buffers that the process keeps for later steps (registering them is
     slow); `release_pinned_memory()` frees them (host_pool.py says what is kept when T changes).
@@ -113,24 +116,28 @@ def stream_backward(
 
     if timer is not None:
         timer.start(input_ids.device)
-    store = CheckpointStore(placement, len(parts.layers))
+    store = (StreamingStore if placement.stream else CheckpointStore)(placement, len(parts.layers))
     store.timer = timer
     kernels = use_chunk_attention(chunk_attention)
     with _streaming_mode(parts), sync.step(), closing(store), kernels:  # close: frees (and unpins) what an error left
         with timed(timer, CHECKPOINT_PASS):
             saved = forward_checkpoints(
-                parts, input_ids, chunk_size, store, gathered=sync.gathered, position_ids=position_ids, layout=layout
-            )
-        store.rebuild = lambda index, x: _rebuild(parts, saved, index, x, chunk_size, sync, timer)
+                parts, input_ids, chunk_size, store, gathered=sync.gathered, position_ids=position_ids, layout=layout,
+                prepare_embedding=sync.gather_head,
+            )  # fmt: skip
+        store.rebuild_into = lambda index, source, sink: _rebuild(parts, saved, index, source, sink, chunk_size, sync)
         embed_trainable = bool(trainable(parts.embed))
         with timed(timer, HEAD):
             sync.gather_head()  # a head unit of its own that the checkpoint pass resharded
             head_grads = ChunkGradAccumulator(trainable(parts.norm) + trainable(parts.lm_head), fp32_grad_accumulation)
-            loss, grad = head_backward(
-                parts, saved.last_hidden, objective, chunk_size=logits_chunk_size, accumulator=head_grads,
+            last_hidden = store.last_hidden(saved.last_hidden)
+            saved.last_hidden = None
+            grad = store.head_grad(last_hidden)  # dZ_L; becomes dX layer after layer
+            loss = head_backward(
+                parts, last_hidden, grad, objective, chunk_size=logits_chunk_size, accumulator=head_grads,
                 call=sync.head,
             )  # fmt: skip
-            saved.last_hidden = None
+            del last_hidden  # Z_L (on the device unless streamed)
             tied = embed_trainable and parts.lm_head.weight is parts.embed.weight
             if tied:
                 head_grads.round_sums()  # the embedding's gradient joins this sum before it meets .grad
@@ -160,20 +167,38 @@ def stream_backward(
                 progress(num_layers - index, num_layers)
         if embed_trainable:
             sync.gather_head()
-            with torch.enable_grad():
-                sync.head(parts.embed)(input_ids).backward(grad)
+            embedding_grads = ChunkGradAccumulator(trainable(parts.embed), fp32_grad_accumulation)
+            _embedding_backward(sync.head(parts.embed), input_ids, grad, chunk_size, embedding_grads)
         head_grads.finish()  # no-op unless tied
     if timer is not None:
         timer.finish()
     return loss
 
 
-def _rebuild(parts: DecoderParts, saved: Checkpoints, index: int, layer_input, chunk_size: int, sync: GradSync, timer):
-    """X_{index+1} from X_index, as the checkpoint pass made it (recompute placements). A sharded
-    layer is gathered once for the whole rebuild, and its chunks run hook-free (grad_sync.py)."""
+def _embedding_backward(embed, input_ids: torch.Tensor, grad, chunk_size: int, accumulator) -> None:
+    """The embedding's weight gradient from dX_0 (B, T, d; sequences.py), chunk_size positions at a
+    time: neither the embedding's output nor dX_0 is ever whole on the device. Each chunk's gradient
+    is summed by `accumulator` (fp32 for bf16/fp16 weights, grad_accum.py), as a layer's are; with
+    tied weights the sum joins the head's rounded sum when the head's accumulator finishes."""
+    bounds = chunk_bounds(input_ids.shape[1], chunk_size)
+    grads = grad.chunks(bounds)
+    for start, end in bounds:
+        with torch.enable_grad():
+            output = embed(input_ids[:, start:end])
+        output.backward(next(grads))
+        accumulator.collect()
+    accumulator.finish()
+
+
+def _rebuild(
+    parts: DecoderParts, saved: Checkpoints, index: int, source, sink, chunk_size: int, sync: GradSync
+) -> None:
+    """X_{index+1} into sink from X_index read from source, as the checkpoint pass made it (recompute
+    placements; sequences.py). A sharded layer is gathered once for the whole rebuild, and its chunks
+    run hook-free (grad_sync.py)."""
     layer = parts.layers[index]
-    with timed(timer, REBUILD), torch.no_grad(), sync.rebuilding(layer):
-        return chunked_layer_forward(sync.call(layer), layer_input, saved.layer_kwargs[index], chunk_size, saved.layout)
+    with timed(saved.layer_inputs.timer, REBUILD), torch.no_grad(), sync.rebuilding(layer):
+        chunked_layer_forward(sync.call(layer), source, sink, saved.layer_kwargs[index], chunk_size, saved.layout)
 
 
 def _check_sizes(chunk_size: int, logits_chunk_size: int) -> None:

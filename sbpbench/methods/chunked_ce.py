@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core.internal import counted_chunks, loss_dtype, resolve_parts, sequence_sums, trainable
+from ..core.internal import DeviceSequence, counted_chunks, loss_dtype, resolve_parts, sequence_sums, trainable
 from ..data import Batch
 from .hf_baseline import hf_gradient_checkpointing
 
@@ -36,8 +36,8 @@ class ChunkedHeadLoss(torch.autograd.Function):
         seq_len = hidden.shape[1]
         total = torch.zeros((), dtype=loss_dtype(hidden.dtype), device=hidden.device)
         if objective.needs_sequence_sums:  # DPO, GSPO: the sums first; the loss comes from them alone
-            logits_of = lambda start, end: head(hidden[:, start:end])
-            objective.prepare(sequence_sums(objective, logits_of, seq_len, chunk_size, hidden.dtype))
+            counted = counted_chunks(seq_len, chunk_size, objective)
+            objective.prepare(sequence_sums(objective, head, counted, DeviceSequence(hidden), hidden.dtype))
             return objective.streamed_loss(total)
         for start, end in counted_chunks(seq_len, chunk_size, objective):
             total += objective.chunk_loss(head(hidden[:, start:end]), start, end)

@@ -5,8 +5,8 @@ on the optimizer set `counter.phase`; they allocate nothing, so the count is unc
 "forward", "embedding", "forward layer i", "head" (lm_head and loss, and their backward),
 "head chunk k" (StreamBP's k-th lm_head call with grad), "head sums chunk k" (the k-th of the
 no-grad pass an objective of sequence sums takes first: DPO), "backward layer i" (a layer's gradient has
-arrived, or it is re-run after the head: checkpoint recompute, StreamBP), "backward embedding",
-"optimizer".
+arrived, or it is re-run after the head: checkpoint recompute, StreamBP), "backward embedding"
+("backward embedding chunk k": StreamBP's k-th chunk of it), "optimizer".
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ class PhaseLabels:
         self.chunked_head = chunked_head
         self.head_calls = 0
         self._sums_calls = 0  # StreamBP's no-grad head pass (DPO's sequence sums)
+        self._embedding_chunks = 0  # StreamBP's embedding backward, chunk by chunk
 
     def _set(self, label: str) -> None:
         self.counter.phase = label
@@ -39,11 +40,18 @@ class PhaseLabels:
     def _part(self, module, name: str, stack: ExitStack) -> None:
         forward = "embedding" if name == "embedding" else f"forward {name}"
 
+        def label() -> str:
+            if self.chunked_head and name == "embedding":  # one call per chunk: numbered
+                return f"backward embedding chunk {self._embedding_chunks}"
+            return f"backward {name}"
+
         def before(module, args):  # after the head, a part runs again only as part of its backward
-            self._set(f"backward {name}" if self.head_calls else forward)
+            self._set(label() if self.head_calls else forward)
 
         def after(module, args, output):
-            self._on_gradient(output, f"backward {name}")
+            self._on_gradient(output, label())
+            if name == "embedding" and self.head_calls and self.chunked_head:
+                self._embedding_chunks += 1
             if name == "embedding" and not self.head_calls:
                 self._set("forward")
 

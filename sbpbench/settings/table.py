@@ -184,7 +184,7 @@ SETTINGS: dict[str, Setting] = {
     "checkpoints": Setting(
         str,
         "StreamBP: where layer inputs wait for their backward: gpu (default), cpu, recompute:K, "
-        "cpu+recompute:K[+spill].",
+        "cpu+recompute:K[+spill], stream[:N].",
         default="gpu",
         read_by=("streambp",),
         axis=True,

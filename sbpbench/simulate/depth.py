@@ -15,7 +15,10 @@ depth outermost, since its affine law holds at any fixed T, length innermost, si
 the step's instants, which only a run at one depth has. `exact` runs the full step: the point's
 own depth and length, nothing extrapolated.
 
-For StreamBP on one GPU the slope is known, so the deeper model need not run (`_lifted`): when
+For StreamBP on one GPU the slope is known, so the deeper model need not run (`_lifted`). Under a
+stream placement no layer input is on the device, so the device's peak is the shallow model's
+(`_lifted_streamed`); its host buffers and copies follow from the schedule (`stream_transfers`).
+Otherwise, when
 the depth is a multiple of K, every segment below the top one is the top one's twin but for what
 it keeps, and adds to the device only its kept input (one layer input, B x T x d; nothing when
 offloaded), to what is live at every instant from the top segment up (its backward, the head, the
@@ -35,7 +38,7 @@ import torch
 
 from ..config import RunSpec
 from ..core import Placement
-from ..core.internal import CheckpointStore
+from ..core.internal import CheckpointStore, schedule
 from ..methods import MethodFn
 from ..models import load_config
 from ..records import ResultRow
@@ -108,7 +111,8 @@ def estimate_point_by_depth(
         )
     low, high = depths
     if not exact and spec.method in LIFTED_METHODS and spec.nproc == 1:
-        lifted = _lifted(spec, low, target=target, method=method, note=note)
+        lift = _lifted_streamed if Placement.parse(spec.settings.checkpoints or "gpu").stream else _lifted
+        lifted = lift(spec, low, target=target, method=method, note=note)
         if lifted is not None:
             return estimate_point(
                 spec,
@@ -143,12 +147,17 @@ class StoreCounts:
     max_device_inputs: int
 
 
-def store_counts(placement: Placement, num_layers: int) -> StoreCounts:
+def store_counts(placement: Placement, num_layers: int, *, embedding_trains: bool = True) -> StoreCounts:
     """The checkpoint store (core/placement.py) of `placement` put, got and released as
-    stream_backward does, on one-element CPU tensors: its own counters, in layer inputs."""
+    stream_backward does, on one-element CPU tensors: its own counters, in layer inputs. A stream
+    placement's, from its schedule: its buffers, and the copies of the whole step (`stream_transfers`)."""
+    if placement.stream:
+        buffers = placement.buffers(num_layers)
+        transfers = stream_transfers(num_layers, buffers, embedding_trains=embedding_trains)
+        return StoreCounts(buffers, transfers, 0, 0)
     store = CheckpointStore(placement, num_layers)
-    store.rebuild = lambda index, layer_input: layer_input.clone()
-    one = torch.zeros(1, dtype=torch.uint8)
+    store.rebuild_into = _copy_one
+    one = torch.zeros(1, 1, 1, dtype=torch.uint8)  # (B, T, d) of one element
     for index in range(num_layers):
         store.put(index, one.clone())
     top = 0
@@ -158,6 +167,28 @@ def store_counts(placement: Placement, num_layers: int) -> StoreCounts:
         store.release(index)
     store.close()
     return StoreCounts(store.max_host_bytes, store.transfer_bytes, top, store.max_device_inputs)
+
+
+def stream_transfers(num_layers: int, num_buffers: int, *, embedding_trains: bool = True, head_reads: int = 1) -> int:
+    """Layer inputs' worth of host <-> device copies in one step of a stream placement (core/
+    stream_store.py), every chunk of the head counted (head_reads: 2 for an objective of sequence
+    sums, which reads Z_L twice). X_0 is computed on the device, so layer 0 reads nothing.
+    pass:      each layer writes its output; each but layer 0 reads its input
+    head:      Z_L read, dZ_L written
+    layer l:   X_l read twice (K/V capture, chunks) but for l = 0; dZ read; dX written (layer 0: if
+               the embedding trains, which then reads dX_0 back whole)
+    rebuilds:  each forward reads its input (unless X_0) and writes its output"""
+    plan = schedule(num_layers, num_buffers)
+    passing = 2 * num_layers - 1
+    layers = 4 * (num_layers - 1) + 1 + embedding_trains
+    rebuilds = 2 * plan.rebuilt - plan.rebuilt_from_embedding
+    return passing + head_reads + 1 + layers + rebuilds + embedding_trains
+
+
+def _copy_one(index: int, source, sink) -> None:
+    """A rebuild on one-element layer inputs (B, T, d) = (1, 1, 1)."""
+    (chunk,) = source.chunks([(0, 1)])
+    sink.write(0, 1, chunk)
 
 
 def layer_input_bytes(spec: RunSpec) -> int:
@@ -194,6 +225,38 @@ def _lifted(spec: RunSpec, low: int, *, target: str, method: MethodFn | None, no
         attention_kernel=shallow.attention_kernel,
         host_pinned_bytes=full.max_host_inputs * layer_input,
         transfer_bytes=full.transfers * layer_input,
+    )
+    return assemble_unrun(spec, memory, target)
+
+
+def _lifted_streamed(
+    spec: RunSpec, low: int, *, target: str, method: MethodFn | None, note: Note | None
+) -> Estimate | None:
+    """A stream placement's full model from the `low`-layer model's: the same device peak (nothing
+    of a layer input is on the device between its layer's phases, and every layer but the first
+    runs the same ops), the host buffers of the full model's schedule, and the copies the full
+    schedule adds to the shallow one's (`stream_transfers`). None for the first step's moments."""
+    if spec.step == "train" and spec.protocol == "first":
+        return None
+    placement = Placement.parse(spec.settings.checkpoints)
+    depth = spec.num_layers or load_config(spec.model).num_hidden_layers
+    # every stream:N with N >= low runs the same shallow step as stream: one sample run for all of them
+    same = replace(placement, host_buffers=None) if placement.buffers(low) == low else placement
+    shallow_spec = replace(spec.with_settings(checkpoints=same), num_layers=low)
+    shallow = predict(shallow_spec, target=target, method=method, note=note)
+    layer_input = layer_input_bytes(spec)
+    if shallow.host_pinned_bytes != placement.buffers(low) * layer_input:
+        return None
+    trains = not spec.lora_rank
+    more = stream_transfers(depth, placement.buffers(depth), embedding_trains=trains) - stream_transfers(
+        low, placement.buffers(low), embedding_trains=trains
+    )
+    memory = StepMemory(
+        activation_peak_bytes=shallow.activation_peak_bytes,
+        peak_phase=re.sub(r"layer (\d+)", lambda m: f"layer {int(m.group(1)) + depth - low}", shallow.peak_phase),
+        attention_kernel=shallow.attention_kernel,
+        host_pinned_bytes=placement.buffers(depth) * layer_input,
+        transfer_bytes=shallow.transfer_bytes + more * layer_input,
     )
     return assemble_unrun(spec, memory, target)
 

@@ -39,10 +39,13 @@ from itertools import pairwise
 import numpy as np
 
 from ..config import MaxlenSpec, RunSpec
+from ..core import Placement
+from ..core.internal import grouped_as_for, kv_heads_per_call
 from ..methods import MethodFn
+from ..models import load_config
 from ..records.select import PROMPTED_OBJECTIVES
 from .estimate import Estimate, StepMemory, assemble_unrun, estimate, granularity_bytes, simulate
-from .instants import InstantRecorder
+from .instants import FIRST, InstantRecorder
 
 GIB = 2**30
 Note = Callable[[str], None]  # a line of progress or of why an extrapolation was refused
@@ -58,7 +61,7 @@ LINEAR_METHODS = ("streambp",)
 # efficient kernel's workspace to 64), and the 8 an SDPA mask's strides are padded to.
 FULL_SEQUENCE_PERIOD = 128
 MASK_ALIGNMENT = 8
-HEAD_CHUNK = re.compile(r"(head (?:sums )?chunk) (\d+)")
+HEAD_CHUNK = re.compile(r"(head (?:sums )?chunk|backward embedding chunk) (\d+)")
 
 
 def period(spec: RunSpec) -> int:
@@ -78,7 +81,10 @@ def sample_lengths(spec: RunSpec) -> list[int] | None:
     step = period(spec)
     chunk, logits = spec.settings.chunk_size or 0, spec.settings.logits_chunk_size or 0
     prompt = spec.prompt_len if spec.objective in PROMPTED_OBJECTIVES else 0  # whole from 2 x prompt_len on
-    shortest = max(3 * chunk + 1, math.ceil(2.5 * logits) + 3 + prompt, 2 * prompt + 1, step)
+    # a stream placement starts the copy of the next chunk under the previous chunk's key (core/sequences.py):
+    # one layer chunk and one head chunk more, as `_alike` compares one chunk fewer of each
+    streamed = _streamed(spec)
+    shortest = max((3 + streamed) * chunk + 1, math.ceil((2.5 + streamed) * logits) + 3 + prompt, 2 * prompt + 1, step)
     if spec.seq_len < shortest:
         return None
     first = spec.seq_len - (spec.seq_len - shortest) // step * step
@@ -108,13 +114,18 @@ _SAMPLES: OrderedDict[tuple, _Sample] = OrderedDict()  # the latest: a search or
 KEPT_SAMPLES = 12
 
 
-def _sample(spec: RunSpec, target: str, method: MethodFn | None, note: Note | None = None) -> _Sample:
-    """The recorded run of spec (the last KEPT_SAMPLES are kept)."""
-    key = (spec, target, method)
+def _sample(
+    spec: RunSpec, target: str, method: MethodFn | None, note: Note | None = None, sized_for: int | None = None
+) -> _Sample:
+    """The recorded run of spec (the last KEPT_SAMPLES are kept). sized_for: the length of the point
+    it predicts, whose grouping of K/V heads per attention call it runs (core/attention.py)."""
+    sized_for = sized_for or spec.seq_len
+    key = (spec, target, method, attention_groups(spec, sized_for))
     if key in _SAMPLES:
         _SAMPLES.move_to_end(key)
         return _SAMPLES[key]
-    estimate, record = simulate(spec, target=target, method=method, counter_type=InstantRecorder)
+    with grouped_as_for(sized_for):
+        estimate, record = simulate(spec, target=target, method=method, counter_type=InstantRecorder)
     index = {key: i for i, key in enumerate(record.keys)}
     found = _SAMPLES[key] = _Sample(
         spec.seq_len, estimate, record, index, _unrounded(record, granularity_bytes(target))
@@ -123,8 +134,26 @@ def _sample(spec: RunSpec, target: str, method: MethodFn | None, note: Note | No
         _SAMPLES.popitem(last=False)
     if note:
         peak = f"{record.peak_bytes / GIB:.2f} GiB in {record.peak_phase}"
-        note(f"sample T={spec.seq_len} ({spec.num_layers} layers): peak {peak}")
+        depth = spec.num_layers or load_config(spec.model).num_hidden_layers
+        note(f"sample T={spec.seq_len} ({depth} layers): peak {peak}")
     return found
+
+
+def _streamed(spec: RunSpec) -> bool:
+    """Whether spec runs a stream placement (core/stream_store.py)."""
+    return bool(spec.settings.checkpoints) and Placement.parse(spec.settings.checkpoints).stream
+
+
+def attention_groups(spec: RunSpec, seq_len: int) -> int:
+    """K/V heads per attention call of a StreamBP step of seq_len positions on spec's model (0 for
+    other methods, which do not group)."""
+    if spec.method != "streambp":
+        return 0
+    config = load_config(spec.model)
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return kv_heads_per_call(spec.batch_size, heads, kv_heads, head_dim, spec.torch_dtype.itemsize, seq_len)
 
 
 def predict(
@@ -171,8 +200,8 @@ def estimate_by_length(
     if lengths is None:
         return None
     granularity = granularity_bytes(target)
-    samples = [_sample(replace(fixed, seq_len=seq_len), target, method, note) for seq_len in lengths]
-    memory, why = _fit(samples, spec.seq_len, granularity)
+    samples = [_sample(replace(fixed, seq_len=seq_len), target, method, note, spec.seq_len) for seq_len in lengths]
+    memory, why = _fit(samples, spec.seq_len, granularity, _streamed(fixed))
     if memory is None:
         if note:
             note(f"T={spec.seq_len} not extrapolated ({why}): running the step at T")
@@ -183,8 +212,11 @@ def estimate_by_length(
     return result if spec.nproc > 1 else replace(result, optimizer_state_bytes=last.optimizer_state_bytes)
 
 
-def _fit(samples: list[_Sample], seq_len: int, granularity: int) -> tuple[StepMemory | None, str]:
-    """The step's memory at seq_len from the samples (equally spaced), or (None, why not)."""
+def _fit(
+    samples: list[_Sample], seq_len: int, granularity: int, streamed: bool = False
+) -> tuple[StepMemory | None, str]:
+    """The step's memory at seq_len from the samples (equally spaced), or (None, why not). streamed:
+    a stream placement's step (`_alike`)."""
     phases = {s.record.peak_phase for s in samples}
     if len(phases) > 1:
         return None, f"the peak moves between {' and '.join(sorted(phases))} across the sample lengths"
@@ -192,7 +224,7 @@ def _fit(samples: list[_Sample], seq_len: int, granularity: int) -> tuple[StepMe
     if len(kernels) > 1:
         return None, "the attention kernels differ across the sample lengths"
     last = samples[-1]
-    alike = _alike(samples)
+    alike = _alike(samples, streamed)
     shared = [key for key in last.record.keys if alike(key) and all(key in s.index for s in samples)]
     for s in samples:
         if max(s.record.values[s.index[key]] for key in shared) != s.record.peak_bytes:
@@ -221,16 +253,28 @@ def _fit(samples: list[_Sample], seq_len: int, granularity: int) -> tuple[StepMe
 
 
 def _head_chunk(label: str) -> tuple[str, int]:
-    """("head chunk", k) of a "head chunk k" label (methods/phase_labels.py; or "head sums chunk"), ("", -1) for another."""
+    """("head chunk", k) of a "head chunk k" label (methods/phase_labels.py; or "head sums chunk",
+    "backward embedding chunk": chunks numbered from the first as the head's are), ("", -1) for another."""
     match = HEAD_CHUNK.fullmatch(label)
     return (match.group(1), int(match.group(2))) if match else ("", -1)
 
 
-def _alike(samples: list[_Sample]) -> Callable[[tuple], bool]:
+def _alike(samples: list[_Sample], streamed: bool = False) -> Callable[[tuple], bool]:
     """Whether an instant key may name the same op in every sample. StreamBP's head chunks are
     numbered from the first processed one, and how many there are depends on the padding: a
-    sample's last may be short and is followed by the head's closing ops, so of each pass only
-    chunk numbers below every sample's last are alike."""
+    sample's last may be short and is followed by the head's closing ops, so of each pass only chunk
+    numbers below every sample's last are alike. streamed: a chunk's ops before its lm_head call run
+    under the previous chunk's label, and there the copy of the next chunk starts unless it is the
+    last, so only numbers below every sample's last but one; likewise in a layer the chunk the
+    shortest sample runs just before its last (the farthest from the end of its kind there) is not
+    compared."""
+    farthest: dict[str, int] = {}
+    if streamed:
+        shortest = min(samples, key=lambda s: s.seq_len)
+        for key in shortest.record.keys:
+            chunk = key[1]
+            if chunk is not None and chunk[1] != FIRST:
+                farthest[chunk[0]] = max(farthest.get(chunk[0], 0), chunk[1])
     below: dict[str, int] = {}
     for s in samples:
         last: dict[str, int] = {}
@@ -242,7 +286,10 @@ def _alike(samples: list[_Sample]) -> Callable[[tuple], bool]:
 
     def alike(key: tuple) -> bool:
         family, number = _head_chunk(key[0])
-        return not family or number < below.get(family, 0)
+        chunk = key[1]
+        if chunk is not None and chunk[1] != FIRST and chunk[1] >= farthest.get(chunk[0], chunk[1] + 1):
+            return False
+        return not family or number < below.get(family, 0) - streamed
 
     return alike
 

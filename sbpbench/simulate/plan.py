@@ -2,10 +2,14 @@
 a host, from the time model (timing.py) and the memory estimator (estimate.py, length.py, depth.py).
 
 Candidates are every placement x chunk size, fastest predicted first, decided in that order; the
-first that fits is the plan. What cannot fit is ruled out without a simulation where it can be:
+first that fits is the plan. The stream placement comes as stream:N with the most host buffers the
+host holds (more buffers, fewer rebuilt layers: faster; the device holds the same). What cannot fit
+is ruled out without a simulation where it can be:
 - for every chunk size of a placement: the host the checkpoint store would fill (its own count of
   the layer inputs it holds there, `depth.store_counts`, the bytes the estimator reports), or the
-  device's resident bytes plus the layer inputs the store holds there at once;
+  device's resident bytes plus what is certainly live at the top layer's backward: the layer inputs
+  the store holds there, the gradient dZ (on the device but under stream), the layer's K/V buffers
+  and their fp32 sums, and one attention call's gradients of all T keys (`_Bounds.layer_bytes`);
 - a chunk size larger than one of the same placement that ran out of device memory (a larger chunk
   needs at least as much);
 - from an estimate of another placement at the same chunk size whose peak is in the top layer's
@@ -23,13 +27,12 @@ from transformers import AutoModelForCausalLM
 
 from ..config import DTYPES, RunSpec
 from ..core import Placement
+from ..core.internal import every_input_buffers, kv_heads_per_call
 from ..methods.step import storage_bytes
 from ..models import apply_lora, load_config
 from ..records import ResultRow
 from .depth import StoreCounts, estimate_point_by_depth, layer_input_bytes, store_counts
 from .estimate import (
-    CUDA_CONTEXT_BYTES,
-    FRAGMENTATION_FRACTION,
     HOST_PROCESS_BYTES,
     granularity_bytes,
     host_peak_bytes,
@@ -37,10 +40,10 @@ from .estimate import (
     unrun_step,
 )
 from .length import Note
-from .timing import Rates, StepTime, step_time, work
+from .timing import Rates, StepTime, step_time, stream_copies_s, work
 
 RECOMPUTE_EVERY = (2, 3, 4, 6, 9, 12)  # K candidates
-CHUNK_SIZES = (500, 1000, 2000)  # layer chunks tried (the paper's 500 the smallest)
+CHUNK_SIZES = (500, 1000, 2000, 4096)  # layer chunks tried (the paper's 500 the smallest; 4096 the rule's largest)
 GIB = 2**30
 
 
@@ -73,23 +76,37 @@ def meta_model(point: RunSpec | ResultRow) -> torch.nn.Module:
     return apply_lora(model, rank=point.lora_rank, alpha=point.lora_alpha) if point.lora_rank else model
 
 
-def placements(num_layers: int) -> list[Placement]:
+def placements(num_layers: int, stream_buffers: int = 2) -> list[Placement]:
+    """Every placement tried; stream_buffers: the N of stream:N (`stream` where it keeps every input)."""
     found = [Placement(), Placement(offload=True)]
     for k in RECOMPUTE_EVERY:
         if k < num_layers:
             found += [Placement(recompute_every=k), Placement(offload=True, recompute_every=k)]
             if k > 3:  # below 4 a segment has nothing to spill
                 found.append(Placement(offload=True, recompute_every=k, spill=True))
+    every = every_input_buffers(num_layers)
+    found.append(Placement(stream=True, host_buffers=None if stream_buffers >= every else stream_buffers))
     return found
 
 
-def candidates(spec: RunSpec, model: torch.nn.Module, rates: Rates) -> list[Candidate]:
+def stream_buffers(spec: RunSpec, host_memory_bytes: int | None) -> int:
+    """The most host buffers of one layer input a stream placement can have on this host (at least 2:
+    the fewest it runs with, then refused by the host bound where they do not fit)."""
+    if host_memory_bytes is None:
+        return 2
+    return max(2, (host_memory_bytes - HOST_PROCESS_BYTES) // layer_input_bytes(spec))
+
+
+def candidates(
+    spec: RunSpec, model: torch.nn.Module, rates: Rates, host_memory_bytes: int | None = None
+) -> list[Candidate]:
     """Every placement x chunk size, fastest predicted first (ties: the larger chunk)."""
     num_layers = model.config.num_hidden_layers
     layer_input = layer_input_bytes(spec)
+    trains = not spec.lora_rank  # the embedding trains: layer 0 writes dX_0
     found = []
-    for placement in placements(num_layers):
-        counts = store_counts(placement, num_layers)
+    for placement in placements(num_layers, stream_buffers(spec, host_memory_bytes)):
+        counts = store_counts(placement, num_layers, embedding_trains=trains)
         kept = -(-num_layers // placement.recompute_every)  # copied out in the checkpoint pass when offloaded
         for chunk in CHUNK_SIZES:
             if chunk > spec.seq_len and chunk != CHUNK_SIZES[0]:
@@ -104,13 +121,20 @@ def candidates(spec: RunSpec, model: torch.nn.Module, rates: Rates) -> list[Cand
                 logits_chunk_size=spec.settings.logits_chunk_size,
             )
             copies_out = kept if placement.offload else 0
+            streamed = 0.0
+            if placement.stream:
+                copies_out, streamed = 0, stream_copies_s(
+                    step, rates, placement=placement, num_layers=num_layers, layer_input_bytes=layer_input,
+                    embedding_trains=trains,
+                )  # fmt: skip
             time = step_time(
                 step,
                 rates,
                 layer_input_bytes=layer_input,
                 copies_out=copies_out,
-                copies_back=counts.transfers - copies_out,
+                copies_back=0 if placement.stream else counts.transfers - copies_out,
                 pinned_bytes=counts.max_host_inputs * layer_input,
+                streamed_s=streamed,
             )
             found.append(Candidate(placement, chunk, time, counts))
     return sorted(found, key=lambda c: (c.predicted_time_s, -c.chunk_size))
@@ -128,9 +152,9 @@ def plan(
     """(the fastest candidate that fits, or None; every candidate decided on the way, by a bound or
     an estimate). spec: a streambp point; its placement and chunk size are what the planner picks."""
     rates = rates or Rates()
-    model = meta_model(spec)
-    found = candidates(spec, model, rates)
-    bounds = _Bounds(spec, gpu_memory_bytes, host_memory_bytes, model.config.num_hidden_layers)
+    found = candidates(spec, meta_model(spec), rates, host_memory_bytes)
+    num_layers = spec.num_layers or load_config(spec.model).num_hidden_layers
+    bounds = _Bounds(spec, gpu_memory_bytes, host_memory_bytes, num_layers)
     decided: dict[tuple[Placement, int], PlanOutcome] = {}
 
     def estimate(candidate: Candidate) -> PlanOutcome:
@@ -150,10 +174,10 @@ def plan(
     for candidate in found:
         key = (candidate.placement, candidate.chunk_size)
         if key not in decided and not _dominated(candidate, decided.values()):
-            twin = _spill_twin(candidate, found)
+            placement_bound = bounds.refuses(candidate)
+            twin = None if placement_bound else _spill_twin(candidate, found)
             if twin is not None and (twin.placement, twin.chunk_size) not in decided and not bounds.refuses(twin):
                 decided[twin.placement, twin.chunk_size] = estimate(twin)  # holds less: it bounds this one
-            placement_bound = bounds.refuses(candidate)
             why = placement_bound or bounds.by_estimates(candidate, decided.values())
             if why:
                 decided[key] = PlanOutcome(candidate, bounds.row(candidate, why), why, bool(placement_bound))
@@ -164,6 +188,34 @@ def plan(
         if key in decided and decided[key].row.status == "ok":  # the fastest left: those before it did not fit
             return decided[key], list(decided.values())
     return None, list(decided.values())
+
+
+def family(placement: Placement) -> str:
+    """The placement's kind, its numbers as letters: "cpu+recompute:K+spill", "stream:N"."""
+    if placement.stream:
+        return "stream:N"
+    return placement.name.replace(f"recompute:{placement.recompute_every}", "recompute:K")
+
+
+def summary(
+    chosen: PlanOutcome | None, decided: list[PlanOutcome], found: list[Candidate]
+) -> list[PlanOutcome | Candidate]:
+    """Per placement family, in order of predicted time: the plan where it is of the family, else the
+    family's fastest decided candidate (why it was not the plan), else its fastest candidate (slower
+    than the plan, never decided)."""
+    rows: dict[str, PlanOutcome | Candidate] = {}
+    for candidate in found:
+        name = family(candidate.placement)
+        mine = [o for o in decided if o.candidate == candidate]
+        if chosen is not None and chosen.candidate == candidate:
+            rows[name] = chosen
+        elif name not in rows or (isinstance(rows[name], Candidate) and mine):
+            rows[name] = mine[0] if mine else rows.get(name, candidate)
+    return sorted(rows.values(), key=lambda r: _candidate(r).predicted_time_s)
+
+
+def _candidate(row: PlanOutcome | Candidate) -> Candidate:
+    return row.candidate if isinstance(row, PlanOutcome) else row
 
 
 def _spill_of(placement: Placement) -> Placement | None:
@@ -207,19 +259,22 @@ class _Bounds:
         self.baseline = storage_bytes(step.resident_tensors(), granularity)
         self.layer_input = layer_input_bytes(spec)
         self.device_input = -(-self.layer_input // granularity) * granularity
+        self.layer_bytes = _layer_backward_bytes(spec)
 
     def refuses(self, candidate: Candidate) -> str:
-        """Why no chunk size of the candidate's placement fits, from the store's counts alone."""
-        host = HOST_PROCESS_BYTES + candidate.counts.max_host_inputs * self.layer_input
+        """Why no chunk size of the candidate's placement fits, from the store's counts and what the
+        top layer's backward certainly holds (module docstring)."""
+        counts = candidate.counts
+        host = HOST_PROCESS_BYTES + counts.max_host_inputs * self.layer_input
         if host > self.host:
-            return f"host: needs {host / GIB:.2f} GiB (pinned checkpoints + process) of {self.host / GIB:.2f} GiB"
-        inputs = candidate.counts.max_device_inputs * self.device_input
-        device = self.baseline + inputs + CUDA_CONTEXT_BYTES + round(FRAGMENTATION_FRACTION * inputs)
+            return f"host: needs {host / GIB:.1f} GiB ({counts.max_host_inputs} layer inputs), of {self.host / GIB:.1f}"
+        held = counts.max_device_inputs * self.device_input  # at some instant
+        top = counts.top_device_inputs * self.device_input + self.layer_bytes
+        top += 0 if candidate.placement.stream else self.device_input  # dZ
+        device = max(self.baseline + extra + margin_bytes(extra) for extra in (held, top))
         if device > self.gpu:
-            return (
-                f"needs over {device / GIB:.2f} GiB: resident {self.baseline / GIB:.2f} GiB and "
-                f"{candidate.counts.max_device_inputs} layer inputs at once, of {self.gpu / GIB:.2f} GiB"
-            )
+            inputs = max(counts.max_device_inputs, counts.top_device_inputs)
+            return f"GPU: needs over {device / GIB:.1f} GiB ({inputs} layer inputs), of {self.gpu / GIB:.1f}"
         return ""
 
     def by_estimates(self, candidate: Candidate, decided) -> str:
@@ -257,6 +312,25 @@ class _Bounds:
         row.status, row.error = "oom", why
         row.host_pinned_peak_bytes = candidate.counts.max_host_inputs * self.layer_input
         return row
+
+
+def _layer_backward_bytes(spec: RunSpec) -> int:
+    """What any placement's top layer backward holds at its first chunk's attention backward: the
+    K/V buffers (model dtype) and their fp32 gradient sums over all T positions, and one attention
+    call's gradients of its T keys (core/attention.py ATTENTION_BACKWARD_BYTES) unless a sliding
+    window bounds the keys. Each allocator block rounded up to 512 B (whole T: negligible)."""
+    config = load_config(spec.model)
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    itemsize, tokens = spec.torch_dtype.itemsize, spec.batch_size * spec.seq_len
+    buffers = 2 * kv_heads * head_dim * (itemsize + max(itemsize, 4)) * tokens
+    layer_types = getattr(config, "layer_types", None) or []
+    sliding = getattr(config, "use_sliding_window", True) and getattr(config, "sliding_window", None)
+    if sliding or any(kind != "full_attention" for kind in layer_types):
+        return buffers
+    group = kv_heads_per_call(spec.batch_size, heads, kv_heads, head_dim, itemsize, spec.seq_len)
+    return buffers + group * tokens * 2 * head_dim * itemsize * (1 + heads // kv_heads)
 
 
 def describe(outcome: PlanOutcome, tokens: int) -> dict:

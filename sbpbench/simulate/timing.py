@@ -19,6 +19,11 @@ multiply-add, causal attention below the diagonal only), divided by a rate per k
   bandwidth, each overlapping the compute it runs beside (a copy out the next layer's forward, a
   copy back the current layer's backward): only what exceeds that compute is added, plus the
   first copy back, which nothing overlaps;
+- stream placements (`stream_copies_s`): the rebuilt layers' forwards (core/rebuild_schedule.py) as
+  work, and the chunk copies of each phase beyond the compute of that phase (they run one chunk ahead
+  beside it): a layer's forward reads and writes one layer input, its backward reads two and dZ and
+  writes dX, the head and the embedding's backward copy theirs beside no compute counted here. One
+  side stream carries both directions, so the copy rate is for both together;
 - first-step pinning: registering the host copies' pages with CUDA (cudaHostRegister), once per
   buffer: reported apart from the step, since a pinned-buffer pool pays it once per process.
 
@@ -36,6 +41,7 @@ import numpy as np
 import torch
 
 from ..core import Placement
+from ..core.internal import schedule
 from ..measure.flops import attention_layer_windows, matmul_parameters, mean_attended_keys
 from ..records import decode_row, read_rows
 
@@ -47,7 +53,9 @@ from ..records import decode_row, read_rows
 #   al. 2024, arXiv 2407.08608, figures 5 and 6) measures FlashAttention-2 at head dim 128, 16k
 #   tokens, at 335 TFLOP/s forward with a causal mask and 322 TFLOP/s backward;
 # - HBM3: 3.35 TB/s (H100 SXM5 datasheet); PCIe 5.0 x16: 64 GB/s each way (H100 datasheet:
-#   128 GB/s, both directions);
+#   128 GB/s, both directions), an assumption until a GPU row measures it: page-locked copies on a
+#   Gen5 x16 link commonly reach 50-55 GB/s, and the stream placements' one side stream carries
+#   both directions in turn;
 # - a kernel launch from PyTorch eager: 5 us, an assumption of the order NVIDIA's and PyTorch's CUDA
 #   graphs posts give for the host's cost per launched kernel ("a few microseconds"); it matters only
 #   where a chunk's kernels run shorter than their launches;
@@ -179,8 +187,7 @@ def work(
     if method != "streambp":
         raise ValueError(f"no time model for method {method!r}; it has bp, ckpt and streambp")
     placement = placement or Placement()
-    kept = math.ceil(num_layers / placement.recompute_every)
-    rebuilt = num_layers - kept
+    rebuilt = rebuilt_layers(placement, num_layers)
     chunk_layers = math.ceil(seq_len / chunk_size) * num_layers
     head_chunks = math.ceil(seq_len / logits_chunk_size)
     bf16_trainable = sum(p.numel() for p in layers[0].parameters() if p.requires_grad and p.dtype == torch.bfloat16)
@@ -203,6 +210,32 @@ def work(
     )
 
 
+def rebuilt_layers(placement: Placement, num_layers: int) -> int:
+    """Layer forwards a step runs beyond the checkpoint pass's: recompute:K rebuilds all but the kept
+    ceil(L/K); a stream placement what its schedule rebuilds."""
+    if placement.stream:
+        return schedule(num_layers, placement.buffers(num_layers)).rebuilt
+    return num_layers - math.ceil(num_layers / placement.recompute_every)
+
+
+def stream_copies_s(
+    step: Work, rates: Rates, *, placement: Placement, num_layers: int, layer_input_bytes: int, embedding_trains: bool
+) -> float:
+    """Seconds of a stream placement's chunk copies beyond the compute they run beside (module
+    docstring), per phase: a layer forward (the checkpoint pass's, a rebuild's) beside one layer
+    forward of compute, a layer backward beside three."""
+    copy = layer_input_bytes / rates.host_copy_bytes_s
+    forward = step.layer_forward_flops / rates.matmul_flop_s
+    plan = schedule(num_layers, placement.buffers(num_layers))
+    from_host = plan.rebuilt - plan.rebuilt_from_embedding
+    forwards = (num_layers - 1 + from_host) * max(0.0, 2 * copy - forward)  # read X_l, write X_{l+1}
+    forwards += (1 + plan.rebuilt_from_embedding) * max(0.0, copy - forward)  # from X_0: write only
+    backwards = (num_layers - 1) * max(0.0, 4 * copy - 3 * forward) + max(
+        0.0, (1 + embedding_trains) * copy - 3 * forward
+    )
+    return forwards + backwards + (2 + embedding_trains) * copy  # head: Z_L in, dZ_L out; dX_0 in
+
+
 def step_time(
     step: Work,
     rates: Rates,
@@ -211,9 +244,11 @@ def step_time(
     copies_out: int = 0,
     copies_back: int = 0,
     pinned_bytes: int = 0,
+    streamed_s: float = 0.0,
 ) -> StepTime:
     """Seconds by phase; copies_out / copies_back: the store's copies of layer inputs (each
-    layer_input_bytes) in the checkpoint pass and in the backward (depth.store_counts)."""
+    layer_input_bytes) in the checkpoint pass and in the backward (depth.store_counts); streamed_s:
+    a stream placement's copies beyond their compute (`stream_copies_s`)."""
     matmul = step.matmul_flops / rates.matmul_flop_s
     forward = step.attention_forward_flops / rates.attention_forward_flop_s
     backward = step.attention_backward_flops / rates.attention_backward_flop_s
@@ -231,7 +266,7 @@ def step_time(
             0.0, copy - 3 * layer_forward
         )
         copies += copy  # the first copy back overlaps nothing
-    return StepTime(matmul, forward, backward, chunks, copies, pinned_bytes / rates.pinning_bytes_s)
+    return StepTime(matmul, forward, backward, chunks, copies + streamed_s, pinned_bytes / rates.pinning_bytes_s)
 
 
 def fitted_rates(results: str | Path, device: str, model_of) -> Rates:

@@ -11,7 +11,7 @@ from rich.console import Console
 from sbpbench.cli.check_cmd import exactness_table
 from sbpbench.cli.env_cmd import env_table
 from sbpbench.cli.models_cmd import models_table
-from sbpbench.cli.plan_cmd import plan_table
+from sbpbench.cli.plan_cmd import plan_table, summary_table
 from sbpbench.cli.tables import estimate_table, maxlen_table, point_title, points_table, print_table, results_table
 from sbpbench.config import RunSpec
 from sbpbench.core.placement import Placement
@@ -73,6 +73,19 @@ def _plan_outcomes() -> list[PlanOutcome]:
     ]
 
 
+def _plan_summary() -> list:
+    """The summary's rows at their widest: a GPU and a host bound, an estimate, a candidate not tried."""
+    time, counts = StepTime(30123.4, 1234.5, 2345.6, 12.3, 4.5, 38.6), StoreCounts(35, 80, 0, 0)
+    bound = "GPU: needs over 683.4 GiB (37 layer inputs), of 80.0"
+    rows = [
+        PlanOutcome(Candidate(Placement(), 4096, time, counts), _row("streambp", status="oom"), bound, True),
+        PlanOutcome(Candidate(Placement.parse("cpu+recompute:12+spill"), 500, time, counts),
+                    _row("streambp", status="oom"), "host: needs 581.0 GiB (36 layer inputs), of 120.0", True),
+        PlanOutcome(Candidate(Placement.parse("stream:7"), 4096, time, counts), _row("streambp", status="ok")),
+    ]  # fmt: skip
+    return [*rows, Candidate(Placement.parse("cpu+recompute:12"), 1000, time, counts)]
+
+
 def _comparisons() -> tuple[list[RunSpec], list[MethodComparison]]:
     """An fp32 check of every method (the widest: a reference row and the vs-bp column)."""
     name = "base_model.model.model.layers.35.self_attn.q_proj.lora_A.default.weight"
@@ -113,6 +126,14 @@ TABLES = {
         _plan_outcomes(),
         80 * GIB,
         2000 * GIB,
+        Rates(),
+    ),
+    "plan, fastest of each placement": lambda: summary_table(
+        RunSpec(model="Qwen/Qwen3-8B", method="streambp", seq_len=2_097_152),
+        _plan_summary(),
+        None,
+        80 * GIB,
+        120 * GIB,
         Rates(),
     ),
 }

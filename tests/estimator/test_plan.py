@@ -173,16 +173,16 @@ def test_bounds_rule_out_what_cannot_fit_without_a_simulation(monkeypatch):
     chosen, decided = plan(spec, gpu_memory_bytes=80 * 2**30, host_memory_bytes=100 * 2**30, max_estimates=1)
     assert chosen is None and len(estimated) == 1
     bounds = {o.candidate.placement.name: o.bound for o in decided if o.bound}
-    assert bounds["gpu"].startswith("needs over") and bounds["cpu"].startswith("host:")
-    assert bounds["cpu+recompute:3"].startswith("host:") and bounds["recompute:4"].startswith("needs over")
-    first = estimated[0].checkpoints
-    assert first not in bounds and Placement.parse(first).offload
+    assert bounds["gpu"].startswith("GPU: needs over") and bounds["cpu"].startswith("host:")
+    assert bounds["cpu+recompute:3"].startswith("host:") and bounds["recompute:3"].startswith("GPU: needs over")
+    first = Placement.parse(estimated[0].checkpoints)
+    assert first.name not in bounds and first == Placement(stream=True, host_buffers=11)  # (100 - 5) // 8 GiB
 
 
 @pytest.mark.slow  # over 3 s on 2 cores
 def test_a_spill_twin_is_estimated_first_and_bounds_its_placement(monkeypatch):
-    """cpu+recompute:4 needs an estimate: its spill twin (fewer layer inputs on the device) is
-    estimated first; its peak in the top layer's backward plus the two more layer inputs the twin
+    """Without stream placements, cpu+recompute:4 needs an estimate: its spill twin (fewer layer
+    inputs on the device) is estimated first; its peak in the top layer's backward plus the two more layer inputs the twin
     does not hold there exceeds the GPU, so cpu+recompute:4 is ruled out unsimulated and the twin,
     which fits, is the plan."""
     spec = RunSpec(model="Qwen/Qwen3-8B", method="streambp", seq_len=1_048_576, dtype="bf16", lora_rank=64)
@@ -196,6 +196,8 @@ def test_a_spill_twin_is_estimated_first_and_bounds_its_placement(monkeypatch):
         )  # fmt: skip
 
     monkeypatch.setattr(planner, "estimate_point_by_depth", estimate)
+    classic = planner.placements
+    monkeypatch.setattr(planner, "placements", lambda *args: [p for p in classic(*args) if not p.stream])
     chosen, decided = plan(spec, gpu_memory_bytes=80 * 2**30, host_memory_bytes=100 * 2**30)
     assert estimated == ["cpu+recompute:4+spill"]
     assert chosen.candidate.placement == Placement(offload=True, recompute_every=4, spill=True)
@@ -223,3 +225,93 @@ def test_the_top_layer_of_one_placement_gives_every_other_placements_peak_there(
     for name in ("gpu", "cpu", "recompute:4", "cpu+recompute:2", "cpu+recompute:4"):
         more = store_counts(Placement.parse(name), 8).top_device_inputs - 2  # spill holds two there
         assert peak(name)[0] == spill + more * layer_input, name
+
+
+def test_stream_adds_its_rebuilt_layers_and_the_copies_beyond_their_compute():
+    """stream:7 on Qwen3-8B rebuilds 37 layers: 37 layer forwards of matmuls more than gpu; copy-bound
+    (no compute to hide them) its copy time is the whole step's stream traffic, layer inputs counted
+    as depth.stream_transfers counts them; attention-bound at 2M tokens only the head's and the
+    embedding's copies show."""
+    from sbpbench.simulate.depth import stream_transfers
+    from sbpbench.simulate.timing import stream_copies_s
+
+    stream = Placement(stream=True, host_buffers=7)
+    gpu, streamed = _work(), _work(stream)
+    layer_attention = gpu.attention_forward_flops / 2 / 36
+    assert streamed.matmul_flops - gpu.matmul_flops == pytest.approx(37 * (gpu.layer_forward_flops - layer_attention))
+    rates, layer_bytes = Rates(), 2**30
+    idle = Work(0.0, 0.0, 0.0, 0.0, 0, 0, 0.0, 0.0)
+    copies = {"placement": stream, "num_layers": 36, "layer_input_bytes": layer_bytes, "embedding_trains": True}
+    moved = stream_transfers(36, 7) * layer_bytes
+    assert stream_copies_s(idle, rates, **copies) * rates.host_copy_bytes_s == pytest.approx(moved)
+    busy = stream_copies_s(_work(stream, 4096, seq_len=2_097_152), rates, **copies)
+    assert busy == pytest.approx(3 * layer_bytes / rates.host_copy_bytes_s)
+
+
+def _fits_when_streamed(estimated):
+    def estimate(spec, **_):
+        placement = Placement.parse(spec.settings.checkpoints)
+        estimated.append(placement.name)
+        streamed = placement.stream
+        return ResultRow(
+            status="ok" if streamed else "oom", error="" if streamed else "needs more",
+            peak_allocated_bytes=62 * 2**30, margin_bytes=2**30, peak_phase="backward layer 35",
+            logits_chunk_size=spec.settings.logits_chunk_size, checkpoints=placement.name,
+            host_pinned_peak_bytes=7 * 16 * 2**30,
+        )  # fmt: skip
+
+    return estimate
+
+
+def test_at_two_million_tokens_only_the_stream_placement_is_estimated(monkeypatch):
+    """Qwen3-8B full fine-tuning at T = 2M on 80 GiB and 120 GiB of host: every other placement is
+    ruled out by its bound (GPU: the inputs it holds, dZ, the K/V buffers and their sums; host: its
+    copies), and stream with the most buffers the host holds, (120 - 5) // 16 = 7, is the one
+    estimate and the plan, at the largest chunk."""
+    spec = RunSpec(model="Qwen/Qwen3-8B", method="streambp", seq_len=2_097_152, dtype="bf16")
+    estimated = []
+    monkeypatch.setattr(planner, "estimate_point_by_depth", _fits_when_streamed(estimated))
+    chosen, decided = plan(spec, gpu_memory_bytes=80 * 2**30, host_memory_bytes=120 * 2**30)
+    assert estimated == ["stream:7"]
+    assert (chosen.candidate.placement.name, chosen.candidate.chunk_size) == ("stream:7", 4096)
+    assert all(o.bound for o in decided if o is not chosen)
+
+
+@pytest.mark.slow
+def test_the_bound_is_below_the_estimated_peak():
+    """What the planner's bound counts at the top layer's backward (K/V buffers, their fp32 sums, one
+    attention call's key gradients, dZ unless streamed) is below the estimator's peak, so it never
+    rules out what fits: tiny/qwen3, 4 layers, T = 1500, gpu and stream:2."""
+    from sbpbench.methods import MethodSettings
+    from sbpbench.simulate.depth import estimate_point_by_depth, layer_input_bytes
+
+    for checkpoints in ("gpu", "stream:2"):
+        settings = MethodSettings(chunk_size=256, logits_chunk_size=128, checkpoints=checkpoints)
+        point = RunSpec(model="tiny/qwen3", method="streambp", seq_len=1500, dtype="bf16", num_layers=4,
+                        settings=settings)  # fmt: skip
+        row = estimate_point_by_depth(point, gpu_memory_bytes=80 * 2**30, exact=True)
+        bound = planner._layer_backward_bytes(point) + (0 if checkpoints != "gpu" else 4 * layer_input_bytes(point))
+        assert row.activation_peak_bytes >= bound > 0, checkpoints
+
+
+@pytest.mark.filterwarnings("ignore::sbpbench.config.run.BeyondContextWarning")  # T past Qwen3-8B's 40,960
+def test_sbp_plan_prints_the_choice_and_the_fastest_of_each_placement_in_30_lines(monkeypatch):
+    """`sbp plan` at 2M: within 30 lines of 80 columns, a row per kind of placement, the plan and why,
+    the layer count and chunk named where they are meant; --all adds every candidate, each ruled-out
+    one with the chunk sizes its reason covers."""
+    from typer.testing import CliRunner
+
+    from sbpbench.cli import app
+
+    monkeypatch.setattr(planner, "estimate_point_by_depth", _fits_when_streamed([]))
+    args = ["plan", "--model", "Qwen/Qwen3-8B", "--seq", "2097152", "--gpu-memory", "80GiB", "--host-memory", "120GiB"]
+    result = CliRunner().invoke(app, args, env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert len(lines) <= 30 and max(map(len, lines)) <= 80, result.output
+    assert "plan: --checkpoints stream:7 --chunk-size 4096" in result.output and "None" not in result.output
+    for kind in ("gpu", "cpu ", "recompute:2", "cpu+recompute:2", "stream:7"):
+        assert kind in result.output, kind
+    every = CliRunner().invoke(app, [*args, "--all"], env={"COLUMNS": "80"})
+    assert every.exit_code == 0 and len(every.output.splitlines()) > len(lines)
+    assert "cpu+recompute:12+spill, any chunk: host: needs" in every.output

@@ -23,6 +23,8 @@ CASES = [
     ("tiny/qwen3", 512, 11, "streambp", "recompute:3"),  # from 5 and 8 layers; a partial top segment
     ("tiny/llama", 384, 12, "streambp", "cpu+recompute:2"),  # from 4 and 6 layers
     ("tiny/qwen3", 512, 14, "streambp", "cpu+recompute:4+spill"),  # from 6 and 10; top segment [12, 14)
+    ("tiny/qwen3", 512, 8, "streambp", "stream"),  # from 2 layers: nothing of a layer input on the device
+    ("tiny/llama", 512, 9, "streambp", "stream:3"),  # host buffers and copies from the 9-layer schedule
 ]
 
 
@@ -47,6 +49,21 @@ def test_two_shallow_runs_predict_the_full_depth_to_the_byte(model, seq_len, num
                    "host_pinned_peak_bytes", "transfer_bytes"):  # fmt: skip
         assert getattr(extrapolated, column) == getattr(full, column), column
     assert row_key(extrapolated) == row_key(full)  # the same point in a results file
+
+
+@pytest.mark.parametrize("checkpoints", ["stream:2", pytest.param("stream:4", marks=pytest.mark.slow)])
+def test_a_stream_placement_is_lifted_from_one_shallow_run_to_the_byte(checkpoints):
+    """stream:N on 6 layers from the 2-layer run: the device's peak, the host buffers (the 6-layer
+    schedule's N) and the copies equal the full-depth fake run's."""
+    spec = RunSpec(
+        model="tiny/qwen3", method="streambp", seq_len=192, dtype="bf16", num_layers=6,
+        settings=MethodSettings(chunk_size=64, logits_chunk_size=64, checkpoints=checkpoints),
+    )  # fmt: skip
+    full = estimate_point(spec, gpu_memory_bytes=80 << 30)
+    lifted = estimate_point_by_depth(spec, gpu_memory_bytes=80 << 30)
+    for column in ("peak_allocated_bytes", "activation_peak_bytes", "peak_phase", "host_pinned_peak_bytes",
+                   "transfer_bytes"):  # fmt: skip
+        assert getattr(lifted, column) == getattr(full, column), column
 
 
 def test_only_models_whose_layers_are_all_alike_are_extrapolated():

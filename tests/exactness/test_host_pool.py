@@ -74,7 +74,7 @@ def test_buffers_smaller_than_a_page_never_share_one():
     for index, layer_input in enumerate(inputs):
         store.put(index, layer_input)
     for index in reversed(range(3)):
-        assert torch.equal(store.get(index, torch.device("cpu")), inputs[index])
+        assert torch.equal(store.get(index, torch.device("cpu")).tensor, inputs[index])
         store.release(index)
     store.close()
     assert [nbytes for _, nbytes in calls.registrations] == [PAGE_BYTES] * 3

@@ -1,9 +1,10 @@
-"""The CUDA branch of CheckpointStore (side stream, events, record_stream, page-locked buffers),
-run on CPU tensors through a recording stand-in for its CUDA calls (tests/cuda_standin.py): every
-copy back is waited for before it is read, no host buffer is handed back or unregistered while a
-copy may use it, no device tensor is freed under a copy, every buffer goes back to the pool when
-the store closes (after an error too) and every registration is undone when the pool is released;
-the gradients are the gpu placement's. A store with one wait removed fails the checks."""
+"""The CUDA branch of CheckpointStore and StreamingStore (side stream, events, record_stream,
+page-locked buffers), run on CPU tensors through a recording stand-in for its CUDA calls
+(tests/cuda_standin.py): every copy back is waited for before it is read, no host buffer is handed
+back or unregistered while a copy may use it, no device tensor is freed under a copy, every buffer
+goes back to the pool when the store closes (after an error too) and every registration is undone
+when the pool is released; the gradients are the gpu placement's. A store with one wait removed
+fails the checks, and so does the stream placement with any one of its chunk waits removed."""
 
 from __future__ import annotations
 
@@ -13,10 +14,14 @@ import torch
 from sbpbench.core.placement import Placement, observe_stores
 from sbpbench.data import make_batch
 
+from ..conftest import tiny_model
 from ..cuda_standin import RecordingCalls, route_stores
 from .test_placement import NUM_LAYERS, _deep_model, _step
 
-PLACEMENTS = ("gpu", "cpu", "recompute:2", "cpu+recompute:2", "cpu+recompute:4+spill", "cpu+recompute:5+spill")
+PLACEMENTS = (
+    "gpu", "cpu", "recompute:2", "cpu+recompute:2", "cpu+recompute:4+spill", "cpu+recompute:5+spill", "stream",
+    "stream:2",
+)  # fmt: skip
 
 
 def _recorded_step(monkeypatch, calls: RecordingCalls, checkpoints: str, model=None, **kwargs):
@@ -54,7 +59,7 @@ def test_the_cuda_branch_is_ordered_and_exact(monkeypatch, checkpoints):
     (store,) = stores
     assert len(calls.registrations) == store.max_host_bytes // _layer_bytes() <= placement.host_inputs(NUM_LAYERS)
     assert calls.pool.in_use == 0 and len(calls.registered) == len(calls.registrations)
-    assert (calls.side_ops > 0) == placement.offload  # the copies ran on the side stream, and were checked
+    assert (calls.side_ops > 0) == (placement.offload or placement.stream)  # the copies ran on the side stream
     calls.pool.release()
     assert calls.registered == {} and not calls.violations
 
@@ -99,6 +104,48 @@ def test_a_store_with_one_wait_removed_is_caught(monkeypatch, drop, caught):
     else:
         _recorded_step(monkeypatch, calls, "cpu")
     assert any(v.startswith(caught) for v in calls.violations), calls.violations[:4]
+
+
+@pytest.mark.parametrize("drop", ["wait_event", "wait_stream", "event_synchronize", "record_stream"])
+def test_a_stream_store_with_one_kind_of_wait_removed_is_caught(monkeypatch, drop):
+    """stream:2 (buffers reused in place, rebuilds) with every call of one kind swallowed: caught."""
+    calls = RecordingCalls(drop=drop)
+    _recorded_step(monkeypatch, calls, "stream:2")
+    caught = {"wait_event": "race", "wait_stream": "race", "event_synchronize": "host", "record_stream": "free"}
+    assert any(v.startswith(caught[drop]) for v in calls.violations), calls.violations[:4]
+
+
+def _stream_waits(monkeypatch, drop_at: int | None) -> RecordingCalls:
+    """A 2-layer stream:2 step (X_1 rebuilt from X_0; 3 layer chunks, 3 head chunks) on the stand-in,
+    with the drop_at-th wait of the compute stream for a copy removed (None: none)."""
+    calls = RecordingCalls(drop="wait_event" if drop_at is not None else None, drop_at=drop_at)
+    model = tiny_model("tiny/qwen3", torch.float64, num_hidden_layers=2)
+    _recorded_step(monkeypatch, calls, "stream:2", model=model)
+    return calls
+
+
+def _every_wait(monkeypatch) -> list[int]:
+    return list(range(_stream_waits(monkeypatch, None).calls["wait_event"]))
+
+
+@pytest.mark.parametrize("position", ["first", "middle", "last"])
+def test_the_stream_placement_without_one_chunk_wait_is_caught(monkeypatch, position):
+    """One wait of the compute stream for a chunk's copy removed (the first, one in the middle, the
+    last of the step): the chunk is read before its copy is known done, a race."""
+    waits = _every_wait(monkeypatch)
+    drop_at = {"first": waits[0], "middle": waits[len(waits) // 2], "last": waits[-1]}[position]
+    calls = _stream_waits(monkeypatch, drop_at)
+    assert any(v.startswith("race") for v in calls.violations), (drop_at, calls.violations[:4])
+
+
+@pytest.mark.slow
+def test_the_stream_placement_without_any_one_chunk_wait_is_caught(monkeypatch):
+    """Each of the step's waits for a chunk's copy removed in turn: every one is caught (no wait is
+    redundant: a chunk is taken where it is first read, so no later wait covers its copy)."""
+    missed = [k for k in _every_wait(monkeypatch) if not any(
+        v.startswith("race") for v in _stream_waits(monkeypatch, k).violations
+    )]  # fmt: skip
+    assert not missed, missed
 
 
 @pytest.mark.parametrize("where", ["checkpoint pass", "layer backward"])

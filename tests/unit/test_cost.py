@@ -84,11 +84,13 @@ def test_commands_start_a_new_one_when_a_point_would_not_finish():
 def test_the_paper_experiment_is_in_the_order_of_value():
     """paper_on_one_gpu.toml: Figure 3's Qwen3-8B searches at 2% first, then the 64k placements, Table 1
     (ckpt and streambp, 6k-27k, 1 warm-up and 3 timed steps), Table 2's batches, Qwen3-14B's searches,
-    one memory step at 262,144 with checkpoints in host memory, and the peers at 9k and 24k."""
+    one memory step at 262,144 each with checkpoints in host memory and streamed through 7 host
+    buffers, and the peers at 9k and 24k."""
     loaded = load_experiment(PAPER, device="cpu", defaults_for="cuda")
     titles = list(dict.fromkeys(loaded.titles))
     assert titles == ["Fig. 3 max T, Qwen3-8B", "64k: gpu, cpu, recompute:4", "Table 1, Qwen3-4B", "Table 2, Qwen3-4B at 9k",
-                      "Fig. 3 max T, Qwen3-14B", "Qwen3-8B 262k, cpu", "peers at 9k and 24k"]  # fmt: skip
+                      "Fig. 3 max T, Qwen3-14B", "Qwen3-8B 262k, cpu", "Qwen3-8B 262k, stream:7",
+                      "peers at 9k and 24k"]  # fmt: skip
     by_title = {t: [p for p, title in zip(loaded.points, loaded.titles) if title == t] for t in titles}
     fig3 = by_title["Fig. 3 max T, Qwen3-8B"]
     assert [s.method for s in fig3] == ["bp", "ckpt", "streambp"] and {str(s.resolution) for s in fig3} == {"2%"}
@@ -103,6 +105,8 @@ def test_the_paper_experiment_is_in_the_order_of_value():
     assert sorted({p.batch_size for p in by_title["Table 2, Qwen3-4B at 9k"]}) == [1, 2, 4, 16]
     (long,) = by_title["Qwen3-8B 262k, cpu"]
     assert (long.seq_len, str(long.settings.checkpoints), long.repeats) == (262144, "cpu", 0)
+    (streamed,) = by_title["Qwen3-8B 262k, stream:7"]
+    assert (streamed.seq_len, str(streamed.settings.checkpoints), streamed.repeats) == (262144, "stream:7", 0)
     assert {p.seq_len for p in by_title["peers at 9k and 24k"]} == {9000, 24000}
 
 
