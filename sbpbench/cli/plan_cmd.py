@@ -157,7 +157,7 @@ def summary_table(
     title = f"{spec.model}, T={spec.seq_len:,}, B={spec.batch_size}: fastest of each placement (simulated)"
     caption = (
         f"GiB = 2^30 B. GPU: peak allocated + margin, of {gpu_bytes / GIB:.1f} GiB (> x: ruled out without a "
-        f"simulation); host: pinned buffers + process, of {host_bytes / GIB:.1f} GiB. step s: predicted time of "
+        f"simulation; -: not simulated, slower or the host too small); host: pinned buffers + process, of {host_bytes / GIB:.1f} GiB. step s: predicted time of "
         f"a step. Rates: {rates.describe()}"
     )
     table = Table(title=title, caption=caption)
@@ -171,7 +171,7 @@ def summary_table(
                 row.placement.name,
                 str(row.chunk_size),
                 f"{row.predicted_time_s:,.0f}",
-                "",
+                "-",
                 f"{host / GIB:.1f}",
                 "slower",
             )
@@ -180,7 +180,7 @@ def summary_table(
         if row.bound:
             kind = "host" if row.bound.startswith("host") else "GPU"
             device = row.bound.split("over ")[1].split(" GiB")[0] if kind == "GPU" else ""
-            device, outcome = (f"> {device}" if device else ""), f"{kind} too small"
+            device, outcome = (f"> {device}" if device else "-"), f"{kind} too small"
         else:
             device = f"{d['device_bytes'] / GIB:.1f}"
             outcome = "the plan" if row is chosen else "fits" if d["status"] == "ok" else _too_small(row)
