@@ -46,6 +46,7 @@ Not modelled: FA2's split-KV forward accumulators (used only when B * H * ceil(T
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections import Counter
 from typing import Self
@@ -283,6 +284,35 @@ def hidden_buffers(func, args) -> list[int]:
     if func is aten._efficient_attention_forward.default:
         return _efficient_forward(args[0], args[2])
     return []
+
+
+EFFICIENT_BACKWARD = aten._efficient_attention_backward.default
+_EFFICIENT_BACKWARD_OUT = 5  # the schema's `out` argument, after grad_out, query, key, value, bias
+
+
+def _meta_knows_out() -> bool:
+    """Whether torch's meta function for _efficient_attention_backward takes the schema's `out`."""
+    from torch._meta_registrations import meta__efficient_attention_backward
+
+    return "out" in inspect.signature(meta__efficient_attention_backward).parameters
+
+
+def efficient_backward_on_fake(args, kwargs):
+    """aten::_efficient_attention_backward on fake tensors, or None where torch's own meta function
+    serves. Some torch versions register a meta function without the schema's `out` and
+    `window_size` arguments, so the fake mode fails on it ("got multiple values for argument
+    'scale'"): the autograd of a fp32 lower-right causal chunk calls it on a GPU. Here its
+    arguments are passed as that function reads them; it allocates dQ, dK, dV and dBias."""
+    from torch._meta_registrations import meta__efficient_attention_backward
+
+    if _META_KNOWS_OUT:
+        return None
+    positional = (*args[:_EFFICIENT_BACKWARD_OUT], *args[_EFFICIENT_BACKWARD_OUT + 1 :])
+    known = {"scale", "num_splits_key", "shared_storage_dqdkdv"}
+    return meta__efficient_attention_backward(*positional, **{k: v for k, v in kwargs.items() if k in known})
+
+
+_META_KNOWS_OUT = _meta_knows_out()
 
 
 def hidden_bytes(func, args, granularity: int = 512) -> int:

@@ -24,6 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..measure.tensor_tracker import INTERMEDIATES, LiveTensorTracker
+from .cuda_attention import EFFICIENT_BACKWARD, efficient_backward_on_fake
 
 CUDA_ALLOCATOR_ROUNDING = 512  # c10/cuda/CUDACachingAllocator.cpp kMinBlockSize: every block is a multiple of 512 B
 
@@ -61,6 +62,10 @@ class SimulatedMemory(LiveTensorTracker):
         if _all_real(args, kwargs):
             with _disable_current_modes():  # real inputs only: run for real, below no mode
                 return func(*args, **kwargs)
+        if func is EFFICIENT_BACKWARD:  # torch's meta function may not match the op's schema
+            out = efficient_backward_on_fake(args, kwargs)
+            if out is not None:
+                return out
         return func(*args, **kwargs)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
