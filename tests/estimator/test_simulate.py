@@ -299,6 +299,7 @@ def test_estimate_qwen3_8b_at_20k_orders_the_methods_as_the_paper(tmp_path):
     assert peak["streambp"] < peak["ckpt"] < peak["bp"]
 
 
+@pytest.mark.slow
 def test_fp32_streambp_on_the_cuda_target_takes_the_efficient_backward():
     """A fp32 offset-causal chunk runs on the efficient kernel on a GPU, whose backward torch's meta
     function may not take as the op's schema gives it: the estimate still runs and models that kernel."""
