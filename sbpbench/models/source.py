@@ -67,6 +67,8 @@ def _hub_config_file(repo_id: str, *, download: bool, known: tuple[str, ...]) ->
     if isinstance(cached, str):
         return Path(cached)
     reason = "HF_HUB_OFFLINE is set" if is_offline_mode() else ""
+    if download and not reason and not hub_reachable():
+        reason = "the Hub could not be reached"  # said at once: huggingface_hub would retry for 30 s
     if download and not reason:
         try:
             return Path(hf_hub_download(repo_id, "config.json"))
@@ -79,6 +81,36 @@ def _hub_config_file(repo_id: str, *, download: bool, known: tuple[str, ...]) ->
         f"and its config.json is not in the Hugging Face cache ({where}); download it with `hf download {repo_id} "
         "config.json`, or pass a local checkpoint directory"
     )
+
+
+# A TCP connection to the Hub answers in well under a second where there is a network; where there
+# is none, name resolution fails at once. Either way a lookup never waits out the Hub client's retries.
+REACHABLE_TIMEOUT_S = 3.0
+
+
+def hub_reachable(timeout_s: float = REACHABLE_TIMEOUT_S) -> bool:
+    """Whether a TCP connection to the Hub's endpoint opens within timeout_s."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    url = urlparse(constants.ENDPOINT)
+    try:
+        with socket.create_connection((url.hostname, url.port or 443), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def near_miss(name: str, known: tuple[str, ...], prefixes: tuple[str, ...]) -> str | None:
+    """For a name in one of the registry's own namespaces (`prefixes`, e.g. "tiny/", which no Hub id
+    of ours uses) that is not a registry name: the closest registry name, or "" when none is close.
+    None for any other name (a Hub id or a path, looked up as such)."""
+    if not name.startswith(prefixes):
+        return None
+    close = difflib.get_close_matches(name, known, n=1)
+    return close[0] if close else ""
 
 
 def _download_failure(error: OSError) -> str:
