@@ -23,6 +23,7 @@ from typing import Annotated, Any
 import typer
 
 from ..settings import POINT_SETTINGS, SETTINGS, ConfigError, default_of
+from ..settings.model_names import check_model_name
 from ..settings.table import has_flag
 from .errors import user_errors
 from .flags import FLAGS, flags_of
@@ -276,7 +277,8 @@ def _parameters(command: Callable, fields, flagged, knobs, helps, aliases) -> li
 
 def given_settings(values: dict, flagged: tuple[str, ...], knobs: tuple[str, ...]) -> dict[str, Any]:
     """The settings given, taken out of `values` (the parsed options): numbers parsed, --set's knobs
-    added; `--set help` prints the knobs and exits."""
+    added, a model name that is a typo of a registry name refused (before torch loads: the command
+    imports it); `--set help` prints the knobs and exits."""
     set_words = values.pop("set_knobs", None) or []
     if "help" in set_words:
         print(knob_lines(knobs))
@@ -289,4 +291,6 @@ def given_settings(values: dict, flagged: tuple[str, ...], knobs: tuple[str, ...
             if settings.get(name) is not None:
                 raise ValueError(f"{FLAGS[name]} given twice: by {flags_of(name)[0]} and by --set")
             settings[name] = value
+        if settings.get("model") is not None:
+            check_model_name(settings["model"])
     return {k: v for k, v in settings.items() if v is not None}

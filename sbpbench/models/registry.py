@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
 
-from .source import checkpoint_config, is_local_checkpoint, near_miss
+from ..settings.model_names import registry_typo
+from .source import checkpoint_config, is_local_checkpoint
 
 # Hub id -> file in configs/ (one per model, copied verbatim from the model repository).
 REAL_MODELS = (
@@ -99,8 +100,6 @@ SMALL_MODELS = {
 }
 
 MODELS: dict[str, ModelSpec] = {name: ModelSpec(name, name) for name in REAL_MODELS} | SMALL_MODELS | TINY_MODELS
-# The namespaces of the registry's own shapes: no Hub id is looked up under them.
-LOCAL_NAMESPACES = tuple(sorted({name.split("/")[0] + "/" for name in (*SMALL_MODELS, *TINY_MODELS)}))
 
 
 def config_file_name(hub_id: str) -> str:
@@ -131,10 +130,9 @@ def config_dict(name: str, *, download: bool = True, **overrides) -> dict:
     """The config.json values of a model, with overrides applied: a named shape's, else a local
     checkpoint directory's or a Hub id's (models/source.py; download: fetch a config.json the HF
     cache lacks unless HF_HUB_OFFLINE is set)."""
-    guess = near_miss(name, tuple(MODELS), LOCAL_NAMESPACES) if not is_local_checkpoint(name) else None
-    if guess is not None:  # "tiny/qwen9": a typo of ours, never a Hub id, so no cache or Hub lookup
-        hint = f"did you mean {guess}? " if guess else ""
-        raise ValueError(f"unknown model {name!r}: {hint}the registry's {name.split('/')[0]}/ shapes are `sbp models`")
+    typo = None if is_local_checkpoint(name) else registry_typo(name, tuple(MODELS))
+    if typo:  # "tiny/qwen9": a typo of ours, never a Hub id, so no cache or Hub lookup
+        raise ValueError(typo)
     if is_registry_name(name):
         spec = MODELS[name]
         values = dict(_real_config_dict(spec.base))

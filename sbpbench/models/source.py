@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 from ..core import UnsupportedModelError
+from ..settings.model_names import hub_unavailable, is_hub_id, not_cached
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin")
 _INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")  # a sharded checkpoint's shard list
@@ -21,17 +22,6 @@ _INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")  # a
 
 def is_local_checkpoint(name: str) -> bool:
     return Path(name).expanduser().is_dir() and (Path(name).expanduser() / "config.json").is_file()
-
-
-def is_hub_id(name: str) -> bool:
-    """ORG/NAME or NAME as the Hub spells repository ids (not a path such as ./x, /x or a/b/c)."""
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    try:
-        validate_repo_id(name)
-    except HFValidationError:
-        return False
-    return True
 
 
 def checkpoint_config(name: str, *, download: bool = True, known: tuple[str, ...] = ()) -> dict:
@@ -61,56 +51,19 @@ def checkpoint_config(name: str, *, download: bool = True, known: tuple[str, ...
 
 def _hub_config_file(repo_id: str, *, download: bool, known: tuple[str, ...]) -> Path:
     """config.json of a Hub id: the cache first, then the Hub (when allowed)."""
-    from huggingface_hub import constants, hf_hub_download, is_offline_mode, try_to_load_from_cache
+    from huggingface_hub import hf_hub_download, try_to_load_from_cache
 
     cached = try_to_load_from_cache(repo_id, "config.json")
     if isinstance(cached, str):
         return Path(cached)
-    reason = "HF_HUB_OFFLINE is set" if is_offline_mode() else ""
-    if download and not reason and not hub_reachable():
-        reason = "the Hub could not be reached"  # said at once: huggingface_hub would retry for 30 s
+    reason = hub_unavailable() if download else ""  # said at once: huggingface_hub would retry for 30 s
     if download and not reason:
         try:
             return Path(hf_hub_download(repo_id, "config.json"))
         except OSError as error:  # every huggingface_hub error: not found, gated, no network
             reason = _download_failure(error)
-    where = f"{constants.HF_HUB_CACHE}" + (f"; {reason}" if reason else "")
     close = difflib.get_close_matches(repo_id, known, n=1)
-    raise ValueError(
-        f"unknown model {repo_id!r}: not in the registry (`sbp models`{f'; did you mean {close[0]}?' if close else ''}) "
-        f"and its config.json is not in the Hugging Face cache ({where}); download it with `hf download {repo_id} "
-        "config.json`, or pass a local checkpoint directory"
-    )
-
-
-# A TCP connection to the Hub answers in well under a second where there is a network; where there
-# is none, name resolution fails at once. Either way a lookup never waits out the Hub client's retries.
-REACHABLE_TIMEOUT_S = 3.0
-
-
-def hub_reachable(timeout_s: float = REACHABLE_TIMEOUT_S) -> bool:
-    """Whether a TCP connection to the Hub's endpoint opens within timeout_s."""
-    import socket
-    from urllib.parse import urlparse
-
-    from huggingface_hub import constants
-
-    url = urlparse(constants.ENDPOINT)
-    try:
-        with socket.create_connection((url.hostname, url.port or 443), timeout=timeout_s):
-            return True
-    except OSError:
-        return False
-
-
-def near_miss(name: str, known: tuple[str, ...], prefixes: tuple[str, ...]) -> str | None:
-    """For a name in one of the registry's own namespaces (`prefixes`, e.g. "tiny/", which no Hub id
-    of ours uses) that is not a registry name: the closest registry name, or "" when none is close.
-    None for any other name (a Hub id or a path, looked up as such)."""
-    if not name.startswith(prefixes):
-        return None
-    close = difflib.get_close_matches(name, known, n=1)
-    return close[0] if close else ""
+    raise ValueError(not_cached(repo_id, reason, guess=close[0] if close else None))
 
 
 def _download_failure(error: OSError) -> str:

@@ -24,6 +24,8 @@ from sbpbench.core import UnsupportedModelError
 from sbpbench.runner import budget, official, selftest
 from sbpbench.settings import ConfigError
 
+from ..conftest import cli_env
+
 HEAVY = ("torch", "transformers")
 
 # In a fresh interpreter: import the CLI, then ask for every help (the commands listed by `sbp
@@ -193,3 +195,33 @@ def test_no_function_of_the_cli_is_over_50_lines():
     assert not found, f"move the work into sbpbench/runner (or split it): {found}"
     body = "".join(f"    x = {i}\n" for i in range(49))
     assert long_functions(f"def f():\n{body}") == [] and long_functions(f"def f():\n{body}    y = 0\n") == [("f", 51)]
+
+
+# In a fresh interpreter with an empty HF cache, offline: each point command given a mistyped
+# model; its exit code, its output, and whether torch got loaded.
+_TYPO = textwrap.dedent(
+    """
+    import json, sys
+    from typer.testing import CliRunner
+    from sbpbench.cli import app
+
+    results = {}
+    for command in ("run", "estimate", "maxlen", "check", "plan"):
+        for model in ("tiny/qwen9", "Qwen/Qwen3-8b"):
+            result = CliRunner().invoke(app, [command, "--model", model])
+            results[f"{command} {model}"] = [result.exit_code, " ".join(result.output.split())]
+    print(json.dumps({"results": results, "torch": "torch" in sys.modules}))
+    """
+)
+
+
+def test_a_mistyped_model_is_answered_before_torch_loads(tmp_path):
+    """`--model tiny/qwen9` or `Qwen/Qwen3-8b` (not cached) fails with "did you mean" in every
+    point command while the options are parsed: torch is never imported, so no seconds go by."""
+    env = {**cli_env(), "HF_HUB_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-c", _TYPO], capture_output=True, text=True, timeout=120, env=env)
+    answer = json.loads(done.stdout)
+    assert not answer["torch"]
+    for call, (code, output) in answer["results"].items():
+        meant = "tiny/qwen3" if "qwen9" in call else "Qwen/Qwen3-8B"
+        assert code == 2 and f"did you mean {meant}?" in output, (call, output)
