@@ -18,6 +18,7 @@ from .options import (
     ExactOpt,
     GpuMemoryOpt,
     HostMemoryOpt,
+    check_sizes,
     out_option,
     point_command,
     run_fields_but,
@@ -96,6 +97,7 @@ def maxlen(
 
     A seed takes seconds to a minute of this machine's CPU; a probe is a new process. Without a
     seed a search at the defaults runs about 25 probes; --resolution 10% is a quicker look."""
+    check_sizes({"--gpu-memory": gpu_memory, "--host-memory": host_memory})
     from ..config.maxlen import search_specs
     from ..config.run import check_measurable
     from ..runner.searches import run_searches
@@ -140,7 +142,7 @@ def _probing(settings: dict, simulate: bool, gpu_memory, host_memory, exact: boo
     return Probing(
         simulate=simulate,
         exact=exact,
-        host_memory_bytes=parse_bytes(host_memory) if host_memory else total_ram_bytes(),
+        host_memory_bytes=parse_bytes(host_memory, what="--host-memory") if host_memory else total_ram_bytes(),
         budget_s=parse_seconds(budget) if budget is not None else None,
         budget=budget or "",
     )

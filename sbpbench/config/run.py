@@ -246,11 +246,11 @@ def chunk_size_for(value, seq_len: int, field: str = "chunk_size") -> int | str:
 
 
 def memory_limit_bytes(value) -> int | None:
-    """A byte count, or a size such as "80GiB" / "24GB"."""
+    """A byte count (a Python caller's int), or a size with its unit such as "80GiB" / "24GB"."""
     if value is None or is_int(value):
         return value
     try:
-        return parse_bytes(value)
+        return parse_bytes(value, what="{field}")
     except ValueError as error:
         raise ConfigError("memory_limit", str(error)) from None
 

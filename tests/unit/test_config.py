@@ -83,7 +83,8 @@ def test_a_method_holds_only_the_settings_it_reads():
         ({"batch_size": 3, "objective": "dpo"}, "batch_size", "even"),
         ({"chunk_size": 0}, "chunk_size", '>= 1 or "auto"'),
         ({"chunk_size": "half"}, "chunk_size", "T/3"),
-        ({"memory_limit": "lots"}, "memory_limit", "cannot read the size"),
+        ({"memory_limit": "lots"}, "memory_limit", "cannot read memory_limit 'lots'"),
+        ({"memory_limit": "1"}, "memory_limit", "memory_limit '1' has no unit: write 1GiB"),
         ({"objective": "ppo"}, "objective", "sft, grpo, dpo"),
         ({"device": "tpu"}, "device", "cuda:N"),
         ({"timeout_s": 0}, "timeout_s", "positive"),
@@ -105,6 +106,12 @@ def test_a_spec_survives_the_trip_to_the_worker():
     )
     assert RunSpec.from_json(spec.to_json()) == spec
     assert spec.memory_limit == 2**20
+
+
+def test_a_python_caller_gives_a_byte_count():
+    """An int memory_limit is a number of bytes (a caller in Python says what it means); only text needs a unit."""
+    (spec,) = point_specs({"device": "cpu", "model": "tiny/qwen3", "memory_limit": 2**30}, ["bp"])
+    assert spec.memory_limit == 2**30
 
 
 def test_a_search_checks_its_ceiling_against_its_first_probe():

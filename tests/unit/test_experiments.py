@@ -89,7 +89,9 @@ GOOD_POINT = '[[points]]\nmodel = "tiny/qwen3"\nseq_len = [64]\n'
         ('title = "x"\n' + GOOD_POINT, ["unknown top-level key 'title'", "description"]),
         ('name = "x"\n', ["no [[points]]"]),
         (GOOD_POINT + 'resolution = "1%"\n', ["'resolution' does not apply to a grid point"]),
-        (GOOD_POINT + 'memory_limit = "lots"\n', ["[[points]] #1", "cannot read the size 'lots'"]),
+        (GOOD_POINT + 'memory_limit = "lots"\n', ["[[points]] #1", "cannot read memory_limit 'lots'"]),
+        (GOOD_POINT + "memory_limit = 1\n", ["[[points]] #1 memory_limit", "1 has no unit", '"1GiB"']),
+        (GOOD_POINT + 'memory_limit = "1"\n', ["[[points]] #1 memory_limit", "'1' has no unit", "1GiB"]),
         (GOOD_POINT + 'chunk_size = "half"\n', ["[[points]] #1 chunk_size", "'half'", "T/3"]),
         (GOOD_POINT + "batch_size = true\n", ["batch_size", "expected an integer", "True"]),
         (
