@@ -11,6 +11,7 @@ from rich.console import Console
 from ..measure.host_memory import total_ram_bytes
 from ..measure.units import parse_bytes
 from ..records import ResultRow, check_writable
+from ..runner.outcome import written_line
 from ..settings import SEARCH_SETTINGS, default_of
 from .errors import user_errors
 from .options import (
@@ -116,7 +117,7 @@ def maxlen(
         print_table(console, maxlen_table(outcome.rows))
     if not (outcome.stopped or outcome.failed or outcome.interrupted):
         _say_past_context(console, searches[0].base.model, outcome.rows)
-        console.print(f"{len(outcome.rows)} max-length row(s) written to {out}", highlight=False, soft_wrap=True)
+        console.print(written_line(outcome, out, "max-length answer(s)"), highlight=False, soft_wrap=True)
     finish(console, outcome)
 
 

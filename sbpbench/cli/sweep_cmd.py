@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..records import ResultRow
+from ..runner.outcome import written_line
 from .errors import user_errors
 from .options import BudgetOpt, out_option, point_command
 from .outcomes import finish
@@ -78,7 +79,7 @@ def sweep(
         outcome = run_experiment(sweep, steps=progress, budget_s=seconds, budget=budget or "")
     if not outcome.interrupted and not outcome.failed:
         _summary(console, loaded.name, sweep.rows())
-        console.print(f"{len(outcome.rows)} new row(s) in {sweep.out}", highlight=False, soft_wrap=True)
+        console.print(written_line(outcome, sweep.out), highlight=False, soft_wrap=True)
     finish(console, outcome)
 
 

@@ -127,6 +127,11 @@ def point_title(rows: list[ResultRow], *, seq_len: bool = True) -> tuple[str, li
         "B: rows per batch" + ("; T: tokens per row" if seq_len else ""),
         f"step {row.step}: " + ("forward + backward" if row.step == "bp" else "forward + backward + AdamW"),
     ]
+    if (row.nproc or 1) > 1:  # data-parallel ranks: B is each rank's, a memory or time column the largest rank's
+        title += f", {row.nproc} ranks"
+        notes.append(
+            f"{row.nproc} ranks: data-parallel processes (FSDP2), B rows each; memory and time: the largest rank's"
+        )
     chunked = next((r for r in rows if r.chunk_size is not None), None)  # methods that read chunk sizes
     if chunked is not None:
         title += f", chunks {chunked.chunk_size}/{chunked.logits_chunk_size}"

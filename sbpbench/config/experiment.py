@@ -154,7 +154,7 @@ def _expand(values: dict, kind: str, overrides: dict, defaults_for: str | None =
             seq_len_ceiling=values.get("seq_len_ceiling", defaults["seq_len_ceiling"]),
             **{name: values[name] for name in MAXLEN_ONLY if name in values and name != "seq_len_ceiling"},
         )
-        for base in point_specs({"repeats": 0, **settings}, methods, defaults_for=defaults_for)
+        for base in point_specs({"repeats": 0, **settings}, methods, defaults_for=defaults_for, search=True)
     ]
 
 

@@ -44,8 +44,28 @@ def checkpoint_config(name: str, *, download: bool = True, known: tuple[str, ...
             f"model {name}: no such directory; pass an existing checkpoint directory (with config.json), a registry "
             "name (`sbp models`) or a Hub id ORG/NAME"
         )
-    values = json.loads(file.read_text())
+    values = read_config_json(file)
     refuse_remote_code(name, values)
+    return values
+
+
+def read_config_json(file: Path) -> dict:
+    """A config.json's values; ValueError naming the file where it is not a JSON object."""
+    try:
+        values = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        where = (
+            f" (line {error.lineno}, column {error.colno}: {error.msg})"
+            if isinstance(error, json.JSONDecodeError)
+            else ""
+        )
+        raise ValueError(
+            f"{file} is not valid JSON{where}; fix it, or write it again (save_pretrained, `hf download`)"
+        ) from None
+    if not isinstance(values, dict):
+        raise ValueError(
+            f"{file} holds a JSON {type(values).__name__}, not the object of a config.json; write it again"
+        )
     return values
 
 

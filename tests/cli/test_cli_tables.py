@@ -152,3 +152,11 @@ def test_run_caption_explains_exactly_the_columns_and_title_terms_shown():
     assert "resv GiB:" in gpu and "nvml GiB:" in gpu and "median of 3 timed step(s) after 1 warm-up" in gpu
     timed_out = results_table([_cpu_row("bp", time_median_s=None, tokens_per_s=None, tflops_per_s=None)], "t")
     assert "tok/s" not in _render(timed_out) and "TFLOP/s" not in _render(timed_out)
+
+
+def test_a_several_rank_point_says_its_ranks_in_the_title():
+    """--nproc 2: the run table's title says "2 ranks" and the caption that B and the memory are per rank."""
+    title, notes = point_title([_cpu_row("bp", nproc=2)])
+    assert title.endswith(", 2 ranks, steady protocol") or ", 2 ranks" in title
+    assert any(note.startswith("2 ranks: data-parallel processes (FSDP2), B rows each") for note in notes)
+    assert "ranks" not in point_title([_cpu_row("bp", nproc=1)])[0]
