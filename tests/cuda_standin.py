@@ -392,3 +392,91 @@ class FakeNvml:
 
     def nvmlDeviceGetComputeRunningProcesses(self, handle):
         return [SimpleNamespace(pid=pid, usedGpuMemory=used) for pid, used in self.processes]
+
+
+class RecordingMemoryHistory:
+    """torch.cuda.memory's history calls (measure/cuda_timeline.py CudaMemoryCalls) for CPU tensors.
+
+    While started, a dispatch mode sees each storage an op makes (not one of its inputs', not
+    empty, as the tracker and the caching allocator count them) and writes the allocator's trace
+    entries for it: "alloc" with its data_ptr, its size and the metadata set then, and, when it
+    dies, "free_requested" then "free_completed". Entries carry a time_us that counts up. The
+    trace keeps at most `max_entries` (a ring buffer, as the allocator's). `calls` records every
+    call in order; `allocated()` is the baseline plus what is live, `peak` the most it was."""
+
+    def __init__(self, baseline_bytes: int = 0):
+        self.baseline_bytes, self.live_bytes, self.peak = baseline_bytes, 0, baseline_bytes
+        self.calls: list = []
+        self.metadata = ""
+        self.entries: list[dict] = []
+        self.max_entries = 0
+        self._time = 0
+        self._mode = None
+
+    def start(self, max_entries: int) -> None:
+        self.calls.append(("start", max_entries))
+        self.max_entries, self.entries = max_entries, [{"action": "alloc", "addr": 1, "size": 8, "time_us": 0}]
+        self._mode = _HistoryMode(self)
+        self._mode.__enter__()
+
+    def stop(self) -> None:
+        self.calls.append(("stop",))
+        self._mode.__exit__(None, None, None)
+
+    def set_metadata(self, text: str) -> None:
+        self.calls.append(("set_metadata", text))
+        self.metadata = text
+
+    def snapshot(self) -> dict:
+        self.calls.append(("snapshot",))
+        self._entry("snapshot", 0, 0)
+        self.at_snapshot = self.allocated()
+        return {"segments": [], "device_traces": [self.entries[-self.max_entries :]], "allocator_settings": {}}
+
+    def allocated(self, device=None) -> int:
+        return self.baseline_bytes + self.live_bytes
+
+    def _entry(self, action: str, address: int, nbytes: int) -> None:
+        self._time += 3
+        entry = {"action": action, "addr": address, "size": nbytes, "stream": 0, "time_us": self._time}
+        self.entries.append({**entry, "user_metadata": self.metadata, "compile_context": "N/A"})
+
+    def allocate(self, storage) -> None:
+        address, nbytes = storage.data_ptr(), storage.nbytes()
+        self._entry("alloc", address, nbytes)
+        self.live_bytes += -(-nbytes // 512) * 512
+        self.peak = max(self.peak, self.allocated())
+
+    def free(self, address: int, nbytes: int) -> None:
+        self._entry("free_requested", address, nbytes)
+        self._entry("free_completed", address, nbytes)
+        self.live_bytes -= -(-nbytes // 512) * 512
+
+
+class _HistoryMode(TorchDispatchMode):
+    def __init__(self, history: RecordingMemoryHistory):
+        super().__init__()
+        self.history = history
+        self.seen: dict[int, object] = {}  # storage id -> weakref
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        import weakref
+
+        from torch.utils._pytree import tree_leaves
+
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for tensor in (t for t in tree_leaves(out) if isinstance(t, torch.Tensor)):
+            storage = tensor.untyped_storage()
+            key = id(storage)
+            if key in inputs or key in self.seen or storage.nbytes() == 0 or tensor.is_meta:
+                continue
+            self.history.allocate(storage)
+            address, nbytes = storage.data_ptr(), storage.nbytes()
+            self.seen[key] = weakref.ref(storage, lambda _, k=key, a=address, n=nbytes: self._died(k, a, n))
+        return out
+
+    def _died(self, key: int, address: int, nbytes: int) -> None:
+        if self.seen.pop(key, None) is not None:
+            self.history.free(address, nbytes)

@@ -31,39 +31,71 @@ EXAMPLES = (  # the end of its help (options.py examples)
 
 
 PhasesOpt = Annotated[bool, typer.Option("--phases", help="Also show where streambp's step time went.")]
+TimelineOpt = Annotated[bool, typer.Option("--timeline", help="Also save each step's memory over time.")]
 
 
 @point_command(RUN_FIELDS)
-def run(settings: dict, methods: tuple[str, ...], out: OutOpt = None, phases: PhasesOpt = False) -> None:
+def run(
+    settings: dict,
+    methods: tuple[str, ...],
+    out: OutOpt = None,
+    phases: PhasesOpt = False,
+    timeline: TimelineOpt = False,
+) -> None:
     """Measure each method's peak memory and step time at one point.
 
-    One process per method; the rows go to a results CSV (default: results/runs.csv), replacing
-    rows of the same point. With no options: a real comparison on a GPU (Qwen/Qwen3-4B, T=9000,
-    bf16); on a CPU about a minute (small/qwen3, T=2048, fp32)."""
+    One process per method; rows go to a CSV (default: results/runs.csv), replacing the same
+    point's. With no options: a GPU comparison (Qwen/Qwen3-4B, T=9000, bf16), or about a minute
+    on a CPU (small/qwen3, T=2048, fp32)."""
     from ..config import point_specs
     from ..config.run import check_measurable
-    from ..runner import run_points
 
     out = out or DEFAULT_OUT
     with user_errors():
         specs = point_specs(settings, methods)
         check_measurable(specs)
+        if timeline:
+            check_timeline(specs)
         check_writable(out)
         earlier = {row_key(row): row for row in read_rows(out)}  # to say what this run replaces
     console = Console()
     warn_if_busy()
-    rows = []
+    rows = _measure_all(console, specs, out, timeline)
+    title, notes = _results_title(rows)
+    print_table(console, results_table(rows, title, notes))
+    if phases:
+        print_phases(console, rows)
+    if timeline:
+        print_timelines(console, specs, rows, out)
+    for row in rows:
+        if row.error:
+            console.print(f"{row.method}: {row.status}: {row.error}", highlight=False, soft_wrap=True)
+    console.print(written_line(rows, earlier, out), highlight=False, soft_wrap=True)
+    fail_if(any(row.status in ("error", "timeout") for row in rows))
+
+
+def _measure_all(console: Console, specs: list[RunSpec], out: Path, timeline: bool) -> list[ResultRow]:
+    """Each spec measured in its own process, with a progress line per point; Ctrl-C says what was kept."""
+    from ..runner import run_points
+
+    rows: list[ResultRow] = []
     try:
         # user_errors: a write that fails after a point was measured says where its row was kept
         with user_errors(), Progress(console, len(specs)) as progress:
             progress.start(_measuring(specs[0]))
-            for row in run_points(specs, out):  # one environment capture for all points
+            points = run_points(specs, out, timeline=True) if timeline else run_points(specs, out)
+            for row in points:  # one environment capture for all points
                 rows.append(row)
                 progress.advance(point_line(row))
                 if len(rows) < len(specs):
                     progress.start(_measuring(specs[len(rows)]))
     except KeyboardInterrupt:
         interrupted(console, interrupted_line(rows, specs, out))
+    return rows
+
+
+def _results_title(rows: list[ResultRow]) -> tuple[str, list[str]]:
+    """The results table's title (the point, its cap, the device) and its notes."""
     first = rows[0]
     limit = f", limit {first.memory_limit_bytes / 2**30:.2f} GiB" if first.memory_limit_bytes else ""
     effective = first.memory_limit_effective_bytes
@@ -71,15 +103,7 @@ def run(settings: dict, methods: tuple[str, ...], out: OutOpt = None, phases: Ph
         limit += f" (ran at {effective / 2**30:.2f})"
     threads = f", {first.num_threads} thread(s)" if first.num_threads else ""
     point, notes = point_title(rows)
-    title = f"{point}{limit}\n{first.device_name} ({first.memory_source}{threads})"
-    print_table(console, results_table(rows, title, notes))
-    if phases:
-        print_phases(console, rows)
-    for row in rows:
-        if row.error:
-            console.print(f"{row.method}: {row.status}: {row.error}", highlight=False, soft_wrap=True)
-    console.print(written_line(rows, earlier, out), highlight=False, soft_wrap=True)
-    fail_if(any(row.status in ("error", "timeout") for row in rows))
+    return f"{point}{limit}\n{first.device_name} ({first.memory_source}{threads})", notes
 
 
 def print_phases(console: Console, rows: list[ResultRow]) -> None:
@@ -91,6 +115,34 @@ def print_phases(console: Console, rows: list[ResultRow]) -> None:
         print_table(console, phase_table(row))
     if not timed:
         console.print("no phase times: they come with streambp points that ran timed steps (--repeats 1 or more)")
+
+
+def check_timeline(specs: list[RunSpec]) -> None:
+    """A timeline records one process's step: refuse several ranks before anything runs."""
+    from ..config import ConfigError
+
+    if specs[0].nproc > 1:
+        raise ConfigError("nproc", "--timeline records one process's step: give --nproc 1")
+
+
+def print_timelines(console: Console, specs: list[RunSpec], rows: list[ResultRow], out: Path) -> None:
+    """Per row with a timeline: its prediction saved beside it, and the peak's breakdown beside the
+    prediction's (cli/timeline_table.py)."""
+    from ..runner.timelines import measured_and_predicted, predict_beside
+    from .timeline_table import timeline_table
+
+    for spec, row in zip(specs, rows):
+        if not row.timeline_file:
+            console.print(f"{row.method}: no timeline ({row.status}: {row.error or 'not recorded'})", highlight=False)
+            continue
+        console.print(f"predicting {row.method}'s timeline on fake tensors ...", highlight=False)
+        made = predict_beside(spec, row, out)
+        if isinstance(made, str):
+            console.print(f"{row.method}: no prediction ({made})", highlight=False, soft_wrap=True)
+        with user_errors():
+            measured, predicted = measured_and_predicted(row, out.parent)
+        print_table(console, timeline_table(row, measured, predicted))
+        console.print(f"timeline: {out.parent / row.timeline_file}", highlight=False, soft_wrap=True)
 
 
 def interrupted_line(rows: list[ResultRow], specs: list[RunSpec], out: Path) -> str:

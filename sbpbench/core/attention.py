@@ -38,6 +38,7 @@ from transformers import AttentionInterface
 from .chunk_kernels import ChunkCall
 from .kernel_choice import run_chunk
 from .layout import ChunkPlan, SequenceLayout, window_start
+from .memory_kinds import KV_BUFFERS, allocating
 
 ATTENTION_NAME = "sbp_stream"  # must not contain "flash": transformers treats such names as hub kernels
 STATE_KWARG = "sbp_stream_state"
@@ -70,8 +71,9 @@ class KVBuffer:
         """Write the chunk's (B, kv_heads, c, head_dim) keys/values; return the chunk's end."""
         if self.keys is None:
             batch, kv_heads, _, head_dim = key.shape
-            self.keys = key.new_empty(batch, kv_heads, self.seq_len, head_dim)
-            self.values = value.new_empty(batch, kv_heads, self.seq_len, value.shape[-1])
+            with allocating(KV_BUFFERS):
+                self.keys = key.new_empty(batch, kv_heads, self.seq_len, head_dim)
+                self.values = value.new_empty(batch, kv_heads, self.seq_len, value.shape[-1])
         end = self.start + key.shape[2]
         self.keys[:, :, self.start : end] = key
         self.values[:, :, self.start : end] = value

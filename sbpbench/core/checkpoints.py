@@ -26,6 +26,7 @@ from .adapters import DecoderParts
 from .attention import STATE_KWARG, KVBuffer
 from .chunking import chunk_bounds, chunk_kwargs
 from .layout import SequenceLayout
+from .memory_kinds import CHECKPOINTS, allocating
 from .placement import CheckpointStore, Placement
 
 
@@ -145,7 +146,8 @@ def chunked_layer_forward(
     the pass made. Call it without grad."""
     seq_len = hidden_states.shape[1]
     buffer = KVBuffer(seq_len=seq_len, attend=True, layout=layout)
-    output = torch.empty_like(hidden_states)  # becomes X_{l+1}
+    with allocating(CHECKPOINTS):
+        output = torch.empty_like(hidden_states)  # becomes X_{l+1}
     for start, end in chunk_bounds(seq_len, chunk_size):
         buffer.start = start
         chunk = forward(hidden_states[:, start:end], **chunk_kwargs(kwargs, start, end), **{STATE_KWARG: buffer})

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from .memory_kinds import GRADIENTS, allocating
+
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
@@ -36,7 +38,8 @@ class ChunkGradAccumulator:
                 continue
             total = self._sums.get(id(p))
             if total is None:
-                self._sums[id(p)] = p.grad.float()
+                with allocating(GRADIENTS):
+                    self._sums[id(p)] = p.grad.float()
             else:
                 total.add_(p.grad)
             p.grad = None
@@ -49,7 +52,8 @@ class ChunkGradAccumulator:
         self.collect()
         for p in self._low:
             if id(p) in self._sums:
-                self._sums[id(p)] = self._sums[id(p)].to(p.dtype)
+                with allocating(GRADIENTS):
+                    self._sums[id(p)] = self._sums[id(p)].to(p.dtype)
 
     def finish(self) -> None:
         self.collect()
@@ -58,8 +62,7 @@ class ChunkGradAccumulator:
             saved = self._saved.pop(id(p))
             if total is None:
                 p.grad = saved
-            elif saved is None:
-                p.grad = total.to(p.dtype)
-            else:
-                p.grad = saved.add_(total.to(p.dtype))
+                continue
+            with allocating(GRADIENTS):
+                p.grad = total.to(p.dtype) if saved is None else saved.add_(total.to(p.dtype))
         self._low = []  # done: a second finish() is a no-op

@@ -19,6 +19,7 @@ from .adapters import DecoderParts
 from .chunking import chunk_bounds
 from .grad_accum import ChunkGradAccumulator
 from .labels import loss_dtype
+from .memory_kinds import LOGITS, allocating
 from .objectives import Objective
 
 
@@ -46,7 +47,8 @@ def sequence_sums(objective: Objective, logits_of, seq_len: int, chunk_size: int
     logits_of(start, end): the (B, c, V) logits of a chunk; dtype: the hidden states' dtype."""
     sums = None
     for start, end in counted_chunks(seq_len, chunk_size, objective):
-        part = objective.sequence_sums(logits_of(start, end), start, end)
+        with allocating(LOGITS):
+            part = objective.sequence_sums(logits_of(start, end), start, end)
         sums = part if sums is None else sums + part
     if sums is None:  # nothing counted: the sums over no positions
         empty = torch.zeros(objective.labels.shape[0], 0, dtype=loss_dtype(dtype), device=objective.labels.device)
@@ -75,9 +77,10 @@ def head_backward(
     total = torch.zeros((), dtype=loss_dtype(last_hidden.dtype), device=last_hidden.device)
     for start, end in counted_chunks(seq_len, chunk_size, objective):
         hidden = last_hidden[:, start:end].detach().requires_grad_()
-        with torch.enable_grad():
-            part = objective.chunk_loss(_chunk_logits(parts, hidden, call), start, end)
-        part.backward()
+        with allocating(LOGITS):
+            with torch.enable_grad():
+                part = objective.chunk_loss(_chunk_logits(parts, hidden, call), start, end)
+            part.backward()
         grad_hidden[:, start:end] = hidden.grad
         total += part.detach()
         accumulator.collect()

@@ -2,11 +2,13 @@
 
 The estimator follows a step's phases and attention state (simulate/), the runner counts the
 checkpoint stores and the chunk kernels that ran (runner/point.py), and the peers reuse the
-chunked head and the model's parts (methods/). Those are internals: they may change with the algorithm. Naming them here, in one
+chunked head and the model's parts (methods/), and the memory timeline listens to the kinds of
+the bytes the core allocates (memory_kinds). Those are internals: they may change with the algorithm. Naming them here, in one
 list, keeps that use explicit. tests/unit/test_layers.py refuses any other import of a core submodule
 from outside core.
 """
 
+from . import memory_kinds
 from .adapters import check_no_attention_dropout, resolve_parts, trainable, unwrap_model
 from .attention import ATTENTION_NAME, STATE_KWARG, ChunkState, KVBuffer, force_cuda_branch
 from .checkpoints import forwards_wrapped
@@ -31,6 +33,7 @@ __all__ = [
     "forwards_wrapped",
     "kernel_timing",
     "loss_dtype",
+    "memory_kinds",
     "observe_chunk_kernels",
     "observe_stores",
     "resolve_parts",

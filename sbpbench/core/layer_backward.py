@@ -26,6 +26,7 @@ from .chunking import chunk_bounds, chunk_kwargs
 from .grad_accum import ChunkGradAccumulator
 from .kv_capture import Projection, key_value_projection
 from .layout import SequenceLayout
+from .memory_kinds import KV_GRAD_SUMS, allocating
 from .phases import CHUNK_BACKWARD, CHUNK_FORWARD, KV_CAPTURE, PhaseTimer, timed
 
 
@@ -79,8 +80,9 @@ def layer_backward(
         capture = _capture_keys_values(call, layer_input, kwargs, chunks, project)
         keys, values, window = capture.keys, capture.values, capture.sliding_window  # (B, kv, T, h) each
         acc_dtype = torch.promote_types(keys.dtype, torch.float32)  # dK/dV sum over later chunks
-        grad_keys = torch.zeros_like(keys, dtype=acc_dtype)  # (B, kv, T, h), fp32 (fp64 for an fp64 model)
-        grad_values = torch.zeros_like(values, dtype=acc_dtype)  # (B, kv, T, h)
+        with allocating(KV_GRAD_SUMS):
+            grad_keys = torch.zeros_like(keys, dtype=acc_dtype)  # (B, kv, T, h), fp32 (fp64 for an fp64 model)
+            grad_values = torch.zeros_like(values, dtype=acc_dtype)  # (B, kv, T, h)
     accumulator = ChunkGradAccumulator(list(layer.parameters()), fp32_grad_accumulation)
 
     for start, end in reversed(chunks):  # last chunk first: its dK/dV from later chunks are complete

@@ -21,7 +21,7 @@ achieved TFLOP/s beside each (tests/exactness/test_phases.py checks that they ag
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 
@@ -96,10 +96,13 @@ class PhaseTimer:
     """timer = PhaseTimer(); stream_backward(..., timer=timer); ...; times = timer.resolve().
 
     One timer per step. calls: the CUDA runtime as the timer uses it (cuda_calls.py); tests pass a
-    recording stand-in."""
+    recording stand-in. on_phase(name): called as the compute stream enters a phase and as it
+    leaves one, with the innermost phase open on it then (None: none), so a memory recorder can
+    mark where the step is (side-stream phases are not its)."""
 
-    def __init__(self, calls: CudaCalls = CUDA_CALLS):
+    def __init__(self, calls: CudaCalls = CUDA_CALLS, on_phase: Callable[[str | None], None] | None = None):
         self._calls = calls
+        self._on_phase = on_phase
         self._clock: _HostClock | _EventClock | None = None
         self._compute = None  # the stream the step runs on (None on a CPU)
         self._open: dict[int, _Open] = {}  # stream key -> its open phases
@@ -138,12 +141,17 @@ class PhaseTimer:
             self._segments.append((state.names[-1], state.since, mark, on_compute))
         state.names.append(name)
         state.since = mark
+        tell = self._on_phase if on_compute else None
+        if tell is not None:
+            tell(name)
         try:
             yield
         finally:
             mark = self._clock.mark(stream)
             self._segments.append((state.names.pop(), state.since, mark, on_compute))
             state.since = mark  # the enclosing phase, if any, resumes here
+            if tell is not None:
+                tell(state.names[-1] if state.names else None)
 
     def resolve(self) -> PhaseTimes:
         """The step's PhaseTimes; the first call synchronises the device once (CUDA), later ones

@@ -33,6 +33,7 @@ import torch
 
 from .cuda_calls import CUDA_CALLS, CudaCalls
 from .host_pool import HostBuffer
+from .memory_kinds import CHECKPOINTS, allocating, note
 from .phases import COPY_WAITS, HOST_COPIES, PhaseTimer, timed
 
 PLACEMENTS = ("gpu", "cpu", "recompute:K", "cpu+recompute:K", "cpu+recompute:K+spill")  # K: a positive integer
@@ -152,6 +153,7 @@ class CheckpointStore:
         (rebuilt later)."""
         if not self.placement.kept(index):
             return
+        note(CHECKPOINTS, layer_input)  # X_0 is the embedding's output, made before the pass could say
         if not self.placement.offload:
             self._device[index] = layer_input
         else:
@@ -162,7 +164,7 @@ class CheckpointStore:
         """Keep a host copy of X_index: pinned and copied on the side stream on CUDA."""
         if _shapes_only:
             self._host[index] = _HostShape(layer_input.shape, layer_input.dtype, layer_input.nbytes)
-        elif self._calls.overlaps(layer_input.device):
+        elif self._calls.overlaps(layer_input.device):  # host memory: no device allocation to tell of
             calls, side = self._calls, self._side_stream(layer_input.device)
             self.pins_host_memory = True
             buffer, seconds = calls.pool.take(layer_input.nbytes)
@@ -175,7 +177,7 @@ class CheckpointStore:
             calls.record_stream(layer_input, side)  # its memory is not reused before the copy is done
             self._host[index] = host
         else:
-            with timed(self.timer, HOST_COPIES):
+            with timed(self.timer, HOST_COPIES), allocating(CHECKPOINTS):  # on a CPU: in the memory counted
                 self._host[index] = layer_input.to("cpu", copy=True)  # an ordinary copy off a GPU
         self.host_bytes += layer_input.nbytes
         self.transfer_bytes += layer_input.nbytes
@@ -192,6 +194,13 @@ class CheckpointStore:
             return
         host = self._host[index]
         self.transfer_bytes += host.nbytes
+        with allocating(CHECKPOINTS):
+            target = self._bring_back(index, host, device)
+        self._device[index] = target
+        self._count()
+
+    def _bring_back(self, index: int, host, device: torch.device) -> torch.Tensor:
+        """A device copy of the host copy of X_index, on its way (a side stream on CUDA)."""
         if _shapes_only:
             target = torch.empty(host.shape, dtype=host.dtype, device=device)
         elif self._calls.overlaps(device):
@@ -210,8 +219,7 @@ class CheckpointStore:
         else:
             with timed(self.timer, HOST_COPIES):
                 target = host.to(device, copy=True)
-        self._device[index] = target
-        self._count()
+        return target
 
     def get(self, index: int, device: torch.device) -> torch.Tensor:
         """X_index on `device`. The first get of a segment [s, s + K) (its last layer) brings X_s

@@ -11,6 +11,10 @@ step's to rounding. StreamBPStep sits just above `Trainer` in each trainer's MRO
 (`class StreamBPSFTTrainer(StreamBPInit, SFTTrainer, StreamBPStep)`): TRL's own `training_step`
 wrappers (GRPO's `_step` counter and step timing) still run and call this step in place of Trainer's.
 
+Each logged loss comes with what ran (`streambp/...` keys in the trainer's log: chunk sizes, placement,
+the chunk attention kernel, the peak memory of the steps since the last log), so a user sees StreamBP
+engaged in their logs. The keys are flat scalars and strings, which every logging integration takes.
+
 Under DeepSpeed the step takes Accelerate's engine, as `accelerator.backward` does (the accumulation
 boundary set, `engine.step()` at it, gradients not divided again by the accumulation steps); under
 FSDP2 the model Accelerate prepared. What the core cannot do is refused at construction
@@ -19,6 +23,8 @@ FSDP2 the model Accelerate prepared. What the core cannot do is refused at const
 
 from __future__ import annotations
 
+import resource
+import sys
 import warnings
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -30,7 +36,7 @@ from transformers import Trainer
 from transformers.training_args import OptimizerNames
 
 from ..core import SFT, Objective, stream_backward
-from ..core.internal import check_no_attention_dropout, resolve_parts
+from ..core.internal import check_no_attention_dropout, observe_chunk_kernels, resolve_parts
 from .config import StreamBPConfig
 from .token_outputs import TokenRecorder
 
@@ -96,7 +102,10 @@ class StreamBPStep(Trainer):
             engine = self.accelerator.deepspeed_engine_wrapped.engine
             engine.set_gradient_accumulation_boundary(is_boundary=self.accelerator.sync_gradients)
         config = self.streambp
-        with self.accelerator.autocast():  # the autocast Accelerate wraps the model's forward in, if any
+        device = batch.input_ids.device
+        if device.type == "cuda" and self.args.skip_memory_metrics:  # else the Trainer's own tracker owns the peak
+            torch.cuda.reset_peak_memory_stats(device)
+        with self.accelerator.autocast(), observe_chunk_kernels() as kernels:  # autocast: as Accelerate's forward
             loss = stream_backward(
                 engine if engine is not None else model,
                 batch.input_ids,
@@ -110,7 +119,32 @@ class StreamBPStep(Trainer):
             )
         if engine is not None and self.accelerator.sync_gradients:
             engine.step()
+        self._note_what_ran(device, kernels)
         return loss
+
+    def _note_what_ran(self, device: torch.device, kernels: set[str]) -> None:
+        """What the step ran, for the next log (`log`): the peak is the highest since the last log."""
+        config, ran = self.streambp, getattr(self, "_streambp_ran", None) or {}
+        if device.type == "cuda":
+            peak = ("streambp/peak_allocated_gib", torch.cuda.max_memory_allocated(device) / 2**30)
+        else:  # the process's peak resident set (getrusage: kB on Linux, bytes on macOS)
+            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+            peak = ("streambp/peak_rss_gib", rss / 2**30)
+        self._streambp_ran = {
+            "streambp/chunk_size": config.chunk_size,
+            "streambp/logits_chunk_size": config.logits_chunk_size,
+            "streambp/checkpoints": config.checkpoints.name,
+            "streambp/chunk_attention": "+".join(sorted(kernels)) or ran.get("streambp/chunk_attention", ""),
+            peak[0]: round(max(peak[1], ran.get(peak[0], 0.0)), 3),
+        }
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """The stock log, and with a training loss what the StreamBP steps since the last log ran."""
+        ran = getattr(self, "_streambp_ran", None)
+        if ran and "loss" in logs:
+            logs.update(ran)
+            self._streambp_ran = None
+        super().log(logs, start_time)
 
     def streamed_batch(self, inputs: Mapping[str, Any], num_items_in_batch) -> StreamedBatch:
         """A causal-LM batch (Trainer, SFTTrainer): the SFT objective on its labels, normalised as

@@ -47,3 +47,15 @@ def total_ram_bytes() -> int:
     import os
 
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+_STATM = Path("/proc/self/statm")
+_PAGE_BYTES = resource.getpagesize()
+
+
+def rss_bytes() -> int | None:
+    """The process's resident set now (Linux: /proc/self/statm, one read); None where unreadable."""
+    try:
+        return int(_STATM.read_text().split()[1]) * _PAGE_BYTES
+    except (OSError, IndexError, ValueError):
+        return None

@@ -10,6 +10,11 @@ Deterministic for a given program, which is why tests may assert ratios of it.
 With `limit_bytes`, an op that takes the live bytes over the limit raises TrackedOutOfMemoryError
 right after it runs: the CPU stand-in for a CUDA out-of-memory error on a smaller device.
 
+Each storage is counted under a kind (`kind_bytes`; `peak_kinds` at the peak): `kind_of_new` when
+it is made, or the kind a `note` gives it later (measure/memory_timeline.py names the kinds; a
+memory timeline sets them from the step's phase and StreamBP's own seam, core/memory_kinds.py, whose
+listener the tracker is: `begin`, `end`, `note`). Left alone, everything is "intermediates".
+
 A storage resized in place (`untyped_storage().resize_()`, which FSDP2 uses to free and re-allocate
 an unsharded parameter between uses) bypasses the dispatcher; `resized(storage)` counts its new size,
 and `counting_fsdp_resizes(tracker)` reports FSDP2's resizes to the tracker while it is active.
@@ -18,12 +23,15 @@ and `counting_fsdp_resizes(tracker)` reports FSDP2's resizes to the tracker whil
 from __future__ import annotations
 
 import weakref
+from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from .memory_timeline import INTERMEDIATES
 
 
 def _tensors(values) -> list[torch.Tensor]:
@@ -76,11 +84,45 @@ class LiveTensorTracker(TorchDispatchMode):
         self.largest = Allocation(0, 0, "")
         self._refs: dict[int, weakref.ref] = {}
         self._counted: dict[int, int] = {}  # storage id -> bytes counted for it now
+        self._kinds: dict[int, str] = {}  # storage id -> its kind
+        self.kind_bytes: dict[str, int] = defaultdict(int)  # live bytes per kind
+        self.peak_kinds: dict[str, int] = {}  # kind_bytes when the peak was set
+        self.kind_of_new = INTERMEDIATES  # the kind a storage made now is counted under
+        self._phase_kind = INTERMEDIATES  # kind_of_new outside any `begin` block
+        self._explicit: str | None = None  # the kind of the innermost `begin` block
 
     def reset_peak(self) -> None:
         """Start a new peak from the bytes live now (as torch.cuda.reset_peak_memory_stats)."""
         self.peak_bytes = self.live_bytes
+        self.peak_kinds = {k: v for k, v in self.kind_bytes.items() if v}
         self.largest = Allocation(0, 0, "")
+
+    # -- kinds: core/memory_kinds.py's listener, and the phase's default -------------------------
+
+    def begin(self, kind: str) -> str | None:
+        previous, self._explicit = self._explicit, kind
+        self.kind_of_new = kind
+        return previous
+
+    def end(self, previous: str | None) -> None:
+        self._explicit = previous
+        self.kind_of_new = previous or self._phase_kind
+
+    def set_phase_kind(self, kind: str) -> None:
+        """What storages made outside a `begin` block are (a step's head: logits; else intermediates)."""
+        self._phase_kind = kind
+        self.kind_of_new = self._explicit or kind
+
+    def note(self, kind: str, tensors) -> None:
+        """Count these tensors' storages under `kind` from now on (storages made before the tracker: no change)."""
+        for tensor in tensors:
+            key = id(_plain(tensor).untyped_storage())
+            old = self._kinds.get(key)
+            if old is not None and old != kind:
+                nbytes = self._counted[key]
+                self.kind_bytes[old] -= nbytes
+                self.kind_bytes[kind] += nbytes
+                self._kinds[key] = kind
 
     def _rounded(self, nbytes: int) -> int:
         g = self.granularity_bytes
@@ -88,16 +130,23 @@ class LiveTensorTracker(TorchDispatchMode):
 
     def _forget(self, key: int, _ref=None) -> None:
         if self._refs.pop(key, None) is not None:
-            self.live_bytes -= self._counted.pop(key)
+            nbytes = self._counted.pop(key)
+            self.live_bytes -= nbytes
+            self.kind_bytes[self._kinds.pop(key)] -= nbytes
 
     def _count(self, storage, key: int, nbytes: int) -> None:
         rounded = self._rounded(nbytes)
         if key not in self._refs:
             self._refs[key] = weakref.ref(storage, lambda ref, k=key: self._forget(k, ref))
             self._counted[key] = 0
-        self.live_bytes += rounded - self._counted[key]
+            self._kinds[key] = self.kind_of_new
+        change = rounded - self._counted[key]
+        self.live_bytes += change
+        self.kind_bytes[self._kinds[key]] += change
         self._counted[key] = rounded
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        if self.live_bytes > self.peak_bytes:
+            self.peak_bytes = self.live_bytes
+            self.peak_kinds = dict(self.kind_bytes)
 
     def _track(self, tensor: torch.Tensor, op) -> None:
         """Count tensor's storage if new; op: the aten op that made it (named only when it is the

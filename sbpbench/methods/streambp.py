@@ -8,7 +8,7 @@ LayerProgress) to every StreamBP step run inside it, and `timing_phases()` gives
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 
@@ -19,6 +19,7 @@ from ..data import Batch
 
 _PROGRESS: ContextVar[LayerProgress | None] = ContextVar("streambp_progress", default=None)
 _TIMERS: ContextVar[list[PhaseTimer] | None] = ContextVar("streambp_timers", default=None)
+_ON_PHASE: ContextVar[Callable[[str | None], None] | None] = ContextVar("streambp_on_phase", default=None)
 
 
 @contextmanager
@@ -32,22 +33,24 @@ def reporting_progress(callback: LayerProgress | None) -> Iterator[None]:
 
 
 @contextmanager
-def timing_phases() -> Iterator[list[PhaseTimer]]:
+def timing_phases(on_phase: Callable[[str | None], None] | None = None) -> Iterator[list[PhaseTimer]]:
     """Each StreamBP step run inside gets a PhaseTimer, appended to the yielded list in step order;
-    the caller resolves them after the steps (on CUDA each resolve synchronises the device)."""
+    the caller resolves them after the steps (on CUDA each resolve synchronises the device).
+    on_phase: told each phase the step enters and leaves (PhaseTimer's), e.g. a memory recorder."""
     timers: list[PhaseTimer] = []
-    token = _TIMERS.set(timers)
+    token, told = _TIMERS.set(timers), _ON_PHASE.set(on_phase)
     try:
         yield timers
     finally:
         _TIMERS.reset(token)
+        _ON_PHASE.reset(told)
 
 
 def streambp(model, batch: Batch, settings) -> torch.Tensor:
     timers = _TIMERS.get()
     timer = None
     if timers is not None:
-        timer = PhaseTimer()
+        timer = PhaseTimer(on_phase=_ON_PHASE.get())
         timers.append(timer)
     return stream_backward(
         model,

@@ -17,6 +17,7 @@ from .maxlen import max_seq_len_bars
 from .memory import memory_vs_seq
 from .peers import max_len_vs_time_per_token
 from .predicted import measured_on_predicted
+from .timeline import memory_timelines
 from .timing import time_per_sample_vs_batch, time_vs_seq
 
 FIGURES = (
@@ -26,6 +27,7 @@ FIGURES = (
     time_per_sample_vs_batch,
     max_len_vs_time_per_token,
     measured_on_predicted,
+    memory_timelines,
 )
 
 
@@ -52,6 +54,7 @@ __all__ = [
     "max_len_vs_time_per_token",
     "max_seq_len_bars",
     "measured_on_predicted",
+    "memory_timelines",
     "memory_vs_seq",
     "plot_all",
     "time_per_sample_vs_batch",

@@ -58,6 +58,9 @@ read back with the new columns empty):
   12 seed_seq_len (the predicted max T a max-length search started from) and search_probes (every
      answer the search used, in order: "61440:ok 62464:oom", "(cached)" after one it did not run).
      Older maxlen rows read back with both empty (blind searches, probes not recorded).
+  13 timeline_file: the measured step's memory timeline (`sbp run --timeline`: a JSON file, its
+     prediction and on a GPU PyTorch's raw memory snapshot beside it), relative to the CSV's
+     directory (runner/timelines.py). Not a key column. Older rows read back with it empty (none).
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ from dataclasses import asdict, dataclass, fields
 
 from ..settings import METHOD_KNOBS, SETTINGS
 
-SCHEMA_VERSION = 12
+SCHEMA_VERSION = 13
 
 # skipped: not run because a point of the same settings with no longer sequence and no larger batch
 # already ran out of memory (certain OOM: plots and reports draw it as an OOM) or timed out (certain
@@ -158,6 +161,7 @@ class ResultRow:
     host_register_s: float | None = None  # the first step's page-locking of host buffers (schema 7); empty: none pinned
     peak_phase: str = ""  # simulated: where in the step the peak happens (e.g. "backward, layer 3")
     margin_bytes: int | None = None  # simulated: CUDA context + allocator fragmentation, not in the peak
+    timeline_file: str = ""  # the memory step's timeline (sbp run --timeline), relative to the CSV's directory
     # time: warm-up discarded, synchronised, `repeats` timed steps
     time_median_s: float | None = None
     time_min_s: float | None = None

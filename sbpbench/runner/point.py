@@ -31,6 +31,10 @@ the memory step without one) and reuses them after (core/host_pool.py): host_reg
 first step's registration, which no timed step pays.
 A step that runs past a few seconds prints "layer i of L" lines to stderr (measure/progress.py;
 StreamBP steps only: bp and ckpt are transformers' own backward, with no per-layer callback).
+With a timeline folder (`sbp run --timeline`; runner/timelines.py) the memory step is also recorded
+as a memory timeline, the tracker's on the CPU (measure/tracked_timeline.py), PyTorch's memory
+history on a GPU (measure/cuda_timeline.py), marked with the step's phases and kinds
+(methods/memory_marks.py); an OOM step keeps what it recorded.
 With spec.nproc > 1 this process is one rank (runner/ranks.py): the model is sharded with FSDP2,
 the batch is the rank's own, and on the CPU the tracker also counts FSDP2's in-place resizes of
 the gathered parameters' storages; the parent merges the ranks' rows.
@@ -41,12 +45,15 @@ from __future__ import annotations
 import traceback
 from collections.abc import Callable
 from contextlib import nullcontext
+from pathlib import Path
 
 import torch
 
 from ..config import RunSpec
 from ..core.internal import LOWER_RIGHT, kernel_timing, observe_chunk_kernels, observe_stores, set_choice_cache
 from ..measure.cuda_memory import NvmlPeakSampler, nvml_handle, start_cuda
+from ..measure.cuda_timeline import CUDA_MEMORY, CudaMemoryCalls, CudaTimeline
+from ..measure.cuda_timeline import ROUNDING as CUDA_ROUNDING
 from ..measure.flops import training_flops
 from ..measure.host_memory import peak_rss_bytes, reset_peak_rss, total_ram_bytes
 from ..measure.kernel_cache import JsonChoiceCache
@@ -56,6 +63,7 @@ from ..measure.sdpa import RecordingSdpaBackends, forcing_sdpa_backend, is_no_ke
 from ..measure.tensor_tracker import LiveTensorTracker, TrackedOutOfMemoryError, counting_fsdp_resizes
 from ..measure.threads import load_average_1m, set_intra_op_threads
 from ..measure.timing import time_steps
+from ..measure.tracked_timeline import TrackedTimeline
 from ..methods import MethodUnsupported
 from ..methods.step import TrainingStep, storage_bytes
 from ..methods.streambp import reporting_progress, timing_phases
@@ -63,7 +71,8 @@ from ..records import ResultRow, one_line
 from ..records.schema import phase_column
 from ..workload.build import build_model_and_batch, training_step
 from ..workload.rows import spec_fields
-from . import ranks
+from ..workload.timeline import resident_kinds
+from . import ranks, timelines
 from .allocator import allocator_setting
 
 _HOST_OOM_MESSAGES = ("can't allocate memory", "out of memory")
@@ -121,7 +130,11 @@ def start_cuda_point(spec: RunSpec, row: ResultRow, device: torch.device) -> Non
 
 
 def _measure_cpu(
-    spec: RunSpec, step: TrainingStep, row: ResultRow, prepare: Callable[[str], None]
+    spec: RunSpec,
+    step: TrainingStep,
+    row: ResultRow,
+    prepare: Callable[[str], None],
+    timeline_dir: Path | None = None,
 ) -> Callable[[], None]:
     prepare("memory step")
     resident = storage_bytes(step.resident_tensors())
@@ -130,19 +143,28 @@ def _measure_cpu(
         raise TrackedOutOfMemoryError(f"weights, gradients and batch take {resident:,} B, over the limit of {cap:,} B")
     limit = None if cap is None else cap - resident
     row.baseline_bytes = resident
-    tracker = LiveTensorTracker(limit_bytes=limit)
+    recorder = TrackedTimeline(resident_kinds(step), limit_bytes=limit) if timeline_dir else None
+    assert recorder is None or recorder.baseline_bytes == resident, "the resident kinds are the baseline"
+    tracker = recorder or LiveTensorTracker(limit_bytes=limit)
+    marks = timelines.marked(recorder, step) if recorder else nullcontext()
     reset_peak_rss()
     stores, kernels, chunk_kernels = [], RecordingSdpaBackends(), set()
+    error = None
     try:
         resizes = counting_fsdp_resizes(tracker) if spec.nproc > 1 else nullcontext()
-        with tracker, resizes, observe_stores() as stores, kernels, observe_chunk_kernels() as chunk_kernels:
+        with marks, tracker, resizes, observe_stores() as stores, kernels, observe_chunk_kernels() as chunk_kernels:
             row.loss = float(step.run())
+    except BaseException as failed:
+        error = failed
+        raise
     finally:  # an OOM row still says how far the step got
         row.attention_kernel = kernel_names(kernels, chunk_kernels)
         _record_stores(row, stores)
         row.cpu_peak_rss_bytes = peak_rss_bytes()
         row.peak_allocated_bytes = resident + tracker.peak_bytes
         row.activation_peak_bytes = tracker.peak_bytes
+        if recorder is not None:  # what ran, up to an OOM
+            timelines.save_cpu(recorder, spec, row, timeline_dir, timelines.status_of(error, is_out_of_memory))
     for i in range(1, spec.warmup + 1):
         prepare(f"warm-up {i} of {spec.warmup}")
         step.run()
@@ -163,7 +185,13 @@ def _record_stores(row: ResultRow, stores) -> None:
 
 
 def _measure_cuda(
-    spec: RunSpec, step: TrainingStep, row: ResultRow, device: torch.device, prepare: Callable[[str], None]
+    spec: RunSpec,
+    step: TrainingStep,
+    row: ResultRow,
+    device: torch.device,
+    prepare: Callable[[str], None],
+    timeline_dir: Path | None = None,
+    memory_calls: CudaMemoryCalls = CUDA_MEMORY,
 ) -> Callable[[], None]:
     """Warm-up, then the memory step. A memory-only probe needs no warm-up for its peak:
     max_memory_allocated counts live tensors, and what a first step creates lazily and keeps
@@ -171,7 +199,9 @@ def _measure_cuda(
     is then allocated early inside the measured step and still counted at its peak, instead of
     sitting in the baseline; the peak is the same, activation_peak_bytes (peak - baseline) grows
     by the workspaces (a few MiB to tens of MiB) and peak_reserved_bytes may differ (no cached
-    segments to reuse). The warm-up matters for timing, which a probe does not do."""
+    segments to reuse). The warm-up matters for timing, which a probe does not do.
+    timeline_dir: record PyTorch's memory history of the memory step into a timeline there
+    (runner/timelines.py); memory_calls: torch.cuda.memory as the recorder calls it (tests: a stand-in)."""
 
     def synchronize() -> None:
         torch.cuda.synchronize(device)
@@ -185,12 +215,27 @@ def _measure_cuda(
     row.baseline_bytes = torch.cuda.memory_allocated(device)
     reset_peak_rss()
     sampler = NvmlPeakSampler(nvml_handle(device))
+    recorder = CudaTimeline(device, resident_kinds(step, CUDA_ROUNDING), calls=memory_calls) if timeline_dir else None
+    history = nullcontext() if recorder is None else recorder
+    marks = nullcontext() if recorder is None else timelines.marked(recorder, step)
     stores, kernels, chunk_kernels = [], RecordingSdpaBackends(), set()
+    error = None
     try:
         chunks = observe_chunk_kernels()
-        with sampler, observe_stores() as stores, kernels, chunks as chunk_kernels, kernel_timing(False):
+        with (
+            sampler,
+            history,
+            marks,
+            observe_stores() as stores,
+            kernels,
+            chunks as chunk_kernels,
+            kernel_timing(False),
+        ):
             row.loss = float(step.run())
             synchronize()
+    except BaseException as failed:
+        error = failed
+        raise
     finally:  # an OOM row still says how far the step got
         row.attention_kernel = kernel_names(kernels, chunk_kernels)
         _record_stores(row, stores)
@@ -199,19 +244,22 @@ def _measure_cuda(
         row.activation_peak_bytes = row.peak_allocated_bytes - row.baseline_bytes
         row.nvml_peak_used_bytes = sampler.peak_bytes
         row.cpu_peak_rss_bytes = peak_rss_bytes()
+        if recorder is not None:  # what ran, up to an OOM; the raw snapshot beside it
+            timelines.save_cuda(recorder, spec, row, timeline_dir, timelines.status_of(error, is_out_of_memory))
     return synchronize
 
 
-def measure_point(spec: RunSpec) -> ResultRow:
-    """Measure one point in this process. Never raises for a failed step: the row says what happened."""
+def measure_point(spec: RunSpec, timeline_dir: str | Path | None = None) -> ResultRow:
+    """Measure one point in this process. Never raises for a failed step: the row says what happened.
+    timeline_dir: also record the memory step's timeline into this folder (runner/timelines.py)."""
     with observe_stores() as stores:  # each step's checkpoint store (streambp), the first step's first
-        row = _measure(spec)
+        row = _measure(spec, Path(timeline_dir) if timeline_dir else None)
     if stores and stores[0].pins_host_memory:
         row.host_register_s = stores[0].host_register_s
     return row
 
 
-def _measure(spec: RunSpec) -> ResultRow:
+def _measure(spec: RunSpec, timeline_dir: Path | None) -> ResultRow:
     row = ResultRow(**spec_fields(spec))
     row.load_avg_1m = load_average_1m()  # before this point adds its own threads to it
     row.num_threads = set_intra_op_threads(spec.threads)
@@ -237,9 +285,9 @@ def _measure(spec: RunSpec) -> ResultRow:
 
         with reporting_progress(progress), forcing_sdpa_backend(spec.sdpa_backend):
             if device.type == "cuda":
-                synchronize = _measure_cuda(spec, step, row, device, prepare)
+                synchronize = _measure_cuda(spec, step, row, device, prepare, timeline_dir)
             else:
-                synchronize = _measure_cpu(spec, step, row, prepare)
+                synchronize = _measure_cpu(spec, step, row, prepare, timeline_dir)
             timing, timers = None, []
             if spec.repeats:
                 timed = (f"timed step {i} of {spec.repeats}" for i in range(1, spec.repeats + 1))

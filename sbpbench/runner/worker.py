@@ -1,7 +1,8 @@
 """The worker process of one point: `python -m sbpbench.runner.worker RESULT.json < SPEC.json`, or
 `run_point` in a worker forked by the fork server (fork_server.py).
 
-Reads a RunSpec as JSON on stdin, measures it, and writes one JSON object (a ResultRow without
+Reads a RunSpec as JSON on stdin (`request_json`: with a "timeline_dir" member when the memory step's
+timeline is to be recorded there), measures it, and writes one JSON object (a ResultRow without
 provenance) to RESULT.json, atomically, so the parent never reads half a result. Model code may
 print to stdout/stderr freely: the result does not travel through them.
 """
@@ -20,6 +21,7 @@ from . import ranks
 from .point import measure_point
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+TIMELINE_DIR = "timeline_dir"
 
 
 def die_with_parent() -> None:
@@ -42,11 +44,20 @@ def main(argv: list[str]) -> int:
     return run_point(sys.stdin.read(), Path(argv[0]))
 
 
+def request_json(spec: RunSpec, timeline_dir: Path | None = None) -> str:
+    """What a worker reads: the spec's JSON, and where to record the timeline if one is wanted."""
+    if timeline_dir is None:
+        return spec.to_json()
+    return json.dumps({**json.loads(spec.to_json()), TIMELINE_DIR: str(Path(timeline_dir).resolve())})
+
+
 def run_point(spec_json: str, result_path: Path) -> int:
     """Measure the point and write its result; in a fresh worker (main) or a forked one (fork_server.py)."""
     die_with_parent()
-    spec = RunSpec.from_json(spec_json)
-    row = measure_point(spec)
+    values = json.loads(spec_json)
+    timeline_dir = values.pop(TIMELINE_DIR, None)
+    spec = RunSpec.from_json(json.dumps(values))
+    row = measure_point(spec, timeline_dir)
     tmp = result_path.with_name(result_path.name + ".tmp")
     tmp.write_text(json.dumps(row.as_dict()))
     os.replace(tmp, result_path)

@@ -32,13 +32,13 @@ from ..core.internal import observe_stores
 from ..measure.environment import capture_environment
 from ..measure.flops import training_flops
 from ..methods import MethodFn, MethodSettings, MethodUnsupported
+from ..methods.phase_labels import PhaseLabels
 from ..methods.step import storage_bytes
 from ..records import ResultRow, one_line
 from ..workload.rows import spec_fields
 from .cuda_attention import CudaAttention, hidden_buffers, streambp_cuda_branch
 from .fake_mode import build_fake_step
 from .memory_counter import CUDA_ALLOCATOR_ROUNDING, SimulatedMemory
-from .phases import PhaseLabels
 from .sharded import check_sharded_spec, per_rank, sharded_terms
 
 TARGETS = ("cuda", "cpu")
@@ -149,7 +149,7 @@ def simulate(
         # On a GPU the host copies are another memory; on the CPU they are in the same one, as the
         # tracker counts them: fake copies, so the counter sees them.
         stores = stack.enter_context(observe_stores(shapes_only=cuda))
-        stack.enter_context(counter.attached(step.model))
+        stack.enter_context(counter.attached(step))
         stack.enter_context(fake.mode)
         stack.enter_context(counter)
         if method is None:

@@ -1,7 +1,7 @@
 """Where in a step each op runs, and the memory then: the record T-extrapolation (length.py) fits.
 
 `InstantRecorder` is the simulator's counter (memory_counter.py) that also keeps, for every op:
-- its instant key (label, chunk, episode, ordinal): the phase label (phases.py); the StreamBP
+- its instant key (label, chunk, episode, ordinal): the phase label (methods/phase_labels.py); the StreamBP
   chunk the op belongs to, read from the state a decoder layer is called with (core/attention.py:
   its kind, capture / attend / grad, and its start, named "first" for the chunk at 0 and by its
   distance from the end of the sequence otherwise); the episode (how many
@@ -82,12 +82,12 @@ class InstantRecorder(SimulatedMemory):
         return (self._label, self._chunk, self._episode, self._ordinal)
 
     @contextmanager
-    def attached(self, model):
+    def attached(self, step):
         """Learn each StreamBP chunk as a decoder layer is called on it: each layer's forward is
         wrapped on the instance for the duration (the checkpoint pass, which calls the layers'
         forward chunk by chunk, wraps whatever is there and puts it back)."""
         try:
-            layers = resolve_parts(model).layers
+            layers = resolve_parts(step.model).layers
         except UnsupportedModelError:
             layers = []  # a family StreamBP does not run: no chunks to learn
         with forwards_wrapped(layers, lambda index, forward: self._watching(forward)):

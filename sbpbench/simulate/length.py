@@ -221,7 +221,7 @@ def _fit(samples: list[_Sample], seq_len: int, granularity: int) -> tuple[StepMe
 
 
 def _head_chunk(label: str) -> tuple[str, int]:
-    """("head chunk", k) of a "head chunk k" label (phases.py; or "head sums chunk"), ("", -1) for another."""
+    """("head chunk", k) of a "head chunk k" label (methods/phase_labels.py; or "head sums chunk"), ("", -1) for another."""
     match = HEAD_CHUNK.fullmatch(label)
     return (match.group(1), int(match.group(2))) if match else ("", -1)
 

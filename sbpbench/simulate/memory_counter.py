@@ -10,7 +10,8 @@ additions:
 - `hidden`: buffers a CUDA kernel allocates and frees inside one op, invisible to the dispatcher
   (cuda_attention.hidden_buffers), each rounded as a block and added to the live bytes for the
   duration of that op;
-- `phase`: a label set from outside (phases.py); `peak_phase` is the label when the peak was set.
+- `phase`: a label set from outside (methods/phase_labels.py); `peak_phase` is the label when the peak was set,
+  `peak_kinds` the live bytes by kind then (a kernel's hidden buffers among the intermediates).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ..measure.tensor_tracker import LiveTensorTracker
+from ..measure.tensor_tracker import INTERMEDIATES, LiveTensorTracker
 
 CUDA_ALLOCATOR_ROUNDING = 512  # c10/cuda/CUDACachingAllocator.cpp kMinBlockSize: every block is a multiple of 512 B
 
@@ -68,16 +69,22 @@ class SimulatedMemory(LiveTensorTracker):
         peak = self.peak_bytes
         out = super().__torch_dispatch__(func, types, args, kwargs)
         inside = self.hidden(func, args) if self.hidden is not None else []
-        now = self.live_bytes + sum(self._rounded(n) for n in inside)
-        self.peak_bytes = max(self.peak_bytes, now)
+        hidden = sum(self._rounded(n) for n in inside)
+        now = self.live_bytes + hidden
+        if now > self.peak_bytes:
+            self.peak_bytes = now
+            self.peak_kinds = dict(self.kind_bytes)
+            self.peak_kinds[INTERMEDIATES] = (
+                self.peak_kinds.get(INTERMEDIATES, 0) + hidden
+            )  # a kernel's own buffers: the op's intermediates
         if self.peak_bytes > peak:
             self.peak_phase = self.phase
         self.observe(func, now, inside)
         return out
 
-    def attached(self, model):
-        """A context the step on `model` runs in besides this mode (nothing here; the recorder of
-        instants.py watches StreamBP's chunks in it)."""
+    def attached(self, step):
+        """A context the step (methods/step.py) runs in besides this mode (nothing here; the
+        recorder of instants.py watches StreamBP's chunks in it, a timeline's marks the step)."""
         return nullcontext()
 
     def observe(self, func, live_bytes: int, inside: list[int]) -> None:

@@ -131,6 +131,7 @@ def _assert_same_training(stock, ours):
         assert error <= 1e-10, f"{name}: parameter update differs by {error:.3e} (relative)"
     assert len(logs) == len(stock_logs) == STEPS + 1
     for step, (theirs, mine) in enumerate(zip(stock_logs, logs)):
+        mine = {key: value for key, value in mine.items() if not key.startswith("streambp/")}  # what ran: ours only
         assert set(mine) == set(theirs), f"log {step}: keys {set(mine) ^ set(theirs)} differ"
         for key, value in theirs.items():
             if key not in TIMING_KEYS:
@@ -179,6 +180,22 @@ def test_trainer_matches_stock(tmp_path, layout):
     stock = _run_trainer(Trainer, tmp_path, collator)
     config = StreamBPConfig(chunk_size=5, logits_chunk_size=7)
     _assert_same_training(stock, _run_trainer(StreamBPTrainer, tmp_path, collator, streambp=config))
+
+
+def test_trainer_logs_what_streambp_ran(tmp_path):
+    """Each logged training loss comes with the chunk sizes, placement, chunk attention kernel and
+    peak memory of the StreamBP steps (tiny model, CPU); the run's closing summary has none."""
+    from sbpbench.integrations import StreamBPConfig, StreamBPTrainer
+
+    config = StreamBPConfig(chunk_size=5, logits_chunk_size=7, checkpoints="recompute:2")
+    _, logs = _run_trainer(StreamBPTrainer, tmp_path, _pad_collator, streambp=config)
+    training = [log for log in logs if "loss" in log]
+    assert len(training) == STEPS
+    for log in training:
+        assert log["streambp/chunk_size"] == 5 and log["streambp/logits_chunk_size"] == 7
+        assert log["streambp/checkpoints"] == "recompute:2" and log["streambp/chunk_attention"] == "lower-right"
+        assert log["streambp/peak_rss_gib"] > 0
+    assert not any(key.startswith("streambp/") for log in logs if "loss" not in log for key in log)
 
 
 # --- TRL's SFTTrainer --------------------------------------------------------------------------

@@ -165,6 +165,8 @@ SELECTIONS = {
     "plot/common.py::POINT_GROUP": "the columns a memory figure holds fixed",
     "plot/maxlen.py::MAXLEN_GROUP": "the columns a max-length figure holds fixed",
     "plot/predicted.py::SHARED": "the columns a measured-on-predicted figure holds fixed",
+    "plot/timeline.py::FIGURE_KEYS": "the columns a memory-timeline figure holds fixed",
+    "workload/timeline.py::POINT_COLUMNS": "the row columns a timeline file repeats",
     "workload/rows.py::spec_fields": "a spec's values as results columns, each converted for its column",
     "records/reference.py::REQUIRED_COLUMNS": "the paper's reference table's columns",
     "records/schema.py::KEY_COLUMNS": "a results row's key: columns, several of them not settings",

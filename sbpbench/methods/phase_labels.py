@@ -1,4 +1,4 @@
-"""Names for the part of a step that is running, so a simulated peak can say where it happened.
+"""Names for the part of a step that is running, so a peak (estimated or measured) can say where it was.
 
 Hooks on the model's parts (core.adapters.resolve_parts: embedding, decoder layers, lm_head) and
 on the optimizer set `counter.phase`; they allocate nothing, so the count is unchanged. Labels:
