@@ -86,7 +86,10 @@ def _records(table: Table) -> Table:
     records.add_column("value", justify="left", overflow="fold")
     headers = [str(column.header) for column in table.columns]
     for values in zip(*_cells(table), strict=True):
-        records.add_row("\n".join(headers), "\n".join(str(v) for v in values))
+        lines = [str(v) for v in values]  # a value of several lines keeps the next header beside its own line
+        records.add_row(
+            "\n".join(h + "\n" * v.count("\n") for h, v in zip(headers, lines, strict=True)), "\n".join(lines)
+        )
     return records
 
 
