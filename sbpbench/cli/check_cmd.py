@@ -112,6 +112,8 @@ def exactness_table(specs: list[RunSpec], results: list) -> Table:
         if judged:
             cells.append("" if result.versus_baseline is None else f"{result.versus_baseline:.2e}")
         table.add_row(*cells)
+    from ..runner.exactness import float32_note
+
     table.caption = float32_note(run, results) or None
     return table
 
@@ -131,24 +133,6 @@ def fold_at_dots(name: str, width: int = NAME_WIDTH) -> str:
         else:
             lines[-1] += piece
     return "\n".join(lines)
-
-
-def float32_note(run: RunSpec, results) -> str:
-    """fp64: why some tensors were judged at float32's 1e-5 (modules that compute in float32,
-    methods/exactness.py), and how close every other tensor came to its 1e-10; "" otherwise."""
-    from ..methods.exactness import FLOAT32_COMPUTE_NOTE, TOLERANCE
-
-    tight = TOLERANCE[run.torch_dtype] if run.dtype == "fp64" else None
-    grads = [d for r in results for d in r.grads if d.tolerance is not None]
-    loose = sorted((d for d in grads if tight is not None and d.tolerance > tight), key=lambda d: -d.rel_error)
-    if not loose:
-        return ""
-    largest = max((d.rel_error for d in grads if d.tolerance == tight), default=0.0)
-    return (
-        f"fp64: {len({d.name for d in loose})} tensor(s) judged at 1e-05, such as {loose[0].name}: "
-        f"{FLOAT32_COMPUTE_NOTE}. Every other "
-        f"gradient is judged at {tight:g}: its largest error here is {largest:.1e}."
-    )
 
 
 def error_ratios(results) -> list[str]:
