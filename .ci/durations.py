@@ -5,10 +5,12 @@ Reads the fast tier's log, run with `--durations=0 --durations-min=1`, and its l
 `4.21s call     tests/test_x.py::test_y`. Only the call phase counts (a module fixture's setup is
 shared by its tests). The limit is LIMIT_S x the allowance: in .ci/run the fast tier shares the 2
 cores with the slow tier's two workers, three busy processes on two cores, so a test takes about
-1.5x its time alone. The allowance is 2, or 1.5 x the load per core as the fast tier ends where the
-machine is busier than that (other work on it slows every test alike).
+1.5x its time alone. The allowance is 2, or 1.5 x the load per core where the machine was busier
+than that (other work on it slows every test alike). The load is the highest 1-minute load in
+LOAD_LOG, lines of /proc/loadavg that .ci/run samples while the fast tier runs; without one, the
+load now.
 
-    python .ci/durations.py FAST_LOG
+    python .ci/durations.py FAST_LOG [LOAD_LOG]
 """
 
 from __future__ import annotations
@@ -34,12 +36,20 @@ def over_limit(log: str, limit_s: float) -> list[tuple[float, str]]:
     return sorted((entry for entry in found if entry[0] > limit_s), reverse=True)
 
 
+def peak_load(samples: str) -> float | None:
+    """The highest 1-minute load among lines of /proc/loadavg ("3.12 2.80 2.10 3/412 9021"), or None."""
+    loads = [float(line.split()[0]) for line in samples.splitlines() if line.strip()]
+    return max(loads, default=None)
+
+
 def main(argv: list[str]) -> int:
-    limit_s = LIMIT_S * allowance(os.getloadavg()[0], os.cpu_count() or 1)
+    sampled = peak_load(Path(argv[1]).read_text()) if len(argv) > 1 and Path(argv[1]).exists() else None
+    load = sampled if sampled is not None else os.getloadavg()[0]
+    limit_s = LIMIT_S * allowance(load, os.cpu_count() or 1)
     slow = over_limit(Path(argv[0]).read_text(), limit_s)
     for seconds, test in slow:
         print(f"{test}: {seconds:.1f} s, over {limit_s:.1f} s (3 s alone): mark it slow or make it faster")
-    print(f"3 s rule: {len(slow)} fast-tier test(s) over {limit_s:.1f} s")
+    print(f"3 s rule: {len(slow)} fast-tier test(s) over {limit_s:.1f} s (peak 1-minute load {load:.1f})")
     return 1 if slow else 0
 
 

@@ -31,7 +31,7 @@ def test_the_table_names_the_cores_phases():
 
 def test_a_streambp_point_records_the_phases_of_one_timed_step():
     """A CPU streambp point (recompute:2, 3 layers): every phase it ran has seconds, the rest too,
-    and together they are one timed step (within its time, most of it); a bp point has none."""
+    and together they are one timed step (within its time, most of it)."""
     settings = MethodSettings(chunk_size=16, logits_chunk_size=32, checkpoints="recompute:2")
     spec = RunSpec(
         method="streambp", model="tiny/qwen3", seq_len=64, warmup=0, repeats=3, num_layers=3, settings=settings
@@ -43,7 +43,12 @@ def test_a_streambp_point_records_the_phases_of_one_timed_step():
     assert seconds["host copies"] == seconds["copy waits"] == 0.0
     step = sum(seconds.values()) + row.phase_other_s
     assert 0.5 * row.time_min_s < step <= row.time_max_s
+
+
+def test_a_bp_point_records_no_phases():
+    """Only streambp times its phases: a bp row leaves every phase column empty."""
     bp = measure_point(RunSpec(method="bp", model="tiny/qwen3", seq_len=64, warmup=0, repeats=1))
+    assert bp.status == "ok", bp.error
     assert all(getattr(bp, column) is None for column in PHASE_COLUMNS)
 
 

@@ -22,3 +22,12 @@ def test_calls_over_the_limit_are_found_and_setup_is_not_counted():
     )
     assert durations.over_limit(log, 6.0) == [(7.1, "tests/unit/test_a.py::test_slow")]
     assert durations.allowance(0.5, 2) == 2.0 and durations.allowance(6.0, 2) == 4.5
+
+
+def test_the_allowance_takes_the_busiest_minute_the_fast_tier_saw():
+    """The load comes from the samples .ci/run took during the fast tier, their highest 1-minute
+    value, not the load when the tier ended; no samples, no value."""
+    durations = _durations()
+    samples = "1.20 1.00 0.90 2/300 10\n5.60 2.00 1.00 4/301 11\n3.00 2.50 1.10 3/302 12\n"
+    assert durations.peak_load(samples) == 5.6
+    assert durations.peak_load("") is None

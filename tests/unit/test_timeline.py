@@ -464,7 +464,7 @@ def test_sbp_run_timeline_then_sbp_plot(tmp_path):
     import sys
     from pathlib import Path
 
-    from .conftest import cli_env
+    from ..conftest import cli_env
 
     sbp = str(Path(sys.executable).parent / "sbp")
     out = tmp_path / "runs.csv"
