@@ -15,7 +15,7 @@ from .errors import user_errors
 from .options import BudgetOpt, out_option, point_command
 from .outcomes import finish
 from .progress import Progress
-from .run_cmd import warn_if_busy
+from .run_cmd import warn_if_busy, warn_if_loaded
 from .tables import maxlen_table, points_table, print_table
 
 SweepOutOpt = out_option("results/<experiment name>.csv")
@@ -122,6 +122,7 @@ def _summary(console: Console, name: str, rows: list[ResultRow]) -> None:
         models = sorted({row.model for row in points})
         title = f"{name}: every point" + (f" ({models[0]})" if len(models) == 1 else "")
         print_table(console, points_table(title, points))
+        warn_if_loaded(console, points)
     searches: dict[tuple, list[ResultRow]] = {}
     for row in rows:
         if row.kind == "maxlen":
