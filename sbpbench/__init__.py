@@ -11,10 +11,10 @@ wrong package. Any module may import this root module (it runs before any of the
     core: exact StreamBP (layer-wise backward, chunked LM head, objectives) -> nothing
     measure: memory, time and FLOPs of a step, and the environment it ran in -> nothing
     records: the results schema, its CSV files, and reading their rows (select.py) -> measure, settings
-    models: named model shapes (shipped configs), local checkpoints and Hub ids, building them, LoRA -> core
+    models: named model shapes (shipped configs), local checkpoints and Hub ids, building them, LoRA -> core, settings
     data: synthetic batches per objective (of core: objective types, label constants) -> core, settings
     methods: the compared methods by name, the training step, exactness checks -> core, data, settings
-    config: a point as a value (RunSpec, MaxlenSpec: made, checked and resolved once), experiment files -> settings, methods, models, measure, core
+    config: a point as a value (RunSpec, MaxlenSpec: made, checked and resolved once), experiment files -> settings, methods, models, measure, core, data
     workload: what a spec builds (model, batch, training step) and its row's key and provenance, for runner and simulate -> config, methods, models, data, measure, records
     runner: points measured in own processes, sweeps, max-T search, timeouts, what a sweep costs -> workload, config, methods, measure, records, models, core, simulate
     simulate: peak memory predicted under fake tensors -> workload, config, methods, measure, records, models, data, core

@@ -11,6 +11,7 @@ import warnings
 
 import typer
 
+from ..settings import SettingChanged
 from . import (
     check_cmd,
     env_cmd,
@@ -24,6 +25,7 @@ from . import (
     selftest_cmd,
     sweep_cmd,
 )
+from .flags import FLAGS
 from .options import examples
 from .peers_cmd import peers
 
@@ -53,6 +55,8 @@ app.add_typer(peers, name="peers")
 
 
 def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    if isinstance(message, SettingChanged):  # the user typed a flag, not a field name
+        return f"notice: {message.naming(FLAGS.get(message.field, message.field))}\n"
     return f"warning: {message}\n"
 
 

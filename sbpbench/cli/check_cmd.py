@@ -13,6 +13,7 @@ from ..settings import EXACTNESS_DEFAULTS
 from .errors import user_errors
 from .options import ExactnessOutOpt, point_command, run_fields_but
 from .outcomes import fail_if
+from .tables import print_table
 
 if TYPE_CHECKING:
     from ..config import RunSpec
@@ -59,7 +60,7 @@ def check(settings: dict, methods: tuple[str, ...], out: ExactnessOutOpt = None)
         results = check_exactness(ExactnessSpec(tuple(specs)))
     judged = specs[0].dtype == "fp32"  # every row against an fp64 step, bp's own row included
     console = Console()
-    console.print(exactness_table(specs, results))
+    print_table(console, exactness_table(specs, results))
     if judged:
         for line in error_ratios(results):
             console.print(line, highlight=False)
@@ -92,7 +93,7 @@ def exactness_table(specs: list[RunSpec], results: list) -> Table:
     columns = ("method", "result", "loss err", "grad err", "tolerance", "worst gradient")
     columns += ("worst vs bp fp32",) if judged else ()
     for column in columns:
-        table.add_column(column, no_wrap=column != "worst gradient", overflow="fold")
+        table.add_column(column, no_wrap=True)
     for result in results:
         worst = result.worst
         if result.loss is None:
@@ -106,12 +107,32 @@ def exactness_table(specs: list[RunSpec], results: list) -> Table:
             f"{result.loss.rel_error:.2e}",
             f"{worst.rel_error:.2e}",
             f"{worst.tolerance:.2g}" if worst.tolerance is not None else "reported",
-            worst.name,
+            fold_at_dots(worst.name),
         ]
         if judged:
             cells.append("" if result.versus_baseline is None else f"{result.versus_baseline:.2e}")
         table.add_row(*cells)
+    from ..runner.exactness import float32_note
+
+    table.caption = float32_note(run, results) or None
     return table
+
+
+NAME_WIDTH = 24  # a tensor name's lines in the table: the widest table fits 80 columns without folding a word
+
+
+def fold_at_dots(name: str, width: int = NAME_WIDTH) -> str:
+    """A dotted tensor name on lines of at most `width` characters, broken after a dot (never inside
+    a word, so a terminal of 80 columns shows it whole): model.layers.1.self_attn. / k_norm.weight."""
+    lines = [""]
+    for part in name.split("."):
+        piece = part if not lines[-1] else "." + part
+        if lines[-1] and len(lines[-1]) + len(piece) > width:
+            lines[-1] += "."
+            lines.append(part)
+        else:
+            lines[-1] += piece
+    return "\n".join(lines)
 
 
 def error_ratios(results) -> list[str]:

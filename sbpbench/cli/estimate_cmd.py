@@ -16,6 +16,7 @@ from .options import (
     PREDICTED_POINT,
     ExactOpt,
     GpuMemoryOpt,
+    check_sizes,
     out_option,
     point_command,
     predicted_gpu_point_helps,
@@ -66,6 +67,7 @@ def estimate(
     peak and whether it fits --gpu-memory. Unless --exact, the step runs on a shallow model and at
     short lengths and is extrapolated to the full depth (sbpbench/simulate/depth.py) and length
     (length.py), equal to the full run to the byte in tests."""
+    check_sizes({"--gpu-memory": gpu_memory})
     from ..config import point_specs
     from ..simulate import MARGIN_NOTE, TARGETS
     from ..simulate.depth import estimate_point_by_depth

@@ -11,6 +11,7 @@ from rich.console import Console
 from ..measure.host_memory import total_ram_bytes
 from ..measure.units import parse_bytes
 from ..records import ResultRow, check_writable
+from ..runner.outcome import written_line
 from ..settings import SEARCH_SETTINGS, default_of
 from .errors import user_errors
 from .options import (
@@ -18,6 +19,7 @@ from .options import (
     ExactOpt,
     GpuMemoryOpt,
     HostMemoryOpt,
+    check_sizes,
     out_option,
     point_command,
     run_fields_but,
@@ -96,6 +98,7 @@ def maxlen(
 
     A seed takes seconds to a minute of this machine's CPU; a probe is a new process. Without a
     seed a search at the defaults runs about 25 probes; --resolution 10% is a quicker look."""
+    check_sizes({"--gpu-memory": gpu_memory, "--host-memory": host_memory})
     from ..config.maxlen import search_specs
     from ..config.run import check_measurable
     from ..runner.searches import run_searches
@@ -114,7 +117,7 @@ def maxlen(
         print_table(console, maxlen_table(outcome.rows))
     if not (outcome.stopped or outcome.failed or outcome.interrupted):
         _say_past_context(console, searches[0].base.model, outcome.rows)
-        console.print(f"{len(outcome.rows)} max-length row(s) written to {out}", highlight=False, soft_wrap=True)
+        console.print(written_line(outcome, out, "max-length answer(s)"), highlight=False, soft_wrap=True)
     finish(console, outcome)
 
 
@@ -140,7 +143,7 @@ def _probing(settings: dict, simulate: bool, gpu_memory, host_memory, exact: boo
     return Probing(
         simulate=simulate,
         exact=exact,
-        host_memory_bytes=parse_bytes(host_memory) if host_memory else total_ram_bytes(),
+        host_memory_bytes=parse_bytes(host_memory, what="--host-memory") if host_memory else total_ram_bytes(),
         budget_s=parse_seconds(budget) if budget is not None else None,
         budget=budget or "",
     )

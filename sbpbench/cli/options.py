@@ -22,7 +22,9 @@ from typing import Annotated, Any
 
 import typer
 
+from ..measure.units import parse_bytes
 from ..settings import POINT_SETTINGS, SETTINGS, ConfigError, default_of
+from ..settings.model_names import check_model_name
 from ..settings.table import has_flag
 from .errors import user_errors
 from .flags import FLAGS, flags_of
@@ -219,6 +221,15 @@ def parse_knobs(words: list[str], knobs: tuple[str, ...]) -> dict[str, Any]:
     return values
 
 
+def check_sizes(sizes: dict[str, str | None]) -> None:
+    """Size options ({flag: text}) read now, before the command loads torch: one without its unit is
+    a one-line error that says which to add (measure/units.py)."""
+    with user_errors():
+        for flag, text in sizes.items():
+            if text:
+                parse_bytes(text, what=flag)
+
+
 def knob_lines(knobs: tuple[str, ...]) -> str:
     """What `--set help` prints: each knob, its value and its help, from the settings table."""
     values = {name: SETTINGS[name].metavar or ("true|false" if SETTINGS[name].kind is bool else "N") for name in knobs}
@@ -276,7 +287,8 @@ def _parameters(command: Callable, fields, flagged, knobs, helps, aliases) -> li
 
 def given_settings(values: dict, flagged: tuple[str, ...], knobs: tuple[str, ...]) -> dict[str, Any]:
     """The settings given, taken out of `values` (the parsed options): numbers parsed, --set's knobs
-    added; `--set help` prints the knobs and exits."""
+    added; a size without a unit and a model name that is a typo of a registry name are refused
+    here, before torch loads (the command imports it); `--set help` prints the knobs and exits."""
     set_words = values.pop("set_knobs", None) or []
     if "help" in set_words:
         print(knob_lines(knobs))
@@ -289,4 +301,8 @@ def given_settings(values: dict, flagged: tuple[str, ...], knobs: tuple[str, ...
             if settings.get(name) is not None:
                 raise ValueError(f"{FLAGS[name]} given twice: by {flags_of(name)[0]} and by --set")
             settings[name] = value
+        for name in (n for n, v in settings.items() if SETTINGS[n].size and isinstance(v, str)):
+            parse_bytes(settings[name], what=FLAGS[name])  # read again by the config; a bare number is refused now
+        if settings.get("model") is not None:
+            check_model_name(settings["model"])
     return {k: v for k, v in settings.items() if v is not None}

@@ -32,7 +32,8 @@ def plot(
     """Draw every figure a results table has the data for.
 
     Peak memory vs T, step time vs T, max T per model and time per sample vs batch size, each
-    with the paper's numbers faint where they exist; prints the files written."""
+    with the paper's numbers faint where they exist; prints the files written. CPU times taken at a
+    load above the cores are drawn hollow, and the figure's title counts them."""
     from ..models import full_depth
     from ..plot import FORMATS, plot_all
     from ..report.inputs import load_paper, load_table

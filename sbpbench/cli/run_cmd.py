@@ -16,7 +16,7 @@ from .errors import user_errors
 from .options import RUN_FIELDS, OutOpt, point_command
 from .outcomes import fail_if, interrupted
 from .progress import Progress
-from .tables import point_title, print_table, results_table
+from .tables import load_warning, point_title, print_table, results_table
 
 if TYPE_CHECKING:
     from ..config import RunSpec
@@ -63,6 +63,7 @@ def run(
     rows = _measure_all(console, specs, out, timeline)
     title, notes = _results_title(rows)
     print_table(console, results_table(rows, title, notes))
+    warn_if_loaded(console, rows)
     if phases:
         print_phases(console, rows)
     if timeline:
@@ -179,6 +180,14 @@ def warn_if_busy() -> None:
     warning = busy_warning()
     if warning:
         print(warning, file=sys.stderr, flush=True)
+
+
+def warn_if_loaded(console: Console, rows: list[ResultRow]) -> None:
+    """Under the results table, where it is read: a warning when some of its times were taken at
+    load above the cores (the warning at the start sees only the load before the first point)."""
+    warning = load_warning(rows)
+    if warning:
+        console.print(warning, style="yellow", highlight=False, soft_wrap=True)
 
 
 def _measuring(spec: RunSpec) -> str:

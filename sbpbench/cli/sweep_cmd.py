@@ -10,11 +10,12 @@ from rich.console import Console
 from rich.table import Table
 
 from ..records import ResultRow
+from ..runner.outcome import written_line
 from .errors import user_errors
 from .options import BudgetOpt, out_option, point_command
 from .outcomes import finish
 from .progress import Progress
-from .run_cmd import warn_if_busy
+from .run_cmd import warn_if_busy, warn_if_loaded
 from .tables import maxlen_table, points_table, print_table
 
 SweepOutOpt = out_option("results/<experiment name>.csv")
@@ -78,7 +79,7 @@ def sweep(
         outcome = run_experiment(sweep, steps=progress, budget_s=seconds, budget=budget or "")
     if not outcome.interrupted and not outcome.failed:
         _summary(console, loaded.name, sweep.rows())
-        console.print(f"{len(outcome.rows)} new row(s) in {sweep.out}", highlight=False, soft_wrap=True)
+        console.print(written_line(outcome, sweep.out), highlight=False, soft_wrap=True)
     finish(console, outcome)
 
 
@@ -121,6 +122,7 @@ def _summary(console: Console, name: str, rows: list[ResultRow]) -> None:
         models = sorted({row.model for row in points})
         title = f"{name}: every point" + (f" ({models[0]})" if len(models) == 1 else "")
         print_table(console, points_table(title, points))
+        warn_if_loaded(console, points)
     searches: dict[tuple, list[ResultRow]] = {}
     for row in rows:
         if row.kind == "maxlen":

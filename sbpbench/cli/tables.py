@@ -18,7 +18,7 @@ from rich.table import Table
 
 from ..measure.units import gib
 from ..records import ResultRow
-from ..records.select import MAXLEN_TABLE, paper_rows
+from ..records.select import LOADED_MARK, MAXLEN_TABLE, is_loaded, load_note, paper_rows
 from ..runner.outcome import seq_bound
 
 
@@ -86,7 +86,10 @@ def _records(table: Table) -> Table:
     records.add_column("value", justify="left", overflow="fold")
     headers = [str(column.header) for column in table.columns]
     for values in zip(*_cells(table), strict=True):
-        records.add_row("\n".join(headers), "\n".join(str(v) for v in values))
+        lines = [str(v) for v in values]  # a value of several lines keeps the next header beside its own line
+        records.add_row(
+            "\n".join(h + "\n" * v.count("\n") for h, v in zip(headers, lines, strict=True)), "\n".join(lines)
+        )
     return records
 
 
@@ -127,6 +130,11 @@ def point_title(rows: list[ResultRow], *, seq_len: bool = True) -> tuple[str, li
         "B: rows per batch" + ("; T: tokens per row" if seq_len else ""),
         f"step {row.step}: " + ("forward + backward" if row.step == "bp" else "forward + backward + AdamW"),
     ]
+    if (row.nproc or 1) > 1:  # data-parallel ranks: B is each rank's, a memory or time column the largest rank's
+        title += f", {row.nproc} ranks"
+        notes.append(
+            f"{row.nproc} ranks: data-parallel processes (FSDP2), B rows each; memory and time: the largest rank's"
+        )
     chunked = next((r for r in rows if r.chunk_size is not None), None)  # methods that read chunk sizes
     if chunked is not None:
         title += f", chunks {chunked.chunk_size}/{chunked.logits_chunk_size}"
@@ -167,6 +175,29 @@ def _peak_meaning(rows: list[ResultRow]) -> str:
     return "max allocated (CUDA), resident + tracked live tensors (CPU)"
 
 
+def _time(row: ResultRow) -> str:
+    """The median step time; LOADED_MARK beside one taken at load above the cores (records.select.is_loaded)."""
+    if row.time_median_s is None:
+        return "-"
+    return f"{row.time_median_s:.3f}" + (LOADED_MARK if is_loaded(row) else "")
+
+
+def _loaded_meaning(rows: list[ResultRow]) -> str:
+    return f" ({LOADED_MARK}: at load above the cores)" if any(is_loaded(r) for r in rows) else ""
+
+
+def load_warning(rows: list[ResultRow]) -> str | None:
+    """The line a command prints under its table when some of its times were taken at load above the
+    cores (their cells carry LOADED_MARK), else None."""
+    note = load_note([row for row in rows if row.time_median_s is not None])
+    if not note:
+        return None
+    return (
+        f"warning: {note}, marked {LOADED_MARK}: other work competed for the cores, so those times are slower "
+        "and noisier than on an idle machine; rerun on an idle one before comparing them"
+    )
+
+
 def _timed(row: ResultRow) -> str:
     steps = f"{row.repeats} timed step(s)" if row.repeats else "the timed steps"
     return f"median of {steps}" + (f" after {row.warmup_steps} warm-up" if row.warmup_steps else "")
@@ -181,7 +212,7 @@ def results_table(rows: list[ResultRow], title: str, notes: Sequence[str] = ()) 
         Column("resv GiB", lambda r: gib(r.peak_reserved_bytes), "max reserved by the allocator"),
         Column("nvml GiB", _nvml, "device memory used minus idle (NVML)"),
         Column("act GiB", lambda r: gib(r.activation_peak_bytes), "the peak above what was resident before the step"),
-        Column("time s", lambda r: "-" if r.time_median_s is None else f"{r.time_median_s:.3f}", _timed(rows[0])),
+        Column("time s", _time, _timed(rows[0]) + _loaded_meaning(rows)),
         Column("spread", _spread, "(max - min) / median time"),
         Column("tok/s", lambda r: "-" if r.tokens_per_s is None else f"{r.tokens_per_s:,.0f}", "B x T / time"),
         Column(
@@ -296,7 +327,7 @@ def points_table(title: str, rows: list[ResultRow]) -> Table:
         Column("status", lambda r: r.status, left=True),
         Column("peak GiB", lambda r: gib(r.peak_allocated_bytes), _peak_meaning(rows)),
         Column("act GiB", lambda r: gib(r.activation_peak_bytes), "the peak above what was resident before the step"),
-        Column("time s", lambda r: "-" if r.time_median_s is None else f"{r.time_median_s:.3f}", "median step time"),
+        Column("time s", _time, "median step time" + _loaded_meaning(rows)),
     )
     return rows_table(title, columns, rows)
 

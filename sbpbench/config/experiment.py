@@ -95,6 +95,8 @@ def _check_value(where: str, name: str, value, key: Setting):
     if isinstance(value, list) and key.may_list and not value:
         raise ExperimentError(f"{where} {name}: expected {_type_name(key.kind)} or a non-empty list of them, got []")
     for item in items:
+        if key.size and isinstance(item, (int, float)) and not isinstance(item, bool):
+            raise ExperimentError(f'{where} {name}: {item!r} has no unit: write "{item}GiB" (2^30 bytes) or "{item}GB"')
         if not fits(item):
             raise ExperimentError(f"{where} {name}: expected {_type_name(key.kind)} ({key.help}), got {item!r}")
         if key.choices and item not in key.choices:
@@ -152,7 +154,7 @@ def _expand(values: dict, kind: str, overrides: dict, defaults_for: str | None =
             seq_len_ceiling=values.get("seq_len_ceiling", defaults["seq_len_ceiling"]),
             **{name: values[name] for name in MAXLEN_ONLY if name in values and name != "seq_len_ceiling"},
         )
-        for base in point_specs({"repeats": 0, **settings}, methods, defaults_for=defaults_for)
+        for base in point_specs({"repeats": 0, **settings}, methods, defaults_for=defaults_for, search=True)
     ]
 
 

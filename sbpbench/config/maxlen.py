@@ -106,5 +106,6 @@ def search_specs(
         settings["device"] = "cpu"  # fake CPU tensors stand in for the GPU's
     search.setdefault("seq_len_ceiling", defaults.pop("seq_len_ceiling"))
     return [
-        MaxlenSpec(base=spec, **search) for spec in point_specs(settings, methods, defaults=defaults, defaults_for=kind)
+        MaxlenSpec(base=spec, **search)
+        for spec in point_specs(settings, methods, defaults=defaults, defaults_for=kind, search=True)
     ]

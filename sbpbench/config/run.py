@@ -33,6 +33,7 @@ from ..settings import (
     METHOD_KNOBS,
     POINT_SETTINGS,
     ConfigError,
+    SettingChanged,
     check,
     default_of,
     device_defaults,
@@ -246,11 +247,11 @@ def chunk_size_for(value, seq_len: int, field: str = "chunk_size") -> int | str:
 
 
 def memory_limit_bytes(value) -> int | None:
-    """A byte count, or a size such as "80GiB" / "24GB"."""
+    """A byte count (a Python caller's int), or a size with its unit such as "80GiB" / "24GB"."""
     if value is None or is_int(value):
         return value
     try:
-        return parse_bytes(value)
+        return parse_bytes(value, what="{field}")
     except ValueError as error:
         raise ConfigError("memory_limit", str(error)) from None
 
@@ -261,6 +262,7 @@ def point_specs(
     *,
     defaults: Mapping[str, Any] | None = None,
     defaults_for: str | None = None,
+    search: bool = False,
 ) -> list[RunSpec]:
     """One RunSpec per method from the settings someone gave (FIELD_NAMES keys; absent or None
     means "not given"), filled from `defaults`, then the device's defaults (DEVICE_DEFAULTS of
@@ -297,7 +299,36 @@ def point_specs(
     if specs[0].weights:
         weights_source(specs[0].model)  # real weights where asked for: in the directory or the HF cache
     warn_beyond_context(specs[0].model, specs[0].seq_len, config)
+    say_changed_values(specs[0], values, search=search)
     return specs
+
+
+def say_changed_values(spec: RunSpec, values: Mapping[str, Any], *, search: bool = False) -> None:
+    """A SettingChanged notice for each value given (`values`) that the point runs otherwise: a
+    prompt over half of T is cut to half (data/preference.py prompt_length; the row records the
+    prompt that ran), and an SFT point has none. search: `spec` is a max-length search's first
+    probe, and the notice speaks of its probes."""
+    from ..data import prompt_length
+
+    given = values.get("prompt_len")
+    if given is not None and spec.objective == "sft":
+        warnings.warn(
+            SettingChanged("prompt_len", f"{given} is not used: only grpo and dpo have a prompt"), stacklevel=3
+        )
+    elif given is not None and search:
+        warnings.warn(
+            SettingChanged("prompt_len", f"{given}: a probe under T={2 * given} runs with a prompt of half its T"),
+            stacklevel=3,
+        )
+    elif given is not None:
+        ran = prompt_length(spec.seq_len, given)
+        if ran != given:
+            warnings.warn(
+                SettingChanged(
+                    "prompt_len", f"{given} is over half of T={spec.seq_len}: runs with a {ran}-token prompt"
+                ),
+                stacklevel=3,
+            )
 
 
 class BeyondContextWarning(UserWarning):

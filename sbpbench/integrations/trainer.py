@@ -23,6 +23,7 @@ FSDP2 the model Accelerate prepared. What the core cannot do is refused at const
 
 from __future__ import annotations
 
+import dataclasses
 import resource
 import sys
 import warnings
@@ -218,10 +219,17 @@ class StreamBPStep(Trainer):
             warnings.warn(
                 f"{type(self).__name__}: gradient checkpointing has no effect on the StreamBP step (it keeps its "
                 "own checkpoints and turns the layers' checkpointing off while it runs); set "
-                "gradient_checkpointing=False",
+                f"{checkpointing_option(args)}=False",
                 UserWarning,
                 stacklevel=3,
             )
+
+
+def checkpointing_option(args) -> str:
+    """The installed transformers' name of the option: activation_checkpointing where it has it (the
+    newer name; gradient_checkpointing is its deprecated alias there), else gradient_checkpointing."""
+    names = {f.name for f in dataclasses.fields(args)} if dataclasses.is_dataclass(args) else set(vars(args))
+    return "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
 
 
 def refuse(trainer, refusals: dict[str, bool]) -> None:

@@ -1,4 +1,7 @@
-"""Byte sizes and durations: parse what users type ("80GiB", "80GB", "512MiB", "1e9"; "9m", "540s") and show GiB (2^30)."""
+"""Byte sizes and durations: parse what users type ("80GiB", "80GB", "512MiB", "1e9B"; "9m", "540s") and show GiB (2^30).
+
+A size a user types carries its unit: a bare "80" is refused, not read as 80 bytes (a GPU of 80
+bytes fits nothing, and said so for every method). Python callers give byte counts as ints."""
 
 from __future__ import annotations
 
@@ -7,7 +10,6 @@ import re
 GIB = 2**30
 
 _UNITS = {
-    "": 1,
     "b": 1,
     "kib": 2**10,
     "mib": 2**20,
@@ -21,15 +23,21 @@ _UNITS = {
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 
 
-def parse_bytes(text: str) -> int:
-    """'80GiB' -> 85899345920; 'GB' is 10^9, 'GiB' 2^30, a bare number is bytes."""
+def parse_bytes(text: str, what: str = "the size") -> int:
+    """'80GiB' -> 85899345920; 'GB' is 10^9, 'GiB' 2^30, 'B' bytes. A number without a unit is a
+    ValueError that says to add one; `what` names the value in it (a flag, "{field}")."""
     match = _SIZE.match(str(text))
     unit = match.group(2).lower() if match else None
+    if match and not unit:
+        number = match.group(1)
+        if "e" in number.lower():  # a byte count in scientific notation, 1e9
+            raise ValueError(f"{what} {text!r} has no unit: write {number}B for bytes, or a size such as 80GiB")
+        raise ValueError(f"{what} {text!r} has no unit: write {number}GiB (2^30 bytes) or {number}GB (10^9 bytes)")
     if not match or unit not in _UNITS:
-        raise ValueError(f"cannot read the size {text!r}; write e.g. 80GiB, 24GB, 512MiB or a number of bytes")
+        raise ValueError(f"cannot read {what} {text!r}; write e.g. 80GiB, 24GB, 512MiB or 1e9B")
     value = int(float(match.group(1)) * _UNITS[unit])
     if value <= 0:
-        raise ValueError(f"a memory size must be positive, got {text!r}; write e.g. 80GiB")
+        raise ValueError(f"{what} must be positive, got {text!r}; write e.g. 80GiB")
     return value
 
 

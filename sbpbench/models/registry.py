@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
 
+from ..settings.model_names import registry_typo
 from .source import checkpoint_config, is_local_checkpoint
 
 # Hub id -> file in configs/ (one per model, copied verbatim from the model repository).
@@ -129,6 +130,9 @@ def config_dict(name: str, *, download: bool = True, **overrides) -> dict:
     """The config.json values of a model, with overrides applied: a named shape's, else a local
     checkpoint directory's or a Hub id's (models/source.py; download: fetch a config.json the HF
     cache lacks unless HF_HUB_OFFLINE is set)."""
+    typo = None if is_local_checkpoint(name) else registry_typo(name, tuple(MODELS))
+    if typo:  # "tiny/qwen9": a typo of ours, never a Hub id, so no cache or Hub lookup
+        raise ValueError(typo)
     if is_registry_name(name):
         spec = MODELS[name]
         values = dict(_real_config_dict(spec.base))

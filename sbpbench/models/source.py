@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 from ..core import UnsupportedModelError
+from ..settings.model_names import hub_unavailable, is_hub_id, not_cached
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin")
 _INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")  # a sharded checkpoint's shard list
@@ -21,17 +22,6 @@ _INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")  # a
 
 def is_local_checkpoint(name: str) -> bool:
     return Path(name).expanduser().is_dir() and (Path(name).expanduser() / "config.json").is_file()
-
-
-def is_hub_id(name: str) -> bool:
-    """ORG/NAME or NAME as the Hub spells repository ids (not a path such as ./x, /x or a/b/c)."""
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    try:
-        validate_repo_id(name)
-    except HFValidationError:
-        return False
-    return True
 
 
 def checkpoint_config(name: str, *, download: bool = True, known: tuple[str, ...] = ()) -> dict:
@@ -54,31 +44,46 @@ def checkpoint_config(name: str, *, download: bool = True, known: tuple[str, ...
             f"model {name}: no such directory; pass an existing checkpoint directory (with config.json), a registry "
             "name (`sbp models`) or a Hub id ORG/NAME"
         )
-    values = json.loads(file.read_text())
+    values = read_config_json(file)
     refuse_remote_code(name, values)
+    return values
+
+
+def read_config_json(file: Path) -> dict:
+    """A config.json's values; ValueError naming the file where it is not a JSON object."""
+    try:
+        values = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        where = (
+            f" (line {error.lineno}, column {error.colno}: {error.msg})"
+            if isinstance(error, json.JSONDecodeError)
+            else ""
+        )
+        raise ValueError(
+            f"{file} is not valid JSON{where}; fix it, or write it again (save_pretrained, `hf download`)"
+        ) from None
+    if not isinstance(values, dict):
+        raise ValueError(
+            f"{file} holds a JSON {type(values).__name__}, not the object of a config.json; write it again"
+        )
     return values
 
 
 def _hub_config_file(repo_id: str, *, download: bool, known: tuple[str, ...]) -> Path:
     """config.json of a Hub id: the cache first, then the Hub (when allowed)."""
-    from huggingface_hub import constants, hf_hub_download, is_offline_mode, try_to_load_from_cache
+    from huggingface_hub import hf_hub_download, try_to_load_from_cache
 
     cached = try_to_load_from_cache(repo_id, "config.json")
     if isinstance(cached, str):
         return Path(cached)
-    reason = "HF_HUB_OFFLINE is set" if is_offline_mode() else ""
+    reason = hub_unavailable() if download else ""  # said at once: huggingface_hub would retry for 30 s
     if download and not reason:
         try:
             return Path(hf_hub_download(repo_id, "config.json"))
         except OSError as error:  # every huggingface_hub error: not found, gated, no network
             reason = _download_failure(error)
-    where = f"{constants.HF_HUB_CACHE}" + (f"; {reason}" if reason else "")
     close = difflib.get_close_matches(repo_id, known, n=1)
-    raise ValueError(
-        f"unknown model {repo_id!r}: not in the registry (`sbp models`{f'; did you mean {close[0]}?' if close else ''}) "
-        f"and its config.json is not in the Hugging Face cache ({where}); download it with `hf download {repo_id} "
-        "config.json`, or pass a local checkpoint directory"
-    )
+    raise ValueError(not_cached(repo_id, reason, guess=close[0] if close else None))
 
 
 def _download_failure(error: OSError) -> str:

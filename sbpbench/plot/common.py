@@ -16,6 +16,7 @@ from ..records.select import (
     cell,
     device_label,
     is_truncated,
+    load_note,
     natural_key,
     number,
     present,
@@ -151,6 +152,49 @@ def timing_title(rows) -> str:
     return f"\n{caveat}: not a ranking of the methods" if caveat else ""
 
 
+def load_title(rows) -> str:
+    """The title line a time figure gets where some of its times were measured at load above the
+    cores (records.select.is_loaded): they are drawn hollow and the shape may be load's, not the
+    method's; "" otherwise. `rows`: the rows whose times the figure draws."""
+    timed = rows[(rows["status"] == "ok") & rows["time_median_s"].map(present)]
+    note = load_note(timed)
+    return f"\n{note}: hollow, slower than idle" if note else ""
+
+
+# Where an OOM's cross sits, in axes fraction: on an edge, so that it reads as no value. A memory
+# figure puts it on the top edge (the peak went past the cap), a time figure on the x axis (no time).
+OOM_EDGES = {"top edge": 1.0, "x axis": 0.0}
+OOM_MEANING = {"top edge": "no peak", "x axis": "no time"}
+
+
+def oom_marks(ax, xs, edge: str, **options) -> None:
+    """OOMs as crosses at each x on an edge of the axes (OOM_EDGES), drawn over it, not clipped.
+    Left out of the layout: the extent of an unclipped line in axes fraction misleads it into
+    shrinking the axes by a third."""
+    (line,) = ax.plot(
+        list(xs),
+        [OOM_EDGES[edge]] * len(xs),
+        style.OOM_MARKER,
+        markersize=8,
+        markeredgewidth=2,
+        linestyle="none",
+        clip_on=False,
+        zorder=5,
+        transform=ax.get_xaxis_transform(),
+        **options,
+    )
+    line.set_in_layout(False)
+
+
+def oom_legend(ax, edge: str) -> None:
+    """The legend entry of the OOM crosses: where they sit and what that means."""
+    ax.plot([], [], style.OOM_MARKER, color="black", markeredgewidth=2, label=oom_label(edge))
+
+
+def oom_label(edge: str) -> str:
+    return f"out of memory (crosses on the {edge}: {OOM_MEANING[edge]})"
+
+
 def where_title(like) -> str:
     return f"{device_label(like)}, {like['protocol'] or '?'} protocol"
 
@@ -163,6 +207,9 @@ def new_figure() -> tuple[Figure, object]:
     return fig, ax
 
 
+LEGEND_COLUMN_CHARS = 56  # the longest label three legend columns hold at LEGEND_FONT_SIZE in FIGSIZE_IN
+
+
 def finish(fig: Figure, ax, title: str, handles: Sequence = ()) -> None:
     """Title over the figure; the legend under the axes (never over the data): ours first, then
     capacity and weights lines, the paper's numbers, OOM. `handles`: proxies for bars."""
@@ -170,17 +217,18 @@ def finish(fig: Figure, ax, title: str, handles: Sequence = ()) -> None:
     drawn, labels = ax.get_legend_handles_labels()
     entries = list(zip(drawn, labels)) + [(h, h.get_label()) for h in handles]
     entries.sort(key=lambda entry: _legend_rank(entry[1]))
+    longest = max((len(text) for _, text in entries), default=0)
     fig.legend(
         [h for h, _ in entries],
         [t for _, t in entries],
         loc="outside lower center",
-        ncols=3,
+        ncols=3 if longest <= LEGEND_COLUMN_CHARS else 2,  # a max T in a label: wider columns, within the figure
         fontsize=style.LEGEND_FONT_SIZE,
     )
 
 
 def _legend_rank(text: str) -> int:
-    if text == "out of memory":
+    if text.startswith("out of memory"):
         return 3
     if "paper" in text:
         return 2

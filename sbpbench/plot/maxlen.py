@@ -2,7 +2,8 @@
 for step bp, Table 3 for step train, as faint markers beside the bars).
 
 One figure per setting and device (MAXLEN_GROUP) from kind=maxlen rows. A bar is the longest T
-that ran ("≥" above it: the search reached its ceiling without an OOM); "OOM" under a method that
+that ran. Where the search reached its ceiling without an OOM the answer is a lower bound: an open
+bar (its outline only) with "≥" above it, and a legend entry saying so. "OOM" under a method that
 did not fit even its shortest probe. For grpo/dpo the paper's number is read as the completion
 length (experiments/paper_table3.toml), so the bars are max_seq_len - prompt_len.
 """
@@ -24,6 +25,7 @@ from ..records.select import (
     natural_key,
     number,
     paper_rows,
+    present,
     prompt_offset,
     short_model,
 )
@@ -54,6 +56,7 @@ MAXLEN_GROUP = (
 )
 PAPER_MARK = {"marker": "_", "linestyle": "none", "color": "black", "alpha": 0.55, "markeredgewidth": 3}
 BAR_SPAN, MAX_BAR_WIDTH = 0.8, 0.3  # of one model's slot on the x axis
+LOWER_BOUND_LABEL = "open bar, ≥: a lower bound (no OOM up to the search's ceiling)"
 
 
 def max_seq_len_bars(table, out_dir: Path, reference=None, formats: Sequence[str] = FORMATS) -> list[Path]:
@@ -87,6 +90,8 @@ def _figure(rows, reference, out_dir: Path, formats) -> list[Path]:
             if is_paper_capacity(row) and not is_truncated(row):
                 paper_values += _draw_paper(ax, reference, row, x, width)
         handles.append(_bar_handle(colour, simulated, style.label(method, simulated=simulated, extra=extra)))
+    if any(number(row["max_seq_len"]) is not None and not present(row["oom_seq_len"]) for _, row in rows.iterrows()):
+        handles.append(Patch(facecolor="none", edgecolor="black", linewidth=1.5, label=LOWER_BOUND_LABEL))
     if paper_values:
         table = MAXLEN_TABLE[like["step"]]
         handles.append(Line2D([], [], label=f"paper {table} (A800-80GB)", **PAPER_MARK, markersize=14))
@@ -152,15 +157,17 @@ def _draw_bar(ax, row, x: float, width: float, colour: str, simulated: bool) -> 
         )
         return []
     value = max_t - prompt_offset(row)
+    lower_bound = number(row["oom_seq_len"]) is None  # the search reached its ceiling: at least this
     ax.bar(
         x,
         value,
         width * 0.95,
-        color=colour,
-        edgecolor="white" if simulated else colour,
+        color="none" if lower_bound else colour,  # open: the true max T lies above it
+        edgecolor=colour if lower_bound or not simulated else "white",
+        linewidth=1.5 if lower_bound else None,
         hatch=style.ESTIMATE_HATCH if simulated else None,
     )
-    ceiling = "≥" if number(row["oom_seq_len"]) is None else ""
+    ceiling = "≥" if lower_bound else ""
     ax.text(x, value, f"{ceiling}{style.thousands(value)}", fontsize=7, ha="center", va="bottom", color=colour)
     return [value]
 

@@ -2,10 +2,12 @@
 Table 9 faint behind it.
 
 One figure per model and setting (POINT_GROUP) with at least two sequence lengths. Lines: each
-method's ok points; "x" at the top edge: its OOMs. Horizontal lines: the device capacity (the cap
-if one was set) and weights + gradients. Each method's max T: the matching max-length search's
-answer (a vertical dotted line) if the table has one, else its longest ok T labelled with the
-first OOM above it (no label when it never ran out of memory: its max T is not known).
+method's ok points; "x" on the top edge (over it, unclipped): its OOMs, which have no peak to draw.
+Horizontal lines: the device capacity (the cap if one was set) and weights + gradients. Each
+method's max T, in its legend entry (text on the axes overlapped lines and other labels): the
+matching max-length search's answer (also a vertical dotted line) if the table has one, else its
+longest ok T with the first OOM above it (nothing when it never ran out of memory: its max T is
+not known). A method with neither a peak nor an OOM (unsupported here) gets no legend entry.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from .common import (
     log2_x,
     model_title,
     new_figure,
+    oom_legend,
+    oom_marks,
     placements_of,
     save,
     series,
@@ -36,8 +40,6 @@ from .common import (
     stem,
     where_title,
 )
-
-OOM_Y = 0.97  # axes fraction where OOM markers sit (top edge)
 
 
 def memory_vs_seq(table, out_dir: Path, reference=None, formats: Sequence[str] = FORMATS) -> list[Path]:
@@ -71,7 +73,7 @@ def _figure(rows, searches, reference, out_dir: Path, formats) -> list[Path]:
     if is_paper_capacity(like) and not is_truncated(like):
         xs += _draw_paper(ax, reference, like)
     if rows.apply(is_oom, axis=1).any():
-        ax.plot([], [], style.OOM_MARKER, color="black", label="out of memory")
+        oom_legend(ax, "top edge")
     ax.set_ylim(0, max(peaks) * 1.12)
     log2_x(ax, xs)
     ax.set_xlabel("sequence length T (tokens per row)", fontsize=style.FONT_SIZE)
@@ -82,48 +84,34 @@ def _figure(rows, searches, reference, out_dir: Path, formats) -> list[Path]:
 
 
 def _draw_method(ax, method: str, simulated: bool, extra: str, part, search) -> list[float]:
-    """One method's line, OOM marks and max T; returns the extra x values it drew."""
+    """One method's line, OOM marks and max T (a dotted line, and in its legend entry); returns the
+    extra x values it drew."""
     colour = style.colour(method)
     ok = part[(part["status"] == "ok") & part["peak_allocated_bytes"].notna()].sort_values("seq_len")
+    ooms = part.loc[part.apply(is_oom, axis=1), "seq_len"].dropna().sort_values()
+    if ok.empty and ooms.empty:  # unsupported or failed here: nothing to draw, no legend entry
+        return []
+    label, drawn = style.label(method, simulated=simulated, extra=extra), []
+    if search is not None and number(search["max_seq_len"]) is not None:
+        max_t = number(search["max_seq_len"])
+        ceiling = "≥ " if number(search.get("oom_seq_len")) is None else ""  # no OOM up to the search's ceiling
+        ax.axvline(max_t, color=colour, linestyle=":", linewidth=1.2)
+        label += f", max T {ceiling}{style.thousands(max_t)} (search{', estimate' if simulated else ''})"
+        drawn = [max_t]
+    else:
+        first_oom = ooms[ooms > ok["seq_len"].max()] if len(ok) else ooms[:0]
+        if len(first_oom):  # no search: the max T lies between the longest ok and the first OOM
+            label += f", max ok T {ok['seq_len'].iloc[-1]:.0f} (OOM at {first_oom.iloc[0]:.0f})"
     ax.plot(
         ok["seq_len"],
         ok["peak_allocated_bytes"] / GIB,
         linestyle=style.ESTIMATE_LINESTYLE if simulated else "-",
         marker=series_marker(method, part),
         color=colour,
-        label=style.label(method, simulated=simulated, extra=extra),
+        label=label,
     )
-    ooms = part.loc[part.apply(is_oom, axis=1), "seq_len"].dropna().sort_values()
-    ax.plot(ooms, [OOM_Y] * len(ooms), style.OOM_MARKER, color=colour, markersize=8, transform=ax.get_xaxis_transform())
-    if search is not None and number(search["max_seq_len"]) is not None:
-        max_t = number(search["max_seq_len"])
-        ceiling = "≥ " if number(search.get("oom_seq_len")) is None else ""  # no OOM up to the search's ceiling
-        ax.axvline(max_t, color=colour, linestyle=":", linewidth=1.2)
-        ax.annotate(  # beside its dotted line, not on it: 3 points to the left
-            f"max T {ceiling}{style.thousands(max_t)} (search{', estimate' if simulated else ''})",
-            (max_t, 0.5),
-            xycoords=ax.get_xaxis_transform(),
-            xytext=(-3, 0),
-            textcoords="offset points",
-            rotation=90,
-            fontsize=7,
-            color=colour,
-            ha="right",
-            va="center",
-        )
-        return [max_t]
-    first_oom = ooms[ooms > ok["seq_len"].max()] if len(ok) else ooms[:0]
-    if len(first_oom):  # no search: the max T lies between the longest ok and the first OOM
-        last = ok.iloc[-1]
-        ax.annotate(
-            f"max ok T {last['seq_len']:.0f} (OOM at {first_oom.iloc[0]:.0f})",
-            (last["seq_len"], last["peak_allocated_bytes"] / GIB),
-            textcoords="offset points",
-            xytext=(4, 6),
-            fontsize=7,
-            color=colour,
-        )
-    return []
+    oom_marks(ax, ooms, "top edge", color=colour)
+    return drawn
 
 
 def _draw_paper(ax, reference, like) -> list[float]:
@@ -163,16 +151,7 @@ def _draw_paper(ax, reference, like) -> list[float]:
             linewidth=2.5,
             label=f"{style.label(method)}, paper Table 9",
         )
-        ooms = rows.loc[rows["status"] == "oom", "seq_len"]
-        ax.plot(
-            ooms,
-            [OOM_Y] * len(ooms),
-            style.OOM_MARKER,
-            color=colour,
-            alpha=style.PAPER_ALPHA,
-            markersize=8,
-            transform=ax.get_xaxis_transform(),
-        )
+        oom_marks(ax, rows.loc[rows["status"] == "oom", "seq_len"], "top edge", color=colour, alpha=style.PAPER_ALPHA)
         xs += list(rows["seq_len"])
     return xs
 

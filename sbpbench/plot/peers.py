@@ -6,7 +6,8 @@ y: the method's max T (kind maxlen, "≥" when the search reached its ceiling). 
 time / (B x T) at one common length T_ref, the length at which the most methods have a timed ok
 row (the longest such). A method without a timed row there is named under the axes, and so is
 one whose rows are status unsupported (with the reason's start). Where the times at T_ref had no
-warm-up or a single timed step, the markers are hollow and the title says the x order is no ranking.
+warm-up or a single timed step, the markers are hollow and the title says the x order is no ranking;
+so are those timed at load above the cores (records.select.is_loaded), which the title counts.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..records.select import number, present
+from ..records.select import is_loaded, number, present
 from . import style
 from .common import (
     FORMATS,
@@ -22,6 +23,7 @@ from .common import (
     device_part,
     finish,
     group_rows,
+    load_title,
     model_title,
     new_figure,
     save,
@@ -61,6 +63,7 @@ def _figure(rows, out_dir: Path, formats) -> list[Path]:
     at_ref = _latest(timed[timed["seq_len"] == t_ref]).drop_duplicates("method", keep="last").set_index("method")
     like = rows.iloc[0]
     caveat = timing_title(at_ref)
+    loaded = load_title(at_ref.reset_index())
     fig, ax = new_figure()
     missing = []
     for _, answer in answers.iterrows():
@@ -76,7 +79,7 @@ def _figure(rows, out_dir: Path, formats) -> list[Path]:
             [per_token * 1e3],
             [max_t],
             edgecolors=style.colour(method),
-            facecolors="none" if caveat else style.colour(method),  # hollow: its x is no ranking
+            facecolors="none" if caveat or is_loaded(point) else style.colour(method),  # hollow: its x is no ranking
             marker=style.marker(method),
             s=60,
             label=style.label(method) + (" (≥: no OOM up to the ceiling)" if ceiling else ""),
@@ -98,6 +101,6 @@ def _figure(rows, out_dir: Path, formats) -> list[Path]:
         ax.text(0.01, 0.01, "\n".join(notes), transform=ax.transAxes, fontsize=style.LEGEND_FONT_SIZE, va="bottom")
     ax.margins(x=0.25, y=0.2)
     title = f"{model_title(like)}: max T vs time per token, per method\n{setting_title(like)}; {where_title(like)}"
-    finish(fig, ax, title + caveat)
+    finish(fig, ax, title + caveat + loaded)
     name = stem("max_len_vs_time_per_token", short(like), *setting_parts(like), device_part(like), like["protocol"])
     return save(fig, out_dir, name, formats)

@@ -17,7 +17,20 @@ from pathlib import Path
 from ..measure.units import GIB
 from ..records.select import ESTIMATE_KEY, MAXLEN_TABLE, cell, is_cuda, is_oom, is_truncated, number, paper_rows
 from . import style
-from .common import FORMATS, finish, log2_x, model_title, new_figure, save, setting_parts, setting_title, short, stem
+from .common import (
+    FORMATS,
+    finish,
+    log2_x,
+    model_title,
+    new_figure,
+    oom_label,
+    oom_marks,
+    save,
+    setting_parts,
+    setting_title,
+    short,
+    stem,
+)
 
 # Measured and predicted rows of one figure share these; the device and its cap are where they differ.
 SHARED = ("model", "objective", "lora_rank", "step", "dtype", "batch_size", "protocol", "nproc")
@@ -101,7 +114,7 @@ def _figure(rows, curves, predicted, reference, out_dir: Path, formats) -> list[
 
 
 def _draw_measured(ax, row, predicted) -> float | None:
-    """One measured point (an OOM as an "x" at the top edge); its label names its error against the
+    """One measured point (an OOM as an "x" on the top edge, as in every memory figure); its label names its error against the
     prediction of the same point, if any. Returns its peak in GiB."""
     method, where = row["method"], _placement(row)
     colour = style.colour(method)
@@ -109,7 +122,7 @@ def _draw_measured(ax, row, predicted) -> float | None:
     extra = "" if where == "gpu" or method != "streambp" else f"checkpoints {where}"
     text = style.label(method, extra=extra) + " measured"
     if is_oom(row):
-        ax.plot([row["seq_len"]], [0.97], style.OOM_MARKER, color=colour, markersize=9, transform=ax.get_xaxis_transform(), label=f"{text}: out of memory")  # fmt: skip
+        oom_marks(ax, [row["seq_len"]], "top edge", color=colour, label=f"{text}: {oom_label('top edge')}")
         return None
     peak = number(row["peak_allocated_bytes"])
     if peak is None:

@@ -5,7 +5,9 @@ The paper's times are drawn faint on figures of a CUDA device only (it timed an 
 time beside it says nothing). Times without a warm-up step or from a single timed step say so in
 the title (records.select.timing_caveat): a smoke run's cold single steps rank methods wrongly.
 "x" on the x axis (drawn over it, outside the data area): an OOM at that x, which has no time; the
-legend says so. The y label mentions min-max bars only when a point has a spread to draw.
+legend says so. The y label mentions min-max bars only when a point has a spread to draw. A CPU
+time measured at load above the cores (records.select.is_loaded) is drawn hollow, and the title
+counts them. A method with neither a time nor an OOM (unsupported here) gets no line and no legend entry.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..records.select import is_cuda, is_oom, is_truncated, paper_rows
+from ..records.select import is_cuda, is_loaded, is_oom, is_truncated, paper_rows
 from . import style
 from .common import (
     FORMATS,
@@ -21,9 +23,12 @@ from .common import (
     device_part,
     finish,
     group_rows,
+    load_title,
     log2_x,
     model_title,
     new_figure,
+    oom_legend,
+    oom_marks,
     save,
     series,
     series_marker,
@@ -35,7 +40,7 @@ from .common import (
     where_title,
 )
 
-OOM_Y = 0.0  # axes fraction where OOM markers sit: on the x axis (y = 0 s is no time), unclipped
+LOADED_LABEL = "hollow: timed at load above the cores"
 BATCH_GROUP = tuple(c for c in POINT_GROUP if c != "batch_size") + ("seq_len",)
 
 
@@ -70,6 +75,9 @@ def _figure(rows, x: str, reference, out_dir: Path, formats) -> list[Path]:
     bars = False
     for method, simulated, extra, part in series(rows):
         ok = part[(part["status"] == "ok") & part["time_median_s"].notna()].sort_values(x)
+        ooms = part.loc[part.apply(is_oom, axis=1), x].dropna()
+        if ok.empty and ooms.empty:  # unsupported or failed here: nothing to draw, no legend entry
+            continue
         scale = ok["batch_size"] if per_sample else 1
         median, low, high = ok["time_median_s"] / scale, ok["time_min_s"] / scale, ok["time_max_s"] / scale
         bars = bars or bool(((high - low).fillna(0) > 0).any())
@@ -83,12 +91,14 @@ def _figure(rows, x: str, reference, out_dir: Path, formats) -> list[Path]:
             capsize=3,
             label=style.label(method, simulated=simulated, extra=extra),
         )
-        ooms = part.loc[part.apply(is_oom, axis=1), x].dropna()
-        _oom_marks(ax, ooms, color=style.colour(method))
+        _hollow_if_loaded(ax, ok[x].to_numpy(), median.to_numpy(), ok, method, part)
+        oom_marks(ax, ooms, "x axis", color=style.colour(method))
     if is_cuda(like) and not is_truncated(like):
         xs += _draw_paper(ax, reference, like, x)
     if rows.apply(is_oom, axis=1).any():
-        ax.plot([], [], style.OOM_MARKER, color="black", label="out of memory (on the x axis: no time)")
+        oom_legend(ax, "x axis")
+    if load_title(rows):
+        ax.plot([], [], "o", linestyle="none", markerfacecolor="white", markeredgecolor="black", label=LOADED_LABEL)
     ax.set_ylim(bottom=0)
     log2_x(ax, xs)
     if per_sample:
@@ -99,7 +109,7 @@ def _figure(rows, x: str, reference, out_dir: Path, formats) -> list[Path]:
     fixed = f"T={like['seq_len']:.0f}, " if per_sample else ""
     setting = setting_title(like, batch=not per_sample)
     versus = "batch size" if per_sample else "T"
-    title = f"{model_title(like)}: {what} vs {versus}, {fixed}{setting}\n{where_title(like)}{timing_title(rows)}"
+    title = f"{model_title(like)}: {what} vs {versus}, {fixed}{setting}\n{where_title(like)}{timing_title(rows)}{load_title(rows)}"
     finish(fig, ax, title)
     parts = setting_parts(like)
     if per_sample:
@@ -132,16 +142,21 @@ def _draw_paper(ax, reference, like, x: str) -> list[float]:
     return list(paper[x])
 
 
+def _hollow_if_loaded(ax, xs, times, ok, method: str, part) -> None:
+    """Hollow markers over a series' own at the times measured at load above the cores."""
+    loaded = ok.apply(is_loaded, axis=1).to_numpy(dtype=bool) if len(ok) else []
+    if any(loaded):
+        ax.plot(
+            xs[loaded],
+            times[loaded],
+            linestyle="none",
+            marker=series_marker(method, part),
+            markerfacecolor="white",
+            markeredgecolor=style.colour(method),
+            zorder=4,
+        )
+
+
 def _oom_marks(ax, xs, **options) -> None:
-    """OOMs as crosses on the x axis (over it, not clipped), where no time can be read from them."""
-    ax.plot(
-        xs,
-        [OOM_Y] * len(xs),
-        style.OOM_MARKER,
-        markersize=8,
-        markeredgewidth=2,
-        clip_on=False,
-        zorder=5,
-        transform=ax.get_xaxis_transform(),
-        **options,
-    )
+    """The paper's OOMs: crosses on the x axis, as ours."""
+    oom_marks(ax, xs, "x axis", **options)

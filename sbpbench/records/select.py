@@ -91,6 +91,40 @@ def is_cuda(row) -> bool:
     return str(row["device"]).startswith("cuda")
 
 
+def _field(row, name: str):
+    """A column of a results row, a dict of one, or a ResultRow."""
+    return getattr(row, name) if isinstance(row, ResultRow) else row.get(name)
+
+
+def is_loaded(row) -> bool:
+    """A CPU row measured while the machine's 1-minute load exceeded its cores: other work competed
+    for them, so its time is slower and noisier than an idle machine's and can bend a curve's shape.
+    Rows do not record the machine's cores, so the worker's thread count stands in for them (one per
+    physical core unless --threads said otherwise). A GPU row never is: host load delays kernel
+    launches, not the kernels a long step's time is spent in. Memory is not affected either way."""
+    load, threads = number(_field(row, "load_avg_1m")), number(_field(row, "num_threads"))
+    if load is None or threads is None or str(_field(row, "device")).startswith("cuda"):
+        return False
+    return load > threads
+
+
+LOADED_MARK = "†"  # beside a time measured at load above the cores (is_loaded), in reports and tables
+
+
+def load_note(rows) -> str:
+    """What the times of `rows` (rows with a time) owe to load: "3 of 8 times taken at load above
+    the cores (up to 7.5 on 2 threads)", or "" when none was. `rows`: a table or a list of rows."""
+    rows = [row for _, row in rows.iterrows()] if hasattr(rows, "iterrows") else list(rows)
+    loaded = [row for row in rows if is_loaded(row)]
+    if not loaded:
+        return ""
+    top = max(loaded, key=lambda row: number(_field(row, "load_avg_1m")))
+    load, threads = number(_field(top, "load_avg_1m")), number(_field(top, "num_threads"))
+    return (
+        f"{len(loaded)} of {len(rows)} times taken at load above the cores (up to {load:.1f} on {threads:.0f} threads)"
+    )
+
+
 def capacity_bytes(row) -> float | None:
     """Memory the step could use: the cap that applied if one was set (the one asked for, or the
     device's capacity where that was smaller: memory_limit_effective_bytes), else a GPU's total;

@@ -10,8 +10,10 @@ next writer. Raw fcntl, not the `filelock` package: its FileLock keeps the lock 
 (to keep waiters on one inode); here a waiter re-checks the inode instead, so no file is left.
 
 Reading checks every row against the schema: a file whose header lacks REQUIRED_COLUMNS is not
-a results CSV (ValueError); a row cut short or missing a required value is skipped with a
-warning (ResultsFileWarning) that names its line. check_writable checks the same header before
+a results CSV (ValueError); a file with a column this schema does not know, or a row of a newer
+schema_version, was written by a newer sbpbench and is refused (ValueError naming it: read with an
+older schema its rows would be misread, and rewritten they would lose what they say); a row cut
+short or missing a required value is skipped with a warning (ResultsFileWarning) that names its line. check_writable checks the same header before
 any work, and a write that fails all the same keeps its new rows in a file beside (RowsNotSaved).
 """
 
@@ -28,7 +30,7 @@ from contextlib import contextmanager
 from dataclasses import fields
 from pathlib import Path
 
-from .schema import COLUMNS, KEY_COLUMNS, REQUIRED_COLUMNS, ResultRow, upgrade
+from .schema import COLUMNS, KEY_COLUMNS, REQUIRED_COLUMNS, SCHEMA_VERSION, ResultRow, upgrade
 
 
 class ResultsFileWarning(UserWarning):
@@ -108,6 +110,9 @@ def check_writable(
     if path.is_file():
         advice = f"; pass another --out file name, or move {path} aside"
         check_header(path, csv_header(path), required, kind, advice=advice)
+        if required == REQUIRED_COLUMNS:
+            check_known_columns(path, csv_header(path))
+            check_versions(path)
     target = path if path.exists() else path.parent
     if not os.access(target, os.W_OK) or not os.access(path.parent, os.W_OK):
         raise PermissionError(f"{path}: no write permission in {path.parent}; pass a writable --out path")
@@ -145,11 +150,36 @@ def check_header(
         )
 
 
+NEWER = "written by a newer sbpbench; upgrade sbpbench (pip install -U) to read it, or move the file aside"
+
+
+def check_known_columns(path: Path, header: list[str]) -> None:
+    """ValueError naming the file when its header has a column this schema does not know."""
+    unknown = [c for c in header if c not in COLUMNS]
+    if unknown:
+        raise ValueError(
+            f"{path} has column(s) {', '.join(unknown)[:80]} that results schema {SCHEMA_VERSION} does not know: {NEWER}"
+        )
+
+
+def check_versions(path: Path) -> None:
+    """ValueError naming the file and line of the first row of a newer schema_version than this one."""
+    with path.open(newline="") as f:
+        for line, record in enumerate(csv.DictReader(f), start=2):
+            newer_row(path, line, record)
+
+
+def newer_row(path: Path, line: int, record: dict) -> None:
+    version = record.get("schema_version") or ""
+    if version.isdigit() and int(version) > SCHEMA_VERSION:
+        raise ValueError(f"{path} line {line} is of results schema {version}, newer than {SCHEMA_VERSION}: {NEWER}")
+
+
 def read_rows(path: str | Path) -> list[dict]:
     """Rows as dicts of strings, each as the current schema reads it (schema.upgrade). Rows that
     an upgrade makes one point (the same key) are one row: the latest by timestamp. A row cut
     short or missing a required value is skipped with a ResultsFileWarning naming its line; a
-    file that is not a results CSV raises ValueError."""
+    file that is not a results CSV, or is of a newer schema, raises ValueError."""
     path = Path(path)
     if not path.exists():
         return []
@@ -172,6 +202,7 @@ def _checked_rows(path: Path) -> list[dict]:
     reader = csv.DictReader(text.splitlines(keepends=True))
     header = reader.fieldnames or []
     check_header(path, header or ["(no header)"])
+    check_known_columns(path, header)
     rows, start = [], 2
     for record in reader:
         line, start = start, reader.line_num + 1
@@ -184,6 +215,7 @@ def _checked_rows(path: Path) -> list[dict]:
         elif reader.line_num == text.count("\n") + 1 and not text.endswith(("\n", "\r")):
             _skip(path, line, "has no line end: cut short")
         else:
+            newer_row(path, line, record)
             rows.append({k: v or "" for k, v in record.items()})
     return rows
 
@@ -259,7 +291,7 @@ def _write_atomic(path: Path, columns: list[str], rows: list[dict]) -> None:
 
 def upsert_rows(path: str | Path, rows: Iterable[ResultRow | dict], *, replace: bool = True) -> None:
     """Add rows to the CSV; a row whose key is already there replaces it (replace=True) or is
-    dropped (replace=False). Columns in the file that this schema does not know are kept. If the
+    dropped (replace=False). A file of a newer schema is never rewritten (read_rows refuses it). If the
     write fails (the file changed since check_writable, a full disk), the new rows go to a file
     beside it and RowsNotSaved names that file."""
     path = Path(path)
@@ -268,7 +300,7 @@ def upsert_rows(path: str | Path, rows: Iterable[ResultRow | dict], *, replace: 
         check_writable(path)
         with _write_errors(path), _locked(path):
             existing = read_rows(path)
-            columns = list(COLUMNS) + [c for c in csv_header(path) if c not in COLUMNS]
+            columns = list(COLUMNS)
             index = {row_key(row): i for i, row in enumerate(existing)}
             for row in new:
                 i = index.get(row_key(row))

@@ -13,7 +13,10 @@ from collections.abc import Callable
 from ..measure.units import GIB
 from ..records.reference import PAPER_DEVICE
 from ..records.select import (
+    LOADED_MARK,
     complete_columns,
+    is_loaded,
+    load_note,
     natural_key,
     no_reference,
     number,
@@ -103,14 +106,27 @@ def _peers_table(rows, seqs: list[int], exactness: list[dict]) -> list[str]:
     for method in sorted(rows["method"].unique(), key=_method_rank):
         own = seq_and_max_t_cells(rows[rows["method"] == method], seqs, _peer_cell)
         cells.append([method, *own, _exact_cell(method, exactness)])
-    return _markdown_table(tuple(headers), cells)
+    return _markdown_table(tuple(headers), cells) + _load_footnote(cells)
+
+
+def _load_footnote(cells: list[list[str]]) -> list[str]:
+    """The footnote of a table whose times carry LOADED_MARK; [] for one without."""
+    if not any(LOADED_MARK in value for row in cells for value in row):
+        return []
+    return ["", LOADED_FOOTNOTE]
+
+
+LOADED_FOOTNOTE = (
+    f"{LOADED_MARK} timed at a load above the machine's cores (its 1-minute load average over the worker's "
+    "threads): slower and noisier than on an idle machine, so no ranking by it."
+)
 
 
 def _verdict(rows) -> list[str]:
     """The peers' target, judged from the rows: StreamBP's max T at least TARGET_RATIO x the best
     other method's, at equal or lower step time (the median ratio over every T both ran, each listed);
-    not judged from times without a warm-up step or from one timed step. Nothing when a side lacks an
-    answer."""
+    not judged from times without a warm-up step, from one timed step or from times taken at load
+    above the cores. Nothing when a side lacks an answer."""
     answers = {}
     for method in rows["method"].unique():
         found = rows[(rows["method"] == method) & (rows["kind"] == "maxlen") & (rows["status"] == "ok")]
@@ -133,9 +149,10 @@ def _verdict(rows) -> list[str]:
             ratios.append(times["streambp"] / times[rival])
         listed = ", ".join(f"{r:.2f}x at T={t:.0f}" for r, t in zip(ratios, common))
         median = statistics.median(ratios)
-        text += f"; its step time over {rival}'s: {listed} (median {median:.2f}x; rows taken under load are noisier)"
-        caveat = timing_caveat(both[both["seq_len"].map(number).isin(common)])
-        if caveat:  # a single cold step ranks nothing (records.select.timing_caveat)
+        text += f"; its step time over {rival}'s: {listed} (median {median:.2f}x)"
+        compared = both[both["seq_len"].map(number).isin(common)]
+        caveat = timing_caveat(compared) or load_note(compared)
+        if caveat:  # a single cold step or a busy machine ranks nothing (records.select)
             text += f"; {caveat}, so the target ({TARGET_RATIO}x at equal or lower step time) is not judged."
         else:
             met = ours >= TARGET_RATIO * theirs and median <= 1.0
@@ -151,8 +168,12 @@ def _peer_cell(row) -> str:
     peak = number(row["peak_allocated_bytes"])
     time = number(row["time_median_s"])
     tokens = number(row["batch_size"]) * number(row["seq_len"])
-    per_token = "" if time is None else f", {1e3 * time / tokens:.2f} ms/tok"
+    per_token = "" if time is None else f", {1e3 * time / tokens:.2f} ms/tok" + _loaded_mark(row)
     return ("" if peak is None else f"{peak / GIB:.2f} GiB") + per_token
+
+
+def _loaded_mark(row) -> str:
+    return LOADED_MARK if is_loaded(row) else ""
 
 
 def _exact_cell(method: str, exactness: list[dict]) -> str:
@@ -302,7 +323,7 @@ def _unmatched_section(rows) -> list[str]:
         (_row_cells(row) for _, row in rows.iterrows()),
         key=lambda cells: (natural_key(cells[0]), natural_key(cells[3]), _method_rank(cells[1]), natural_key(cells[2])),
     )
-    return lines + _markdown_table(headers, ordered)
+    return lines + _markdown_table(headers, ordered) + _load_footnote(ordered)
 
 
 def _estimates_section(table, reference) -> list[str]:
@@ -340,6 +361,7 @@ def _estimate_cells(c: Comparison) -> list[str]:
 def _row_cells(row) -> list[str]:
     model = row["model"] + (f" ({number(row['num_layers']):.0f} layers)" if truncated(row) else "")
     peak, time, max_t = (_shown(row, c) for c in ("peak_allocated_bytes", "time_median_s", "max_seq_len"))
+    time += _loaded_mark(row) if time else ""
     if max_t and not present(row["oom_seq_len"]):
         max_t = "≥" + max_t
     return [model, row["method"], setting(row, seq_len=True), run(row), row["status"], peak, time, max_t]

@@ -12,7 +12,15 @@ from dataclasses import dataclass, fields
 
 from ..config import RunSpec
 from ..methods import METHODS, MethodSettings
-from ..methods.exactness import MethodComparison, compare_methods, compare_step, judge_against_fp64, step_gradients
+from ..methods.exactness import (
+    FLOAT32_COMPUTE_NOTE,
+    TOLERANCE,
+    MethodComparison,
+    compare_methods,
+    compare_step,
+    judge_against_fp64,
+    step_gradients,
+)
 from ..workload.build import build_model_and_batch
 
 
@@ -59,3 +67,19 @@ def check_exactness(spec: ExactnessSpec) -> list[MethodComparison]:
                     continue
                 results[i] = compare_step(result.method, run.method, model, ours, reference)
     return results
+
+
+def float32_note(run: RunSpec, results) -> str:
+    """fp64: why some tensors were judged at float32's 1e-5 (modules that compute in float32,
+    methods/exactness.py), and how close every other tensor came to its 1e-10; "" otherwise."""
+    tight = TOLERANCE[run.torch_dtype] if run.dtype == "fp64" else None
+    grads = [d for r in results for d in r.grads if d.tolerance is not None]
+    loose = sorted((d for d in grads if tight is not None and d.tolerance > tight), key=lambda d: -d.rel_error)
+    if not loose:
+        return ""
+    largest = max((d.rel_error for d in grads if d.tolerance == tight), default=0.0)
+    return (
+        f"fp64: {len({d.name for d in loose})} tensor(s) judged at 1e-05, such as {loose[0].name}: "
+        f"{FLOAT32_COMPUTE_NOTE}. Every other "
+        f"gradient is judged at {tight:g}: its largest error here is {largest:.1e}."
+    )

@@ -75,12 +75,16 @@ def run_experiment(sweep: SweepPlan, *, steps: Steps, budget_s: float | None = N
         outcome.rows.append(row)
         steps.advance(f"{job.describe()}: {_ended(row)}")
 
+    def probed(job: Job, row: ResultRow) -> None:
+        outcome.probes.append(row)
+        steps.note(f"{job.describe()}: probe {point_line(row)}")
+
     try:
         seed = estimate_seed(capacity_bytes=sweep.env.device_total_memory_bytes, budget=clock, note=steps.note)
         run_sweep(
             todo, sweep.out, env=sweep.env, seed=seed, on_start=start, on_done=done,
             measure=within(run_isolated, clock) if clock else run_isolated,
-            on_probe=lambda job, row: steps.note(f"{job.describe()}: probe {point_line(row)}"),
+            on_probe=probed,
         )  # fmt: skip
     except BudgetSpent as spent:
         left = len(todo) - todo.index(current[0])

@@ -25,7 +25,8 @@ class Steps(Protocol):
 
 @dataclass
 class Outcome:
-    rows: list[ResultRow] = field(default_factory=list)  # this run's new rows (answers, not probes)
+    rows: list[ResultRow] = field(default_factory=list)  # this run's points and search answers
+    probes: list[ResultRow] = field(default_factory=list)  # the max-length probes it ran (each a row too)
     stopped: str = ""  # the budget ran out: where, what is left, how to resume
     failed: str = ""  # a probe failed: what, and where the rows so far are
     interrupted: str = ""  # Ctrl-C: what was kept, how to resume
@@ -34,6 +35,19 @@ class Outcome:
     def errors(self) -> bool:
         """A row that says the point went wrong (not an OOM: that is an answer)."""
         return any(row.status in ("error", "timeout") for row in self.rows)
+
+
+def written_line(outcome: Outcome, out, results: str = "point(s) and answer(s)") -> str:
+    """How many rows went to `out`, counted as written (a row of a key written twice is one), the
+    probes said apart from the `results`."""
+    from ..records import row_key
+
+    written = {row_key(row) for row in [*outcome.rows, *outcome.probes]}
+    line = f"{len(written)} row(s) written to {out}"
+    if outcome.probes:
+        probes = {row_key(row) for row in outcome.probes}
+        line += f": {len(written - probes)} {results}, {len(probes)} max-length probe(s)"
+    return line
 
 
 def point_line(row: ResultRow) -> str:

@@ -39,6 +39,7 @@ def run_searches(searches: list[MaxlenSpec], out: Path, *, probing: Probing, res
         steps.start(f"{search.method}: searching")
 
         def told(row: ResultRow, method: str = search.method) -> None:
+            outcome.probes.append(row)
             steps.note(f"{method}: probe {point_line(row)}")
 
         try:

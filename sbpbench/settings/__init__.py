@@ -3,7 +3,7 @@ flag, the methods that read it), and ConfigError, the error of a bad one. Import
 the CLI builds its options and help from it without loading torch or transformers."""
 
 from .choices import DTYPE_NAMES, EVERY_METHOD, METHOD_NAMES, OBJECTIVES, PROTOCOLS, STEPS
-from .errors import ConfigError
+from .errors import ConfigError, SettingChanged
 from .table import (
     AUTO,
     CHUNK_SETTINGS,
@@ -35,6 +35,7 @@ __all__ = [
     "STEPS",
     "ConfigError",
     "Setting",
+    "SettingChanged",
     "check",
     "default_of",
     "device_defaults",

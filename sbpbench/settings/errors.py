@@ -17,3 +17,17 @@ class ConfigError(ValueError):
     def naming(self, name: str) -> str:
         """The message with the field called `name` (a CLI flag, a TOML key)."""
         return self.problem.format(field=name) if "{field}" in self.problem else f"{name} {self.problem}"
+
+
+class SettingChanged(UserWarning):
+    """A value the tool runs differently from how it was given (a prompt longer than half of T runs
+    at half), said as a one-line warning; like ConfigError it knows the field, so the CLI names its
+    flag and an experiment file's user sees the key."""
+
+    def __init__(self, field: str, problem: str):
+        self.field = field
+        self.problem = problem
+        super().__init__(self.naming(field))
+
+    def naming(self, name: str) -> str:
+        return self.problem.format(field=name) if "{field}" in self.problem else f"{name} {self.problem}"

@@ -56,6 +56,9 @@ class Setting:
     flags: tuple[str, ...] = ()  # CLI spellings kept from before; default: --the-name-with-dashes
     metavar: str = ""  # what the CLI's help shows for the value (default: from kind and choices)
     search: bool = False  # a max-length search's own (MaxlenSpec), not a point's (RunSpec)
+    # a byte size: typed (CLI, experiment file) as text with its unit, "80GiB"; a bare number is
+    # refused, never read as bytes. Python callers give a byte count (an int)
+    size: bool = False
 
 
 SETTINGS: dict[str, Setting] = {
@@ -129,6 +132,7 @@ SETTINGS: dict[str, Setting] = {
         "Memory cap, e.g. 80GiB: CUDA per-process; CPU: tracked tensors (default: none).",
         in_search={"cuda": "80GiB", "cpu": "1GiB"},  # a search: the paper's GPU; on a CPU, minutes per search
         metavar="SIZE",
+        size=True,
     ),
     "timeout_s": Setting((int, float), "Seconds per point (default: from its FLOPs).", flags=("--timeout",)),
     "seed": Setting(int, "Seed for weights and batch (default: 0).", default=0, minimum=0),

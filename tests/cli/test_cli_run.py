@@ -128,15 +128,17 @@ def test_sbp_env_json_parses():
     assert values["torch_version"] and values["git_commit"]
 
 
-def _stub_runner(commit: str, finished: str, *, interrupt_after: int | None = None):
-    """A run_points that measures nothing: each spec's row (ok, from `commit` at `finished`) is
-    upserted then yielded, as the real one does; after `interrupt_after` rows, Ctrl-C."""
+def _stub_runner(commit: str, finished: str, *, interrupt_after: int | None = None, **values):
+    """A run_points that measures nothing: each spec's row (ok, from `commit` at `finished`, with
+    `values`) is upserted then yielded, as the real one does; after `interrupt_after` rows, Ctrl-C."""
 
     def run_points(specs, out):
         for i, spec in enumerate(specs):
             if i == interrupt_after:
                 raise KeyboardInterrupt
             row = ResultRow(**spec_fields(spec), status="ok", device_name="a CPU", git_commit=commit, git_dirty="false")
+            for name, value in values.items():
+                setattr(row, name, value)
             row.timestamp_utc = finished
             upsert_rows(out, [row])
             yield row
@@ -175,6 +177,26 @@ def test_a_rerun_says_how_many_rows_it_replaced_and_from_when(tmp_path, monkeypa
     other = runner.invoke(app, [*args, "--seq", "32"])
     assert "; 3 row(s) of other points from earlier runs are also in it" in " ".join(other.output.split())
     assert len(read_rows(out)) == 5
+
+
+@pytest.mark.parametrize(("load", "warned"), [(5.0, True), (1.5, False)])
+def test_times_taken_under_load_are_marked_and_warned_under_the_table(tmp_path, monkeypatch, load, warned):
+    """Rows timed at a load above the cores: their times carry † and a warning follows the results
+    table, where it is read (the start's warning sees only the load before the first point)."""
+    import sbpbench.cli.run_cmd as run_cmd
+
+    monkeypatch.setattr(run_cmd, "busy_warning", lambda: None)  # this machine's own load is not the point
+    timed = {"time_median_s": 1.5, "time_min_s": 1.4, "time_max_s": 1.6, "load_avg_1m": load, "num_threads": 2}
+    monkeypatch.setattr(runner_package, "run_points", _stub_runner("a" * 40, "2025-01-01T00:00:00+00:00", **timed))
+    argv = ["run", "--model", "tiny/qwen3", "--seq", "16", "--device", "cpu", "--method", "bp", "ckpt"]
+    result = runner.invoke(app, [*argv, "--out", str(tmp_path / "r.csv")])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert ("1.500†" in text) is warned
+    warning = "warning: 2 of 2 times taken at load above the cores (up to 5.0 on 2 threads), marked †"
+    assert (warning in text) is warned
+    if warned:  # after the table and its caption, before the line saying where the rows went
+        assert text.index("1.500†") < text.index(warning) < text.index("row(s) written")
 
 
 @pytest.mark.slow

@@ -24,6 +24,8 @@ from sbpbench.core import UnsupportedModelError
 from sbpbench.runner import budget, official, selftest
 from sbpbench.settings import ConfigError
 
+from ..conftest import cli_env
+
 HEAVY = ("torch", "transformers")
 
 # In a fresh interpreter: import the CLI, then ask for every help (the commands listed by `sbp
@@ -193,3 +195,70 @@ def test_no_function_of_the_cli_is_over_50_lines():
     assert not found, f"move the work into sbpbench/runner (or split it): {found}"
     body = "".join(f"    x = {i}\n" for i in range(49))
     assert long_functions(f"def f():\n{body}") == [] and long_functions(f"def f():\n{body}    y = 0\n") == [("f", 51)]
+
+
+# In a fresh interpreter with an empty HF cache, offline: commands given a mistyped model or a size
+# without its unit; each one's exit code, its output, and whether torch got loaded.
+_EARLY = textwrap.dedent(
+    """
+    import json, sys
+    from typer.testing import CliRunner
+    from sbpbench.cli import app
+
+    results = {}
+    for args in json.loads(sys.argv[1]):
+        result = CliRunner().invoke(app, args)
+        results[" ".join(args)] = [result.exit_code, " ".join(result.output.split())]
+    print(json.dumps({"results": results, "torch": "torch" in sys.modules}))
+    """
+)
+TYPOS = [
+    ([command, "--model", model], f"did you mean {meant}?")
+    for command in ("run", "estimate", "maxlen", "check", "plan")
+    for model, meant in (("tiny/qwen9", "tiny/qwen3"), ("Qwen/Qwen3-8b", "Qwen/Qwen3-8B"))
+]
+UNITLESS = [
+    (["estimate", "--gpu-memory", "80"], "--gpu-memory '80' has no unit: write 80GiB"),
+    (["run", "--memory-limit", "1"], "--memory-limit '1' has no unit: write 1GiB"),
+    (["maxlen", "--memory-limit", "1"], "--memory-limit '1' has no unit"),
+    (["maxlen", "--simulate", "--gpu-memory", "80"], "--gpu-memory '80' has no unit"),
+    (["maxlen", "--simulate", "--host-memory", "100"], "--host-memory '100' has no unit"),
+]
+
+
+def _early(cases, tmp_path) -> dict:
+    env = {**cli_env(), "HF_HUB_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    args = json.dumps([call for call, _ in cases])
+    done = subprocess.run([sys.executable, "-c", _EARLY, args], capture_output=True, text=True, timeout=120, env=env)
+    return json.loads(done.stdout)
+
+
+def test_a_mistyped_model_is_answered_before_torch_loads(tmp_path):
+    """`--model tiny/qwen9` or `Qwen/Qwen3-8b` (not cached) fails with "did you mean" in every
+    point command while the options are parsed: torch is never imported, so no seconds go by."""
+    answer = _early(TYPOS, tmp_path)
+    assert not answer["torch"]
+    for call, expected in TYPOS:
+        code, output = answer["results"][" ".join(call)]
+        assert code == 2 and expected in output, (call, output)
+
+
+def test_a_size_without_a_unit_is_refused_before_torch_loads(tmp_path):
+    """`--gpu-memory 80`, `--memory-limit 1`, `--host-memory 100`: one line that says which unit to
+    add, exit 2, before torch is imported (nothing measured, nothing predicted as 80 bytes)."""
+    answer = _early(UNITLESS, tmp_path)
+    assert not answer["torch"]
+    for call, expected in UNITLESS:
+        code, output = answer["results"][" ".join(call)]
+        assert code == 2 and expected in output and "Traceback" not in output, (call, output)
+
+
+def test_plan_refuses_a_size_without_a_unit():
+    """`sbp plan --gpu-memory 80` and `--host-memory 100` stop at once with the unit to add, not
+    "nothing fits" after a search."""
+    for args, expected in (
+        (["--gpu-memory", "80"], "'80' has no unit"),
+        (["--host-memory", "100"], "'100' has no unit"),
+    ):
+        result = CliRunner().invoke(sbpbench.cli.app, ["plan", "--model", "tiny/qwen3", *args])
+        assert result.exit_code == 2 and expected in " ".join(result.output.split()), result.output

@@ -95,6 +95,15 @@ def _comparisons() -> tuple[list[RunSpec], list[MethodComparison]]:
     return specs, results
 
 
+def _gemma3_fp64() -> tuple[list[RunSpec], list[MethodComparison]]:
+    """An fp64 check of Gemma-3: its norm weights judged at float32's 1e-5, every other tensor at 1e-10."""
+    norm = TensorDiff("model.layers.1.self_attn.k_norm.weight", 2.06e-7, 1e-9, (3,), 0.5, 0.5, 1e-5)
+    other = TensorDiff("model.layers.1.mlp.down_proj.weight", 1.1e-15, 1e-17, (3, 7), 0.5, 0.5, 1e-10)
+    specs = [RunSpec(model="tiny/gemma3", method=m, seq_len=64, dtype="fp64") for m in ("bp", "ckpt", "streambp")]
+    results = [MethodComparison(m, "bp", other, [norm, other]) for m in ("ckpt", "streambp")]
+    return specs, results
+
+
 def _run_table(rows: list[ResultRow]):
     """`sbp run`'s table of these rows, titled as the command titles it."""
     return results_table(rows, *_titled(rows))
@@ -136,9 +145,10 @@ TABLES = {
         120 * GIB,
         Rates(),
     ),
+    "check, fp32, every method": lambda: exactness_table(*_comparisons()),
+    "check, fp64 gemma3": lambda: exactness_table(*_gemma3_fp64()),
 }
 PRINTED_AS_IS = {  # commands that print with console.print: their long cells fold
-    "check, fp32, every method": lambda: exactness_table(*_comparisons()),
     "env": lambda: env_table({"cpu_model": "AMD EPYC 7B13 64-Core Processor " * 3, "git_commit": "8cd840e" * 6}),
     "models": models_table,
 }
@@ -173,3 +183,25 @@ def test_run_caption_explains_exactly_the_columns_and_title_terms_shown():
     assert "resv GiB:" in gpu and "nvml GiB:" in gpu and "median of 3 timed step(s) after 1 warm-up" in gpu
     timed_out = results_table([_cpu_row("bp", time_median_s=None, tokens_per_s=None, tflops_per_s=None)], "t")
     assert "tok/s" not in _render(timed_out) and "TFLOP/s" not in _render(timed_out)
+
+
+def test_a_several_rank_point_says_its_ranks_in_the_title():
+    """--nproc 2: the run table's title says "2 ranks" and the caption that B and the memory are per rank."""
+    title, notes = point_title([_cpu_row("bp", nproc=2)])
+    assert title.endswith(", 2 ranks, steady protocol") or ", 2 ranks" in title
+    assert any(note.startswith("2 ranks: data-parallel processes (FSDP2), B rows each") for note in notes)
+    assert "ranks" not in point_title([_cpu_row("bp", nproc=1)])[0]
+
+
+def test_check_says_why_gemma3_fp64_is_judged_at_1e5_and_never_breaks_a_name():
+    """fp64 Gemma-3: the note under the table says its norm computes in float32 (1e-5 there) and
+    gives every other tensor's largest error against 1e-10; tensor names break only after a dot."""
+    text = _render(exactness_table(*_gemma3_fp64()))
+    flat = " ".join(text.split())
+    assert "fp64: 1 tensor(s) judged at 1e-05, such as model.layers.1.self_attn.k_norm.weight" in flat
+    assert "Gemma-3's RMSNorm computes in float32 inside a float64 model" in flat
+    assert "Every other gradient is judged at 1e-10: its largest error here is 1.1e-15" in flat
+    for spec, results in (_gemma3_fp64(), _comparisons()):
+        table = _render(exactness_table(spec, results))
+        for part in results[0].worst.name.split("."):
+            assert part in table, (part, table)

@@ -240,3 +240,11 @@ def test_sentences_are_short():
     assert not long, f"split these pages' longest sentences (docs/architecture.md, Writing prose): {long}"
     sample = "One two three four.\n- an item of four\n\n```\nno code counts here at all\n```\n    nor this one here\n"
     assert sentences(sample) == ["One two three four.", "an item of four"]
+
+
+def test_the_readme_installs_before_it_runs():
+    """A newcomer reads top down: the install block (pip install -e) comes before the first `sbp` command."""
+    commands = [line.strip() for line in README.read_text().splitlines() if line.startswith("    ")]
+    install = next(i for i, line in enumerate(commands) if "pip install -e" in line)
+    first_run = next(i for i, line in enumerate(commands) if line.startswith("sbp "))
+    assert install < first_run, commands[first_run]

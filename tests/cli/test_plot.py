@@ -142,7 +142,7 @@ def test_time_plot_ooms_sit_on_the_axis_and_bars_are_named_only_when_drawn(tmp_p
     table = load_results(FIXTURE)
     (with_bars,) = [p for p in time_vs_seq(table, tmp_path / "a", formats=("svg",)) if "Qwen3-8B" in p.name]
     svg = with_bars.read_text()
-    assert "bars min-max" in svg and "out of memory (on the x axis: no time)" in svg
+    assert "bars min-max" in svg and "out of memory (crosses on the x axis: no time)" in svg
     table["time_min_s"] = table["time_max_s"] = table["time_median_s"]
     (without,) = [p for p in time_vs_seq(table, tmp_path / "b", formats=("svg",)) if "Qwen3-8B" in p.name]
     assert "bars min-max" not in without.read_text() and "median" in without.read_text()

@@ -297,3 +297,32 @@ def test_setting_names_a_streambp_placement(table):
     assert setting(row, seq_len=False).endswith("checkpoints cpu+recompute:2")
     row["checkpoints"] = "gpu"
     assert "checkpoints" not in setting(row, seq_len=False)
+
+
+def test_times_taken_under_load_are_marked_with_a_footnote_and_judge_nothing():
+    """A CPU time taken at load above the cores carries † in the peers and glance tables, with a
+    footnote under the table; the peers' target is then not judged from it. GPU rows are never marked."""
+    import pandas as pd
+
+    from sbpbench.records.select import complete_columns
+    from sbpbench.report.markdown import LOADED_FOOTNOTE, _verdict, glance_table
+
+    def row(method, kind, load, device="cpu", **values):
+        return {"method": method, "kind": kind, "seq_len": 1024, "status": "ok", "source": "measured",
+                "device": device, "load_avg_1m": load, "num_threads": 2, "batch_size": 1, "model": "small/qwen3",
+                "timestamp_utc": "2026", "peak_allocated_bytes": 2**28, **values}  # fmt: skip
+
+    def rows(load, device="cpu"):
+        return complete_columns(pd.DataFrame(
+            [row("tiled", "point", 1.0, device, time_median_s=2.0), row("streambp", "point", load, device, time_median_s=1.0),
+             row("tiled", "maxlen", None, device, max_seq_len=2000, oom_seq_len=2100),
+             row("streambp", "maxlen", None, device, max_seq_len=4096, oom_seq_len=4200)]
+        ))  # fmt: skip
+
+    loaded = "\n".join(glance_table(rows(5.0), []))
+    assert "0.98 ms/tok†" in loaded and "1.95 ms/tok |" in loaded and LOADED_FOOTNOTE in loaded
+    assert "not judged" in " ".join(_verdict(rows(5.0))) and "1 of 2 times taken at load" in " ".join(
+        _verdict(rows(5.0))
+    )
+    for calm in (rows(1.5), rows(5.0, device="cuda:0")):
+        assert "†" not in "\n".join(glance_table(calm, [])) and "met." in " ".join(_verdict(calm))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -42,13 +44,20 @@ def test_training_flops_counts_sliding_layers_by_their_window():
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("80GiB", 80 * GIB), ("80GB", 80 * 10**9), ("512 MiB", 512 * 2**20), ("1e6", 10**6), ("1.5gib", 3 * GIB // 2)],
+    [("80GiB", 80 * GIB), ("80GB", 80 * 10**9), ("512 MiB", 512 * 2**20), ("1e6B", 10**6), ("1.5gib", 3 * GIB // 2)],
 )
 def test_parse_bytes(text, expected):
     assert parse_bytes(text) == expected
 
 
-@pytest.mark.parametrize("text", ["", "80 GiBs", "-1GiB", "0", "lots"])
+@pytest.mark.parametrize(("text", "advice"), [("80", "write 80GiB (2^30 bytes) or 80GB"), ("1e9", "write 1e9B")])
+def test_a_size_without_a_unit_is_refused_not_read_as_bytes(text, advice):
+    """ "80" is not 80 bytes: the error names the value and says which unit to add."""
+    with pytest.raises(ValueError, match=rf"--gpu-memory '{text}' has no unit: {re.escape(advice)}"):
+        parse_bytes(text, what="--gpu-memory")
+
+
+@pytest.mark.parametrize("text", ["", "80 GiBs", "-1GiB", "0GiB", "lots"])
 def test_parse_bytes_refuses_what_it_cannot_read(text):
     with pytest.raises(ValueError, match="80GiB"):
         parse_bytes(text)

@@ -12,6 +12,7 @@ import torch
 from accelerate.utils import DistributedType
 
 from sbpbench.integrations import StreamBPConfig
+from sbpbench.integrations.trainer import checkpointing_option
 
 from ..conftest import needs_trl, tiny_model
 from .test_trainers import _common, _pad_collator, _texts, _token_rows, _tokenizer
@@ -174,11 +175,16 @@ def test_fsdp2_and_deepspeed_are_accepted(engine):
 
 @needs_trl
 def test_gradient_checkpointing_warns():
-    """TRL's default gradient_checkpointing=True draws a warning (it does nothing for StreamBP); off, none."""
+    """TRL's default gradient_checkpointing=True draws a warning (it does nothing for StreamBP) that
+    names the option as the installed transformers spells it; off, none."""
     import warnings
 
-    with pytest.warns(UserWarning, match="gradient checkpointing has no effect"):
+    with pytest.warns(UserWarning, match="gradient checkpointing has no effect") as caught:
         _make_trl("sft", activation_checkpointing=True)()
+    # the installed transformers' option (5.24: activation_checkpointing; gradient_checkpointing its deprecated alias)
+    assert any(str(w.message).endswith("set activation_checkpointing=False") for w in caught)
+    old = SimpleNamespace(gradient_checkpointing=True)  # a transformers without the newer name
+    assert checkpointing_option(old) == "gradient_checkpointing"
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         _make_trl("sft")()

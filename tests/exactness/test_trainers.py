@@ -208,11 +208,12 @@ SFT_LAYOUTS = {  # name -> SFTConfig options
 }
 
 
-def _run_sft(cls, tmp_path, layout: str, **kwargs):
+def _run_sft(cls, tmp_path, layout: str, options: dict | None = None, **kwargs):
     from datasets import Dataset
     from trl import SFTConfig
 
-    args = SFTConfig(**_common(tmp_path), bf16=False, train_sampling_strategy="sequential", **SFT_LAYOUTS[layout])
+    common = _common(tmp_path) | (options or {})
+    args = SFTConfig(**common, bf16=False, train_sampling_strategy="sequential", **SFT_LAYOUTS[layout])
     dataset = Dataset.from_dict({"text": _texts(12, 5, 20, seed=0)})
     make = lambda model: cls(model=model, args=args, train_dataset=dataset, processing_class=_tokenizer(), **kwargs)
     return _train(make, tiny_model("tiny/qwen3"))
@@ -232,6 +233,20 @@ def test_sft_trainer_matches_stock(tmp_path, layout):
     stock = _run_sft(SFTTrainer, tmp_path, layout)
     config = StreamBPConfig(chunk_size=5, logits_chunk_size=7)
     _assert_same_training(stock, _run_sft(StreamBPSFTTrainer, tmp_path, layout, streambp=config))
+
+
+@needs_trl
+def test_sft_trainer_matches_stock_under_adamw(tmp_path):
+    """With AdamW in place of SGD the updates still agree to 1e-10 when both runs compute the loss
+    in fp64 (docs/trainers.md): Adam's per-element scaling amplifies only rounding that is not there."""
+    from trl import SFTTrainer
+
+    from sbpbench.integrations import StreamBPConfig, StreamBPSFTTrainer
+
+    adamw = {"optim": "adamw_torch", "learning_rate": 1e-3}
+    stock = _run_sft(SFTTrainer, tmp_path, "padded", adamw)
+    config = StreamBPConfig(chunk_size=5, logits_chunk_size=7)
+    _assert_same_training(stock, _run_sft(StreamBPSFTTrainer, tmp_path, "padded", adamw, streambp=config))
 
 
 # --- TRL's DPOTrainer --------------------------------------------------------------------------

@@ -176,7 +176,7 @@ def test_sweep_budget_prints_what_ran_says_how_to_resume_and_exits_3(tmp_path, f
     assert result.exit_code == 3, result.output
     assert "--budget 3m spent at tiny/qwen3, bp, T=256" in result.output
     assert "2 of 4 point(s) left" in result.output and "run the same command to resume" in result.output
-    assert "2 new row(s)" in result.output
+    assert "2 row(s) written to" in result.output
     assert len(read_rows(out)) == 2
     again = runner.invoke(app, ["sweep", str(_experiment(tmp_path)), "--out", str(out), "--budget", "1h"])
     assert again.exit_code == 0, again.output
@@ -197,6 +197,34 @@ def test_maxlen_budget_exits_3_and_the_same_command_finishes_the_search(tmp_path
     assert again.exit_code == 0, again.output
     answer = [r for r in read_rows(out) if r["kind"] == "maxlen"]
     assert len(answer) == 1 and 256 <= int(answer[0]["max_seq_len"]) <= 300
+
+
+def test_sweep_and_maxlen_count_the_rows_they_wrote_probes_included(tmp_path, fake_points):
+    """The closing line's count is what went into --out: a sweep's points and its search's answer,
+    and each search's probes, said apart (the probes are rows too)."""
+    path = tmp_path / "exp.toml"
+    path.write_text(
+        'name = "exp"\n[defaults]\nmodel = "tiny/qwen3"\ndevice = "cpu"\nmethod = "bp"\ntimeout_s = 100\n'
+        '[[points]]\nseq_len = [64, 96]\n[[points]]\nkind = "maxlen"\nseq_len = 100\nseed_from_estimate = false\n'
+    )
+    out = tmp_path / "exp.csv"
+    result = runner.invoke(app, ["sweep", str(path), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    rows = read_rows(out)
+    probes = sum(r["kind"] == "point" for r in rows) - 2
+    assert (
+        probes > 0
+        and f"{len(rows)} row(s) written to {out}: 3 point(s) and answer(s), {probes} max-length probe(s)"
+        in " ".join(result.output.split())
+    )
+    out = tmp_path / "maxlen.csv"
+    args = ["maxlen", "--device", "cpu", "--model", "tiny/qwen3", "--method", "bp", "--seq", "64", "--no-seed"]
+    result = runner.invoke(app, [*args, "--out", str(out)])
+    rows = read_rows(out)
+    assert (
+        f"{len(rows)} row(s) written to {out}: 1 max-length answer(s), {len(rows) - 1} max-length probe(s)"
+        in " ".join(result.output.split())
+    )
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,7 @@ from sbpbench.config import point_specs
 from sbpbench.config.experiment import load_experiment
 from sbpbench.models import UnsupportedModelError, build_model, config_dict, full_depth, load_config
 from sbpbench.records import KEY_COLUMNS, read_rows
+from sbpbench.settings import model_names
 from sbpbench.workload.rows import spec_fields
 
 from ..conftest import cli_env
@@ -218,7 +219,7 @@ def test_sbp_run_measures_a_hub_model_from_a_cache_under_hf_home(tmp_path):
 
 def test_a_config_missing_from_the_cache_is_fetched_unless_offline(hub_cache, tmp_path, monkeypatch):
     """Online, a config.json the cache lacks comes from hf_hub_download (a stand-in here: no network);
-    a failed fetch says why in a few words; offline, nothing is fetched."""
+    a failed fetch says why in a few words; offline, or with the Hub unreachable, nothing is fetched."""
     fetched = tmp_path / "fetched" / "config.json"
     fetched.parent.mkdir()
     fetched.write_text(json.dumps(config_dict("tiny/qwen2")))
@@ -232,11 +233,17 @@ def test_a_config_missing_from_the_cache_is_fetched_unless_offline(hub_cache, tm
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(model_names, "hub_reachable", lambda: True)  # as if the network were there
     assert load_config("acme/online").hidden_size == json.loads(fetched.read_text())["hidden_size"]
     with pytest.raises(ValueError, match=r"not in the Hugging Face cache \(.*; the Hub could not be reached\)"):
         load_config("acme/gone")
     assert calls == [("acme/online", "config.json"), ("acme/gone", "config.json")]
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(ValueError, match="HF_HUB_OFFLINE is set"):
+        load_config("acme/online")
+    assert len(calls) == 2
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(model_names, "hub_reachable", lambda: False)  # no network: said without a download's retries
+    with pytest.raises(ValueError, match="the Hub could not be reached"):
         load_config("acme/online")
     assert len(calls) == 2

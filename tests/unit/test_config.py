@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import typer
 
-from sbpbench.cli import app
+from sbpbench.cli import _one_line_warning, app
 from sbpbench.cli.flags import FLAGS
 from sbpbench.config import FIELD_NAMES, ConfigError, MaxlenSpec, RunSpec, point_specs
 from sbpbench.config.experiment import POINT_KEYS
-from sbpbench.settings import METHOD_KNOBS, SETTINGS
+from sbpbench.config.maxlen import search_specs
+from sbpbench.settings import METHOD_KNOBS, SETTINGS, SettingChanged
 
 # The command line stays small on purpose: a cap on each command's visible flags stops it growing
 # (an axis added to the point is a deliberate raise of its cap), and a new method knob adds no flag
@@ -83,7 +84,8 @@ def test_a_method_holds_only_the_settings_it_reads():
         ({"batch_size": 3, "objective": "dpo"}, "batch_size", "even"),
         ({"chunk_size": 0}, "chunk_size", '>= 1 or "auto"'),
         ({"chunk_size": "half"}, "chunk_size", "T/3"),
-        ({"memory_limit": "lots"}, "memory_limit", "cannot read the size"),
+        ({"memory_limit": "lots"}, "memory_limit", "cannot read memory_limit 'lots'"),
+        ({"memory_limit": "1"}, "memory_limit", "memory_limit '1' has no unit: write 1GiB"),
         ({"objective": "ppo"}, "objective", "sft, grpo, dpo"),
         ({"device": "tpu"}, "device", "cuda:N"),
         ({"timeout_s": 0}, "timeout_s", "positive"),
@@ -105,6 +107,48 @@ def test_a_spec_survives_the_trip_to_the_worker():
     )
     assert RunSpec.from_json(spec.to_json()) == spec
     assert spec.memory_limit == 2**20
+
+
+@pytest.mark.parametrize(
+    ("values", "said"),
+    [
+        (
+            {"objective": "grpo", "prompt_len": 5000, "seq_len": 64},
+            "prompt_len 5000 is over half of T=64: runs with a 32-token prompt",
+        ),
+        (
+            {"objective": "sft", "prompt_len": 10, "seq_len": 64},
+            "prompt_len 10 is not used: only grpo and dpo have a prompt",
+        ),
+    ],
+)
+def test_a_value_given_that_runs_otherwise_is_said(values, said):
+    """No value is changed silently: a prompt over half of T, or one an SFT point has no use for,
+    is a SettingChanged notice; the CLI shows it with the flag."""
+    with pytest.warns(SettingChanged) as caught:
+        point_specs({"device": "cpu", "model": "tiny/qwen3", **values}, ["bp"])
+    (notice,) = [w.message for w in caught if isinstance(w.message, SettingChanged)]
+    assert str(notice) == said
+    line = _one_line_warning(notice, SettingChanged, "", 0)
+    assert line == "notice: --" + said.replace("prompt_len", "prompt-len", 1) + "\n"
+
+
+def test_a_search_says_which_probes_cut_the_prompt():
+    """A max-length search with a long prompt: its shorter probes run with half their T as prompt, said once."""
+    with pytest.warns(SettingChanged, match="prompt_len 1000: a probe under T=2000 runs with a prompt of half its T"):
+        search_specs({"device": "cpu", "model": "tiny/qwen3", "objective": "grpo", "prompt_len": 1000}, ["bp"])
+
+
+def test_a_prompt_within_half_of_t_is_not_a_notice(recwarn):
+    """A prompt that runs as given says nothing."""
+    point_specs({"device": "cpu", "model": "tiny/qwen3", "objective": "dpo", "prompt_len": 32, "seq_len": 64}, ["bp"])
+    assert not [w for w in recwarn if isinstance(w.message, SettingChanged)]
+
+
+def test_a_python_caller_gives_a_byte_count():
+    """An int memory_limit is a number of bytes (a caller in Python says what it means); only text needs a unit."""
+    (spec,) = point_specs({"device": "cpu", "model": "tiny/qwen3", "memory_limit": 2**30}, ["bp"])
+    assert spec.memory_limit == 2**30
 
 
 def test_a_search_checks_its_ceiling_against_its_first_probe():

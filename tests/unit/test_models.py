@@ -80,6 +80,17 @@ def test_an_unknown_name_says_where_it_was_looked_for_and_what_to_do():
         load_config("Qwen/Qwen9-1T")
 
 
+@pytest.mark.parametrize(
+    ("text", "words"), [('{"model_type": "qwen3", ', "is not valid JSON (line 1"), ("[1, 2]", "holds a JSON list")]
+)
+def test_a_broken_config_json_names_its_file(tmp_path, text, words):
+    """A checkpoint directory whose config.json is not a JSON object: one line naming the file."""
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ValueError, match=f"{tmp_path / 'config.json'} {re.escape(words)}") as error:
+        load_config(str(tmp_path))
+    assert "\n" not in str(error.value)
+
+
 # query heads per KV head where a tiny shape cannot or does not keep its real model's ratio:
 # Qwen2.5-7B's 7:1 needs a multiple of 7 heads; tiny/mistral is plain multi-head (the real one groups 4:1).
 TINY_GQA_RATIO = {"tiny/qwen2": 2, "tiny/mistral": 1}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import re
 import subprocess
 import sys
 import textwrap
@@ -14,6 +15,7 @@ from sbpbench.records import (
     KEY_COLUMNS,
     SCHEMA_VERSION,
     ResultRow,
+    RowsNotSaved,
     check_writable,
     completed_keys,
     decode_row,
@@ -59,16 +61,37 @@ def test_values_round_trip_exactly(tmp_path):
     assert row["fp32_grad_accumulation"] == "true" and row["time_median_s"] == ""
 
 
-def test_rows_of_an_older_schema_read_back_and_unknown_columns_are_kept(tmp_path):
-    """A file written with fewer columns (an older schema) plus a column we do not know: upserting keeps both."""
+def test_rows_of_an_older_schema_read_back(tmp_path):
+    """A file written with fewer columns (an older schema): its rows read back with the new columns empty, and upsert keeps them."""
     path = tmp_path / "r.csv"
-    path.write_text("schema_version,model,method,seq_len,status,device_name,note\n0,tiny/qwen3,bp,4,ok,cpu,hello\n")
+    path.write_text("schema_version,model,method,seq_len,status,device_name\n0,tiny/qwen3,bp,4,ok,cpu\n")
     upsert_rows(path, [_row(8)])
     rows = read_rows(path)
-    assert rows[0]["schema_version"] == "0" and rows[0]["note"] == "hello" and rows[0]["loss"] == ""
+    assert rows[0]["schema_version"] == "0" and rows[0]["loss"] == ""
     assert rows[1]["seq_len"] == "8"
     table = load_results(path)
     assert list(table.columns[: len(COLUMNS)]) == list(COLUMNS) and len(table) == 2
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("schema_version,model,method,seq_len,status,note\n12,tiny/qwen3,bp,4,ok,hello\n", "column(s) note"),
+        (f"schema_version,model,method,seq_len,status\n{SCHEMA_VERSION + 1},tiny/qwen3,bp,4,ok\n", "line 2 is of"),
+    ],
+)
+def test_a_file_of_a_newer_schema_is_refused_and_never_rewritten(tmp_path, text, words):
+    """An unknown column or a higher schema_version (a newer sbpbench wrote it): reading, checking
+    before a run and upserting each fail with one line naming the file; the file is left as it was."""
+    path = tmp_path / "r.csv"
+    path.write_text(text)
+    for call in (lambda: read_rows(path), lambda: load_results(path), lambda: check_writable(path)):
+        with pytest.raises(ValueError, match=f"{path}.*{re.escape(words)}.*newer") as error:
+            call()
+        assert "\n" not in str(error.value)
+    with pytest.raises(RowsNotSaved):
+        upsert_rows(path, [_row(8)])
+    assert path.read_text() == text
 
 
 KILL_MID_WRITE = textwrap.dedent(
