@@ -7,6 +7,8 @@ command's first docstring line is its summary in `sbp --help`; its module's EXAM
 
 from __future__ import annotations
 
+import shutil
+import textwrap
 import warnings
 
 import typer
@@ -55,9 +57,13 @@ app.add_typer(peers, name="peers")
 
 
 def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    """A warning as one paragraph, no source line, wrapped to the terminal (80 columns in a pipe)."""
     if isinstance(message, SettingChanged):  # the user typed a flag, not a field name
-        return f"notice: {message.naming(FLAGS.get(message.field, message.field))}\n"
-    return f"warning: {message}\n"
+        text = f"notice: {message.naming(FLAGS.get(message.field, message.field))}"
+    else:
+        text = f"warning: {message}"
+    width = shutil.get_terminal_size((80, 24)).columns
+    return textwrap.fill(text, width=max(40, width), subsequent_indent="  ", break_on_hyphens=False) + "\n"
 
 
 def main() -> None:

@@ -130,7 +130,18 @@ def test_a_value_given_that_runs_otherwise_is_said(values, said):
     (notice,) = [w.message for w in caught if isinstance(w.message, SettingChanged)]
     assert str(notice) == said
     line = _one_line_warning(notice, SettingChanged, "", 0)
-    assert line == "notice: --" + said.replace("prompt_len", "prompt-len", 1) + "\n"
+    assert " ".join(line.split()) == "notice: --" + said.replace("prompt_len", "prompt-len", 1)
+
+
+def test_a_warning_is_wrapped_to_the_terminal(monkeypatch):
+    """A long warning folds at the terminal's width (80 columns in a pipe), later lines indented,
+    no word lost: `sbp plan` at 1M tokens fits 80 columns, its context warning included."""
+    monkeypatch.setenv("COLUMNS", "80")
+    message = UserWarning("T past Qwen/Qwen3-8B's context of 40,960 tokens (max_position_embeddings): " + "word " * 30)
+    text = _one_line_warning(message, UserWarning, "", 0)
+    lines = text.splitlines()
+    assert len(lines) > 1 and max(map(len, lines)) <= 80 and all(line.startswith("  ") for line in lines[1:])
+    assert " ".join(text.split()) == f"warning: {message}".strip()
 
 
 def test_a_search_says_which_probes_cut_the_prompt():
