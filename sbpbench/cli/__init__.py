@@ -8,6 +8,7 @@ command's first docstring line is its summary in `sbp --help`; its module's EXAM
 from __future__ import annotations
 
 import shutil
+import sys
 import textwrap
 import warnings
 
@@ -57,11 +58,14 @@ app.add_typer(peers, name="peers")
 
 
 def _one_line_warning(message, category, filename, lineno, line=None) -> str:
-    """A warning as one paragraph, no source line, wrapped to the terminal (80 columns in a pipe)."""
+    """A warning without its source line: one line into a pipe or file (a log keeps it whole for
+    grep), folded to the width of a terminal."""
     if isinstance(message, SettingChanged):  # the user typed a flag, not a field name
         text = f"notice: {message.naming(FLAGS.get(message.field, message.field))}"
     else:
         text = f"warning: {message}"
+    if not sys.stderr.isatty():
+        return text + "\n"
     width = shutil.get_terminal_size((80, 24)).columns
     return textwrap.fill(text, width=max(40, width), subsequent_indent="  ", break_on_hyphens=False) + "\n"
 

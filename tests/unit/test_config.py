@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import typer
 
@@ -133,15 +135,26 @@ def test_a_value_given_that_runs_otherwise_is_said(values, said):
     assert " ".join(line.split()) == "notice: --" + said.replace("prompt_len", "prompt-len", 1)
 
 
-def test_a_warning_is_wrapped_to_the_terminal(monkeypatch):
-    """A long warning folds at the terminal's width (80 columns in a pipe), later lines indented,
-    no word lost: `sbp plan` at 1M tokens fits 80 columns, its context warning included."""
+class _Stderr:
+    def __init__(self, terminal: bool):
+        self.terminal = terminal
+
+    def isatty(self) -> bool:
+        return self.terminal
+
+
+def test_a_warning_folds_on_a_terminal_and_stays_one_line_in_a_log(monkeypatch):
+    """On an 80-column terminal a long warning folds, later lines indented, no word lost (`sbp plan`
+    at 1M tokens fits 80 columns, its context warning included); into a pipe it stays one line."""
     monkeypatch.setenv("COLUMNS", "80")
     message = UserWarning("T past Qwen/Qwen3-8B's context of 40,960 tokens (max_position_embeddings): " + "word " * 30)
+    monkeypatch.setattr(sys, "stderr", _Stderr(terminal=True))
     text = _one_line_warning(message, UserWarning, "", 0)
     lines = text.splitlines()
     assert len(lines) > 1 and max(map(len, lines)) <= 80 and all(line.startswith("  ") for line in lines[1:])
     assert " ".join(text.split()) == f"warning: {message}".strip()
+    monkeypatch.setattr(sys, "stderr", _Stderr(terminal=False))
+    assert _one_line_warning(message, UserWarning, "", 0) == f"warning: {message}\n"
 
 
 def test_a_search_says_which_probes_cut_the_prompt():
