@@ -187,7 +187,7 @@ def warn_if_loaded(console: Console, rows: list[ResultRow]) -> None:
     load above the cores (the warning at the start sees only the load before the first point)."""
     warning = load_warning(rows)
     if warning:
-        console.print(warning, style="yellow", highlight=False, soft_wrap=True)
+        console.print(warning, style="yellow", highlight=False)  # folded to the width, as the table is
 
 
 def _measuring(spec: RunSpec) -> str:

@@ -186,7 +186,7 @@ def test_sbp_maxlen_on_a_tiny_model_orders_streambp_over_ckpt_over_bp(tmp_path):
     for row in answers.values():
         assert int(row["memory_limit_bytes"]) == 10**7 and row["search_resolution"] == "50%"
         assert row["oom_seq_len"] == "" or int(row["oom_seq_len"]) > int(row["max_seq_len"])
-    for text in ("max T", "x ckpt", "first OOM", "3 max-length row(s)"):
+    for text in ("max T", "x ckpt", "first OOM", "3 max-length answer(s)"):
         assert text in done.stdout
     probes = [r for r in read_rows(out) if r["kind"] == "point"]
     assert {r["status"] for r in probes} == {"ok", "oom"}
