@@ -120,8 +120,10 @@ def load_note(rows) -> str:
         return ""
     top = max(loaded, key=lambda row: number(_field(row, "load_avg_1m")))
     load, threads = number(_field(top, "load_avg_1m")), number(_field(top, "num_threads"))
+    plural = "" if threads == 1 else "s"
     return (
-        f"{len(loaded)} of {len(rows)} times taken at load above the cores (up to {load:.1f} on {threads:.0f} threads)"
+        f"{len(loaded)} of {len(rows)} times taken at load above the cores "
+        f"(up to {load:.1f} on {threads:.0f} thread{plural})"
     )
 
 

@@ -11,7 +11,7 @@ from matplotlib.colors import to_rgba
 from sbpbench.plot import maxlen, memory, timing
 from sbpbench.plot.common import OOM_EDGES
 from sbpbench.records import ResultRow, load_results, upsert_rows
-from sbpbench.records.select import is_loaded
+from sbpbench.records.select import is_loaded, load_note
 
 GIB = 2**30
 CPU = {"model": "small/qwen3", "num_layers": 4, "device": "cpu", "device_name": "AMD EPYC", "dtype": "fp32",
@@ -135,3 +135,13 @@ def test_a_lower_bound_bar_is_open_and_the_legend_says_so(tmp_path, monkeypatch)
     assert to_rgba(bars[3000].get_facecolor())[3] == 1  # a measured answer, filled
     assert "≥8.19k" in [text.get_text() for text in fig.axes[0].texts]
     assert maxlen.LOWER_BOUND_LABEL in _legend_texts(fig)
+
+
+def test_the_load_note_counts_one_thread_in_the_singular():
+    """The note names the busiest row's threads: "on 1 thread", "on 2 threads"."""
+
+    def row(threads: int) -> ResultRow:
+        return ResultRow(device="cpu", status="ok", time_median_s=1.0, load_avg_1m=3.0, num_threads=threads)
+
+    assert load_note([row(1)]).endswith("(up to 3.0 on 1 thread)")
+    assert load_note([row(2), row(1)]).endswith("(up to 3.0 on 2 threads)")
