@@ -102,6 +102,33 @@ class Copier:
             self._side.synchronize()
 
 
+class CopyCounters:
+    """What a store's Copier (`self._copier`) counted, read as the store's own counters (placement.py
+    CheckpointStore, stream_store.py StreamingStore), and the timer its copies report to."""
+
+    _copier: Copier
+
+    @property
+    def timer(self) -> PhaseTimer | None:
+        return self._copier.timer
+
+    @timer.setter
+    def timer(self, timer: PhaseTimer | None) -> None:
+        self._copier.timer = timer
+
+    @property
+    def transfer_bytes(self) -> int:
+        return self._copier.to_device_bytes + self._copier.to_host_bytes
+
+    @property
+    def pins_host_memory(self) -> bool:
+        return self._copier.pins_host_memory
+
+    @property
+    def host_register_s(self) -> float:
+        return self._copier.host_register_s
+
+
 def _copy_rows(target: torch.Tensor, source: torch.Tensor) -> None:
     """target <- source, asynchronously: whole when both are contiguous, else row by row (each row of
     a (B, n, d) slice is)."""

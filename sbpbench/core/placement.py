@@ -37,10 +37,9 @@ from dataclasses import dataclass
 import torch
 
 from .cuda_calls import CUDA_CALLS, CudaCalls
-from .host_copies import Copier
+from .host_copies import Copier, CopyCounters
 from .host_pool import HostBuffer
 from .memory_kinds import CHECKPOINTS, allocating, note
-from .phases import PhaseTimer
 from .rebuild_schedule import every_input_buffers
 from .sequences import DeviceSequence
 
@@ -131,7 +130,7 @@ class Placement:
 RebuildInto = Callable[[int, object, object], None]
 
 
-class CheckpointStore:
+class CheckpointStore(CopyCounters):
     """The layer inputs of one step. put(l, X_l) during the checkpoint pass, layers first to last;
     then get(l) / release(l) for l = L-1 down to 0, each get before its release; close() at the end
     (also after an error).
@@ -161,26 +160,6 @@ class CheckpointStore:
         self.max_device_inputs = 0
         self.host_bytes = self.max_host_bytes = 0
         announce(self)
-
-    @property
-    def timer(self) -> PhaseTimer | None:
-        return self._copier.timer
-
-    @timer.setter
-    def timer(self, timer: PhaseTimer | None) -> None:
-        self._copier.timer = timer
-
-    @property
-    def transfer_bytes(self) -> int:
-        return self._copier.to_device_bytes + self._copier.to_host_bytes
-
-    @property
-    def pins_host_memory(self) -> bool:
-        return self._copier.pins_host_memory
-
-    @property
-    def host_register_s(self) -> float:
-        return self._copier.host_register_s
 
     @property
     def device_inputs(self) -> int:

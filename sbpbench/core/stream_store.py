@@ -30,14 +30,13 @@ from contextlib import contextmanager
 import torch
 
 from .cuda_calls import CUDA_CALLS, CudaCalls
-from .host_copies import Copier
-from .phases import PhaseTimer
+from .host_copies import Copier, CopyCounters
 from .placement import Placement, RebuildInto, announce, storing_shapes_only
 from .rebuild_schedule import schedule
 from .sequences import EmbeddedSequence, HostSequence
 
 
-class StreamingStore:
+class StreamingStore(CopyCounters):
     """The stream placements' store: the same calls as CheckpointStore (placement.py), each input a
     HostSequence (or X_0's EmbeddedSequence) instead of a device tensor.
 
@@ -62,26 +61,6 @@ class StreamingStore:
         self.host_bytes = self.max_host_bytes = 0
         self.rebuilt = 0
         announce(self)
-
-    @property
-    def timer(self) -> PhaseTimer | None:
-        return self._copier.timer
-
-    @timer.setter
-    def timer(self, timer: PhaseTimer | None) -> None:
-        self._copier.timer = timer
-
-    @property
-    def transfer_bytes(self) -> int:
-        return self._copier.to_device_bytes + self._copier.to_host_bytes
-
-    @property
-    def pins_host_memory(self) -> bool:
-        return self._copier.pins_host_memory
-
-    @property
-    def host_register_s(self) -> float:
-        return self._copier.host_register_s
 
     def _take(self, like: torch.Tensor | HostSequence | EmbeddedSequence) -> HostSequence:
         buffer = HostSequence(self._copier, like.shape, like.dtype, like.device, shapes_only=self._shapes_only)

@@ -10,24 +10,12 @@ from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
 
-from ..settings.model_names import registry_typo
+from ..settings.model_names import LOCAL_NAMESPACES, MODEL_NAMES, registry_typo
 from .source import checkpoint_config, is_local_checkpoint
 
-# Hub id -> file in configs/ (one per model, copied verbatim from the model repository).
-REAL_MODELS = (
-    "Qwen/Qwen3-0.6B",
-    "Qwen/Qwen3-1.7B",
-    "Qwen/Qwen3-4B",
-    "Qwen/Qwen3-8B",
-    "Qwen/Qwen3-14B",
-    "Qwen/Qwen3-32B",
-    "Qwen/Qwen2.5-7B",
-    "meta-llama/Llama-3.2-1B",
-    "meta-llama/Llama-3.2-3B",
-    "meta-llama/Llama-3.1-8B",
-    "google/gemma-3-1b-pt",
-    "mistralai/Mistral-7B-v0.3",
-)
+# Hub id -> file in configs/ (one per model, copied verbatim from the model repository): the
+# registry's names outside its own namespaces.
+REAL_MODELS = tuple(name for name in MODEL_NAMES if not name.startswith(LOCAL_NAMESPACES))
 
 # Small enough for CPU tests in float64, big enough to have GQA, several heads and two layers.
 # Special-token ids are dropped: the real ones lie outside the tiny vocabulary.

@@ -10,18 +10,10 @@ from __future__ import annotations
 
 import re
 
-METHOD_ORDER = (
-    "bp",
-    "ckpt",
-    "mst",
-    "streambp",
-    "ckpt-offload",
-    "ckpt-chunked-ce",
-    "tiled",
-    "liger",
-    "trl-default",
-    "official",
-)
+from ..settings.choices import METHOD_NAMES
+
+# the registry's order (settings/choices.py), with the paper's MsT beside the paper's three methods
+METHOD_ORDER = (*METHOD_NAMES[:2], "mst", *METHOD_NAMES[2:])
 METHOD_LABELS = {
     "bp": "bp (w/o ckpt)",
     "ckpt": "ckpt (w/ ckpt)",
