@@ -32,6 +32,12 @@ EXAMPLES = (  # the end of its help (options.py examples)
 
 PhasesOpt = Annotated[bool, typer.Option("--phases", help="Also show where streambp's step time went.")]
 TimelineOpt = Annotated[bool, typer.Option("--timeline", help="Also save each step's memory over time.")]
+TraceOpt = Annotated[
+    bool,
+    typer.Option(
+        "--trace", help="Also save a profiler trace of one extra step after the timed ones (none with --repeats 0)."
+    ),
+]
 
 
 @point_command(RUN_FIELDS)
@@ -41,6 +47,7 @@ def run(
     out: OutOpt = None,
     phases: PhasesOpt = False,
     timeline: TimelineOpt = False,
+    trace: TraceOpt = False,
 ) -> None:
     """Measure each method's peak memory and step time at one point.
 
@@ -55,12 +62,14 @@ def run(
         specs = point_specs(settings, methods)
         check_measurable(specs)
         if timeline:
-            check_timeline(specs)
+            check_one_process(specs, "--timeline")
+        if trace:
+            check_one_process(specs, "--trace")
         check_writable(out)
         earlier = {row_key(row): row for row in read_rows(out)}  # to say what this run replaces
     console = Console()
     warn_if_busy()
-    rows = _measure_all(console, specs, out, timeline)
+    rows = _measure_all(console, specs, out, timeline, trace)
     title, notes = _results_title(rows)
     print_table(console, results_table(rows, title, notes))
     warn_if_loaded(console, rows)
@@ -68,6 +77,8 @@ def run(
         print_phases(console, rows)
     if timeline:
         print_timelines(console, specs, rows, out)
+    if trace:
+        print_traces(console, specs, rows, out)
     for row in rows:
         if row.error:
             console.print(f"{row.method}: {row.status}: {row.error}", highlight=False, soft_wrap=True)
@@ -75,7 +86,7 @@ def run(
     fail_if(any(row.status in ("error", "timeout") for row in rows))
 
 
-def _measure_all(console: Console, specs: list[RunSpec], out: Path, timeline: bool) -> list[ResultRow]:
+def _measure_all(console: Console, specs: list[RunSpec], out: Path, timeline: bool, trace: bool) -> list[ResultRow]:
     """Each spec measured in its own process, with a progress line per point; Ctrl-C says what was kept."""
     from ..runner import run_points
 
@@ -84,7 +95,8 @@ def _measure_all(console: Console, specs: list[RunSpec], out: Path, timeline: bo
         # user_errors: a write that fails after a point was measured says where its row was kept
         with user_errors(), Progress(console, len(specs)) as progress:
             progress.start(_measuring(specs[0]))
-            points = run_points(specs, out, timeline=True) if timeline else run_points(specs, out)
+            recordings = {name: True for name, wanted in (("timeline", timeline), ("trace", trace)) if wanted}
+            points = run_points(specs, out, **recordings)
             for row in points:  # one environment capture for all points
                 rows.append(row)
                 progress.advance(point_line(row))
@@ -118,12 +130,12 @@ def print_phases(console: Console, rows: list[ResultRow]) -> None:
         console.print("no phase times: they come with streambp points that ran timed steps (--repeats 1 or more)")
 
 
-def check_timeline(specs: list[RunSpec]) -> None:
-    """A timeline records one process's step: refuse several ranks before anything runs."""
+def check_one_process(specs: list[RunSpec], flag: str) -> None:
+    """A timeline or a trace records one process's step: refuse several ranks before anything runs."""
     from ..config import ConfigError
 
     if specs[0].nproc > 1:
-        raise ConfigError("nproc", "--timeline records one process's step: give --nproc 1")
+        raise ConfigError("nproc", f"{flag} records one process's step: give --nproc 1")
 
 
 def print_timelines(console: Console, specs: list[RunSpec], rows: list[ResultRow], out: Path) -> None:
@@ -144,6 +156,24 @@ def print_timelines(console: Console, specs: list[RunSpec], rows: list[ResultRow
             measured, predicted = measured_and_predicted(row, out.parent)
         print_table(console, timeline_table(row, measured, predicted))
         console.print(f"timeline: {out.parent / row.timeline_file}", highlight=False, soft_wrap=True)
+
+
+def print_traces(console: Console, specs: list[RunSpec], rows: list[ResultRow], out: Path) -> None:
+    """Each row's trace file, or why it has none; one line for all the points without timed steps."""
+    untimed = [spec.method for spec in specs if not spec.repeats]
+    if untimed:
+        console.print(
+            f"no trace for {', '.join(untimed)}: --repeats 0 runs no timed step, and the traced step follows them",
+            highlight=False,
+            soft_wrap=True,
+        )
+    for spec, row in zip(specs, rows):
+        if not spec.repeats:
+            continue
+        if row.trace_file:
+            console.print(f"{row.method}: trace {out.parent / row.trace_file}", highlight=False, soft_wrap=True)
+        else:
+            console.print(f"{row.method}: no trace ({row.status}: {row.error or 'not recorded'})", highlight=False)
 
 
 def interrupted_line(rows: list[ResultRow], specs: list[RunSpec], out: Path) -> str:

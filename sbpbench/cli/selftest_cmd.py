@@ -1,4 +1,4 @@
-"""`sbp selftest`: check this machine in one command (about 8 minutes on a GPU, under one on an idle CPU)."""
+"""`sbp selftest`: check every CUDA path of this machine in one command (8 minutes on a GPU, under one on an idle CPU)."""
 
 from __future__ import annotations
 
@@ -38,16 +38,18 @@ def selftest(
         ),
     ] = None,
 ) -> None:
-    """Check this machine in one command: tests, a run, estimates.
+    """Check this machine in one command: tests, kernels, runs.
 
-    On a GPU the default `sbp run`, two Qwen3-8B StreamBP points at 64k with offloaded and
-    recomputed checkpoints, measured vs estimated peaks (Qwen3-4B, Qwen3-8B), the longest Qwen3-8B
-    StreamBP point the time allows, then the quick gpu-marked tests; on a CPU a small check, run
-    and estimate. Writes the rows, the raw log and summary.md, which names each failed test with
-    its message (exit 1 if a step failed; one the budget left no time for is not a failure)."""
+    On a GPU, in order of value: the quick gpu-marked tests; the attention kernels at 16k-256k
+    keys; Qwen3-4B T=9000 ckpt and streambp with phases and memory timelines; Qwen3-8B StreamBP at
+    262,144 tokens streamed through host memory (3 layers), and at 65,536 with its checkpoints on
+    the GPU; the host copy rate each way. sbp estimate predicts each point's peak beside them. On a
+    CPU a small check, run and estimate. Writes the rows, the raw log, the kernel choices and
+    summary.md, which names each failure with its message (exit 1 if a step failed; one the
+    budget left no time for is not a failure)."""
     from ..measure.environment import auto_device, capture_environment
     from ..measure.units import parse_seconds
-    from ..runner.selftest import Selftest, find_tests_dir, output_dir, run_selftest, write_summary
+    from ..runner.selftest import Selftest, find_repository, output_dir, run_selftest, write_summary
 
     with user_errors():
         seconds = parse_seconds(budget) if budget is not None else None
@@ -60,8 +62,8 @@ def selftest(
     console = Console()
     if kind != "cuda":
         console.print("No CUDA GPU visible: running the CPU subset (sbp check, run, estimate; about 40 CPU-seconds).")
-    test = Selftest(kind, output_dir(out, kind, env.device_name), seconds or BUDGET_S[kind])
-    run_selftest(test, tests_dir=find_tests_dir(), echo=lambda line: console.print(line, highlight=False))
+    test = Selftest(kind, output_dir(out, kind, env.device_name), seconds or BUDGET_S[kind], env.device_name)
+    run_selftest(test, repository=find_repository(), echo=lambda line: console.print(line, highlight=False))
     summary = write_summary(test, env)
     console.print(f"summary: {summary}; rows and log beside it", highlight=False)
     fail_if(any(o.failed for o in test.outcomes))

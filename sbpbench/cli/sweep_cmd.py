@@ -19,6 +19,22 @@ from .run_cmd import warn_if_busy, warn_if_loaded
 from .tables import maxlen_table, points_table, print_table
 
 SweepOutOpt = out_option("results/<experiment name>.csv")
+DryRunOpt = Annotated[
+    bool,
+    typer.Option(
+        "--dry-run",
+        help="Run nothing: list the entries left and their predicted GPU time, priced from the GPU rows "
+        "under results/ (this machine's GPU, else the one with most rows).",
+    ),
+]
+SeedsOnlyOpt = Annotated[
+    bool,
+    typer.Option(
+        "--seeds-only",
+        help="Run nothing on a device: predict each max-length search's seed (its predicted max T) on this "
+        "machine's CPU, for the GPU --dry-run prices, and store it in --out, where the sweep reads it.",
+    ),
+]
 
 EXAMPLES = (  # the end of its help (options.py examples)
     "sbp sweep experiments/smoke_cpu.toml    # the paper's figures in miniature",
@@ -45,30 +61,32 @@ def sweep(
         bool, typer.Option(help="Skip points already in --out (same settings); --no-resume reruns them.")
     ] = True,
     budget: BudgetOpt = None,
-    dry_run: Annotated[
-        bool,
-        typer.Option(
-            "--dry-run",
-            help="Run nothing: list the entries left and their predicted GPU time, priced from the GPU rows "
-            "under results/ (this machine's GPU, else the one with most rows).",
-        ),
-    ] = False,
+    dry_run: DryRunOpt = False,
+    seeds_only: SeedsOnlyOpt = False,
 ) -> None:
     """Run every point of an experiment file, resumable.
 
     Each point runs in its own process, with a progress bar, and is in --out before the next
     starts: Ctrl-C or a kill loses at most the point in flight, and the same command resumes. An
     OOM is recorded and the sweep goes on; longer sequences of the same settings are then
-    recorded as skipped (certain OOM)."""
+    recorded as skipped (certain OOM). A search stopped by a failed probe is recorded as an error
+    and the sweep goes on. Under --budget on a GPU, a point the cost model predicts will not finish
+    in what is left is not started; the next command runs it."""
     from ..config.experiment import load_experiment
     from ..measure.units import parse_seconds
     from ..runner.experiment import plan_experiment, run_experiment
 
+    with user_errors():
+        if dry_run and seeds_only:
+            raise ValueError("--dry-run and --seeds-only: give one of them")
+        seconds = parse_seconds(budget) if budget is not None else None
     if dry_run:
         _dry_run(experiment, out, settings.get("device"))
         return
+    if seeds_only:
+        _seeds_only(experiment, out, settings.get("device"), resume=resume, seconds=seconds, budget=budget or "")
+        return
     with user_errors():
-        seconds = parse_seconds(budget) if budget is not None else None
         loaded = load_experiment(experiment, device=settings.get("device"), threads=settings.get("threads"))
         sweep = plan_experiment(loaded, out, resume=resume)
     console = Console()
@@ -83,6 +101,23 @@ def sweep(
     finish(console, outcome)
 
 
+def _seeds_only(
+    experiment: Path, out: Path | None, device: str | None, *, resume: bool, seconds: float | None, budget: str
+) -> None:
+    """Predict and store each search's seed (runner/seeds.py), one line each."""
+    from ..runner.experiment import plan_seeds, store_seeds
+
+    with user_errors():
+        seeds = plan_seeds(experiment, out, results=Path("results"), device=device, resume=resume)
+    console = Console()
+    console.print(seeds.header(), highlight=False, soft_wrap=True)
+    with user_errors(), Progress(console, len(seeds.searches)) as progress:
+        outcome = store_seeds(seeds, steps=progress, budget_s=seconds, budget=budget)
+    if not outcome.interrupted:
+        console.print(written_line(outcome, seeds.out), highlight=False, soft_wrap=True)
+    finish(console, outcome)
+
+
 def _dry_run(experiment: Path, out: Path | None, device: str | None) -> None:
     """Print what `sbp sweep` would still run, entry by entry, with its predicted device time."""
     from ..config.device import device_kind, resolve_device
@@ -94,9 +129,16 @@ def _dry_run(experiment: Path, out: Path | None, device: str | None) -> None:
 
     with user_errors():
         resolved = resolve_device(device or "auto")
-        gpu = capture_environment(resolved).device_name if device_kind(resolved) == "cuda" else None
+        env = capture_environment(resolved) if device_kind(resolved) == "cuda" else None
         results = Path("results")
-        pricing = price_experiment(experiment, results=results, out=out or results, gpu=gpu, reference=load_reference())
+        pricing = price_experiment(
+            experiment,
+            results=results,
+            out=out or results,
+            gpu=env.device_name if env else None,
+            capacity_bytes=env.device_total_memory_bytes if env else None,
+            reference=load_reference(),
+        )
     console = Console()
     where = out or results / f"{pricing.name}.csv"
     table = Table(title=f"{pricing.name}: {len(pricing.costs)} point(s) to run, {pricing.done} already in {where}")
@@ -110,7 +152,8 @@ def _dry_run(experiment: Path, out: Path | None, device: str | None) -> None:
     count = max(commands(pricing.costs, min_start_s=MIN_START_S), default=0)
     table.caption = (
         f"Predicted for {pricing.device}, not measured: {count} command(s) of --budget 9m. device min: process "
-        "starts and steps on the GPU; host min: the seeds' fake-tensor searches on the CPU. "
+        "starts and steps on the GPU; host min: the seeds' fake-tensor searches on the CPU, none for a seed "
+        "stored by --seeds-only. "
         f"Rates: {pricing.rates.describe()}"
     )
     print_table(console, table)

@@ -196,6 +196,13 @@ class FlexKernel(ChunkKernel):
                 return "FlexAttention needs Triton on a GPU"
         return None
 
+    def unsupported(self, call):
+        if call.query.dtype == torch.float64 and call.query.device.type == "cuda":
+            # the compiled (Triton) kernel accumulates in fp32: it cannot meet fp64's tolerance and
+            # would be compiled only to be rejected; the CPU's eager implementation computes in fp64
+            return "FlexAttention's GPU kernel accumulates in fp32, short of fp64 rounding"
+        return None
+
     def _block_mask(self, call: ChunkCall):
         device = call.query.device
         key = (call.num_queries, call.num_keys, call.window, str(device))

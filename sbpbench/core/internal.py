@@ -21,7 +21,16 @@ from .attention import (
 )
 from .checkpoints import forwards_wrapped
 from .head import counted_chunks, sequence_sums
-from .kernel_choice import LOWER_RIGHT, kernel_timing, observe_chunk_kernels, set_choice_cache
+from .kernel_choice import (
+    CACHED,
+    LOWER_RIGHT,
+    REFERENCE,
+    auto_mode,
+    observe_chunk_kernels,
+    record_chunk_calls,
+    set_choice_cache,
+    tune_chunk_calls,
+)
 from .labels import count_targets, loss_dtype, shift_labels
 from .objectives import GRPO_LOSS_TYPES
 from .placement import CheckpointStore, observe_stores
@@ -30,13 +39,16 @@ from .sequences import DeviceSequence
 
 __all__ = [
     "ATTENTION_NAME",
+    "CACHED",
     "GRPO_LOSS_TYPES",
     "LOWER_RIGHT",
+    "REFERENCE",
     "STATE_KWARG",
     "CheckpointStore",
     "ChunkState",
     "DeviceSequence",
     "KVBuffer",
+    "auto_mode",
     "check_no_attention_dropout",
     "count_targets",
     "counted_chunks",
@@ -44,17 +56,18 @@ __all__ = [
     "force_cuda_branch",
     "forwards_wrapped",
     "grouped_as_for",
-    "kernel_timing",
     "kv_heads_per_call",
     "loss_dtype",
     "memory_kinds",
     "observe_chunk_kernels",
     "observe_stores",
+    "record_chunk_calls",
     "resolve_parts",
     "schedule",
     "sequence_sums",
     "set_choice_cache",
     "shift_labels",
     "trainable",
+    "tune_chunk_calls",
     "unwrap_model",
 ]

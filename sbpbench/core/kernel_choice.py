@@ -3,18 +3,31 @@
 `chunk_attention` (stream_backward's argument) is "auto", `LOWER_RIGHT` (SDPA with a lower-right
 causal bias, the reference every candidate is checked against) or a candidate's name
 (chunk_kernels.py). Forced: the candidate runs every call it supports, and the reference the rest
-(a sliding window the split cannot express). Auto, on a CUDA device: the first call of a shape
-class runs the reference and each candidate that can run it, forward and backward on the call's
-own tensors (no copies; one backward's dQ/dK/dV on top). One run checks a candidate's values
-against the reference's and warms it up; `reps` timed runs follow. The fastest that agrees is
-kept, in a `ChoiceCache`, under the device, the torch and cuDNN versions, the candidates present
-and the shape class. Off a GPU, and where SDPA is narrowed to some kernels (sdpa_kernel), auto
-keeps the reference.
+(a sliding window the split cannot express). Auto, on a CUDA device: a shape class not yet chosen
+is measured forward and backward: the reference and each candidate that can run it, on the
+call's own tensors (in a step) or on random ones of its shape (the tuning pass). One run checks a
+candidate's values and warms it up; `reps` timed runs follow. The fastest that agrees is kept, in a
+`ChoiceCache`, under the device, the torch and cuDNN versions, the candidates present and the
+shape class. Off a GPU, and where SDPA is narrowed to
+some kernels (sdpa_kernel), auto keeps the reference.
+
+Agreement. In fp64 and fp32 a candidate must match the reference to a few roundings. In bf16 and
+fp16 both are judged against an fp32 run of the reference: the candidate may be AGREEMENT_FACTOR
+times as far from it as the reference itself is, in the relative Frobenius norm and in the largest
+element. The largest element is what catches a mask off by one key: its error sits in a few rows
+and columns, which a norm over the whole tensor averages away.
+
+When auto measures (`auto_mode`): MEASURE (the default, a training loop: the first call of a
+class measures it), CACHED (a cached choice or the reference, never a timing) or REFERENCE (the
+reference, whatever is cached). A benchmark records the calls a step makes (`record_chunk_calls`),
+then measures their classes and warms every distinct shape of the chosen kernels in one untimed
+pass (`tune_chunk_calls`): a cuDNN graph is built, and a compiled kernel specialised, once per new
+shape, which a timed step must not pay. An out-of-memory while measuring a class is remembered for
+the life of the chooser: that class runs the reference, untimed, from then on.
 
 The process has one `KernelChooser`. Its cache holds choices in memory unless a caller installs
 another (`set_choice_cache`: the runner keeps them in a JSON file; core does no file I/O).
-`observe_chunk_kernels()` collects the names of the kernels that ran; `kernel_timing(False)` keeps
-a block from timing (a measured memory step: an uncached shape class then runs the reference).
+`observe_chunk_kernels()` collects the names of the kernels that ran.
 """
 
 from __future__ import annotations
@@ -37,6 +50,12 @@ LOWER_RIGHT = "lower-right"
 CHUNK_ATTENTION_CHOICES = (AUTO, LOWER_RIGHT, "split", "flex", "fa3", "fa4")
 
 AUTO_DEVICE_TYPES = ("cuda",)  # where auto measures; elsewhere it keeps the reference
+# auto_mode: the first call of a class measures it | cached choice or reference | reference only
+MEASURE, CACHED, REFERENCE = "measure", "cached", "reference"
+# How far from an fp32 run of the reference a bf16/fp16 candidate may be, in multiples of the
+# reference's own distance from it. A kernel with the same math rounds differently but alike (1-2x
+# measured on a CPU); a mask one key off is 6x and more in its largest element.
+AGREEMENT_FACTOR = 4.0
 Reference = Callable[[ChunkCall], torch.Tensor]  # the lower-right SDPA path (attention.py)
 Timer = Callable[[Callable[[], object]], float]  # seconds one run of fn takes
 
@@ -102,10 +121,46 @@ def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
     return float(difference / reference.double().norm().clamp_min(torch.finfo(torch.float64).tiny))
 
 
+def largest_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    """max |ours - reference| / max |reference|, in fp64: an error confined to a few elements."""
+    difference = (ours.double() - reference.double()).abs().max()
+    return float(difference / reference.double().abs().max().clamp_min(torch.finfo(torch.float64).tiny))
+
+
 def agreement_tolerance(dtype: torch.dtype) -> float:
-    """Largest relative (Frobenius) difference from the reference a candidate may show: a few
-    roundings of the dtype (bf16 has 8 mantissa bits: 2^-8 = 0.004)."""
+    """Largest relative (Frobenius) difference from the reference a candidate may show in fp64 or
+    fp32: a few roundings of the dtype. bf16 and fp16 are judged by `Judge` against fp32 instead."""
     return {torch.float64: 1e-10, torch.float32: 1e-5}.get(dtype, 4 * 2.0**-8)
+
+
+Outputs = tuple[torch.Tensor, ...]  # out, dQ, dK, dV of one forward and backward
+
+
+class Judge:
+    """Whether a candidate's outputs agree with the reference's on one call.
+
+    fp64 / fp32: within agreement_tolerance of the reference's outputs. bf16 / fp16: measured
+    against `exact` (the reference run in fp32 on the same values), each output within
+    AGREEMENT_FACTOR times the reference's own error there, by both norms."""
+
+    def __init__(self, expected: Outputs, exact: Outputs | None = None):
+        self.expected, self.exact = expected, exact
+        if exact is not None:
+            own = [(relative_error(e, x), largest_error(e, x)) for e, x in zip(expected, exact)]
+            floor = 2.0**-10  # a reference that happens to round almost exactly still leaves rounding room
+            self.bounds = [(AGREEMENT_FACTOR * max(f, floor), AGREEMENT_FACTOR * max(m, floor)) for f, m in own]
+
+    def error(self, got: Outputs) -> float | None:
+        """None when `got` agrees; else its worst error as a multiple of what was allowed."""
+        if self.exact is None:
+            tolerance = agreement_tolerance(self.expected[0].dtype)
+            worst = max(relative_error(g, e) for g, e in zip(got, self.expected)) / tolerance
+        else:
+            worst = max(
+                max(relative_error(g, x) / fro, largest_error(g, x) / big)
+                for g, x, (fro, big) in zip(got, self.exact, self.bounds)
+            )
+        return None if worst <= 1 else worst
 
 
 @dataclass
@@ -114,6 +169,9 @@ class KernelChooser:
     cache: ChoiceCache = field(default_factory=MemoryCache)
     timer: Timer = cuda_event_timer
     reps: int = 3  # timed runs per kernel after the one that checks its values, median kept
+    device_types: tuple[str, ...] = AUTO_DEVICE_TYPES  # where auto measures (tests: "cpu")
+    out_of_memory: set[str] = field(default_factory=set)  # classes with no memory to measure: the reference
+    timings: int = 0  # timed runs so far (tests count them)
 
     def runnable(self, call: ChunkCall) -> list[str]:
         device = call.query.device
@@ -133,11 +191,12 @@ class KernelChooser:
         cached = self.cache.get(key)
         if cached in (LOWER_RIGHT, *candidates):
             return cached
-        if not may_time:
+        if not may_time or key in self.out_of_memory:
             return LOWER_RIGHT
         try:
             best = self._measure(call, reference, candidates)
         except torch.OutOfMemoryError:  # timing holds one more backward; the step itself may still fit
+            self.out_of_memory.add(key)
             warnings.warn(
                 f"no memory to time attention kernels on {shape_class(call)}; {LOWER_RIGHT} runs, untimed",
                 stacklevel=2,
@@ -154,16 +213,19 @@ class KernelChooser:
             device=call.query.device,
         )
         expected = _forward_backward(reference, call, grad_out)
+        exact = None
+        if call.query.dtype in (torch.bfloat16, torch.float16):
+            wide = call.with_tensors(*(t.float() for t in (call.query, call.key, call.value)))
+            exact = _forward_backward(reference, wide, grad_out.float())
+        judge = Judge(expected, exact)
         times = {LOWER_RIGHT: self._time(reference, call, grad_out)}
-        tolerance = agreement_tolerance(call.query.dtype)
         for name in candidates:
             run = self.kernels[name].run
             try:
-                got = _forward_backward(run, call, grad_out)
-                errors = [relative_error(g, e) for g, e in zip(got, expected)]
-                if max(errors) > tolerance:
+                off = judge.error(_forward_backward(run, call, grad_out))
+                if off is not None:
                     warnings.warn(
-                        f"attention kernel {name} differs from {LOWER_RIGHT} by {max(errors):.1e} (relative) "
+                        f"attention kernel {name} differs from {LOWER_RIGHT} by {off:.1f}x the error allowed "
                         f"on {shape_class(call)}; not used",
                         stacklevel=2,
                     )
@@ -178,11 +240,12 @@ class KernelChooser:
     def _time(self, run: Callable, call: ChunkCall, grad_out: torch.Tensor) -> float:
         """Median of `reps` runs; the run that checked the kernel's values was its warm-up
         (compilation, cuDNN plan building)."""
+        self.timings += self.reps
         seconds = sorted(self.timer(lambda: _forward_backward(run, call, grad_out)) for _ in range(self.reps))
         return seconds[len(seconds) // 2]
 
 
-def _forward_backward(run: Callable, call: ChunkCall, grad_out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _forward_backward(run: Callable, call: ChunkCall, grad_out: torch.Tensor) -> Outputs:
     """out, dQ, dK, dV of one run on the call's tensors (detached leaves, no copies)."""
     leaves = [t.detach().requires_grad_() for t in (call.query, call.key, call.value)]
     with torch.enable_grad():
@@ -191,10 +254,60 @@ def _forward_backward(run: Callable, call: ChunkCall, grad_out: torch.Tensor) ->
     return (out.detach(), *grads)
 
 
+@dataclass(frozen=True)
+class CallShape:
+    """A chunk call without its values: what the tuning pass needs to measure its class and to
+    warm its shape. `setting` is the chunk_attention it ran under; `reference` the path it had."""
+
+    query: tuple[int, ...]  # (B, H, c, hd)
+    key: tuple[int, ...]  # (B, h_kv, n, hd)
+    value: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    query_start: int
+    key_start: int
+    scale: float | None
+    window: int | None
+    setting: str
+    reference: Reference = field(compare=False, hash=False)
+
+    @classmethod
+    def of(cls, call: ChunkCall, setting: str, reference: Reference) -> CallShape:
+        q, k, v = call.query, call.key, call.value
+        return cls(
+            tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, q.device, call.query_start,
+            call.key_start, call.scale, call.window, setting, reference,
+        )  # fmt: skip
+
+    def random_call(self) -> ChunkCall:
+        """A call of this shape on random values (seeded: the same values each time)."""
+        generator = torch.Generator(self.device).manual_seed(0)
+
+        def tensor(shape):
+            return torch.randn(shape, generator=generator, dtype=self.dtype, device=self.device)
+
+        return ChunkCall(
+            tensor(self.query), tensor(self.key), tensor(self.value), self.query_start, self.key_start, self.scale,
+            self.window,
+        )  # fmt: skip
+
+
+@dataclass
+class Tuning:
+    """What `tune_chunk_calls` did: the kernel per call shape, and how many shapes it warmed."""
+
+    kernels: dict[CallShape, str] = field(default_factory=dict)
+    warmed: int = 0
+
+    def names(self) -> str:
+        return "+".join(sorted(set(self.kernels.values())))
+
+
 _chooser = KernelChooser()
 _setting: ContextVar[str] = ContextVar("chunk_attention", default=AUTO)
-_may_time: ContextVar[bool] = ContextVar("chunk_kernel_timing", default=True)
+_mode: ContextVar[str] = ContextVar("chunk_kernel_auto_mode", default=MEASURE)
 _observers: list[set[str]] = []
+_recorders: list[dict[CallShape, None]] = []
 
 
 def check_chunk_attention(name: str, device: torch.device | None = None) -> None:
@@ -220,14 +333,17 @@ def chunk_attention(name: str) -> Iterator[None]:
 
 
 @contextmanager
-def kernel_timing(allowed: bool) -> Iterator[None]:
-    """allowed=False: no candidate is timed within the block; an uncached shape class runs the
-    reference (a measured step's peak memory and time then hold no timing runs)."""
-    token = _may_time.set(allowed)
+def auto_mode(mode: str) -> Iterator[None]:
+    """Within the block, auto measures a new class on first use (MEASURE), takes a cached choice or
+    the reference and never times (CACHED: a measured step's peak memory and time hold no timing
+    runs), or runs the reference whatever is cached (REFERENCE: a kernel fixed in advance)."""
+    if mode not in (MEASURE, CACHED, REFERENCE):
+        raise ValueError(f"unknown auto mode {mode!r}")
+    token = _mode.set(mode)
     try:
         yield
     finally:
-        _may_time.reset(token)
+        _mode.reset(token)
 
 
 @contextmanager
@@ -240,6 +356,47 @@ def observe_chunk_kernels() -> Iterator[set[str]]:
         yield seen
     finally:
         _observers.remove(seen)
+
+
+@contextmanager
+def record_chunk_calls() -> Iterator[dict[CallShape, None]]:
+    """The yielded dict (an ordered set) collects the shape of each chunk call in the block, in the
+    order of first appearance. Nests."""
+    shapes: dict[CallShape, None] = {}
+    _recorders.append(shapes)
+    try:
+        yield shapes
+    finally:
+        _recorders.remove(shapes)
+
+
+def tune_chunk_calls(shapes) -> Tuning:
+    """Measure the shape class of each recorded call not yet chosen, then run the chosen kernel once
+    on every distinct shape (forward and backward, random values) so that no later step builds a
+    cuDNN graph or specialises a compiled kernel. Calls under a forced kernel are only warmed.
+    Returns the kernel of each shape; the caller times the whole pass."""
+    tuning, warmed = Tuning(), set()
+    for shape in shapes:
+        call = shape.random_call()
+        setting_token, mode_token = _setting.set(shape.setting), _mode.set(MEASURE)
+        try:
+            name = select(call, shape.reference)
+        finally:
+            _setting.reset(setting_token)
+            _mode.reset(mode_token)
+        tuning.kernels[shape] = name
+        dims = (shape.query, shape.key, shape.value, shape.dtype, shape.device, shape.window, name)
+        # the reference builds nothing per shape (flash / efficient kernels); starts change no graph
+        if name != LOWER_RIGHT and dims not in warmed:
+            warmed.add(dims)
+            grad_out = torch.randn_like(call.query[..., : call.value.shape[-1]])
+            try:
+                _forward_backward(_chooser.kernels[name].run, call, grad_out)
+                tuning.warmed += 1
+            except torch.OutOfMemoryError:
+                warnings.warn(f"no memory to warm {name} on {shape_class(call)}; a step may build it", stacklevel=2)
+        del call
+    return tuning
 
 
 def set_choice_cache(cache: ChoiceCache) -> ChoiceCache:
@@ -268,6 +425,10 @@ def _auto_may_leave_reference() -> bool:
 
 def run_chunk(call: ChunkCall, reference: Reference) -> torch.Tensor:
     """Attention of one offset-causal chunk by the kernel the current setting picks."""
+    if _recorders:
+        shape = CallShape.of(call, _setting.get(), reference)
+        for shapes in _recorders:
+            shapes.setdefault(shape)
     name = select(call, reference)
     for seen in _observers:
         seen.add(name)
@@ -281,9 +442,12 @@ def select(call: ChunkCall, reference: Reference) -> str:
     if setting != AUTO:
         kernel = _chooser.kernels[setting]
         return setting if kernel.unsupported(call) is None else LOWER_RIGHT
-    if call.query.device.type not in AUTO_DEVICE_TYPES or not _auto_may_leave_reference() or _is_fake(call.query):
+    if call.query.device.type not in _chooser.device_types or not _auto_may_leave_reference():
         return LOWER_RIGHT
-    return _chooser.choose(call, reference, may_time=_may_time.get())
+    mode = _mode.get()
+    if mode == REFERENCE or _is_fake(call.query):
+        return LOWER_RIGHT
+    return _chooser.choose(call, reference, may_time=mode == MEASURE)
 
 
 def _is_fake(tensor: torch.Tensor) -> bool:

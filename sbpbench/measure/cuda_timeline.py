@@ -3,9 +3,15 @@
 `torch.cuda.memory._record_memory_history` makes the caching allocator keep a trace entry per
 allocation and free (torch 2.11-2.13: a dict with action "alloc" | "free_requested" |
 "free_completed" | "segment_*" | "snapshot" | "oom", addr, size, stream, time_us and the
-`user_metadata` string set by `_set_memory_metadata`, which the allocator of each device holds for
-every thread, autograd's backward thread included). `_snapshot()` returns them with the segments
+`user_metadata` string set by `_set_memory_metadata`). `_snapshot()` returns them with the segments
 (the dict pytorch.org/memory_viz reads; the recorder pickles it beside the row).
+
+The metadata is per thread: c10/cuda/CUDACachingAllocator.cpp keeps it in a `static thread_local`
+member, and an entry carries the metadata of the thread that allocated or freed. On a GPU, autograd
+runs a backward on its device thread, whose metadata the step's thread never sets. So the recorder
+runs the step's backward on the step's thread (`torch.autograd.set_multithreading_enabled(False)`
+while it records: for a graph on one GPU the engine runs the same nodes in the same order, so what
+is allocated is the same), and its replay does not rely on that either (below).
 
 Marks. Each time the phase or the kind of what is allocated changes, the recorder sets the
 metadata to "sbp <seq> <kind> <phase>" (tab-separated) with a new sequence number, so every entry
@@ -13,19 +19,26 @@ says where the step was and what the allocation is for. A tensor that turns out 
 after it was made (the embedding's output, which the checkpoint store keeps) is a note: its storage
 address with the sequence number then, applied in the replay before the first entry made after it.
 
-Replay (`timeline_from_trace`). Allocated bytes start at the baseline (torch.cuda.memory_allocated
-before the step) and move by each alloc and free_requested entry (the moment allocated bytes drop in
-the allocator), each size rounded up to 512 B as the allocator rounds a request and as the estimator
-counts: max_memory_allocated counts whole blocks, a little more where a block was not split, so the
-row keeps it beside the timeline's peak (`allocator_peak_bytes`). If the ring buffer of entries was
-full (more than `max_entries` events), the replay is anchored at the allocated bytes after the step
-instead, and the timeline says it starts late.
+Replay (`timeline_from_trace`). Every alloc and free_requested entry from the recorder's first mark
+on is the step's: a worker's other thread (the NVML sampler) allocates nothing on the GPU, and the
+step's side streams (host copies) are its own. An entry counts under the latest mark in the trace
+up to it: its own, unless it has none (another thread's, or another tool's metadata) or one older
+than a mark already seen (a thread whose metadata was set earlier); the main thread waits inside a
+backward, so the latest mark is where the step is. Allocated bytes start at the baseline
+(torch.cuda.memory_allocated before the step) and move by each alloc and free_requested entry (the
+moment allocated bytes drop in the allocator), each size rounded up to 512 B as the allocator
+rounds a request and as the estimator counts: max_memory_allocated counts whole blocks, a little
+more where a block was not split, so the row keeps it beside the timeline's peak
+(`allocator_peak_bytes`). If the ring buffer of entries was full (more than `max_entries` events),
+the replay starts at the oldest kept entry, anchored at the allocated bytes after the step, and
+the timeline says it starts late.
 """
 
 from __future__ import annotations
 
 import bisect
 import pickle
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Self
@@ -99,10 +112,15 @@ class CudaTimeline(PhaseMarks):
         self.snapshot: dict | None = None
         self.allocated_after: int | None = None
         self.failure: Exception | None = None  # why there is no snapshot
+        self._restore = ExitStack()  # multithreaded backward as it was
 
     def __enter__(self) -> Self:
-        self.calls.start(self.max_entries)
-        self._write()
+        with ExitStack() as stack:
+            # the backward on this thread, whose metadata is the marks (module docstring)
+            stack.enter_context(torch.autograd.set_multithreading_enabled(False))
+            self.calls.start(self.max_entries)
+            self._write()
+            self._restore = stack.pop_all()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -113,7 +131,10 @@ class CudaTimeline(PhaseMarks):
         except Exception as error:
             self.failure = error
         finally:
-            self.calls.stop()
+            try:
+                self.calls.stop()
+            finally:
+                self._restore.close()
 
     def _write(self) -> None:
         self.seq += 1
@@ -178,11 +199,26 @@ def _rounded(nbytes: int) -> int:
 
 
 def _ours(entry: dict) -> tuple[int, str, str] | None:
-    """(seq, kind, phase) of an entry made while the recorder ran; None for any other."""
+    """(seq, kind, phase) of the mark an entry carries; None for none (another thread's, another tool's)."""
     parts = str(entry.get("user_metadata") or "").split("\t")
     if len(parts) != 4 or parts[0] != PREFIX:
         return None
     return int(parts[1]), parts[2], parts[3]
+
+
+def _marked_entries(trace: list[dict], truncated: bool) -> list[tuple[dict, tuple[int, str, str]]]:
+    """The step's alloc and free_requested entries, each with the latest mark up to it (module docstring)."""
+    marks = [_ours(entry) for entry in trace]
+    # a full history starts inside the step; otherwise the step starts at the recorder's first mark
+    first = 0 if truncated else next((i for i, mark in enumerate(marks) if mark is not None), len(trace))
+    latest = next((mark for mark in marks[first:] if mark is not None), (0, INTERMEDIATES, ""))
+    entries = []
+    for entry, mark in zip(trace[first:], marks[first:]):
+        if mark is not None and mark[0] > latest[0]:
+            latest = mark
+        if entry.get("action") in ("alloc", "free_requested"):
+            entries.append((entry, latest))
+    return entries
 
 
 def timeline_from_trace(
@@ -198,8 +234,7 @@ def timeline_from_trace(
 ) -> Timeline:
     """Replay the allocator's entries of one step into a Timeline (module docstring). The resident
     kinds are the baseline's known part; the rest of the baseline counts as other."""
-    entries = [(entry, mark) for entry in trace for mark in [_ours(entry)] if mark is not None]
-    entries = [(e, m) for e, m in entries if e.get("action") in ("alloc", "free_requested")]
+    entries = _marked_entries(trace, truncated)
     kinds = dict(resident_kinds)
     kinds[OTHER] = kinds.get(OTHER, 0) + max(0, baseline_bytes - sum(resident_kinds.values()))
     allocated = sum(kinds.values())

@@ -61,6 +61,18 @@ read back with the new columns empty):
   13 timeline_file: the measured step's memory timeline (`sbp run --timeline`: a JSON file, its
      prediction and on a GPU PyTorch's raw memory snapshot beside it), relative to the CSV's
      directory (runner/timelines.py). Not a key column. Older rows read back with it empty (none).
+  14 trace_file: a PyTorch profiler trace of one step run after the timed steps (`sbp run --trace`:
+     Chrome/Perfetto JSON, one folder per point for HTA), relative to the CSV's directory
+     (runner/traces.py). Not a key column. Older rows read back with it empty (none).
+     tuning_s: seconds of the untimed pass that chose StreamBP's chunk kernels and ran each once per
+     shape (measuring, cuDNN graphs, compiles), between the memory step and the timed steps;
+     timed_attention_kernel: the chunk kernels the timed steps ran (lower-right | split | flex | fa3 |
+     fa4, '+'-joined); attention_kernel stays the memory step's, whose auto is the lower-right path
+     (the kernel the estimator models). Not key columns. Older rows read back with them empty (their
+     timed steps may have measured kernels inside them).
+     kind seed (no new column): a max-length search's predicted max T stored before its probes run
+     (runner/seeds.py; source simulated, seed_seq_len the seed, memory_limit_bytes the memory it was
+     predicted for); a sweep's input, never a result: plots and the report read RESULT_KINDS only.
 """
 
 from __future__ import annotations
@@ -70,7 +82,7 @@ from dataclasses import asdict, dataclass, fields
 
 from ..settings import METHOD_KNOBS, SETTINGS
 
-SCHEMA_VERSION = 13
+SCHEMA_VERSION = 14
 
 # skipped: not run because a point of the same settings with no longer sequence and no larger batch
 # already ran out of memory (certain OOM: plots and reports draw it as an OOM) or timed out (certain
@@ -80,7 +92,9 @@ SCHEMA_VERSION = 13
 # does not implement the objective: methods.MethodUnsupported); the error says why. Not retried.
 STATUSES = ("ok", "oom", "error", "timeout", "skipped", "unsupported")
 SKIPPED_OOM, SKIPPED_TIMEOUT = "certain OOM", "certain timeout"
-KINDS = ("point", "maxlen")  # one step at one seq_len | the answer of a max-length search
+# one step at one seq_len | the answer of a max-length search | a search's predicted max T (its seed)
+KINDS = ("point", "maxlen", "seed")
+RESULT_KINDS = ("point", "maxlen")  # what plots and the report read: a seed is a sweep's input
 # measured: a real step on a real device; simulated: the same code under fake tensors (an estimate
 # of a GPU that may not be here). No plot or report may mix the two without saying so.
 SOURCES = ("measured", "simulated")
@@ -94,7 +108,7 @@ class ResultRow:
     timestamp_utc: str = ""  # ISO 8601, when the point finished
     status: str = ""  # ok | oom | error | timeout | skipped | unsupported
     error: str = ""  # one line, for oom / error / timeout / skipped
-    kind: str = "point"  # point | maxlen
+    kind: str = "point"  # point | maxlen | seed
     source: str = "measured"  # measured | simulated
     # the measured point
     model: str = ""
@@ -127,6 +141,8 @@ class ResultRow:
     sdpa_backend: str = ""  # the SDPA kernel forced for the point (flash | efficient | cudnn | math) or auto
     # the SDPA kernels that ran ('+'-joined): measured, seen in the memory step; simulated, modelled on CUDA
     attention_kernel: str = ""  # flash | efficient | cudnn | math, and StreamBP's split | flex | fa3 | fa4
+    timed_attention_kernel: str = ""  # StreamBP's chunk kernels in the timed steps (lower-right | split | ...)
+    tuning_s: float | None = None  # the untimed pass choosing and warming the chunk kernels
     memory_limit_bytes: int | None = None  # cap asked for (None: the device's own)
     # the cap that applied: memory_limit_bytes, or where that was above the device's capacity the
     # capacity (a GPU's total memory; on the CPU the machine's RAM, against the tracked bytes)
@@ -162,6 +178,7 @@ class ResultRow:
     peak_phase: str = ""  # simulated: where in the step the peak happens (e.g. "backward, layer 3")
     margin_bytes: int | None = None  # simulated: CUDA context + allocator fragmentation, not in the peak
     timeline_file: str = ""  # the memory step's timeline (sbp run --timeline), relative to the CSV's directory
+    trace_file: str = ""  # a profiler trace of one step after the timed ones (sbp run --trace), relative likewise
     # time: warm-up discarded, synchronised, `repeats` timed steps
     time_median_s: float | None = None
     time_min_s: float | None = None

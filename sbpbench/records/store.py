@@ -369,8 +369,9 @@ def _numeric(table):
     return table
 
 
-def load_results(source: str | Path):
-    """A results CSV, or every CSV under a directory, as one pandas DataFrame in schema column order."""
+def load_results(source: str | Path, kinds: tuple[str, ...] | None = None):
+    """A results CSV, or every CSV under a directory, as one pandas DataFrame in schema column order;
+    only the rows of `kinds` where given (e.g. RESULT_KINDS: no seed rows)."""
     import pandas as pd
 
     source = Path(source)
@@ -379,8 +380,8 @@ def load_results(source: str | Path):
         raise FileNotFoundError(f"no results CSV at {source}; run `sbp run --out {results_file(source)}` first")
     rows = []
     for f in files:
-        try:
-            rows += [{**row, "source_file": str(f)} for row in read_rows(f)]  # read_rows upgrades old rows
+        try:  # read_rows upgrades old rows
+            rows += [{**row, "source_file": str(f)} for row in read_rows(f) if kinds is None or row["kind"] in kinds]
         except ValueError as error:
             if not source.is_dir():
                 raise

@@ -6,11 +6,13 @@ from pathlib import Path
 
 from ..records import load_results, results_file
 from ..records.reference import DEFAULT_REFERENCE, load_reference
+from ..records.schema import RESULT_KINDS
 
 
 def load_table(results: Path):
-    """The results table; a missing, empty or header-only file is a user error saying what to run."""
-    table = load_results(results)
+    """The results table, less a sweep's seed rows (predictions it starts its searches from, not
+    results); a missing, empty or header-only file is a user error saying what to run."""
+    table = load_results(results, kinds=RESULT_KINDS)
     if table.empty or "kind" not in table.columns:
         raise ValueError(f"no result rows in {results}; measure first, e.g. `sbp run --out {results_file(results)}`")
     return table

@@ -7,7 +7,9 @@ summary and whatever ran after it in the same command lost. Under a budget a poi
 while at least MIN_START_S are left, and runs under the smaller of its own timeout and what is
 left. A point cut by the budget is not a result (it says nothing about the machine): its row is
 dropped, BudgetSpent stops the command, and the same command resumes (every finished point and
-probe is already in the CSV).
+probe is already in the CSV). Given a cost model, a point predicted to need more than is left is
+not started at all (NotStarted): a sweep goes on with the points that fit, and a later command
+runs it.
 
 A max-length search's seed (a prediction on this machine's CPU, seconds a probe) runs under the
 same budget before the search's first probe: each predicted probe starts only while a measured
@@ -36,6 +38,10 @@ class BudgetSpent(Exception):
     """The budget ran out: the point named was not started, or was cut (no row kept)."""
 
 
+class NotStarted(BudgetSpent):
+    """A point predicted to need more than the budget has left: not started, so nothing is lost."""
+
+
 @dataclass
 class Budget:
     seconds: float
@@ -49,14 +55,25 @@ class Budget:
         return self.deadline - self.clock()
 
 
-def within(measure: Measure, budget: Budget, *, min_start_s: float = MIN_START_S) -> Measure:
+def within(
+    measure: Measure,
+    budget: Budget,
+    *,
+    min_start_s: float = MIN_START_S,
+    cost: Callable[[RunSpec], float] | None = None,
+) -> Measure:
     """`measure` run under `budget`: BudgetSpent instead of a point that would not start in time
-    or was cut by it; every other row, a timeout under the point's own limit included, as it is."""
+    or was cut by it, NotStarted instead of one that `cost` (the point's predicted seconds, NaN:
+    unknown) says will not finish in what is left; every other row, a timeout under the point's
+    own limit included, as it is."""
 
     def measured(spec: RunSpec, env: Environment) -> ResultRow:
         left = budget.left()
         if left < min_start_s:
             raise BudgetSpent(f"not started: {left:.0f} s left, a point needs at least {min_start_s:g}")
+        need = cost(spec) if cost is not None else math.nan
+        if need > left:
+            raise NotStarted(f"predicted to need {need:.0f} s, {left:.0f} s left")
         own = point_timeout_s(spec)
         if own <= left:
             return measure(spec, env)

@@ -38,6 +38,8 @@ from .ranks import INIT_METHOD_ENV, merge_rank_rows
 from .timelines import finish as finish_timeline
 from .timelines import timeline_dir as timelines_beside
 from .timeout import point_timeout_s
+from .traces import finish as finish_trace
+from .traces import trace_dir as traces_beside
 from .worker import request_json
 
 _STDERR_TAIL_LINES = 20
@@ -103,9 +105,12 @@ def _read_stderr(pipe, lines: list[str]) -> None:
             sys.stderr.flush()
 
 
-def run_isolated(spec: RunSpec, env: Environment | None = None, *, timeline_dir: Path | None = None) -> ResultRow:
+def run_isolated(
+    spec: RunSpec, env: Environment | None = None, *, timeline_dir: Path | None = None, trace_dir: Path | None = None
+) -> ResultRow:
     """Measure one point in a worker process and return its row, provenance filled. timeline_dir: the
-    worker records its memory step's timeline there (runner/timelines.py; one process's point only)."""
+    worker records its memory step's timeline there (runner/timelines.py; one process's point only);
+    trace_dir: it profiles one step after the timed ones there (runner/traces.py; the same)."""
     env = env or capture_environment(spec.device)
     reason = data_parallel_unsupported(spec.method, spec.nproc)
     if METHODS[spec.method].external and reason is None:  # its own environment and driver, the same protocol
@@ -119,7 +124,7 @@ def run_isolated(spec: RunSpec, env: Environment | None = None, *, timeline_dir:
         row.status, row.error = "unsupported", reason
     else:
         with point_directory() as tmp:
-            row, stderr = _run_workers(spec, tmp, timeline_dir)
+            row, stderr = _run_workers(spec, tmp, timeline_dir, trace_dir)
     if row.status == "error" and os.environ.get("SBP_DEBUG"):
         print("\n".join(stderr.splitlines()[-_STDERR_TAIL_LINES:]), file=sys.stderr)
     for name, value in provenance(env).items():
@@ -154,7 +159,12 @@ def _say_once(line: str) -> None:
 
 
 def _start_worker(
-    spec: RunSpec, result_path: Path, env: dict | None, group: int | None, timeline_dir: Path | None = None
+    spec: RunSpec,
+    result_path: Path,
+    env: dict | None,
+    group: int | None,
+    timeline_dir: Path | None = None,
+    trace_dir: Path | None = None,
 ) -> Worker:
     """One worker. A point's only worker gets a session of its own; several ranks share a process
     group (the first rank's: group 0 makes it), so a timeout or Ctrl-C kills all of them at once.
@@ -162,7 +172,7 @@ def _start_worker(
     if spec.device == "cpu" and fork_server.enabled():
         try:
             return fork_server.shared_server().start(
-                request_json(spec, timeline_dir),
+                request_json(spec, timeline_dir, trace_dir),
                 result_path,
                 env or dict(os.environ),
                 None if spec.nproc == 1 else (group or 0),
@@ -181,7 +191,7 @@ def _start_worker(
         process_group=None if spec.nproc == 1 else (group or 0),
     )
     try:
-        worker.stdin.write(request_json(spec, timeline_dir))
+        worker.stdin.write(request_json(spec, timeline_dir, trace_dir))
         worker.stdin.close()
     except BrokenPipeError:  # the worker died at start; its stderr says why
         pass
@@ -210,7 +220,9 @@ def _ok_result(path: Path) -> bool:
         return False
 
 
-def _run_workers(spec: RunSpec, tmp: Path, timeline_dir: Path | None = None) -> tuple[ResultRow, str]:
+def _run_workers(
+    spec: RunSpec, tmp: Path, timeline_dir: Path | None = None, trace_dir: Path | None = None
+) -> tuple[ResultRow, str]:
     """spec.nproc worker processes (ranks of one process group when several: runner/ranks.py), their
     merged row and stderr."""
     results = [tmp / (f"result.rank{r}.json" if spec.nproc > 1 else "result.json") for r in range(spec.nproc)]
@@ -225,7 +237,8 @@ def _run_workers(spec: RunSpec, tmp: Path, timeline_dir: Path | None = None) -> 
                 env = {**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(spec.nproc)}
                 env[INIT_METHOD_ENV] = f"file://{tmp / 'rendezvous'}"
             env = worker_environment(spec.device, spec.seq_len, env)
-            workers.append(_start_worker(spec, result_path, env, workers[0].pid if workers else None, timeline_dir))
+            group = workers[0].pid if workers else None
+            workers.append(_start_worker(spec, result_path, env, group, timeline_dir, trace_dir))
             reader = threading.Thread(target=_read_stderr, args=(workers[-1].stderr, lines), daemon=True)
             reader.start()
             readers.append(reader)
@@ -276,14 +289,19 @@ def run_points(
     *,
     measure: Callable[[RunSpec, Environment], ResultRow] = run_isolated,
     timeline: bool = False,
+    trace: bool = False,
 ) -> Iterator[ResultRow]:
     """Measure points one by one; each row is in the CSV (upserted by key) before it is yielded,
     so an interrupted run keeps every finished point. timeline: each point's memory timeline goes
-    to timelines/ beside the CSV, named by the row (runner/timelines.py)."""
+    to timelines/ beside the CSV, named by the row (runner/timelines.py); trace: a profiler trace of
+    one step after its timed ones goes to traces/ beside it (runner/traces.py)."""
     envs: dict[str, Environment] = {}
     if timeline:
         assert out is not None, "a timeline is saved beside its results CSV"
         measure = functools.partial(measure, timeline_dir=timelines_beside(out))
+    if trace:
+        assert out is not None, "a trace is saved beside its results CSV"
+        measure = functools.partial(measure, trace_dir=traces_beside(out))
     for spec in specs:
         if spec.device not in envs:
             envs[spec.device] = capture_environment(spec.device)
@@ -291,6 +309,8 @@ def run_points(
         row = measure(spec, env)
         if timeline:
             finish_timeline(row, out)
+        if trace:
+            finish_trace(row, out)
         if out is not None:
             upsert_rows(out, [row])
         yield row

@@ -7,8 +7,9 @@ A probe that times out stops the search (ProbeFailed), as an error does, and is 
 upper bound: the answer is read as a memory limit (the paper's max T, the ratio to ckpt), and a
 length cut by time says nothing about memory. A probe is one memory step and its timeout is the
 FLOP model's, with a wide margin (timeout.py), so a timeout is a hung or starved machine: the
-message says to rerun with a larger --timeout, and the probes so far are kept for the resume.
-(A sweep's grid, which answers no such question, skips the longer points of a timed-out series.)"""
+message says to rerun with a larger --timeout, and the probes so far are kept for the resume. A
+sweep records such a search as an error (`failed_row`) and goes on. (A sweep's grid, which
+answers no such question, skips the longer points of a timed-out series.)"""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from ..config import MaxlenSpec, RunSpec
 from ..measure.environment import Environment, capture_environment
 from ..records import ResultRow, decode_row, read_rows, row_key, upsert_rows
 from ..records.select import is_oom
-from ..workload.rows import spec_key
+from ..workload.rows import provenance, spec_fields, spec_key
 from .isolated import run_isolated
 from .length_search import Probe, answered, search_max_len
 
@@ -97,6 +98,17 @@ def maxlen_row(
     ):
         setattr(row, column, None if best is None else getattr(best, column))
     row.peak_phase = "" if best is None else best.peak_phase
+    row.timestamp_utc = datetime.now(UTC).isoformat(timespec="seconds")
+    return row
+
+
+def failed_row(search: MaxlenSpec, env: Environment, error: ProbeFailed) -> ResultRow:
+    """A search that a probe stopped, as its answer row: kind maxlen, status error, the probe's
+    message. Not done: the next run resumes the search from its probes."""
+    row = ResultRow(**spec_fields(search.base), **provenance(env))
+    row.kind, row.seq_len, row.status = "maxlen", None, "error"
+    row.error = f"{error}; the probes so far are kept"
+    row.search_resolution = str(search.resolution)
     row.timestamp_utc = datetime.now(UTC).isoformat(timespec="seconds")
     return row
 

@@ -27,6 +27,7 @@ class Steps(Protocol):
 class Outcome:
     rows: list[ResultRow] = field(default_factory=list)  # this run's points and search answers
     probes: list[ResultRow] = field(default_factory=list)  # the max-length probes it ran (each a row too)
+    seeds: list[ResultRow] = field(default_factory=list)  # the searches' seeds it predicted and stored (seeds.py)
     stopped: str = ""  # the budget ran out: where, what is left, how to resume
     failed: str = ""  # a probe failed: what, and where the rows so far are
     interrupted: str = ""  # Ctrl-C: what was kept, how to resume
@@ -39,14 +40,15 @@ class Outcome:
 
 def written_line(outcome: Outcome, out, results: str = "point(s) and answer(s)") -> str:
     """How many rows went to `out`, counted as written (a row of a key written twice is one), the
-    probes said apart from the `results`."""
+    probes and the seeds said apart from the `results`."""
     from ..records import row_key
 
-    written = {row_key(row) for row in [*outcome.rows, *outcome.probes]}
+    probes, seeds = {row_key(row) for row in outcome.probes}, {row_key(row) for row in outcome.seeds}
+    written = {row_key(row) for row in outcome.rows} | probes | seeds
     line = f"{len(written)} row(s) written to {out}"
-    if outcome.probes:
-        probes = {row_key(row) for row in outcome.probes}
-        line += f": {len(written - probes)} {results}, {len(probes)} max-length probe(s)"
+    if probes or seeds:
+        line += f": {len(written - probes - seeds)} {results}, {len(probes)} probe(s)"
+        line += f", {len(seeds)} seed(s)" if seeds else ""
     return line
 
 

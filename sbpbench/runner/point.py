@@ -21,9 +21,13 @@ cap is on the tracked bytes, against the machine's RAM) runs at the capacity; th
 that applied (memory_limit_effective_bytes) and the parent says so (runner/isolated.py).
 Every step runs under the forced SDPA kernel, if any (spec.sdpa_backend, measure/sdpa.py); the
 memory step records the kernels that ran (attention_kernel): SDPA's, and StreamBP's chunk kernels
-(core/kernel_choice.py) other than the lower-right SDPA path, e.g. "cudnn+split". On CUDA, StreamBP's
-measured kernel choices are kept on disk (measure/kernel_cache.py); a shape class not yet measured
-is timed in a warm-up step, never in the memory step (there it runs the lower-right path).
+(core/kernel_choice.py) other than the lower-right SDPA path, e.g. "cudnn+split". StreamBP's chunk
+kernel under auto is fixed in the memory step: the lower-right path, which the estimator models, so
+a peak never depends on which points ran before. No step ever times a kernel. Before the timed
+steps, an untimed pass (`tune_kernels`, its seconds in tuning_s) measures the shape classes of the
+chunk calls the first steps made (on a GPU; choices kept on disk, measure/kernel_cache.py) and runs
+each chosen kernel once per shape (cuDNN graphs, compiles); the warm-up and timed steps run the
+cached choices, and timed_attention_kernel names the chunk kernels the timed steps ran.
 Gradients before each step follow the protocol: steady = resident and zeroed in place, first =
 None. An out-of-memory error anywhere is the point's result (status oom), not a crash.
 An offloading StreamBP point on CUDA page-locks its host buffers in its first step (the warm-up, or
@@ -42,6 +46,7 @@ the gathered parameters' storages; the parent merges the ranks' rows.
 
 from __future__ import annotations
 
+import time
 import traceback
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -50,7 +55,17 @@ from pathlib import Path
 import torch
 
 from ..config import RunSpec
-from ..core.internal import LOWER_RIGHT, kernel_timing, observe_chunk_kernels, observe_stores, set_choice_cache
+from ..core.internal import (
+    CACHED,
+    LOWER_RIGHT,
+    REFERENCE,
+    auto_mode,
+    observe_chunk_kernels,
+    observe_stores,
+    record_chunk_calls,
+    set_choice_cache,
+    tune_chunk_calls,
+)
 from ..measure.cuda_memory import NvmlPeakSampler, nvml_handle, start_cuda
 from ..measure.cuda_timeline import CUDA_MEMORY, CudaMemoryCalls, CudaTimeline
 from ..measure.cuda_timeline import ROUNDING as CUDA_ROUNDING
@@ -152,7 +167,15 @@ def _measure_cpu(
     error = None
     try:
         resizes = counting_fsdp_resizes(tracker) if spec.nproc > 1 else nullcontext()
-        with marks, tracker, resizes, observe_stores() as stores, kernels, observe_chunk_kernels() as chunk_kernels:
+        with (
+            marks,
+            tracker,
+            resizes,
+            observe_stores() as stores,
+            kernels,
+            observe_chunk_kernels() as chunk_kernels,
+            auto_mode(REFERENCE),
+        ):
             row.loss = float(step.run())
     except BaseException as failed:
         error = failed
@@ -165,9 +188,10 @@ def _measure_cpu(
         row.activation_peak_bytes = tracker.peak_bytes
         if recorder is not None:  # what ran, up to an OOM
             timelines.save_cpu(recorder, spec, row, timeline_dir, timelines.status_of(error, is_out_of_memory))
-    for i in range(1, spec.warmup + 1):
-        prepare(f"warm-up {i} of {spec.warmup}")
-        step.run()
+    with auto_mode(CACHED):
+        for i in range(1, spec.warmup + 1):
+            prepare(f"warm-up {i} of {spec.warmup}")
+            step.run()
     return lambda: None
 
 
@@ -206,9 +230,10 @@ def _measure_cuda(
     def synchronize() -> None:
         torch.cuda.synchronize(device)
 
-    for i in range(1, spec.warmup + 1):
-        prepare(f"warm-up {i} of {spec.warmup}")
-        step.run()
+    with auto_mode(CACHED):
+        for i in range(1, spec.warmup + 1):
+            prepare(f"warm-up {i} of {spec.warmup}")
+            step.run()
     prepare("memory step")
     synchronize()
     torch.cuda.reset_peak_memory_stats(device)
@@ -229,7 +254,7 @@ def _measure_cuda(
             observe_stores() as stores,
             kernels,
             chunks as chunk_kernels,
-            kernel_timing(False),
+            auto_mode(REFERENCE),
         ):
             row.loss = float(step.run())
             synchronize()
@@ -284,20 +309,33 @@ def _measure(spec: RunSpec, timeline_dir: Path | None) -> ResultRow:
             progress.restart(name)
 
         with reporting_progress(progress), forcing_sdpa_backend(spec.sdpa_backend):
-            if device.type == "cuda":
-                synchronize = _measure_cuda(spec, step, row, device, prepare, timeline_dir)
-            else:
-                synchronize = _measure_cpu(spec, step, row, prepare, timeline_dir)
+            with record_chunk_calls() as calls:
+                if device.type == "cuda":
+                    synchronize = _measure_cuda(spec, step, row, device, prepare, timeline_dir)
+                else:
+                    synchronize = _measure_cpu(spec, step, row, prepare, timeline_dir)
             timing, timers = None, []
             if spec.repeats:
+                if calls:
+                    progress.restart("attention kernels")
+                    row.tuning_s = tune_kernels(calls, synchronize)
                 timed = (f"timed step {i} of {spec.repeats}" for i in range(1, spec.repeats + 1))
-                with timing_phases() as timers:  # streambp steps: a PhaseTimer each
+                with (
+                    timing_phases() as timers,  # streambp steps: a PhaseTimer each
+                    auto_mode(CACHED),  # never a timing inside a timed step
+                    observe_chunk_kernels() as timed_kernels,
+                ):
                     timing = time_steps(
                         step.run,
                         repeats=spec.repeats,
                         synchronize=synchronize,
                         before_each=lambda: prepare(next(timed)),
                     )
+                row.timed_attention_kernel = "+".join(sorted(timed_kernels))
+                from .traces import trace_step  # sbp run --trace: one step more, profiled, outside the times
+
+                with auto_mode(CACHED):  # the timed steps' kernels, never a timing
+                    trace_step(spec, row, device.type, prepare, step.run, synchronize)
         row.optimizer_state_bytes = step.optimizer_state_bytes
     except MethodUnsupported as error:  # the method cannot run here: a result, with the reason
         row.status, row.error = "unsupported", one_line(error)
@@ -314,6 +352,18 @@ def _measure(spec: RunSpec, timeline_dir: Path | None) -> ResultRow:
     row.tflops_per_s = row.model_flops / timing.median_s / 1e12
     record_phases(row, timing.times_s, timers)
     return row
+
+
+def tune_kernels(calls, synchronize: Callable[[], None]) -> float:
+    """Seconds of the untimed pass that chooses the chunk kernels of the calls the point's first
+    steps made and runs each chosen kernel once per shape (core/kernel_choice.py
+    `tune_chunk_calls`): the measuring, a cuDNN graph per shape and a first compile happen here,
+    never in a timed step."""
+    synchronize()
+    start = time.perf_counter()
+    tune_chunk_calls(calls)
+    synchronize()
+    return time.perf_counter() - start
 
 
 def record_phases(row: ResultRow, times_s: tuple[float, ...], timers) -> None:

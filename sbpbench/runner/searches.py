@@ -1,9 +1,10 @@
 """A command's max-length searches, one method after another (`sbp maxlen`).
 
-Measured probes start at the estimator's predicted max T (simulated_search.py `estimate_seed`)
-and run under an optional wall-clock budget (budget.py); predicted probes (--simulate) run on fake
-tensors. Each search's probes and answer go to `out` as they come, so a search stopped by the
-budget, a failed probe or Ctrl-C resumes from them. The command gets an Outcome (outcome.py).
+Measured probes start at the estimator's predicted max T (simulated_search.py `estimate_seed`),
+stored in `out` beside them (seeds.py), and run under an optional wall-clock budget (budget.py);
+predicted probes (--simulate) run on fake tensors. Each search's probes and answer go to `out` as
+they come, so a search stopped by the budget, a failed probe or Ctrl-C resumes from them. The
+command gets an Outcome (outcome.py).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class Probing:
 def run_searches(searches: list[MaxlenSpec], out: Path, *, probing: Probing, resume: bool, steps: Steps) -> Outcome:
     """Each search in turn; the outcome holds the answers of those that finished."""
     outcome = Outcome()
-    run = _searcher(searches[0], out, probing, steps)
+    run = _searcher(searches[0], out, probing, steps, outcome.seeds)
     for search in searches:
         steps.start(f"{search.method}: searching")
 
@@ -62,9 +63,10 @@ def run_searches(searches: list[MaxlenSpec], out: Path, *, probing: Probing, res
     return outcome
 
 
-def _searcher(first: MaxlenSpec, out: Path, probing: Probing, steps: Steps):
+def _searcher(first: MaxlenSpec, out: Path, probing: Probing, steps: Steps, seeds: list[ResultRow]):
     """search(spec, **options) -> answer row, probing as `probing` says (the seed's prediction is
-    for this machine's device: its capacity caps a memory limit as a probe's cap does)."""
+    for this machine's device: its capacity caps a memory limit as a probe's cap does); each seed
+    predicted and stored in `out` is appended to `seeds`."""
     from ..measure.environment import capture_environment
     from .budget import Budget, within  # looked up at the call: tests stand in a clock of their own
     from .isolated import run_isolated
@@ -83,5 +85,12 @@ def _searcher(first: MaxlenSpec, out: Path, probing: Probing, steps: Steps):
     env = capture_environment(first.base.device)
     clock = Budget(probing.budget_s) if probing.budget_s is not None else None
     measure = within(run_isolated, clock) if clock else run_isolated
-    seed = estimate_seed(capacity_bytes=env.device_total_memory_bytes, budget=clock, note=steps.note)
+
+    def predicted(row: ResultRow, stored: bool) -> None:
+        if not stored:
+            seeds.append(row)
+
+    seed = estimate_seed(
+        capacity_bytes=env.device_total_memory_bytes, budget=clock, note=steps.note, out=out, on_row=predicted
+    )
     return lambda search, **options: find_max_len(search, out, env=env, measure=measure, seed=seed, **options)

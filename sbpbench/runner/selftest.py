@@ -1,128 +1,196 @@
-"""`sbp selftest`: check a machine with one command, in a few minutes.
+"""`sbp selftest`: prove every CUDA path of a machine in one command, in order of value.
 
-Every check is an ordinary command (`sbp check`, `sbp run`, `sbp estimate`, pytest) in its own
-process with a time limit, its output appended to one raw log; what it decides is written beside
-it (selftest_summary.py). The plan is pure data, so it is tested on any machine.
+Every check is an ordinary command (pytest, a benchmark script, `sbp run`, `sbp estimate`, a measure
+module) in its own process with its own time limit, its output appended to one raw log; what it
+decides is written beside it (selftest_summary.py). The plan is pure data, so it is priced and
+tested on any machine.
 
-On a GPU (GPU_BUDGET_S, 8 minutes on one H100), in this order: the default `sbp run` (Qwen3-4B,
-T=9000: its ckpt and streambp rows are two of the estimate's points); two Qwen3-8B StreamBP points
-at T=64k with the checkpoints offloaded (`cpu`) and recomputed (`recompute:4`), one memory step and
-one timed step each (so that first contact runs the offload path); memory-only probes of Qwen3-8B
-bp at T=4608 and ckpt at T=20000; the longest Qwen3-8B StreamBP memory-only point whose predicted
-time fits (`long_seq_len`); then the quick subset of the gpu-marked tests (pytest -m "gpu and
-quick"), each test's outcome and message recorded as it finishes. The `sbp estimate` of each
-point runs beside them on the host CPU (fake tensors, no GPU). Written to OUT/gpu/<device name>/.
+On a GPU (GPU_BUDGET_S, 8 minutes on one H100), in this order:
+  1. the quick gpu-marked tests (pytest -m "gpu and quick", tests/gpu/): the stream placements in
+     fp64 with rebuilds, the phase timer's CUDA events, each attention kernel against the
+     lower-right reference in bf16, the memory history's timeline, the worker's memory sources,
+     exactness at T=9000; each test's outcome and message recorded as it finishes;
+  2. the attention-kernel benchmark (benchmarks/attention_kernels.py) at BENCHMARK_KEYS;
+  3. Qwen3-4B T=9000, ckpt and streambp, with --phases and --timeline;
+  4. Qwen3-8B StreamBP at T=262,144 streamed through host buffers (LONG_POINT: `stream:2` on 3
+     layers, one layer rebuilt), one memory step and one timed step;
+  5. Qwen3-8B StreamBP at T=65,536 with the checkpoints on the GPU, one memory step and one timed;
+  6. the page-locked host copy rate each way (measure/copy_rate.py), beside the planner's assumption.
+`sbp estimate` of each measured point runs beside them on the host CPU (fake tensors, no GPU).
+Everything goes to OUT/gpu/<device name>/, caches included: every step's process gets SBP_CACHE_DIR
+(the attention-kernel choices, attention-kernels.json, committed: the next run skips their timing)
+and one Inductor and Triton cache (compile-cache/, ignored by a .gitignore written beside it: large
+binaries of this torch and driver, which the next run rebuilds).
 
-Budget: each step is cut to what the budget leaves less the time kept for the `reserved` steps
-after it (the offload points: the default run cannot eat their time). The long point's length is
-chosen from the default run's measured speed so that it fits what is left less the predicted time
-of the steps after it (the tests). A step's prediction is its wall time in this device's earlier
-selftest.log when one ran ok there, else PREDICTED_S (measured by this command on one H100). A step
-left less than MIN_START_S (budget.py, the rule of --budget) is not started: "not run (budget)",
-which is not a failure. The offload points' limits come from the FLOP model at the assumed H100
-rate (`offload_timeout_s`); with the default run's cap they fit the budget, which test_selftest.py
-checks, as it checks that the plan priced with the measured step times fits with the long point.
-On a CPU: a small `sbp check`, a short default-like `sbp run` and its `sbp estimate --target
-cpu`, within CPU_BUDGET_S on 2 cores. Written to OUT/cpu-selftest/.
+Budget: a step starts only while the budget left covers its prediction and MIN_START_S (budget.py);
+else it is "not run (budget)", which is not a failure. Its limit is its own (TIMEOUT_FACTOR x its
+price plus TIMEOUT_SLACK_S), cut to what the budget leaves. A step's prediction is its wall time in
+this device's earlier selftest.log where it ran ok there, else its price: an `sbp run` from
+simulate/cost.py at the rates fitted to this device's rows (else the H100 rows in results/gpu/,
+else the time model's defaults) plus EXTRA_S; the other steps from PREDICTED_S. test_selftest.py
+checks that the plan priced with the H100 rows fits the budget. A step that exits 0 still fails
+when what it wrote says so: a point's row not ok, a kernel wrong, a direction missing.
+
+On a CPU: a small `sbp check`, a short `sbp run` and its `sbp estimate --target cpu`, within
+CPU_BUDGET_S on 2 cores. Written to OUT/cpu-selftest/.
 """
 
 from __future__ import annotations
 
+import csv
+import functools
 import os
 import queue
 import re
 import resource
+import signal
 import subprocess
 import sys
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
 from pathlib import Path
 
-from ..core import Placement
+from ..config import RunSpec
+from ..config.run import BeyondContextWarning, point_specs
 from ..measure.environment import Environment
-from ..measure.flops import phase_flops
 from ..models import load_config
 from ..records import read_rows
+from ..simulate.cost import point_cost
+from ..simulate.plan import meta_model
+from ..simulate.timing import Rates, fitted_rates
 from .budget import MIN_START_S
-from .selftest_summary import (
-    NOT_RUN,
-    TEST_REPORT_ENV,
-    estimate_errors,
-    progress_seconds,
-    pytest_counts,
-    read_test_report,
-    summary_markdown,
-)
-from .timeout import executed_flops
+from .selftest_summary import KERNEL_FAILURES, NOT_RUN, TEST_REPORT_ENV, SummaryInputs, first_line, summary_markdown
 
 GPU_BUDGET_S = 480.0  # 8 minutes on one H100
 # The CPU subset's own work is about 40 CPU-seconds (three commands and three workers, each
-# importing torch and transformers); on 2 idle cores that is under a minute. The
-# budget is a hard stop set wider, so a machine shared with other jobs still finishes; the
-# summary gives each step's wall and CPU seconds, so a slow step says whether it waited or worked.
+# importing torch and transformers); on 2 idle cores that is under a minute. The budget is a hard
+# stop set wider, so a machine shared with other jobs still finishes; the summary gives each step's
+# wall and CPU seconds, so a slow step says whether it waited or worked.
 CPU_BUDGET_S = 480.0
-# Qwen3-8B StreamBP lengths tried for the long point, longest first (the paper's headline ~110k)
-LONG_MODEL = "Qwen/Qwen3-8B"
-LONG_SEQ_LENS = (110_000, 96_000, 80_000, 64_000, 48_000, 32_000)
-# A memory-only point's cost besides its one step: start `sbp run` and its worker, import torch
-# and transformers, build 8B random bf16 weights on the GPU. Measured on one H100 80GB HBM3: the
-# Qwen3-8B bp T=4608 and ckpt T=20000 probes took 30.5 and 33.7 s wall for steps of a few seconds.
-POINT_OVERHEAD_S = 30.0
-# The offload path on first contact: Qwen3-8B StreamBP at 64k, checkpoints in pinned host memory or
-# recomputed per segment of 4 layers, one memory step and one timed step (no warm-up).
-OFFLOAD_SEQ_LEN = 65_536
-OFFLOAD_PLACEMENTS = ("cpu", "recompute:4")
-OFFLOAD_MARGIN = 1.25  # on the predicted point: the host copies and the first step's set-up
-DEFAULT_RUN_S = 180.0  # the default run's cap
-TESTS_S = 180.0  # the quick tests' cap
-# Model TFLOP/s assumed for StreamBP when the default run gave no streambp time (measured on one
-# H100: 187 at Qwen3-4B T=9000, 208 at T=24000).
-ASSUMED_MODEL_TFLOPS = 187.0
-TESTS_STEP = "pytest -m 'gpu and quick'"
-# Each GPU step's predicted wall time when this device has no earlier selftest.log to take it from:
-# measured by `sbp selftest` on one NVIDIA H100 80GB HBM3 (2026-11-26), except the quick tests',
-# a prediction (the subset is newer than that run): pytest's start-up and imports, one isolated
-# Qwen3-0.6B worker and two in-process T=9000 checks of a 6-layer Qwen3-0.6B.
-PREDICTED_S = {
-    "default run": 77.7,
-    "offload cpu": 92.7,
-    "offload recompute:4": 94.5,
-    "probe bp": 30.5,
-    "probe ckpt": 33.7,
-    "tests": 45.0,
-}
-GPU_POINTS = (  # (model, seq_len, method) measured and estimated besides the long point
-    ("Qwen/Qwen3-4B", 9000, "ckpt"),
-    ("Qwen/Qwen3-4B", 9000, "streambp"),
-    ("Qwen/Qwen3-8B", 4608, "bp"),
-    ("Qwen/Qwen3-8B", 20000, "ckpt"),
-)
 CPU_POINT = {"model": "small/qwen3", "seq_len": 512}  # small/qwen3 at a short T, all methods
+
+TIMEOUT_FACTOR, TIMEOUT_SLACK_S = 1.5, 30.0  # a step's own limit over its price
+GRACE_S = 15.0  # after SIGINT at a step's limit (a Ctrl-C: `sbp run` stops its workers), then SIGKILL
+COMPILE_CACHE = "compile-cache"  # Inductor's and Triton's, under the output folder, ignored by git
+GITIGNORE = (
+    "# Inductor's and Triton's compile caches (sbp selftest): large binaries of this torch and driver,\n"
+    "# rebuilt by the next run. attention-kernels.json, the measured kernel choices, is committed.\n"
+    f"{COMPILE_CACHE}/\n"
+)
+BENCHMARK_CSV, COPY_RATE_CSV = "attention-benchmark.csv", "copy-rate.csv"
+# The benchmark's shapes: a 4096-query chunk (the long points' chunk) over these keys (its own
+# included): the prefixes of a chunk at 16k, 64k and 256k
+BENCHMARK_QUERIES, BENCHMARK_KEYS = 4096, (16_384, 65_536, 262_144)
+
+# Predicted wall seconds of the steps `sbp run` is not priced for, predictions all (none has run in
+# this form yet); each a process start (simulate/cost.py START_S, 5 s) plus:
+PREDICTED_S = {
+    # pytest's start and imports; test_gpu.py's and test_gpu_measure.py's quick tests (45 s, the
+    # earlier prediction of that subset: a 6-layer Qwen3-0.6B at T=9000 and one Qwen3-0.6B worker);
+    # FlexAttention's first compile, forward and backward (40 s); the fp64 stream placements and the
+    # timed 4-layer Qwen3-0.6B step (10 s)
+    "tests": 100.0,
+    # cuDNN's plans (5 s); FlexAttention's compile from the tests' cache (15 s); 3 shapes x 5 kernels
+    # x 4 forward-backward runs, at most 0.13 s each (256k keys at the H100's fitted attention rates)
+    "attention benchmark": 30.0,
+    # CUDA's context; page-locking 512 MiB (0.2 s at the H100's measured 2.82 GB/s); 12 copies of it
+    # (0.1 s at 64 GB/s); rounded up
+    "copy rate": 15.0,
+}
+# Added to an `sbp run` step's price, predictions too:
+EXTRA_S = {
+    # per streambp process, between its memory step and its timed steps (the row's tuning_s): each
+    # new shape class's kernels timed (none once attention-kernels.json holds it), each chosen kernel
+    # run once per shape (cuDNN graphs, FlexAttention's compile from the shared cache)
+    "kernel tuning": 20.0,
+    # per method with --timeline: the CLI predicts its timeline on fake tensors, on the host; the
+    # estimate of Qwen3-4B T=9000 for ckpt and streambp took 18.2 s on one H100's host (selftest.log)
+    "timeline prediction": 9.1,
+}
+TESTS_STEP = "pytest -m 'gpu and quick'"
+# New test files of the quick subset first: code no GPU has run yet, then the rest by name
+QUICK_FIRST = ("test_gpu_stream.py", "test_gpu_kernels.py", "test_gpu_measure.py")
+
+
+@dataclass(frozen=True)
+class Point:
+    """A point of the plan as `sbp run` and `sbp estimate` take it (one process per method)."""
+
+    model: str
+    seq_len: int
+    methods: tuple[str, ...]
+    checkpoints: str = ""  # streambp's placement; empty: the default (gpu)
+    num_layers: int | None = None  # the first N layers; None: all
+    chunk_size: int | None = None  # None: auto
+    warmup: int | None = None  # None: the point's default
+    repeats: int | None = None
+
+    def flags(self) -> tuple[str, ...]:
+        """The options the run and the estimate share."""
+        argv = ("--model", self.model, "--seq", str(self.seq_len))
+        argv += ("--checkpoints", self.checkpoints) if self.checkpoints else ()
+        argv += ("--num-layers", str(self.num_layers)) if self.num_layers else ()
+        argv += ("--chunk-size", str(self.chunk_size)) if self.chunk_size else ()
+        return argv
+
+    def run_flags(self) -> tuple[str, ...]:
+        argv = self.flags()
+        argv += ("--warmup", str(self.warmup)) if self.warmup is not None else ()
+        argv += ("--repeats", str(self.repeats)) if self.repeats is not None else ()
+        return argv + ("--method", *self.methods)
+
+    def specs(self) -> list[RunSpec]:
+        """One RunSpec per method with a GPU's defaults, made on any machine (to price it)."""
+        given = dict(model=self.model, seq_len=self.seq_len, checkpoints=self.checkpoints or None)
+        given.update(num_layers=self.num_layers, chunk_size=self.chunk_size, warmup=self.warmup, repeats=self.repeats)
+        with warnings.catch_warnings():  # a price needs no word on lengths past a model's context
+            warnings.simplefilter("ignore", BeyondContextWarning)
+            return point_specs({**given, "device": "cpu"}, self.methods, defaults_for="cuda")
+
+    def keys(self) -> list[tuple]:
+        """(model, seq_len, method, checkpoints, num_layers) of each method: its rows' key here."""
+        return [(self.model, self.seq_len, m, self.checkpoints, self.num_layers) for m in self.methods]
+
+    @property
+    def label(self) -> str:
+        parts = [self.model, f"T={self.seq_len}", " ".join(self.methods)]
+        parts += [f"--checkpoints {self.checkpoints}"] if self.checkpoints else []
+        parts += [f"{self.num_layers} layers"] if self.num_layers else []
+        return " ".join(parts)
+
+
+SHORT_POINT = Point("Qwen/Qwen3-4B", 9000, ("ckpt", "streambp"))  # the paper's Table 1 length
+# 262,144 tokens streamed: two host buffers of one layer input each on 3 layers rebuild one layer
+# (rebuild_schedule.py), as stream:7 rebuilds 37 of Qwen3-8B's 36 at 2M tokens; all 36 layers
+# would take 10 minutes a step
+LONG_POINT = Point("Qwen/Qwen3-8B", 262_144, ("streambp",), "stream:2", 3, 4096, warmup=0, repeats=1)
+GPU_64K_POINT = Point("Qwen/Qwen3-8B", 65_536, ("streambp",), warmup=0, repeats=1)  # the default placement
+GPU_POINTS = (SHORT_POINT, LONG_POINT, GPU_64K_POINT)
 
 
 @dataclass(frozen=True)
 class Step:
     name: str
-    argv: tuple[str, ...]  # after `python -m`
+    argv: tuple[str, ...]  # after `python`
     timeout_s: float
     background: bool = False  # host-only work (an estimate) that runs beside the GPU steps
-    reserved: bool = False  # its timeout is kept free while the steps before it run
-    predicted_s: float = 0.0  # its expected wall time (PREDICTED_S or this device's earlier log)
+    predicted_s: float = 0.0  # its expected wall time (its price, or this device's earlier log)
     env: tuple[tuple[str, str], ...] = ()  # set for its process, beside the inherited environment
-
-
-# Where the plan runs the long point: its length is chosen when its turn comes
-LONG_POINT = Step("the long point", (), 0.0)
+    kind: str = ""  # tests | benchmark | run | copy rate | estimate: how its output is judged
+    point: Point | None = None  # a run's point, whose rows it must leave ok
 
 
 @dataclass
 class Outcome:
     step: Step
-    status: str = "not run"  # ok | failed (exit code) | timeout | not run
+    status: str = "not run"  # ok | failed (why) | timeout (N s) | not run (budget)
     seconds: float = 0.0
     cpu_seconds: float | None = None  # user + system of the step's processes (foreground steps)
     returncode: int | None = None
+    started_utc: str = ""
 
     @property
     def failed(self) -> bool:
@@ -135,8 +203,9 @@ class Selftest:
     kind: str  # cpu | cuda
     out_dir: Path
     budget_s: float
+    device_name: str = ""
     outcomes: list[Outcome] = field(default_factory=list)
-    long_seq_len: int | None = None
+    rates: Rates | None = None  # what the run steps were priced at
 
     @property
     def log(self) -> Path:
@@ -154,6 +223,15 @@ class Selftest:
     def tests_report(self) -> Path:
         return self.out_dir / "tests.jsonl"
 
+    def env(self) -> tuple[tuple[str, str], ...]:
+        """What every step's process shares: the kernel-choice cache and one compile cache."""
+        compiled = self.out_dir / COMPILE_CACHE
+        return (
+            ("SBP_CACHE_DIR", str(self.out_dir)),
+            ("TORCHINDUCTOR_CACHE_DIR", str(compiled / "inductor")),
+            ("TRITON_CACHE_DIR", str(compiled / "triton")),
+        )
+
 
 def device_slug(device_name: str) -> str:
     """A directory name for a device: 'NVIDIA H100 80GB HBM3' -> 'NVIDIA-H100-80GB-HBM3'."""
@@ -164,98 +242,139 @@ def output_dir(out: Path, kind: str, device_name: str) -> Path:
     return out / "gpu" / device_slug(device_name) if kind == "cuda" else out / "cpu-selftest"
 
 
+def find_repository() -> Path | None:
+    """The checkout beside the package (an editable install), with its tests and benchmarks; None
+    for a wheel."""
+    root = Path(__file__).resolve().parents[2]
+    found = (root / "tests" / "gpu" / "test_gpu.py").exists() and (
+        root / "benchmarks" / "attention_kernels.py"
+    ).exists()
+    return root if found else None
+
+
 def _sbp(*args: str) -> tuple[str, ...]:
-    return ("sbpbench", *args)
+    return ("-m", "sbpbench", *args)
 
 
 def cpu_plan(test: Selftest) -> list[Step]:
     """The CPU subset: about 40 CPU-seconds, stopped at CPU_BUDGET_S."""
     point = ("--model", CPU_POINT["model"], "--seq", str(CPU_POINT["seq_len"]))
     chunks = ("--chunk-size", "128", "--logits-chunk-size", "100")
-    return [
+    estimate = ("estimate", *point, *chunks, "--dtype", "fp32", "--target", "cpu", "--out", str(test.estimates_csv))
+    steps = [
         # one after another, each with whatever the budget has left (run_selftest cuts it)
         Step("check", _sbp("check", "--model", "small/qwen3", "--seq", "128"), test.budget_s),
         Step("run", _sbp("run", *point, *chunks, "--repeats", "1", "--out", str(test.runs_csv)), test.budget_s),
-        Step(
-            "estimate",
-            _sbp("estimate", *point, *chunks, "--dtype", "fp32", "--target", "cpu", "--out", str(test.estimates_csv)),
-            test.budget_s,
-        ),
+        Step("estimate", _sbp(*estimate), test.budget_s),
     ]
+    return [replace(step, env=test.env()) for step in steps]
 
 
-def _estimate(test: Selftest, model: str, seq_len: int, methods: tuple[str, ...], checkpoints: str = "") -> Step:
-    argv = ("estimate", "--model", model, "--seq", str(seq_len))
-    argv += ("--checkpoints", checkpoints) if checkpoints else ()
-    argv += ("--method", *methods, "--out", str(test.estimates_csv))
-    name = f"estimate {model} T={seq_len} {' '.join(methods)}" + (f" {checkpoints}" if checkpoints else "")
-    return Step(name, _sbp(*argv), 300, background=True)
+def plan_rates(test: Selftest, repository: Path | None) -> Rates:
+    """The rates a run step is priced at: fitted to this device's rows in its output folder, else to
+    the H100 rows of the checkout's results/gpu/, else the time model's defaults."""
+    places = [(test.out_dir, test.device_name)]
+    if repository is not None:
+        places.append((repository / "results" / "gpu", "H100"))
+    for folder, device in places:
+        if device and folder.exists():
+            rates = fitted_rates(folder, device, meta_model)
+            if rates.measured:
+                return rates
+    return Rates()
 
 
-def _probe(test: Selftest, model: str, seq_len: int, method: str, timeout_s: float, predicted_s: float = 0.0) -> Step:
-    """A memory-only point (repeats 0: one step, no warm-up)."""
-    argv = ("run", "--model", model, "--seq", str(seq_len), "--method", method, "--repeats", "0")
-    argv += ("--timeout", f"{timeout_s:g}", "--out", str(test.runs_csv))
-    name = f"run {model} T={seq_len} {method} (memory only)"
-    return Step(name, _sbp(*argv), timeout_s + 30, predicted_s=predicted_s)
+def run_price_s(point: Point, rates: Rates, *, timeline: bool = False) -> float:
+    """An `sbp run` of the point: each method's process (simulate/cost.py: start, steps at `rates`,
+    first-step page-locking), EXTRA_S's kernel tuning per streambp process and its timeline's
+    prediction per method."""
+    seconds = 0.0
+    for spec in point.specs():
+        seconds += point_cost(spec, rates).device_s
+        seconds += EXTRA_S["kernel tuning"] if spec.method == "streambp" else 0.0
+        seconds += EXTRA_S["timeline prediction"] if timeline else 0.0
+    return seconds
 
 
-def offload_timeout_s(placement: str, config) -> float:
-    """The offload point's time limit: OFFLOAD_MARGIN x its prediction, POINT_OVERHEAD_S plus its
-    two steps' executed FLOPs (timeout.py: a recompute placement runs one forward more) at the
-    assumed rate."""
-    checkpoints = Placement.parse(placement)
-    flops = executed_flops(config, method="streambp", batch_size=1, seq_len=OFFLOAD_SEQ_LEN, checkpoints=checkpoints)
-    return OFFLOAD_MARGIN * (POINT_OVERHEAD_S + 2 * flops * seconds_per_executed_flop(None, config))
+def own_limit_s(predicted_s: float) -> float:
+    return TIMEOUT_FACTOR * predicted_s + TIMEOUT_SLACK_S
 
 
-def _offload_point(test: Selftest, placement: str, config) -> Step:
-    """Qwen3-8B StreamBP at OFFLOAD_SEQ_LEN with its checkpoints placed: one memory step, one timed."""
-    timeout_s = offload_timeout_s(placement, config)
-    argv = ("run", "--model", LONG_MODEL, "--seq", str(OFFLOAD_SEQ_LEN), "--method", "streambp")
-    argv += ("--checkpoints", placement, "--warmup", "0", "--repeats", "1")
-    argv += ("--timeout", f"{timeout_s - 30:.0f}", "--out", str(test.runs_csv))
-    name = f"run {LONG_MODEL} T={OFFLOAD_SEQ_LEN} streambp --checkpoints {placement} (memory, then one timed step)"
-    return Step(name, _sbp(*argv), timeout_s, reserved=True, predicted_s=PREDICTED_S[f"offload {placement}"])
+def _run(test: Selftest, point: Point, rates: Rates, *, timeline: bool = False) -> Step:
+    """`sbp run` of the point, each of its processes under the limit of the slowest (--timeout)."""
+    predicted = run_price_s(point, rates, timeline=timeline)
+    per_point = max(run_price_s(replace(point, methods=(m,)), rates, timeline=timeline) for m in point.methods)
+    argv = ("run", *point.run_flags(), "--timeout", f"{own_limit_s(per_point):.0f}")
+    argv += ("--phases", "--timeline") if timeline else ()
+    extras = " --phases --timeline" if timeline else ""
+    return Step(
+        f"run {point.label}{extras}",
+        _sbp(*argv, "--out", str(test.runs_csv)),
+        own_limit_s(predicted) + GRACE_S,
+        predicted_s=predicted,
+        kind="run",
+        point=point,
+    )
+
+
+def _estimate(test: Selftest, point: Point) -> Step:
+    argv = ("estimate", *point.flags(), "--method", *point.methods, "--out", str(test.estimates_csv))
+    return Step(f"estimate {point.label}", _sbp(*argv), 300, background=True, kind="estimate")
 
 
 def quick_test_files(tests_dir: Path) -> list[Path]:
-    """The test files that mark a test `quick` (named, so pytest imports only them)."""
-    return [p for p in sorted(tests_dir.rglob("test_*.py")) if "pytest.mark.quick" in p.read_text()]
+    """The test files that mark a test `quick` (named, so pytest imports only them): QUICK_FIRST's
+    in its order, then the rest by name."""
+    files = [p for p in sorted(tests_dir.rglob("test_*.py")) if "pytest.mark.quick" in p.read_text()]
+    first = {name: i for i, name in enumerate(QUICK_FIRST)}
+    return sorted(files, key=lambda p: first.get(p.name, len(first)))
 
 
-def _tests(test: Selftest, tests_dir: Path) -> Step:
+def _tests(test: Selftest, repository: Path) -> Step:
     """The quick gpu-marked tests, short tracebacks, each test's outcome recorded as it finishes."""
+    tests_dir = repository / "tests"
     files = quick_test_files(tests_dir) or [tests_dir]
-    argv = ("pytest", "-v", "--tb=short", "-m", "gpu and quick", *map(str, files))
+    argv = ("-m", "pytest", "-v", "--tb=short", "-p", "no:cacheprovider", "-m", "gpu and quick", *map(str, files))
     env = ((TEST_REPORT_ENV, str(test.tests_report)),)
-    return Step(TESTS_STEP, argv, TESTS_S, predicted_s=PREDICTED_S["tests"], env=env)
+    predicted = PREDICTED_S["tests"]
+    return Step(TESTS_STEP, argv, own_limit_s(predicted), predicted_s=predicted, env=env, kind="tests")
 
 
-def gpu_plan(test: Selftest, tests_dir: Path | None) -> list[Step]:
-    """The GPU steps in order, LONG_POINT where the long point runs (its length is chosen from the
-    default run's speed when its turn comes); predictions from PREDICTED_S (with_measured_predictions
-    puts this device's own in)."""
-    config = load_config(LONG_MODEL)
-    steps = [
-        _estimate(test, "Qwen/Qwen3-4B", 9000, ("ckpt", "streambp")),
-        *(_estimate(test, LONG_MODEL, OFFLOAD_SEQ_LEN, ("streambp",), p) for p in OFFLOAD_PLACEMENTS),
-        _estimate(test, "Qwen/Qwen3-8B", 4608, ("bp",)),
-        _estimate(test, "Qwen/Qwen3-8B", 20000, ("ckpt",)),
-        Step(
-            "run (the default: Qwen/Qwen3-4B, T=9000, every method)",
-            _sbp("run", "--out", str(test.runs_csv)),
-            DEFAULT_RUN_S,
-            predicted_s=PREDICTED_S["default run"],
-        ),
-        *(_offload_point(test, p, config) for p in OFFLOAD_PLACEMENTS),
-        _probe(test, "Qwen/Qwen3-8B", 4608, "bp", 90, PREDICTED_S["probe bp"]),
-        _probe(test, "Qwen/Qwen3-8B", 20000, "ckpt", 120, PREDICTED_S["probe ckpt"]),
-        LONG_POINT,
+def _benchmark(test: Selftest, repository: Path) -> Step:
+    keys = ",".join(map(str, BENCHMARK_KEYS))
+    script = repository / "benchmarks" / "attention_kernels.py"
+    argv = (str(script), "--queries", str(BENCHMARK_QUERIES), "--keys", keys, "--reps", "3")
+    predicted = PREDICTED_S["attention benchmark"]
+    return Step(
+        f"attention kernels, {BENCHMARK_QUERIES} queries over {keys} keys",
+        (*argv, "--out", str(test.out_dir / BENCHMARK_CSV)),
+        own_limit_s(predicted),
+        predicted_s=predicted,
+        kind="benchmark",
+    )
+
+
+def _copy_rate(test: Selftest) -> Step:
+    predicted = PREDICTED_S["copy rate"]
+    argv = ("-m", "sbpbench.measure.copy_rate", "--out", str(test.out_dir / COPY_RATE_CSV))
+    return Step(
+        "host copy rate, page-locked, each way", argv, own_limit_s(predicted), predicted_s=predicted, kind="copy rate"
+    )
+
+
+def gpu_plan(test: Selftest, repository: Path | None, rates: Rates) -> list[Step]:
+    """The GPU steps in order of value, each point's estimate submitted beside them first; runs priced
+    at `rates`. Without a checkout (a wheel) the tests and the benchmark are left out."""
+    steps = [_estimate(test, point) for point in GPU_POINTS]
+    if repository is not None:
+        steps += [_tests(test, repository), _benchmark(test, repository)]
+    steps += [
+        _run(test, SHORT_POINT, rates, timeline=True),
+        _run(test, LONG_POINT, rates),
+        _run(test, GPU_64K_POINT, rates),
     ]
-    if tests_dir is not None:
-        steps.append(_tests(test, tests_dir))
-    return steps
+    steps.append(_copy_rate(test))
+    return [replace(step, env=test.env() + step.env) for step in steps]
 
 
 _STEP_END = re.compile(r"^===== (?P<name>.+): ok, (?P<seconds>[0-9.]+) s$", re.MULTILINE)
@@ -270,43 +389,7 @@ def with_measured_predictions(steps: list[Step], log_text: str) -> list[Step]:
     """The steps with each prediction replaced by its measured wall time in `log_text` (an earlier
     selftest.log of this device) where that step ran ok there."""
     seconds = logged_seconds(log_text)
-    return [replace(s, predicted_s=seconds[s.name]) if s.name in seconds and s.argv else s for s in steps]
-
-
-def long_point_s(seq_len: int, *, seconds_per_flop: float, config) -> float:
-    """A memory-only StreamBP point's predicted wall time: POINT_OVERHEAD_S plus one step's executed
-    FLOPs (measure/flops.py) at the measured speed."""
-    flops = sum(m + a for m, a in phase_flops(config, method="streambp", batch_size=1, seq_len=seq_len).values())
-    return POINT_OVERHEAD_S + flops * seconds_per_flop
-
-
-def long_seq_len(seconds_left: float, *, seconds_per_flop: float, config) -> int | None:
-    """The longest of LONG_SEQ_LENS whose predicted point (long_point_s) fits seconds_left."""
-    for seq_len in LONG_SEQ_LENS:
-        if long_point_s(seq_len, seconds_per_flop=seconds_per_flop, config=config) <= seconds_left:
-            return seq_len
-    return None
-
-
-def seconds_per_executed_flop(streambp_row: dict | None, config) -> float:
-    """From the default run's streambp row (one step's time at its model and T), seconds per
-    executed FLOP; without such a row, ASSUMED_MODEL_TFLOPS turned into executed FLOPs with
-    `config` (the long point's). Attention kernels run faster at longer T, so this errs long."""
-    if streambp_row is not None and streambp_row.get("time_median_s") not in (None, ""):
-        timed = load_config(streambp_row["model"])
-        seq_len, batch_size = int(streambp_row["seq_len"]), int(streambp_row.get("batch_size") or 1)
-        phases = phase_flops(timed, method="streambp", batch_size=batch_size, seq_len=seq_len)
-        return float(streambp_row["time_median_s"]) / sum(m + a for m, a in phases.values())
-    # model FLOPs (bp's) -> executed: same ratio at the long point's scale
-    return 1 / (ASSUMED_MODEL_TFLOPS * 1e12) * _model_over_executed(config, LONG_SEQ_LENS[0])
-
-
-def _model_over_executed(config, seq_len: int) -> float:
-    total = {
-        m: sum(a + b for a, b in phase_flops(config, method=m, batch_size=1, seq_len=seq_len).values())
-        for m in ("bp", "streambp")
-    }
-    return total["bp"] / total["streambp"]
+    return [replace(s, predicted_s=seconds[s.name]) if s.name in seconds else s for s in steps]
 
 
 def _children_cpu_s() -> float:
@@ -314,29 +397,41 @@ def _children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def _stop(process: subprocess.Popen) -> None:
+    """SIGINT to the step's process group (what Ctrl-C does: `sbp run` and pytest stop their workers),
+    then SIGKILL after GRACE_S."""
+    for sig, wait_s in ((signal.SIGINT, GRACE_S), (signal.SIGKILL, None)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
 def run_step(step: Step, log: Path, *, env: dict | None = None) -> Outcome:
-    """Run one step to completion (or its timeout), its output appended to `log`; `env` replaces
-    the inherited environment, step.env adds to it."""
-    outcome = Outcome(step)
-    if step.env:
-        env = {**(env or os.environ), **dict(step.env)}
+    """Run one step in a process group of its own to completion (or its timeout), its output appended
+    to `log`; `env` replaces the inherited environment, step.env adds to it."""
+    outcome = Outcome(step, started_utc=datetime.now(UTC).isoformat(timespec="seconds"))
+    env = {**(env or os.environ), **dict(step.env)}
     with log.open("a") as out:
-        out.write(f"\n===== {step.name}: python -m {' '.join(step.argv)}\n")
+        out.write(f"\n===== {step.name}: python {' '.join(step.argv)}\n")
         out.flush()
         start, used = time.perf_counter(), _children_cpu_s()
+        process = subprocess.Popen(
+            [sys.executable, *step.argv], stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
         try:
-            done = subprocess.run(
-                [sys.executable, "-m", *step.argv],
-                check=False,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                timeout=step.timeout_s,
-                env=env,
-            )
-            outcome.returncode = done.returncode
-            outcome.status = "ok" if done.returncode == 0 else f"failed (exit {done.returncode})"
+            outcome.returncode = process.wait(timeout=step.timeout_s)
+            outcome.status = "ok" if outcome.returncode == 0 else f"failed (exit {outcome.returncode})"
         except subprocess.TimeoutExpired:
             outcome.status = f"timeout ({step.timeout_s:.0f} s)"
+        finally:
+            if process.poll() is None:  # its limit, or this command interrupted
+                _stop(process)
         outcome.seconds = time.perf_counter() - start
         if not step.background:  # background steps run beside others: their children's times mix
             outcome.cpu_seconds = _children_cpu_s() - used
@@ -346,13 +441,13 @@ def run_step(step: Step, log: Path, *, env: dict | None = None) -> Outcome:
 
 class Background:
     """Host-only steps (estimates) run one after another on a thread beside the GPU steps, with
-    few threads each so the measured worker's host thread keeps a core; their output goes to a
-    log of its own, appended to the main log at the end."""
+    few threads each so the measured worker's host thread keeps a core, each within what the budget
+    leaves when it starts; their output goes to a log of its own, appended to the main log at the end."""
 
     THREADS = "4"
 
-    def __init__(self, log: Path):
-        self.log = log
+    def __init__(self, log: Path, deadline: float):
+        self.log, self.deadline = log, deadline
         self.queue: queue.Queue[Step | None] = queue.Queue()
         self.outcomes: list[Outcome] = []
         self.thread = threading.Thread(target=self._work, daemon=True)
@@ -364,11 +459,15 @@ class Background:
     def _work(self) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": self.THREADS}
         while (step := self.queue.get()) is not None:
-            self.outcomes.append(run_step(step, self.log, env=env))
+            if self.deadline - time.perf_counter() < MIN_START_S:
+                self.outcomes.append(Outcome(step, NOT_RUN))
+            else:
+                self.outcomes.append(run_step(_budget(step, self.deadline), self.log, env=env))
 
-    def finish(self, into: Path, timeout_s: float) -> list[Outcome]:
+    def finish(self, into: Path) -> list[Outcome]:
+        """Wait for the steps submitted (each ends by the deadline and its stop's grace)."""
         self.queue.put(None)
-        self.thread.join(timeout=max(1.0, timeout_s))  # each step has its own timeout besides
+        self.thread.join(timeout=max(1.0, self.deadline - time.perf_counter() + 2 * GRACE_S))
         if self.log.exists():
             with into.open("a") as out:
                 out.write(self.log.read_text())
@@ -376,15 +475,74 @@ class Background:
         return self.outcomes
 
 
-def _budget(step: Step, deadline: float, reserve_s: float = 0.0) -> Step:
-    """The step with its timeout cut to what the budget leaves (less `reserve_s` for later steps)."""
-    left = deadline - time.perf_counter() - reserve_s
+def _budget(step: Step, deadline: float) -> Step:
+    """The step with its timeout cut to what the budget leaves (less the grace of its stop)."""
+    left = deadline - time.perf_counter() - GRACE_S
     return replace(step, timeout_s=max(10.0, min(step.timeout_s, left)))
 
 
-def run_selftest(test: Selftest, *, tests_dir: Path | None, echo=print) -> Selftest:
-    """Run the plan of test.kind within test.budget_s; outcomes in order, estimates last."""
+def verdict(test: Selftest, outcome: Outcome) -> str | None:
+    """Why a step that exited 0 failed all the same, from what it wrote; None when it did not."""
+    step = outcome.step
+    if step.kind == "run":
+        rows = {_key(r): r for r in _rows(test.runs_csv) if r.get("timestamp_utc", "") >= outcome.started_utc}
+        problems = []
+        for key in step.point.keys():
+            row = rows.get(key)
+            if row is None:
+                problems.append(f"{key[2]}: no row")
+            elif row["status"] != "ok":
+                problems.append(f"{key[2]}: {row['status']} ({first_line(row.get('error'))})")
+        return "; ".join(problems) or None
+    if step.kind == "benchmark":
+        rows = _csv_rows(test.out_dir / BENCHMARK_CSV)
+        if rows is None:
+            return "no rows written"
+        bad = [r for r in rows if r["status"] in KERNEL_FAILURES]
+        return "; ".join(f"{r['kernel']} at {r['keys']} keys: {r['status']} ({r['reason']})" for r in bad) or None
+    if step.kind == "copy rate":
+        rows = _csv_rows(test.out_dir / COPY_RATE_CSV)
+        return None if rows is not None and len(rows) == 2 else "no rate for both directions"
+    return None
+
+
+def _key(row: dict) -> tuple:
+    """A row's key as Point.keys() spells it: a full-depth row has no num_layers, gpu no placement."""
+    placement = row.get("checkpoints") or ""
+    num_layers = int(row["num_layers"]) if row.get("num_layers") else None
+    full = meta_depth(row["model"])
+    return (
+        row["model"],
+        int(row["seq_len"]),
+        row["method"],
+        "" if placement == "gpu" else placement,
+        None if num_layers == full else num_layers,
+    )
+
+
+@functools.lru_cache(maxsize=16)
+def meta_depth(model: str) -> int | None:
+    """A model's number of layers, None where its config cannot be read here (its rows keep theirs)."""
+    try:
+        return load_config(model).num_hidden_layers
+    except (OSError, ValueError):
+        return None
+
+
+def _rows(path: Path) -> list[dict]:
+    return read_rows(path) if path.exists() else []
+
+
+def prepare(test: Selftest) -> None:
+    """The output folder, its .gitignore (the compile cache stays out of commits), a fresh test report."""
     test.out_dir.mkdir(parents=True, exist_ok=True)
+    (test.out_dir / ".gitignore").write_text(GITIGNORE)
+    test.tests_report.unlink(missing_ok=True)  # this run's test results only
+
+
+def run_selftest(test: Selftest, *, repository: Path | None, echo=print) -> Selftest:
+    """Run the plan of test.kind within test.budget_s; outcomes in order, estimates last."""
+    prepare(test)
     deadline = time.perf_counter() + test.budget_s
     if test.kind != "cuda":
         for step in cpu_plan(test):
@@ -393,69 +551,30 @@ def run_selftest(test: Selftest, *, tests_dir: Path | None, echo=print) -> Selft
         return test
 
     earlier_log = test.log.read_text() if test.log.exists() else ""
-    test.tests_report.unlink(missing_ok=True)  # this run's test results only
-    background = Background(test.out_dir / "selftest-estimates.log")
-    steps = with_measured_predictions(gpu_plan(test, tests_dir), earlier_log)
-    for i, step in enumerate(steps):
+    background = Background(test.out_dir / "selftest-estimates.log", deadline)
+    test.rates = plan_rates(test, repository)
+    for step in with_measured_predictions(gpu_plan(test, repository, test.rates), earlier_log):
         if step.background:
-            background.submit(_budget(step, deadline))
+            background.submit(step)
             continue
-        later = [s for s in steps[i + 1 :] if not s.background]
-        if step is LONG_POINT:
-            step = _long_point(test, deadline - time.perf_counter() - sum(s.predicted_s for s in later), echo)
-            if step is None:
-                continue
-            background.submit(_budget(_estimate(test, LONG_MODEL, test.long_seq_len, ("streambp",)), deadline))
-        reserve = sum(s.timeout_s for s in later if s.reserved)
-        if deadline - time.perf_counter() - reserve < MIN_START_S:
-            test.outcomes.append(Outcome(step, NOT_RUN))
+        if deadline - time.perf_counter() < max(MIN_START_S, step.predicted_s):
+            outcome = Outcome(step, NOT_RUN)
         else:
-            test.outcomes.append(run_step(_budget(step, deadline, reserve), test.log))
-        test.outcomes[-1].cpu_seconds = None  # mixed with the background estimates'
-        echo(_line(test.outcomes[-1]))
-    for outcome in background.finish(test.log, deadline - time.perf_counter()):
+            outcome = run_step(_budget(step, deadline), test.log)
+            if outcome.status == "ok" and (why := verdict(test, outcome)):
+                outcome.status = f"failed ({why})"
+        outcome.cpu_seconds = None  # mixed with the background estimates'
+        test.outcomes.append(outcome)
+        echo(_line(outcome))
+    for outcome in background.finish(test.log):
         test.outcomes.append(outcome)
         echo(_line(outcome))
     return test
 
 
-def _long_point(test: Selftest, window_s: float, echo) -> Step | None:
-    """The longest memory-only point whose prediction fits window_s (what is left less the later
-    steps' predictions), at the default run's measured speed; None (not a failure) if none fits."""
-    config = load_config(LONG_MODEL)
-    rate = seconds_per_executed_flop(_default_run_row(test, "streambp"), config)
-    test.long_seq_len = long_seq_len(window_s, seconds_per_flop=rate, config=config)
-    if test.long_seq_len is None:  # not a failure: the budget went to the steps before it
-        echo(f"no time left for a long point ({window_s:.0f} s of the budget beside the steps after it)")
-        return None
-    predicted_s = long_point_s(test.long_seq_len, seconds_per_flop=rate, config=config)
-    return _probe(test, LONG_MODEL, test.long_seq_len, "streambp", max(10.0, window_s - 30), predicted_s)
-
-
-def _default_run_row(test: Selftest, method: str) -> dict | None:
-    if not test.runs_csv.exists():
-        return None
-    model, seq_len, _ = GPU_POINTS[0]
-    rows = [
-        r for r in read_rows(test.runs_csv) if (r["model"], r["seq_len"], r["method"]) == (model, str(seq_len), method)
-    ]
-    ok = [r for r in rows if r["status"] == "ok" and r.get("time_median_s")]
-    return ok[-1] if ok else None
-
-
 def _line(outcome: Outcome) -> str:
     cpu = "" if outcome.cpu_seconds is None else f", {outcome.cpu_seconds:.0f} CPU-s"
     return f"{outcome.step.name}: {outcome.status} ({outcome.seconds:.0f} s{cpu})"
-
-
-def find_tests_dir() -> Path | None:
-    """The repository's tests/ beside the package (an editable install), or None (a wheel)."""
-    tests = Path(__file__).resolve().parents[2] / "tests"
-    return tests if (tests / "gpu" / "test_gpu.py").exists() else None
-
-
-def _rows(path: Path) -> list[dict]:
-    return read_rows(path) if path.exists() else []
 
 
 def _provenance(env: Environment) -> str:
@@ -469,65 +588,42 @@ def _provenance(env: Environment) -> str:
     )
 
 
-def _long_point_text(test: Selftest, measured: list[dict], log_text: str) -> str | None:
-    if test.kind != "cuda":
+def _csv_rows(path: Path) -> list[dict] | None:
+    """A CSV's rows as dicts of strings; None when it was not written."""
+    if not path.exists():
         return None
-    if test.long_seq_len is None:
-        return "Not run: no time left in the budget for even the shortest candidate."
-    label = f"streambp {LONG_MODEL} T={test.long_seq_len}"
-    rows = [
-        r
-        for r in measured
-        if (r["model"], r["seq_len"], r["method"]) == (LONG_MODEL, str(test.long_seq_len), "streambp")
-    ]
-    if not rows:
-        return f"{label}: no row (see selftest.log)."
-    row = rows[-1]
-    text = f"{label} (memory only, one step, no warm-up): {row['status']}"
-    if row.get("peak_allocated_bytes"):
-        text += f", peak {int(row['peak_allocated_bytes']) / 2**30:.2f} GiB"
-    if row.get("error"):
-        text += f" ({row['error']})"
-    seconds = progress_seconds(log_text, label)
-    if seconds is not None:
-        text += f"; its last progress line: {seconds:.0f} s into the step"
-    return text + "."
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
 
 
 def write_summary(test: Selftest, env: Environment) -> Path:
-    """summary.md in test.out_dir, from the outcomes, the CSVs and the log."""
-    measured, simulated = _rows(test.runs_csv), _rows(test.estimates_csv)
-    log_text = test.log.read_text() if test.log.exists() else ""
-    if test.kind == "cuda":
-        offload = [(LONG_MODEL, OFFLOAD_SEQ_LEN, "streambp", p) for p in OFFLOAD_PLACEMENTS]
-        points = (
-            list(GPU_POINTS) + offload + ([(LONG_MODEL, test.long_seq_len, "streambp")] if test.long_seq_len else [])
-        )
+    """summary.md in test.out_dir, from the outcomes, the CSVs, the timelines and the log."""
+    cuda = test.kind == "cuda"
+    if cuda:
+        points = [key for point in GPU_POINTS for key in point.keys()]
         title = f"sbp selftest on {env.device_name}"
     else:
-        points = [(CPU_POINT["model"], CPU_POINT["seq_len"], m) for m in ("bp", "ckpt", "streambp")]
+        points = [(CPU_POINT["model"], CPU_POINT["seq_len"], m, "", None) for m in ("bp", "ckpt", "streambp")]
         title = f"sbp selftest, CPU subset ({env.device_name})"
-    config = load_config(LONG_MODEL)
-    seq_len = test.long_seq_len or LONG_SEQ_LENS[0]
-    timed = _default_run_row(test, "streambp") if test.kind == "cuda" else None
-    rate = 1 / seconds_per_executed_flop(timed, config) / 1e12
-    note = (
-        f"The rate is the default run's: its streambp step at {GPU_POINTS[0][0]} T={GPU_POINTS[0][1]} took "
-        f"{float(timed['time_median_s']):.2f} s for its executed FLOPs; attention kernels run faster at longer T."
-        if timed
-        else f"The rate is assumed: {ASSUMED_MODEL_TFLOPS:g} model TFLOP/s (an H100's StreamBP at Qwen3-4B "
-        "T=9000) in executed FLOPs; no GPU step was timed here."
+    inputs = SummaryInputs(
+        measured=[r for r in _rows(test.runs_csv) if _key(r) in points],
+        simulated=_rows(test.estimates_csv),
+        points=points,
+        folder=test.out_dir,
+        log_text=test.log.read_text() if test.log.exists() else "",
+        tests_report=test.tests_report.read_text() if test.tests_report.exists() else None,
+        benchmark=_csv_rows(test.out_dir / BENCHMARK_CSV) if cuda else None,
+        copy_rates=_csv_rows(test.out_dir / COPY_RATE_CSV) if cuda else None,
+        assumed_copy_bytes_s=Rates().host_copy_bytes_s,
+        rates=test.rates.describe() if test.rates is not None else "",
     )
     text = summary_markdown(
         title=title,
         provenance=_provenance(env),
         steps=[(o.step.name, o.status, o.seconds, o.cpu_seconds, o.step.predicted_s) for o in test.outcomes],
-        errors=estimate_errors(measured, simulated, points),
-        pytest=pytest_counts(log_text) if test.kind == "cuda" else None,
-        tests=read_test_report(test.tests_report.read_text()) if test.tests_report.exists() else None,
-        long_point=_long_point_text(test, measured, log_text),
-        log_text=log_text,
-        flops=(config, LONG_MODEL, "streambp", seq_len, round(rate), note),
+        inputs=inputs,
+        key=_key,
+        gpu=cuda,
     )
     path = test.out_dir / "summary.md"
     path.write_text(text)

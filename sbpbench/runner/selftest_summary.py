@@ -1,17 +1,19 @@
-"""The selftest's Markdown summary: what ran, each failed test with its message, measured vs
-estimated peaks, the long point, and where a long step's time goes. Pure functions of the
-selftest's outcomes, rows, log and test report, so every GPU-only line of it is tested on a CPU
-with stand-in rows."""
+"""The selftest's Markdown summary: what ran, each failure with its message, the measured points
+(their phases and memory timelines), measured vs estimated peaks, the attention kernels, the host
+copy rate. Pure functions of the selftest's outcomes, rows, logs and files, so every GPU-only line
+of it is tested on a CPU with stand-in rows."""
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from ..measure.flops import phase_flops_markdown
-from ..measure.progress import PROGRESS_PREFIX
+from ..measure.memory_timeline import load_timeline
 from ..measure.units import GIB
+from ..records.schema import PHASE_COLUMNS
 
 # measured on one H100, the estimator was within about 1% of the measured peaks
 GOOD_ESTIMATE = 0.05
@@ -19,6 +21,9 @@ GOOD_ESTIMATE = 0.05
 TEST_REPORT_ENV = "SBP_TEST_REPORT"
 MESSAGE_LINES = 8  # of a failed test's message, or a failed step's output, in the summary
 NOT_RUN = "not run (budget)"  # a step the budget left no time for: not a failure
+KERNEL_FAILURES = ("wrong", "error", "oom")  # a benchmark row's statuses that are failures
+
+Key = tuple  # (model, seq_len, method, checkpoints ("" = gpu), num_layers (None = all))
 
 
 @dataclass(frozen=True)
@@ -32,10 +37,12 @@ class PointError:
     estimated_status: str
     estimated_bytes: int | None
     checkpoints: str = ""  # streambp's placement when not the default gpu
+    num_layers: int | None = None  # the first N layers; None: all
 
     @property
     def label(self) -> str:
-        return f"{self.method} ({self.checkpoints})" if self.checkpoints else self.method
+        label = f"{self.method} ({self.checkpoints})" if self.checkpoints else self.method
+        return label + (f", {self.num_layers} layers" if self.num_layers else "")
 
     @property
     def error(self) -> float | None:
@@ -49,38 +56,33 @@ def _int(value) -> int | None:
     return None if value in (None, "") else int(float(value))
 
 
-Point = tuple  # (model, seq_len, method) or (model, seq_len, method, checkpoints placement)
+def _float(value) -> float | None:
+    return None if value in (None, "") else float(value)
 
 
-def _point(row: dict) -> tuple[str, int, str, str]:
-    placement = row.get("checkpoints") or ""
-    return row["model"], int(row["seq_len"]), row["method"], "" if placement == "gpu" else placement
+def first_line(text: str | None, max_chars: int = 200) -> str:
+    lines = (text or "").strip().splitlines()
+    return lines[0][:max_chars] if lines else ""
 
 
-def estimate_errors(measured: list[dict], simulated: list[dict], points: list[Point]) -> list[PointError]:
-    """One PointError per (model, seq_len, method[, placement]) in `points`, from measured rows
-    (sbp run) and simulated ones (sbp estimate): the last row of each point wins, as in an upserted
-    CSV. A placement left out (or gpu) is StreamBP's default."""
-    ours = {_point(r): r for r in measured if r.get("kind", "point") == "point" and r.get("seq_len")}
-    theirs = {_point(r): r for r in simulated if r.get("seq_len")}
+def estimate_errors(measured: list[dict], simulated: list[dict], points: list[Key], key: Callable) -> list[PointError]:
+    """One PointError per point key, from measured rows (sbp run) and simulated ones (sbp estimate),
+    each row's key by `key(row)`: the last row of each point wins, as in an upserted CSV."""
+    ours = {key(r): r for r in measured if r.get("kind", "point") == "point" and r.get("seq_len")}
+    theirs = {key(r): r for r in simulated if r.get("seq_len")}
     errors = []
     for point in points:
-        model, seq_len, method, placement = (*point, "")[:4]
-        key = (model, seq_len, method, "" if placement == "gpu" else placement)
-        m, s = ours.get(key, {}), theirs.get(key, {})
+        model, seq_len, method, checkpoints, num_layers = point
+        m, s = ours.get(point, {}), theirs.get(point, {})
         errors.append(
             PointError(
-                model,
-                seq_len,
-                method,
-                checkpoints=key[3],
+                model, seq_len, method,
+                checkpoints=checkpoints, num_layers=num_layers,
                 chunk_size=m.get("chunk_size") or s.get("chunk_size") or "",
-                measured_status=m.get("status", "missing"),
-                measured_bytes=_int(m.get("peak_allocated_bytes")),
-                estimated_status=s.get("status", "missing"),
-                estimated_bytes=_int(s.get("peak_allocated_bytes")),
+                measured_status=m.get("status", "missing"), measured_bytes=_int(m.get("peak_allocated_bytes")),
+                estimated_status=s.get("status", "missing"), estimated_bytes=_int(s.get("peak_allocated_bytes")),
             )
-        )
+        )  # fmt: skip
     return errors
 
 
@@ -109,18 +111,109 @@ def estimate_table(errors: list[PointError]) -> list[str]:
     return lines
 
 
-_PROGRESS_LINE = re.compile(re.escape(PROGRESS_PREFIX) + r" (?P<label>.*?): (?P<what>.*), (?P<seconds>[0-9.]+) s$")
+def _label(row: dict) -> str:
+    placement = row.get("checkpoints") or ""
+    label = f"{row['model']} T={row['seq_len']} {row['method']}"
+    return label + (f" ({placement})" if placement and placement != "gpu" else "")
 
 
-def progress_seconds(log_text: str, label: str) -> float | None:
-    """The elapsed time of the last progress line of `label` in a log: a long step's duration
-    when it ran to its last layer (measure/progress.py prints from the 5th second on)."""
-    seconds = None
-    for line in log_text.splitlines():
-        match = _PROGRESS_LINE.match(line.strip())
-        if match and match["label"] == label:
-            seconds = float(match["seconds"])
-    return seconds
+def _cell(value, digits: str = ".2f") -> str:
+    number = _float(value)
+    return "-" if number is None else format(number, digits)
+
+
+def points_table(rows: list[dict]) -> list[str]:
+    """Each measured row: status, peak, step time, rate, the attention-kernel tuning before its timed
+    steps (tuning_s), the kernels its memory step and its timed steps ran, and an error's first line."""
+    lines = [
+        "| point | layers | status | peak GiB | step s | TFLOP/s | tuning s | kernels (memory / timed) | error |",
+        "|---|---:|---|---:|---:|---:|---:|---|---|",
+    ]
+    for row in rows:
+        peak = _int(row.get("peak_allocated_bytes"))
+        lines.append(
+            f"| {_label(row)} | {row.get('num_layers') or '-'} | {row['status']} | {_gib(peak)} "
+            f"| {_cell(row.get('time_median_s'))} | {_cell(row.get('tflops_per_s'), '.3g')} "
+            f"| {_cell(row.get('tuning_s'), '.1f')} "
+            f"| {row.get('attention_kernel') or '-'} / {row.get('timed_attention_kernel') or '-'} "
+            f"| {first_line(row.get('error'), 120)} |"
+        )
+    return lines
+
+
+def _phase_name(column: str) -> str:
+    return column.removeprefix("phase_").removesuffix("_s").replace("_", " ")
+
+
+def phases_table(rows: list[dict]) -> list[str]:
+    """Seconds per phase of each timed streambp row (core/phases.py; on CUDA the host copies run on a
+    side stream, beside the others), beside its step's median time; [] when none has phases."""
+    timed = [r for r in rows if r["method"] == "streambp" and any(r.get(c) for c in PHASE_COLUMNS)]
+    if not timed:
+        return []
+    lines = ["| phase | " + " | ".join(_label(r) for r in timed) + " |", "|---|" + "---:|" * len(timed)]
+    for column in PHASE_COLUMNS:
+        lines.append(f"| {_phase_name(column)} | " + " | ".join(_cell(r.get(column), ".3f") for r in timed) + " |")
+    lines.append("| the step (median) | " + " | ".join(_cell(r.get("time_median_s"), ".3f") for r in timed) + " |")
+    return lines
+
+
+def timeline_lines(rows: list[dict], folder: Path) -> list[str]:
+    """Per row with a memory timeline (sbp run --timeline): its file, its peak and where, beside
+    max_memory_allocated; a file that cannot be read says why."""
+    lines = []
+    for row in rows:
+        if not row.get("timeline_file"):
+            continue
+        path = folder / row["timeline_file"]
+        try:
+            timeline = load_timeline(path)
+        except ValueError as error:
+            lines.append(f"- {_label(row)}: {error}")
+            continue
+        allocator = timeline.allocator_peak_bytes
+        beside = f" (max_memory_allocated {_gib(allocator)} GiB)" if allocator else ""
+        snapshot = f"; raw snapshot `{timeline.snapshot}` for pytorch.org/memory_viz" if timeline.snapshot else ""
+        lines.append(
+            f"- {_label(row)}: `{row['timeline_file']}`, peak {_gib(timeline.peak.bytes)} GiB in "
+            f"{timeline.peak.phase}{beside}{snapshot}."
+        )
+    return lines
+
+
+def benchmark_table(rows: list[dict]) -> list[str]:
+    """The attention benchmark's rows (benchmarks/attention_kernels.py): each kernel at each key count."""
+    lines = [
+        "| kernel | queries | keys | status | forward TFLOP/s | backward TFLOP/s | max rel. error | reason |",
+        "|---|---:|---:|---|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['kernel']} | {r['queries']} | {r['keys']} | {r['status']} | {_cell(r.get('forward_tflops'), '.0f')} "
+            f"| {_cell(r.get('backward_tflops'), '.0f')} | {_cell(r.get('max_relative_error'), '.1e')} "
+            f"| {first_line(r.get('reason'), 100)} |"
+        )
+    return lines
+
+
+def copy_rate_lines(rows: list[dict], assumed_bytes_s: float) -> list[str]:
+    """Each direction's measured rate (measure/copy_rate.py) beside the planner's assumed one."""
+    lines = [
+        "| direction | MiB per copy | GB/s (median) | s (min - max) | measured / assumed |",
+        "|---|---:|---:|---|---:|",
+    ]
+    for r in rows:
+        rate = float(r["gb_per_s"])
+        lines.append(
+            f"| {r['direction']} | {int(r['num_bytes']) / 2**20:.0f} | {rate:.1f} "
+            f"| {float(r['seconds_min']):.4f} - {float(r['seconds_max']):.4f} | {rate * 1e9 / assumed_bytes_s:.2f} |"
+        )
+    lines += [
+        "",
+        f"The planner assumes {assumed_bytes_s / 1e9:g} GB/s for both directions together "
+        "(simulate/timing.py `host_copy_bytes_s`); GB = 10^9 B.",
+    ]
+    return lines
 
 
 def pytest_counts(log_text: str) -> dict[str, int]:
@@ -160,6 +253,9 @@ class TestReport:
     def failed(self) -> list[dict]:
         return [r for r in self.results.values() if r["outcome"] == "failed"]
 
+    def skipped(self) -> list[dict]:
+        return [r for r in self.results.values() if r["outcome"] == "skipped"]
+
 
 _WORSE = {"passed": 0, "skipped": 1, "failed": 2}
 
@@ -195,7 +291,7 @@ def message_excerpt(message: str, max_lines: int = MESSAGE_LINES) -> list[str]:
 def step_output_tail(log_text: str, name: str, max_lines: int = MESSAGE_LINES) -> list[str]:
     """The last lines a step wrote to the selftest log (its last run there): why it failed, or
     where it was when its time limit cut it."""
-    start = log_text.rfind(f"===== {name}: python -m ")
+    start = log_text.rfind(f"===== {name}: python ")
     if start < 0:
         return []
     section = log_text[start:].split("\n", 1)[-1]
@@ -215,35 +311,33 @@ def _test_lines(report: TestReport) -> list[str]:
         lines += ["", f"Failed: `{record['test']}` ({record['seconds']:.0f} s{where}):", "", "```"]
         lines += message_excerpt(record["message"]) or ["(no message)"]
         lines += ["```"]
+    skipped = [f"`{r['test']}` ({first_line(r.get('message'), 150) or 'no reason'})" for r in report.skipped()]
+    if skipped:
+        lines += ["", f"Skipped: {'; '.join(skipped)}."]
     return lines
 
 
-def summary_markdown(
-    *,
-    title: str,
-    provenance: str,
-    steps: list[tuple],
-    errors: list[PointError],
-    pytest: dict[str, int] | None,
-    long_point: str | None,
-    flops: tuple | None,
-    tests: TestReport | None = None,
-    log_text: str = "",
-) -> str:
-    """steps: (name, status, wall seconds, CPU seconds or None, predicted wall seconds or None), a
-    failed one shown with its last lines in log_text (the selftest log); pytest: counts from `pytest -v`
-    lines, used where `tests` (the per-test report) is None; flops: (config, model, method,
-    seq_len, tflops_per_s, a line saying where that rate comes from) of the breakdown, or None."""
-    lines = [
-        f"# {title}",
-        "",
-        provenance,
-        "",
-        "## Steps",
-        "",
-        "| step | result | wall s | predicted s | CPU s |",
-        "|---|---|---:|---:|---:|",
-    ]
+@dataclass(frozen=True)
+class SummaryInputs:
+    """What the summary reads besides the step outcomes. measured, simulated: rows of runs.csv and
+    estimates.csv; points: the keys of the estimate table; folder: where runs.csv lies (timeline
+    files are relative to it); benchmark, copy_rates: the CSVs' rows (None: not a GPU run, or not
+    written); rates: the line saying what the run steps were priced at."""
+
+    measured: list[dict]
+    simulated: list[dict]
+    points: list[Key]
+    folder: Path
+    log_text: str = ""
+    tests_report: str | None = None
+    benchmark: list[dict] | None = None
+    copy_rates: list[dict] | None = None
+    assumed_copy_bytes_s: float = 64e9
+    rates: str = ""
+
+
+def _steps_lines(steps: list[tuple], rates: str) -> list[str]:
+    lines = ["## Steps", "", "| step | result | wall s | predicted s | CPU s |", "|---|---|---:|---:|---:|"]
     lines += [
         f"| {name} | {status} | {seconds:.0f} | {'-' if not predicted else f'{predicted:.0f}'} "
         f"| {'-' if cpu is None else f'{cpu:.0f}'} |"
@@ -252,37 +346,61 @@ def summary_markdown(
     if any(predicted for *_, predicted in steps):
         lines += [
             "",
-            "predicted s: the plan's expectation, a prediction: this device's wall time in an earlier "
-            "selftest.log, else one H100's; the long point's from its FLOPs at the default run's speed.",
+            "predicted s: a prediction, the step's wall time in this device's earlier selftest.log, else its "
+            "price: `sbp run` steps by simulate/cost.py plus kernel tuning and timeline predictions "
+            "(selftest.py EXTRA_S), the others from selftest.py PREDICTED_S." + (f" Rates: {rates}." if rates else ""),
         ]
-    counts = tests.counts() if tests is not None and (tests.collected or tests.results) else pytest
-    if counts is not None:
+    return lines
+
+
+def summary_markdown(
+    *, title: str, provenance: str, steps: list[tuple], inputs: SummaryInputs, key: Callable, gpu: bool
+) -> str:
+    """steps: (name, status, wall seconds, CPU seconds or None, predicted wall seconds or None), a
+    failed one shown with its last lines in the log; key(row): a row's point key (inputs.points')."""
+    lines = [f"# {title}", "", provenance, "", *_steps_lines(steps, inputs.rates)]
+    report = read_test_report(inputs.tests_report) if inputs.tests_report is not None else None
+    counts = report.counts() if report is not None and (report.collected or report.results) else None
+    if gpu:
+        counts = counts if counts is not None else pytest_counts(inputs.log_text)
         counted = ", ".join(f"{n} {word.lower()}" for word, n in sorted(counts.items())) or "no test result lines"
         lines += ["", f"gpu-marked tests: {counted} (details in selftest.log)."]
-        if tests is not None:
-            lines += _test_lines(tests)
+        if report is not None:
+            lines += _test_lines(report)
     for name, status, *_ in steps:
-        if status not in ("ok", NOT_RUN) and log_text:
-            tail = step_output_tail(log_text, name) or ["(no output)"]
+        if status not in ("ok", NOT_RUN):
+            tail = step_output_tail(inputs.log_text, name) or ["(no output)"]
             lines += ["", f"`{name}`: {status}; its last lines in selftest.log:", "", "```", *tail, "```"]
+    if inputs.measured:
+        lines += [
+            "",
+            "## Measured points",
+            "",
+            "GiB = 2^30 B; peak: max allocated.",
+            "",
+            *points_table(inputs.measured),
+        ]
+    phases = phases_table(inputs.measured)
+    if phases:
+        lines += ["", "## Where StreamBP's step time went (s)", "", *phases]
+    timelines = timeline_lines(inputs.measured, inputs.folder)
+    if timelines:
+        lines += ["", "## Memory timelines", "", *timelines]
     lines += [
         "",
         "## Peak memory: measured vs `sbp estimate`",
         "",
         "Peak = max allocated (GiB = 2^30 B), steady protocol; error = (estimate - measured) / measured.",
         "",
-        *estimate_table(errors),
+        *estimate_table(estimate_errors(inputs.measured, inputs.simulated, inputs.points, key)),
     ]
-    if long_point:
-        lines += ["", "## The long point", "", long_point]
-    if flops is not None:
-        config, model, method, seq_len, rate, note = flops
-        lines += [
-            "",
-            "## Where a long step's time goes",
-            "",
-            phase_flops_markdown(config, model=model, method=method, batch_size=1, seq_len=seq_len, tflops_per_s=rate),
-            "",
-            note,
-        ]
+    if gpu:
+        lines += ["", "## Attention kernels", ""]
+        lines += benchmark_table(inputs.benchmark) if inputs.benchmark else ["Not measured (see Steps)."]
+        lines += ["", "## Host copies", ""]
+        lines += (
+            copy_rate_lines(inputs.copy_rates, inputs.assumed_copy_bytes_s)
+            if inputs.copy_rates
+            else ["Not measured (see Steps)."]
+        )
     return "\n".join(lines) + "\n"

@@ -15,12 +15,13 @@ from typing import TYPE_CHECKING
 from ..measure.units import duration
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from ..config import MaxlenSpec
     from ..records import ResultRow
     from .budget import Budget
     from .maxlen import Seed
 
-SIMULATED_DEVICE = {"cuda": "simulated GPU", "cpu": "simulated CPU"}  # what sbpbench.simulate writes as device_name
 Note = Callable[[str], None]
 
 
@@ -35,6 +36,7 @@ def simulated_probing(
     """find_max_len's arguments for probes that are predictions of a `target` run ("cuda": a GPU
     of memory_bytes; "cpu": the tensor tracker capped at memory_bytes). note: progress lines."""
     from ..simulate.depth import estimate_point_by_depth
+    from .seeds import SIMULATED_DEVICE
 
     def measure(spec, env) -> ResultRow:
         return estimate_point_by_depth(
@@ -60,17 +62,27 @@ def simulated_max_len(search: MaxlenSpec, out, *, probing: dict, exact: bool = F
     return find_max_len(search, out, first_multiple=first, **probing, **options)
 
 
-def estimate_seed(*, capacity_bytes: int | None, budget: Budget | None = None, note: Note) -> Seed:
+def estimate_seed(
+    *,
+    capacity_bytes: int | None,
+    budget: Budget | None = None,
+    note: Note,
+    out: Path | None = None,
+    target: str | None = None,
+    on_row: Callable[[ResultRow, bool], None] | None = None,
+) -> Seed:
     """A measured search's seed (runner/maxlen.py Seed): the simulated search's max T for the same
     probes, predicting what the probes measure: on a GPU max_memory_allocated against the search's
     memory limit (or capacity_bytes, the device's, where it has none or a larger one); on a CPU the
     tracked tensors against the same cap. Under `budget` each predicted probe starts only while a
-    measured one still could (runner/budget.py). note: one line per seed, with what it cost."""
-    from ..measure.host_memory import total_ram_bytes
-    from ..measure.memory_cap import memory_cap
+    measured one still could (runner/budget.py). note: one line per seed, with what it cost.
+
+    out: the results file a seed is read from when stored there (seeds.py), and stored in when
+    predicted. target: the device kind predicted ("cuda", "cpu"; None: the search's own).
+    on_row(row, stored): each seed's row, and whether it was read from `out`."""
+    from ..records import upsert_rows
     from ..simulate.length import EXTRAPOLATED_METHODS
-    from .budget import started_within
-    from .maxlen import ProbeFailed
+    from .seeds import seed_key, seed_memory, seed_target, stored_seed
 
     def seed(search: MaxlenSpec) -> int | None:
         spec = search.base
@@ -78,36 +90,72 @@ def estimate_seed(*, capacity_bytes: int | None, budget: Budget | None = None, n
         if without:
             note(f"{spec.method}: no seed ({without}): growing from T={search.start:,}")
             return None
-        cuda = spec.device.startswith("cuda")
-        # the probes' own cap (runner/point.py); without a limit a GPU still has its memory, the tracker none
-        cap = memory_cap(spec.memory_limit, capacity_bytes) if capacity_bytes else spec.memory_limit
-        probing = simulated_probing(
-            target="cuda" if cuda else "cpu",
-            memory_bytes=capacity_bytes if cap is None and cuda else cap,
-            # a GPU run's checkpoint copies go to this machine's RAM; on a CPU the tracker counts them
-            host_memory_bytes=total_ram_bytes() if cuda else None,
-        )
-        if budget is not None:
-            probing["measure"] = started_within(probing["measure"], budget, what="a predicted probe of the seed")
-        # the probes' own point on fake CPU tensors; weights and forced kernels were ruled out above
-        predicted = replace(search, base=replace(spec, device="cpu", weights=False), seed_from_estimate=False)
-        started = time.monotonic()
-        try:
-            answer = simulated_max_len(predicted, None, probing=probing, resume=False)
-        except ProbeFailed as error:
-            note(f"{spec.method}: no seed (the prediction failed: {error}): growing from T={search.start:,}")
-            return None
-        if answer.status not in ("ok", "oom"):  # unsupported, or an error row
-            note(f"{spec.method}: no seed (the prediction is {answer.status}): growing from T={search.start:,}")
-            return None
-        took = duration(time.monotonic() - started)
-        if answer.max_seq_len is None:  # status oom: not even the shortest length fits
-            note(f"{spec.method}: seed: predicted that not even T={answer.oom_seq_len:,} fits ({took})")
-            return 0
-        note(f"{spec.method}: seed: predicted max T {answer.max_seq_len:,} ({took})")
-        return answer.max_seq_len
+        aim = target or seed_target(search)
+        memory = seed_memory(search, capacity_bytes, aim)
+        row = stored_seed(out, seed_key(search, memory, aim), search)
+        stored = row is not None
+        if stored:
+            cost = f"stored in {out}"
+        else:
+            started = time.monotonic()
+            row = _predicted_seed(search, memory_bytes=memory, target=aim, budget=budget)
+            cost = duration(time.monotonic() - started)
+            if out is not None:
+                upsert_rows(out, [row])
+        if on_row is not None:
+            on_row(row, stored)
+        note(f"{spec.method}: {seed_line(row, cost, start=search.start)}")
+        return row.seed_seq_len
 
     return seed
+
+
+def _predicted_seed(search: MaxlenSpec, *, memory_bytes: int | None, target: str, budget: Budget | None) -> ResultRow:
+    """The seed row of `search` from its simulated search on fake CPU tensors (seeds.py)."""
+    from ..measure.host_memory import total_ram_bytes
+    from ..records import ResultRow
+    from ..workload.rows import spec_fields
+    from .budget import started_within
+    from .maxlen import ProbeFailed
+    from .seeds import seed_row
+
+    spec = search.base
+    probing = simulated_probing(
+        target=target,
+        memory_bytes=memory_bytes,
+        # a GPU run's checkpoint copies go to this machine's RAM; on a CPU the tracker counts them
+        host_memory_bytes=total_ram_bytes() if target == "cuda" else None,
+    )
+    if budget is not None:
+        probing["measure"] = started_within(probing["measure"], budget, what="a predicted probe of the seed")
+    # the probes' own point on fake CPU tensors; weights and forced kernels were ruled out above
+    predicted = replace(search, base=replace(spec, device="cpu", weights=False), seed_from_estimate=False)
+    try:
+        answer = simulated_max_len(predicted, None, probing=probing, resume=False)
+    except ProbeFailed as error:
+        answer = ResultRow(**spec_fields(spec), status="error", error=f"the prediction failed: {error}")
+    seed = None
+    if answer.status in ("ok", "oom"):  # oom: not even the shortest length fits, seed 0
+        seed, answer.error = (0 if answer.max_seq_len is None else answer.max_seq_len), ""
+    elif not answer.error.startswith("the prediction failed"):  # unsupported, or an error row
+        answer.error = f"the prediction is {answer.status}" + (f": {answer.error}" if answer.error else "")
+    return seed_row(search, answer, memory_bytes=memory_bytes, target=target, seed=seed)
+
+
+def seed_line(row: ResultRow, cost: str, *, start: int) -> str:
+    """A seed row in one line, with what it cost: "seed: predicted max T 4,736 (52 s)"."""
+    if row.seed_seq_len is None:
+        return f"no seed ({row.error}): growing from T={start:,}"
+    if row.seed_seq_len == 0:
+        return f"seed: predicted that not even T={row.oom_seq_len:,} fits ({cost})"
+    return f"seed: predicted max T {row.seed_seq_len:,} ({cost})"
+
+
+def is_seeded(search: MaxlenSpec) -> bool:
+    """Whether a measured search starts from a seed: its file asks for one and the estimator gives it."""
+    from ..simulate.length import EXTRAPOLATED_METHODS
+
+    return search.seed_from_estimate and not _unseeded(search.base, EXTRAPOLATED_METHODS)
 
 
 def _unseeded(spec, extrapolated: tuple[str, ...]) -> str:

@@ -7,6 +7,10 @@ the same settings with no longer sequence and no larger batch already ran out of
 certain to time out when such a point timed out: a timeout is predicted from the point's FLOPs
 (timeout.py), so a machine that missed it at T is too slow by the same factor at longer T, and
 the longer points of the series are not run for their full (longer) timeouts.
+
+A search stopped by a failed probe is recorded as an error (maxlen.py `failed_row`) and the sweep
+goes on. Under a budget with a cost model (budget.py `within`), a point predicted not to finish in
+what is left is not started: the sweep goes on with the next job and a later command runs it.
 """
 
 from __future__ import annotations
@@ -21,8 +25,9 @@ from ..records import KEY_COLUMNS, ResultRow, read_rows, row_key, upsert_rows
 from ..records.schema import SKIPPED_OOM, SKIPPED_TIMEOUT
 from ..records.select import is_oom
 from ..workload.rows import provenance, spec_fields, spec_key
+from .budget import NotStarted
 from .isolated import run_isolated
-from .maxlen import Measure, Seed, find_max_len
+from .maxlen import Measure, ProbeFailed, Seed, failed_row, find_max_len
 
 # Rows a resumed sweep keeps; an error is retried (a fixed bug or a freed device may cure it).
 DONE_STATUSES = ("ok", "oom", "skipped", "timeout", "unsupported")
@@ -126,6 +131,19 @@ def skipped_row(spec: RunSpec, env: Environment, proof: tuple[int, int, str]) ->
     return row
 
 
+def _search(job: Job, out, measure: Measure, env: Environment, on_probe, seed: Seed | None) -> ResultRow:
+    """A maxlen job's answer row; an error row where a probe failed."""
+
+    def told(row: ResultRow) -> None:
+        if on_probe:
+            on_probe(job, row)
+
+    try:
+        return find_max_len(job.point, out, measure=measure, env=env, on_probe=told, seed=seed)
+    except ProbeFailed as error:
+        return failed_row(job.point, env, error)
+
+
 def run_sweep(
     jobs: list[Job],
     out,
@@ -135,11 +153,14 @@ def run_sweep(
     on_start: Callable[[Job], None] | None = None,
     on_probe: Callable[[Job, ResultRow], None] | None = None,
     on_done: Callable[[Job, ResultRow], None] | None = None,
+    on_deferred: Callable[[Job, NotStarted], None] | None = None,
     seed: Seed | None = None,
 ) -> list[ResultRow]:
     """Run the jobs not yet done, in order; each result is in `out` before the next job starts.
     A maxlen job's probes are cached in `out` too, and it starts from `seed` where its
-    seed_from_estimate says so (runner/maxlen.py). Returns the new rows (answers, not probes)."""
+    seed_from_estimate says so (runner/maxlen.py); a failed probe makes its answer an error row.
+    A job whose point `measure` did not start (NotStarted) goes to on_deferred, and the sweep goes
+    on (without on_deferred, NotStarted stops it). Returns the new rows (answers, not probes)."""
     todo = [job for job in jobs if not job.done]
     if not todo:
         return []
@@ -151,21 +172,21 @@ def run_sweep(
     for job in todo:
         if on_start:
             on_start(job)
-        if isinstance(job.point, MaxlenSpec):
-
-            def told(row: ResultRow, job=job) -> None:
-                if on_probe:
-                    on_probe(job, row)
-
-            row = find_max_len(job.point, out, measure=measure, env=env, on_probe=told, seed=seed)
-        else:
-            spec = job.point
-            proof = bounds.certain(job.key, spec.seq_len, spec.batch_size)
-            row = skipped_row(spec, env, proof) if proof else measure(spec, env)
-            if out is not None:
-                upsert_rows(out, [row])
-            if row.status in ("oom", "timeout"):
-                bounds.add(job.key, spec.seq_len, spec.batch_size, row.status)
+        try:
+            if isinstance(job.point, MaxlenSpec):
+                row = _search(job, out, measure, env, on_probe, seed)
+            else:
+                proof = bounds.certain(job.key, job.point.seq_len, job.point.batch_size)
+                row = skipped_row(job.point, env, proof) if proof else measure(job.point, env)
+        except NotStarted as why:
+            if on_deferred is None:
+                raise
+            on_deferred(job, why)
+            continue
+        if out is not None:
+            upsert_rows(out, [row])
+        if isinstance(job.point, RunSpec) and row.status in ("oom", "timeout"):
+            bounds.add(job.key, job.point.seq_len, job.point.batch_size, row.status)
         rows.append(row)
         if on_done:
             on_done(job, row)

@@ -2,9 +2,10 @@
 `run_point` in a worker forked by the fork server (fork_server.py).
 
 Reads a RunSpec as JSON on stdin (`request_json`: with a "timeline_dir" member when the memory step's
-timeline is to be recorded there), measures it, and writes one JSON object (a ResultRow without
-provenance) to RESULT.json, atomically, so the parent never reads half a result. Model code may
-print to stdout/stderr freely: the result does not travel through them.
+timeline is to be recorded there, a "trace_dir" member when a step is to be traced there,
+runner/traces.py), measures it, and writes one JSON object (a ResultRow without provenance) to
+RESULT.json, atomically, so the parent never reads half a result. Model code may print to
+stdout/stderr freely: the result does not travel through them.
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ from pathlib import Path
 from ..config import RunSpec
 from . import ranks
 from .point import measure_point
+from .traces import tracing_into
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 TIMELINE_DIR = "timeline_dir"
+TRACE_DIR = "trace_dir"
 
 
 def die_with_parent() -> None:
@@ -44,20 +47,23 @@ def main(argv: list[str]) -> int:
     return run_point(sys.stdin.read(), Path(argv[0]))
 
 
-def request_json(spec: RunSpec, timeline_dir: Path | None = None) -> str:
-    """What a worker reads: the spec's JSON, and where to record the timeline if one is wanted."""
-    if timeline_dir is None:
+def request_json(spec: RunSpec, timeline_dir: Path | None = None, trace_dir: Path | None = None) -> str:
+    """What a worker reads: the spec's JSON, and where to record the timeline and the trace if wanted."""
+    folders = {TIMELINE_DIR: timeline_dir, TRACE_DIR: trace_dir}
+    given = {name: str(Path(folder).resolve()) for name, folder in folders.items() if folder is not None}
+    if not given:
         return spec.to_json()
-    return json.dumps({**json.loads(spec.to_json()), TIMELINE_DIR: str(Path(timeline_dir).resolve())})
+    return json.dumps({**json.loads(spec.to_json()), **given})
 
 
 def run_point(spec_json: str, result_path: Path) -> int:
     """Measure the point and write its result; in a fresh worker (main) or a forked one (fork_server.py)."""
     die_with_parent()
     values = json.loads(spec_json)
-    timeline_dir = values.pop(TIMELINE_DIR, None)
+    timeline_dir, trace_dir = values.pop(TIMELINE_DIR, None), values.pop(TRACE_DIR, None)
     spec = RunSpec.from_json(json.dumps(values))
-    row = measure_point(spec, timeline_dir)
+    with tracing_into(trace_dir):
+        row = measure_point(spec, timeline_dir)
     tmp = result_path.with_name(result_path.name + ".tmp")
     tmp.write_text(json.dumps(row.as_dict()))
     os.replace(tmp, result_path)

@@ -10,8 +10,9 @@ point 30.5 s (29 s to start).
 
 A seeded max-length search (runner/length_search.py) probes about SEEDED_PROBES lengths per method
 around its seed, each a memory-only point near the predicted max T. Its seed is a fake-tensor search
-on the host's CPU: wall time, not device time, priced apart (SEED_S). These are predictions for
-planning a session, never results.
+on the host's CPU: wall time, not device time, priced apart (SEED_S), and nothing where the seed is
+stored in the results file already (`sbp sweep --seeds-only`). These are predictions for planning a
+session, never results.
 """
 
 from __future__ import annotations
@@ -94,31 +95,42 @@ def point_cost(spec: RunSpec, rates: Rates) -> Cost:
     return Cost(_label(spec), steps, start_s(spec) + pinning + steps * seconds, note=note)
 
 
-def search_cost(search: MaxlenSpec, rates: Rates, max_t: int | None, why: str = "") -> Cost:
+def search_cost(search: MaxlenSpec, rates: Rates, max_t: int | None, why: str = "", host_s: float = SEED_S) -> Cost:
     """A seeded search: SEEDED_PROBES memory-only points at about `max_t` (the predicted max T, None
-    when unknown: no device time can be given)."""
+    when unknown: no device time can be given), after host_s of host time for its seed."""
     base = search.base
     label = f"{base.model} {base.method} max T" + (
         "" if _default_placement(base) else f" ({base.settings.checkpoints})"
     )
     if max_t is None:
-        return Cost(label, 0, float("nan"), SEED_S, note="max T unknown: predict it with `sbp maxlen --simulate`")
+        return Cost(label, 0, float("nan"), host_s, note="max T unknown: predict it with `sbp maxlen --simulate`")
     probe = search.probe(max(1, min(max_t, search.seq_len_ceiling)))
     seconds, pinning, note = step_s(probe, rates)
     probes = SEEDED_PROBES * (probe.warmup + 1)
     device = SEEDED_PROBES * (start_s(probe) + pinning) + probes * seconds
-    return Cost(label, probes, device, SEED_S, note=", ".join(n for n in (f"at max T {max_t:,}{why}", note) if n))
+    return Cost(label, probes, device, host_s, note=", ".join(n for n in (f"at max T {max_t:,}{why}", note) if n))
+
+
+# How a search is seeded, for its price: the host seconds its seed takes, and the seed's max T
+# where one is stored (None: not stored).
+SeedOf = Callable[[MaxlenSpec], tuple[float, int | None]]
 
 
 def experiment_costs(
-    points: Iterable[RunSpec | MaxlenSpec], rates: Rates, max_t_of: Callable[[MaxlenSpec], tuple[int | None, str]]
+    points: Iterable[RunSpec | MaxlenSpec],
+    rates: Rates,
+    max_t_of: Callable[[MaxlenSpec], tuple[int | None, str]],
+    seed_of: SeedOf | None = None,
 ) -> list[Cost]:
     """Each point's or search's cost, in the experiment's order; max_t_of(search) gives a search's
-    predicted max T and where it came from."""
+    predicted max T and where it came from, unless seed_of gives its stored seed (default: no seed
+    stored, SEED_S of host time)."""
     costs = []
     for point in points:
         if isinstance(point, MaxlenSpec):
-            costs.append(search_cost(point, rates, *max_t_of(point)))
+            host_s, stored = seed_of(point) if seed_of is not None else (SEED_S, None)
+            max_t, why = (stored, " (its stored seed)") if stored else max_t_of(point)
+            costs.append(search_cost(point, rates, max_t, why, host_s=host_s))
         else:
             costs.append(point_cost(point, rates))
     return costs
@@ -194,12 +206,33 @@ def measured_gpu(results: Path) -> str | None:
     return max(counts, key=counts.get) if counts else None
 
 
-def price(points: list, titles: list[str], *, results: Path, gpu: str, reference=None, done: int = 0) -> Pricing:
+def measured_capacity(results: Path, gpu: str) -> int | None:
+    """The memory of the GPU called `gpu` (device_total_memory_bytes) that most of its measured
+    rows under `results` record, or None."""
+    counts: dict[int, int] = {}
+    for row in _rows(results):
+        if row.get("source") == "measured" and row.get("device_name") == gpu and row.get("device_total_memory_bytes"):
+            total = int(float(row["device_total_memory_bytes"]))
+            counts[total] = counts.get(total, 0) + 1
+    return max(counts, key=counts.get) if counts else None
+
+
+def price(
+    points: list,
+    titles: list[str],
+    *,
+    results: Path,
+    gpu: str,
+    reference=None,
+    done: int = 0,
+    seed_of: SeedOf | None = None,
+) -> Pricing:
     """The points (in order, with their entries' titles) priced for `gpu`: rates fitted to its rows
-    under `results`, the searches' max T from the simulated rows there (else the paper's)."""
+    under `results`, the searches' max T from their stored seeds (seed_of) or the simulated rows
+    there (else the paper's)."""
     rates = fitted_rates(results, gpu, meta_model)
     rows = list(_rows(results))
-    costs = experiment_costs(points, rates, lambda search: predicted_max_t(search, rows, reference))
+    costs = experiment_costs(points, rates, lambda search: predicted_max_t(search, rows, reference), seed_of)
     costs = [replace(cost, title=title) for cost, title in zip(costs, titles)]
     return Pricing(gpu, rates, costs, done=done)
 

@@ -35,7 +35,7 @@ def test_a_run_parses_the_placement_once_in_its_parent_and_never_in_its_worker(p
     from the JSON the parent sends: one parse in the parent, none in the worker or its steps."""
     seen = {}
 
-    def in_process(spec, tmp, timeline_dir=None):
+    def in_process(spec, tmp, timeline_dir=None, trace_dir=None):
         seen["parent"] = list(parses)
         parses.clear()
         row = measure_point(RunSpec.from_json(spec.to_json()))  # what runner/worker.py runs

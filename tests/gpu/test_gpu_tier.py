@@ -20,7 +20,7 @@ from sbpbench.runner.selftest_summary import TEST_REPORT_ENV, read_test_report
 from .. import conftest
 from ..cuda_standin import FakeCudaMemory, FakeNvml
 from ..device_free import GIB, assert_device_free, busy_device_message, device_use
-from . import test_gpu, test_gpu_measure
+from . import test_gpu, test_gpu_kernels, test_gpu_measure, test_gpu_stream
 
 
 class _Item:
@@ -193,7 +193,9 @@ def test_a_cuda_memory_worker_starts_only_after_the_device_check(monkeypatch):
     calls = []
     # RunSpec refuses cuda on a machine without one: the spec is a stand-in too
     monkeypatch.setattr(test_gpu_measure, "_spec", lambda device, method, **values: SimpleNamespace(device=device))
-    monkeypatch.setattr(test_gpu_measure, "run_isolated", lambda spec: calls.append(("worker", spec.device)))
+    monkeypatch.setattr(
+        test_gpu_measure, "run_isolated", lambda spec, timeline_dir=None: calls.append(("worker", spec.device))
+    )
     monkeypatch.setattr(test_gpu_measure, "assert_device_free", lambda: calls.append(("check",)))
     test_gpu_measure._measure("cuda", "bp")
     test_gpu_measure._measure("cpu", "bp")
@@ -206,3 +208,29 @@ def test_a_cuda_memory_worker_starts_only_after_the_device_check(monkeypatch):
     with pytest.raises(AssertionError, match="not free"):
         test_gpu_measure._measure("cuda", "streambp")
     assert len(calls) == 3
+
+
+def test_the_stream_and_timer_tests_run_on_a_cpu_stand_in(monkeypatch):
+    """test_gpu_stream.py's checks on the CPU with tiny shapes: the stream placements against gpu's,
+    and the phase times against the step's (the host's clock there, not CUDA events)."""
+    monkeypatch.setattr(test_gpu_stream, "DEVICE", "cpu")
+    monkeypatch.setattr(test_gpu_stream, "TIMED_MODEL", "tiny/qwen3")
+    monkeypatch.setattr(test_gpu_stream, "TIMED_SEQ_LEN", 512)
+    monkeypatch.setattr(test_gpu_stream, "TIMED_CHUNK", 128)
+    monkeypatch.setattr(test_gpu_stream, "TIMED_LOGITS_CHUNK", 100)
+    for placement, batch_size in test_gpu_stream.STREAMS:
+        test_gpu_stream.test_cuda_stream_placement_gives_gpu_gradients(placement, batch_size)
+    test_gpu_stream.test_cuda_phase_times_add_up_to_the_step()
+
+
+def test_the_kernel_tests_run_on_a_cpu_stand_in(monkeypatch):
+    """test_gpu_kernels.py on the CPU at fewer heads and positions: the shifted mask fails the bound,
+    the split (the CPU flash kernel's halves) passes it, and the GPU-only kernels skip with a reason."""
+    for name, value in {"DEVICE": "cpu", "HEADS": 8, "KV_HEADS": 2, "QUERIES": 100, "KEYS": 400}.items():
+        monkeypatch.setattr(test_gpu_kernels, name, value)
+    judged = test_gpu_kernels.judged.__wrapped__()
+    test_gpu_kernels.test_a_mask_shifted_by_one_key_fails_the_bound(judged)
+    test_gpu_kernels.test_each_attention_kernel_matches_the_reference(judged, "split")
+    for name in ("flex", "fa3", "fa4"):
+        with pytest.raises(pytest.skip.Exception, match=name):
+            test_gpu_kernels.test_each_attention_kernel_matches_the_reference(judged, name)

@@ -17,7 +17,7 @@ from sbpbench.config.experiment import load_experiment
 from sbpbench.measure.environment import capture_environment
 from sbpbench.measure.units import parse_seconds
 from sbpbench.records import ResultRow, read_rows
-from sbpbench.runner.budget import Budget, BudgetSpent, within
+from sbpbench.runner.budget import Budget, BudgetSpent, NotStarted, within
 from sbpbench.runner.maxlen import find_max_len
 from sbpbench.runner.sweep import plan, run_sweep
 from sbpbench.workload.rows import spec_fields
@@ -214,16 +214,15 @@ def test_sweep_and_maxlen_count_the_rows_they_wrote_probes_included(tmp_path, fa
     probes = sum(r["kind"] == "point" for r in rows) - 2
     assert (
         probes > 0
-        and f"{len(rows)} row(s) written to {out}: 3 point(s) and answer(s), {probes} max-length probe(s)"
+        and f"{len(rows)} row(s) written to {out}: 3 point(s) and answer(s), {probes} probe(s)"
         in " ".join(result.output.split())
     )
     out = tmp_path / "maxlen.csv"
     args = ["maxlen", "--device", "cpu", "--model", "tiny/qwen3", "--method", "bp", "--seq", "64", "--no-seed"]
     result = runner.invoke(app, [*args, "--out", str(out)])
     rows = read_rows(out)
-    assert (
-        f"{len(rows)} row(s) written to {out}: 1 max-length answer(s), {len(rows) - 1} max-length probe(s)"
-        in " ".join(result.output.split())
+    assert f"{len(rows)} row(s) written to {out}: 1 max-length answer(s), {len(rows) - 1} probe(s)" in " ".join(
+        result.output.split()
     )
 
 
@@ -239,3 +238,53 @@ def test_a_bad_budget_is_one_line_that_says_what_to_do(args, message, tmp_path):
     result = runner.invoke(app, args)
     assert result.exit_code == 2 and message in result.output
     assert len(result.output.strip().splitlines()) == 1
+
+
+def test_a_point_predicted_past_what_is_left_is_not_started():
+    """With a cost model, a point predicted to need more than is left raises NotStarted before it
+    runs; one predicted to fit runs; an unknown prediction (NaN) starts as without a model."""
+    clock, calls, env = Clock(), [], capture_environment("cpu")
+    predicted = {64: 100.0, 128: 500.0, 256: float("nan")}
+    measure = within(
+        _timed(clock, {64: 80, 128: 80, 256: 80}, calls), Budget(300, clock=clock), cost=lambda s: predicted[s.seq_len]
+    )
+    specs = _specs()
+    assert measure(specs[0], env).status == "ok"  # 100 of 300
+    with pytest.raises(NotStarted, match="predicted to need 500 s, 220 s left"):
+        measure(specs[1], env)
+    assert measure(specs[2], env).status == "ok"
+    assert [t for t, _ in calls] == [64, 256]
+
+
+class Lines:
+    def __init__(self):
+        self.lines: list[str] = []
+
+    def start(self, text: str) -> None:
+        pass
+
+    def note(self, line: str) -> None:
+        self.lines.append(line)
+
+    def advance(self, text: str) -> None:
+        self.lines.append(text)
+
+
+def test_a_sweep_puts_off_a_point_predicted_past_the_budget_and_runs_the_ones_that_fit(tmp_path, fake_points):
+    """Points of 80 s each under 300 s, the cost model predicting T=256 at 400 s: 64, 128 and 512 run,
+    256 is not started (no row), the command exits 3 saying so, and the next one runs 256."""
+    from sbpbench.cli.outcomes import BUDGET_SPENT, exit_code
+    from sbpbench.runner.experiment import plan_experiment, run_experiment
+
+    experiment, out, steps = load_experiment(_experiment(tmp_path)), tmp_path / "exp.csv", Lines()
+    predicted = {64: 80.0, 128: 80.0, 256: 400.0, 512: 80.0}
+    sweep = plan_experiment(experiment, out, resume=True)
+    outcome = run_experiment(sweep, steps=steps, budget_s=300, budget="5m", cost=lambda spec: predicted[spec.seq_len])
+    assert sorted(int(r["seq_len"]) for r in read_rows(out)) == [64, 128, 512]
+    assert exit_code(outcome) == BUDGET_SPENT and "1 of 4 point(s) not started" in outcome.stopped
+    assert "run the same command to resume" in outcome.stopped
+    assert any("T=256" in line and "not started (predicted to need 400 s, 140 s left)" in line for line in steps.lines)
+    resumed = plan_experiment(experiment, out, resume=True)
+    assert [job.spec.seq_len for job in resumed.todo] == [256]
+    assert run_experiment(resumed, steps=steps, budget_s=1000, cost=lambda spec: 400.0).stopped == ""
+    assert len(read_rows(out)) == 4

@@ -1,181 +1,435 @@
-"""`sbp selftest`: its plans, the long point's length, the estimate's error and the summary are
-checked on a CPU with stand-in rows and steps; the CPU subset runs end to end (slow tier)."""
+"""`sbp selftest`: its plans, their price, the budget's rules, the verdicts on what a step wrote and
+the summary are checked on a CPU with stand-in steps and rows; a step's process group is stopped at
+its limit; the CPU subset runs end to end (slow tier)."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from sbpbench.measure.copy_rate import DEVICE_TO_HOST, HOST_TO_DEVICE, CopyRate, write_csv
 from sbpbench.measure.environment import capture_environment
-from sbpbench.measure.progress import PROGRESS_PREFIX
-from sbpbench.models import load_config
+from sbpbench.measure.memory_timeline import Peak, Timeline
 from sbpbench.records import ResultRow, upsert_rows
 from sbpbench.runner import selftest as st
 from sbpbench.runner.selftest_summary import (
     TEST_REPORT_ENV,
     estimate_errors,
     message_excerpt,
-    progress_seconds,
     pytest_counts,
     step_output_tail,
 )
 
+REPOSITORY = Path(__file__).resolve().parents[2]
+H100 = "NVIDIA H100 80GB HBM3"
+GIB = 2**30
 
-def _row(model, seq_len, method, *, source="measured", status="ok", peak=None, time_s=None, checkpoints=""):
+
+def _row(model, seq_len, method, *, source="measured", status="ok", peak=None, time_s=None, **values):
+    defaults = {"checkpoints": "gpu" if method == "streambp" else "", "num_layers": st.meta_depth(model)}
     return ResultRow(
-        checkpoints=checkpoints,
-        model=model,
-        seq_len=seq_len,
-        method=method,
-        source=source,
-        status=status,
-        peak_allocated_bytes=peak,
-        time_median_s=time_s,
-        dtype="bf16",
-        device="cuda:0",
-        batch_size=1,
-        objective="sft",
-        step="bp",
-        protocol="steady",
-        lora_rank=0,
-    )
-
-
-def test_output_directories_name_the_device():
-    """A GPU's results go to OUT/gpu/<device name with dashes>/, a CPU's to OUT/cpu-selftest/."""
-    assert st.output_dir(Path("r"), "cuda", "NVIDIA H100 80GB HBM3") == Path("r/gpu/NVIDIA-H100-80GB-HBM3")
-    assert st.output_dir(Path("r"), "cpu", "AMD EPYC") == Path("r/cpu-selftest")
-
-
-def test_a_cpu_selftest_with_its_defaults_leaves_the_checkout_as_it_was():
-    """The default CPU output (`--out results`) is ignored by git and holds no tracked file, so checking
-    a machine from a clone changes nothing git would show."""
-    repo = Path(__file__).resolve().parents[2]
-    if not (repo / ".git").exists():
-        pytest.skip("not a git checkout")
-    default_out = st.output_dir(Path("results"), "cpu", "AMD EPYC")
-    ignored = subprocess.run(["git", "check-ignore", "-q", f"{default_out}/runs.csv"], cwd=repo, check=False)
-    assert ignored.returncode == 0, f"{default_out}/ is not ignored by git"
-    tracked = subprocess.run(["git", "ls-files", str(default_out)], cwd=repo, capture_output=True, text=True)
-    assert tracked.stdout == "", tracked.stdout
-
-
-def test_cpu_plan_is_a_check_a_run_and_its_estimate(tmp_path):
-    """The CPU subset: sbp check, a short sbp run and the estimate of the same point, into OUT."""
-    test = st.Selftest("cpu", tmp_path, st.CPU_BUDGET_S)
-    names = [step.argv[1] for step in st.cpu_plan(test)]
-    assert names == ["check", "run", "estimate"]
-    run, estimate = st.cpu_plan(test)[1:]
-    assert str(test.runs_csv) in run.argv and str(test.estimates_csv) in estimate.argv
-    shared = lambda argv: [a for a in argv if a in ("small/qwen3", "512", "128", "100")]
-    assert shared(run.argv) == shared(estimate.argv)  # the estimate predicts the point that was run
+        model=model, seq_len=seq_len, method=method, source=source, status=status, peak_allocated_bytes=peak,
+        time_median_s=time_s, dtype="bf16", device="cuda:0", batch_size=1, objective="sft", step="bp",
+        protocol="steady", lora_rank=0, **{**defaults, **values},
+    )  # fmt: skip
 
 
 def _value(argv, flag):
     return argv[argv.index(flag) + 1] if flag in argv else None
 
 
-def test_gpu_plan_covers_its_points(tmp_path):
-    """On a GPU, in order: the default run (no options), Qwen3-8B StreamBP at 64k with checkpoints
-    cpu and recompute:4 (one memory step, one timed: the offload path on first contact), 8B bp
-    T=4608 and ckpt T=20000 memory-only, the long point, then the quick gpu-marked tests (their
-    files named, each test's result recorded); an estimate of every point beside them."""
-    test = st.Selftest("cuda", tmp_path, st.GPU_BUDGET_S)
-    steps = st.gpu_plan(test, tests_dir=Path(__file__).parents[1])
-    foreground = [s.argv for s in steps if not s.background]
-    assert foreground[0] == ("sbpbench", "run", "--out", str(test.runs_csv))
-    offload = [a for a in foreground if "--checkpoints" in a]
-    assert [(_value(a, "--model"), _value(a, "--seq"), _value(a, "--checkpoints")) for a in offload] == [
-        ("Qwen/Qwen3-8B", "65536", "cpu"),
-        ("Qwen/Qwen3-8B", "65536", "recompute:4"),
+def _foreground(steps):
+    return [s for s in steps if not s.background]
+
+
+@pytest.fixture(scope="module")
+def h100_rates():
+    """The rates fitted to the H100 rows committed under results/gpu/: what the plan is priced at."""
+    test = st.Selftest("cuda", Path("/nonexistent"), st.GPU_BUDGET_S, H100)
+    rates = st.plan_rates(test, REPOSITORY)
+    assert rates.measured and H100 in rates.source
+    return rates
+
+
+def test_output_directories_name_the_device():
+    """A GPU's results go to OUT/gpu/<device name with dashes>/, a CPU's to OUT/cpu-selftest/."""
+    assert st.output_dir(Path("r"), "cuda", H100) == Path("r/gpu/NVIDIA-H100-80GB-HBM3")
+    assert st.output_dir(Path("r"), "cpu", "AMD EPYC") == Path("r/cpu-selftest")
+
+
+def test_a_cpu_selftest_with_its_defaults_leaves_the_checkout_as_it_was():
+    """The default CPU output (`--out results`) is ignored by git and holds no tracked file, so checking
+    a machine from a clone changes nothing git would show."""
+    if not (REPOSITORY / ".git").exists():
+        pytest.skip("not a git checkout")
+    default_out = st.output_dir(Path("results"), "cpu", "AMD EPYC")
+    ignored = subprocess.run(["git", "check-ignore", "-q", f"{default_out}/runs.csv"], cwd=REPOSITORY, check=False)
+    assert ignored.returncode == 0, f"{default_out}/ is not ignored by git"
+    tracked = subprocess.run(["git", "ls-files", str(default_out)], cwd=REPOSITORY, capture_output=True, text=True)
+    assert tracked.stdout == "", tracked.stdout
+
+
+def test_cpu_plan_is_a_check_a_run_and_its_estimate(tmp_path):
+    """The CPU subset: sbp check, a short sbp run and the estimate of the same point, into OUT."""
+    test = st.Selftest("cpu", tmp_path, st.CPU_BUDGET_S)
+    steps = st.cpu_plan(test)
+    assert [step.argv[:3] for step in steps] == [("-m", "sbpbench", c) for c in ("check", "run", "estimate")]
+    run, estimate = steps[1:]
+    assert str(test.runs_csv) in run.argv and str(test.estimates_csv) in estimate.argv
+    shared = lambda argv: [a for a in argv if a in ("small/qwen3", "512", "128", "100")]
+    assert shared(run.argv) == shared(estimate.argv)  # the estimate predicts the point that was run
+    assert all(dict(step.env)["SBP_CACHE_DIR"] == str(tmp_path) for step in steps)
+
+
+def test_gpu_plan_runs_in_order_of_value(tmp_path, h100_rates):
+    """On a GPU, in order: the quick tests (the new files first), the attention benchmark at 16k-256k
+    keys, Qwen3-4B T=9000 ckpt and streambp with phases and timelines, Qwen3-8B at 262,144 tokens
+    streamed on 3 layers and at 65,536 on the GPU (one memory and one timed step each), the copy
+    rate; each point's estimate, with the run's own options, submitted beside them first."""
+    test = st.Selftest("cuda", tmp_path, st.GPU_BUDGET_S, H100)
+    steps = st.gpu_plan(test, REPOSITORY, h100_rates)
+    assert [s.kind for s in steps] == ["estimate"] * 3 + ["tests", "benchmark", "run", "run", "run", "copy rate"]
+    tests, benchmark, short, long, gpu_64k, copies = _foreground(steps)
+    assert tests.argv[:8] == ("-m", "pytest", "-v", "--tb=short", "-p", "no:cacheprovider", "-m", "gpu and quick")
+    names = [Path(a).name for a in tests.argv[8:]]
+    assert names[:3] == list(st.QUICK_FIRST) and set(names) == {*st.QUICK_FIRST, "test_gpu.py"}
+    assert dict(tests.env)[TEST_REPORT_ENV] == str(test.tests_report)
+    assert Path(benchmark.argv[0]).name == "attention_kernels.py"
+    assert _value(benchmark.argv, "--keys") == "16384,65536,262144"
+    assert _value(benchmark.argv, "--out") == str(tmp_path / st.BENCHMARK_CSV)
+    assert short.argv[2] == "run" and {"--phases", "--timeline"} <= set(short.argv)
+    assert (_value(short.argv, "--model"), _value(short.argv, "--seq")) == ("Qwen/Qwen3-4B", "9000")
+    assert short.argv[short.argv.index("--method") + 1 : short.argv.index("--method") + 3] == ("ckpt", "streambp")
+    flags = ("--model", "--seq", "--checkpoints", "--num-layers", "--warmup", "--repeats")
+    assert [_value(long.argv, f) for f in flags] == ["Qwen/Qwen3-8B", "262144", "stream:2", "3", "0", "1"]
+    assert [_value(gpu_64k.argv, f) for f in flags] == ["Qwen/Qwen3-8B", "65536", None, None, "0", "1"]
+    assert copies.argv[:2] == ("-m", "sbpbench.measure.copy_rate")
+    for run, estimate in zip((short, long, gpu_64k), [s for s in steps if s.background]):
+        assert estimate.argv[2] == "estimate" and _value(estimate.argv, "--out") == str(test.estimates_csv)
+        point = estimate.argv[3 : estimate.argv.index("--method")]  # the estimate is of the point run
+        assert run.argv[3 : 3 + len(point)] == point, (point, run.argv)
+        count = len(run.point.methods)
+        methods = [argv[argv.index("--method") + 1 :][:count] for argv in (run.argv, estimate.argv)]
+        assert methods == [run.point.methods] * 2
+        assert _value(run.argv, "--out") == str(test.runs_csv) and _value(run.argv, "--timeout")
+    for step in steps:  # one kernel-choice cache and one compile cache for all, in the output folder
+        env = dict(step.env)
+        assert env["SBP_CACHE_DIR"] == str(tmp_path)
+        assert env["TORCHINDUCTOR_CACHE_DIR"].startswith(str(tmp_path / st.COMPILE_CACHE))
+        assert env["TRITON_CACHE_DIR"].startswith(str(tmp_path / st.COMPILE_CACHE))
+
+
+def test_the_plan_priced_with_the_h100_rows_fits_the_budget(tmp_path, monkeypatch, h100_rates):
+    """Every run step priced by simulate/cost.py at the rates of the H100 rows measured so far (plus
+    kernel tuning and timeline predictions), the others at their predictions: the foreground sums to
+    at most 8 minutes, every step's own limit covers its price, and on a clock that each step moves by
+    its price every step runs, in order, within the budget."""
+    test = st.Selftest("cuda", tmp_path, st.GPU_BUDGET_S, H100)
+    steps = _foreground(st.gpu_plan(test, REPOSITORY, h100_rates))
+    total = sum(s.predicted_s for s in steps)
+    print({s.name: round(s.predicted_s) for s in steps}, f"total {total:.0f} s")
+    assert total <= st.GPU_BUDGET_S
+    assert all(s.predicted_s < s.timeout_s for s in steps)
+    assert next(s for s in steps if s.kind == "run").predicted_s > 50  # two Qwen3-4B processes, priced
+    monkeypatch.setattr(st, "plan_rates", lambda test, repository: h100_rates)
+    test, end = _on_a_clock(tmp_path, monkeypatch, lambda step: step.predicted_s)
+    assert [o.status for o in _foreground_outcomes(test)] == ["ok"] * 6
+    assert end <= st.GPU_BUDGET_S
+
+
+def _foreground_outcomes(test):
+    return [o for o in test.outcomes if not o.step.background]
+
+
+def _on_a_clock(tmp_path, monkeypatch, seconds_of, budget_s=st.GPU_BUDGET_S):
+    """run_selftest on a clock that each foreground step advances by seconds_of(step), each step
+    writing what it promises (stand_in_step). Returns the selftest and the clock's end."""
+    clock = [0.0]
+    monkeypatch.setattr(st.time, "perf_counter", lambda: clock[0])
+    test = st.Selftest("cuda", tmp_path, budget_s, H100)
+
+    def on_the_clock(step, log, env=None):
+        if step.background:
+            return stand_in_step(test, step, faults=False)
+        seconds = min(seconds_of(step), step.timeout_s)
+        clock[0] += seconds
+        outcome = stand_in_step(test, step, faults=False)
+        if seconds >= step.timeout_s:
+            outcome.status = f"timeout ({step.timeout_s:.0f} s)"
+        outcome.seconds = seconds
+        return outcome
+
+    monkeypatch.setattr(st, "run_step", on_the_clock)
+    st.run_selftest(test, repository=REPOSITORY, echo=lambda line: None)
+    return test, clock[0]
+
+
+def test_a_slow_machine_runs_what_the_budget_holds_and_skips_the_rest(tmp_path, monkeypatch, h100_rates):
+    """Every step taking its whole limit (a slow machine): each is cut to what the budget leaves,
+    the steps whose prediction no longer fits are `not run (budget)`, not failures, and the whole
+    selftest ends within its budget."""
+    monkeypatch.setattr(st, "plan_rates", lambda test, repository: h100_rates)
+    test, end = _on_a_clock(tmp_path, monkeypatch, lambda step: step.timeout_s)
+    statuses = [o.status for o in _foreground_outcomes(test)]
+    assert statuses[0].startswith("timeout") and st.NOT_RUN in statuses
+    skipped = [o for o in test.outcomes if o.status == st.NOT_RUN]
+    assert not any(o.failed for o in skipped)
+    assert end <= st.GPU_BUDGET_S
+
+
+def test_a_step_starts_only_with_time_for_its_prediction(tmp_path, monkeypatch, h100_rates):
+    """With 200 s of budget and every step at its price, the tests and the benchmark run; the first
+    run step (priced near 90 s) would not fit what is left and is not started, nor is a later one
+    unless its own price fits: the copy rate (15 s) still runs."""
+    monkeypatch.setattr(st, "plan_rates", lambda test, repository: h100_rates)
+    test, end = _on_a_clock(tmp_path, monkeypatch, lambda step: step.predicted_s, budget_s=200)
+    by_kind = {o.step.kind: o.status for o in _foreground_outcomes(test) if o.step.kind != "run"}
+    runs = [o.status for o in _foreground_outcomes(test) if o.step.kind == "run"]
+    assert by_kind == {"tests": "ok", "benchmark": "ok", "copy rate": "ok"}
+    assert runs == [st.NOT_RUN] * 3 and end <= 200
+
+
+def test_an_estimate_starts_only_within_the_budget(tmp_path, monkeypatch):
+    """A background estimate reached with under MIN_START_S of the budget left is not run (budget),
+    not a failure; one reached in time runs under a limit that ends with the budget."""
+    ran = []
+    monkeypatch.setattr(st, "run_step", lambda step, log, env=None: ran.append(step) or st.Outcome(step, "ok"))
+    step = st.Step("estimate", ("-m", "sbpbench", "estimate"), 300, background=True, kind="estimate")
+    for left_s, status in ((st.MIN_START_S - 1, st.NOT_RUN), (100, "ok")):
+        background = st.Background(tmp_path / "estimates.log", time.perf_counter() + left_s)
+        background.submit(step)
+        (outcome,) = background.finish(tmp_path / "selftest.log")
+        assert outcome.status == status and not outcome.failed
+    (started,) = ran
+    assert started.timeout_s <= 100 - st.GRACE_S
+
+
+def test_predictions_come_from_this_devices_earlier_log(tmp_path, h100_rates):
+    """A step's prediction is its wall time in the device's earlier selftest.log when it ran ok there;
+    a step that timed out there keeps its price."""
+    plan = st.gpu_plan(st.Selftest("cuda", tmp_path, st.GPU_BUDGET_S, H100), REPOSITORY, h100_rates)
+    tests, benchmark = _foreground(plan)[:2]
+    earlier = f"===== {tests.name}: ok, 60.0 s\n===== {benchmark.name}: timeout (75 s), 75.0 s\n"
+    predicted = {s.name: s.predicted_s for s in st.with_measured_predictions(plan, earlier)}
+    assert predicted[tests.name] == 60.0
+    assert predicted[benchmark.name] == st.PREDICTED_S["attention benchmark"]
+
+
+def test_the_output_folder_keeps_the_kernel_choices_and_ignores_the_compile_cache(tmp_path):
+    """prepare() writes a .gitignore naming the compile cache (large binaries) and not the kernel
+    choices, and drops an earlier run's test report."""
+    test = st.Selftest("cuda", tmp_path / "out", st.GPU_BUDGET_S, H100)
+    test.out_dir.mkdir()
+    test.tests_report.write_text("{}\n")
+    st.prepare(test)
+    ignored = (test.out_dir / ".gitignore").read_text().splitlines()
+    assert f"{st.COMPILE_CACHE}/" in ignored and not any(
+        "attention-kernels" in line for line in ignored if line[:1] != "#"
+    )
+    assert not test.tests_report.exists()
+
+
+def test_a_run_step_that_exits_0_fails_on_a_row_not_ok(tmp_path):
+    """verdict: a point's row this step wrote that is not ok, or missing, fails the step with the
+    row's error; an older row of the same point (before the step started) does not count."""
+    test = st.Selftest("cuda", tmp_path, st.GPU_BUDGET_S, H100)
+    step = st.Step("run", (), 10.0, kind="run", point=st.SHORT_POINT)
+    upsert_rows(test.runs_csv, [_row("Qwen/Qwen3-4B", 9000, "ckpt", timestamp_utc="2026-01-01T00:00:00+00:00")])
+    outcome = st.Outcome(step, "ok", started_utc="2026-06-01T00:00:00+00:00")
+    assert st.verdict(test, outcome) == "ckpt: no row; streambp: no row"
+    rows = [
+        _row("Qwen/Qwen3-4B", 9000, "ckpt", timestamp_utc="2026-06-01T00:01:00+00:00"),
+        _row("Qwen/Qwen3-4B", 9000, "streambp", status="oom", error="OutOfMemoryError: CUDA out of memory.\nmore",
+             timestamp_utc="2026-06-01T00:02:00+00:00"),
+    ]  # fmt: skip
+    upsert_rows(test.runs_csv, rows)
+    assert st.verdict(test, outcome) == "streambp: oom (OutOfMemoryError: CUDA out of memory.)"
+
+
+def test_a_benchmark_or_copy_rate_step_fails_on_what_it_wrote(tmp_path):
+    """A kernel row wrong or in error fails the benchmark step, named with its reason (unavailable
+    kernels do not); a copy rate without both directions fails its step."""
+    test = st.Selftest("cuda", tmp_path, st.GPU_BUDGET_S, H100)
+    benchmark = st.Outcome(st.Step("bench", (), 10.0, kind="benchmark"), "ok")
+    copies = st.Outcome(st.Step("copy", (), 10.0, kind="copy rate"), "ok")
+    assert st.verdict(test, benchmark) == "no rows written"
+    _benchmark_csv(tmp_path, wrong=False)
+    assert st.verdict(test, benchmark) is None
+    _benchmark_csv(tmp_path, wrong=True)
+    assert st.verdict(test, benchmark) == "flex at 262144 keys: wrong (differs from lower-right by 3.0e-01 (relative))"
+    assert st.verdict(test, copies) == "no rate for both directions"
+    _copy_rate_csv(tmp_path)
+    assert st.verdict(test, copies) is None
+
+
+def _benchmark_csv(folder: Path, wrong: bool) -> None:
+    header = "kernel,status,reason,queries,keys,forward_tflops,backward_tflops,max_relative_error\n"
+    lines = [
+        "lower-right,ok,,4096,262144,610,400,0.0",
+        "split,ok,,4096,262144,650,430,0.002",
+        f"flex,{'wrong' if wrong else 'ok'},{'differs from lower-right by 3.0e-01 (relative)' if wrong else ''},"
+        "4096,262144,500,300,0.3",
+        "fa3,unavailable,fa3 is not installed (build flash-attention's hopper/),4096,262144,,,",
     ]
-    assert all((_value(a, "--warmup"), _value(a, "--repeats")) == ("0", "1") for a in offload)
-    assert foreground[1:3] == offload  # right after the default run, before anything that may run long
-    probes = [a for a in foreground if _value(a, "--repeats") == "0"]
-    assert [(_value(a, "--seq"), _value(a, "--method")) for a in probes] == [("4608", "bp"), ("20000", "ckpt")]
-    assert foreground[3:5] == probes
-    assert [s for s in steps if not s.background][5] is st.LONG_POINT  # before the tests
-    tests = steps[-1]
-    assert tests.argv[:5] == ("pytest", "-v", "--tb=short", "-m", "gpu and quick")
-    assert [Path(a).name for a in tests.argv[5:]] == ["test_gpu.py", "test_gpu_measure.py"]
-    assert dict(tests.env) == {TEST_REPORT_ENV: str(test.tests_report)}
-    estimated_offload = {_value(s.argv, "--checkpoints") for s in steps if s.background}
-    assert {"cpu", "recompute:4"} <= estimated_offload
-    estimated = {
-        (a[a.index("--seq") + 1], m)
-        for a in (s.argv for s in steps if s.background)
-        for m in a[a.index("--method") + 1 :]
-        if not m.startswith("--") and m != str(test.estimates_csv)
-    }
-    assert {(str(t), m) for _, t, m in st.GPU_POINTS} <= estimated
+    (folder / st.BENCHMARK_CSV).write_text(header + "\n".join(lines) + "\n")
 
 
-def test_the_long_point_is_the_longest_that_fits_the_time_left():
-    """110k with time to spare, a shorter T with less, none when not even 32k fits."""
-    config = load_config("Qwen/Qwen3-8B")
-    rate = 1 / 300e12  # seconds per executed FLOP at 300 TFLOP/s: 110k takes ~70 s
-    assert st.long_seq_len(400, seconds_per_flop=rate, config=config) == 110_000
-    assert st.long_seq_len(90, seconds_per_flop=rate, config=config) in st.LONG_SEQ_LENS[1:]
-    assert st.long_seq_len(30, seconds_per_flop=rate, config=config) is None
+def _copy_rate_csv(folder: Path) -> None:
+    rates = [CopyRate(d, 2**29, True, 5, s, s * 0.99, s * 1.02, 2**29 / s / 1e9) for d, s in
+             ((HOST_TO_DEVICE, 0.0107), (DEVICE_TO_HOST, 0.0102))]  # fmt: skip
+    write_csv(rates, folder / st.COPY_RATE_CSV)
 
 
-def test_the_speed_comes_from_the_default_runs_streambp_row():
-    """seconds per executed FLOP = the 4B T=9000 step time / that step's executed FLOPs (of the
-    row's model, not the long point's); without a row the assumed model rate is used."""
-    from sbpbench.measure.flops import phase_flops
+def stand_in_step(test, step, faults: bool = True) -> st.Outcome:
+    """What each step of the GPU plan writes, made up: rows at the points (the 4B ones with phases
+    and a timeline), estimates 1% above them, the benchmark's rows and the copy rates; with `faults`
+    a test report with a failure, a skip and a test cut short, and a kernel wrong."""
+    argv = step.argv
+    if step.kind in ("run", "estimate"):
+        source = "simulated" if step.kind == "estimate" else "measured"
+        model, seq = _value(argv, "--model"), int(_value(argv, "--seq"))
+        placement = _value(argv, "--checkpoints") or "gpu"
+        layers = int(_value(argv, "--num-layers") or st.meta_depth(model))
+        rows = []
+        for method in step.point.methods if step.point else argv[argv.index("--method") + 1 : argv.index("--out")]:
+            peak = int((50 if source == "measured" else 50.5) * GIB)
+            values = {"checkpoints": placement if method == "streambp" else "", "num_layers": layers}
+            if source == "measured" and "--timeline" in argv:
+                values["timeline_file"] = _timeline(test, method)
+            if source == "measured" and method == "streambp":
+                values |= {"phase_checkpoint_pass_s": 0.31, "phase_chunk_backward_s": 0.72, "phase_other_s": 0.05}
+            rows.append(_row(model, seq, method, source=source, peak=peak, time_s=1.35, **values))
+        upsert_rows(test.estimates_csv if source == "simulated" else test.runs_csv, rows)
+    elif step.kind == "tests" and faults:
+        assert dict(step.env)[TEST_REPORT_ENV] == str(test.tests_report)
+        test.tests_report.write_text(_TEST_REPORT)
+        return st.Outcome(step, "timeout (45 s)", 45.0)
+    elif step.kind == "benchmark":
+        _benchmark_csv(test.out_dir, wrong=faults)
+    elif step.kind == "copy rate":
+        _copy_rate_csv(test.out_dir)
+    return st.Outcome(step, "ok", 1.0)
 
-    config4b, config8b = load_config("Qwen/Qwen3-4B"), load_config("Qwen/Qwen3-8B")
-    flops = sum(m + a for m, a in phase_flops(config4b, method="streambp", batch_size=1, seq_len=9000).values())
-    row = {"model": "Qwen/Qwen3-4B", "seq_len": "9000", "batch_size": "1", "time_median_s": "2.0"}
-    assert st.seconds_per_executed_flop(row, config8b) == pytest.approx(2.0 / flops)  # the row's own model
-    assert 1 / st.seconds_per_executed_flop(None, config8b) > st.ASSUMED_MODEL_TFLOPS * 1e12  # executed > model
+
+def _timeline(test, method) -> str:
+    """A stand-in timeline beside runs.csv; its path relative to it, as the row names it."""
+    timeline = Timeline(
+        source="measured", memory_source="torch.cuda", point={}, axis="us", end=100, baseline_bytes=16 * GIB,
+        peak=Peak(int(19.8 * GIB), 60, "chunk backward, layer 35", {}), samples={"at": [], "bytes": [], "phase": []},
+        phases=[], spans=[], allocator_peak_bytes=int(19.86 * GIB), snapshot=f"{method}.snapshot.pickle",
+    )  # fmt: skip
+    relative = Path("timelines") / f"{method}.measured.json"
+    timeline.save(test.out_dir / relative)
+    return str(relative)
+
+
+def test_gpu_selftest_runs_its_plan_and_writes_the_summary(tmp_path, monkeypatch, h100_rates):
+    """The GPU path end to end with stand-in steps: the benchmark's wrong kernel fails its step with
+    its reason; summary.md names each failure with its message, lists the skipped test's reason, and
+    holds every measured point, StreamBP's phases, the timelines, each point's estimate error, the
+    kernels and the copy rates beside the planner's."""
+    monkeypatch.setattr(st, "plan_rates", lambda test, repository: h100_rates)
+    test = st.Selftest("cuda", tmp_path, st.GPU_BUDGET_S, H100)
+    test.tests_report.write_text('{"event": "start", "test": "from/an/earlier/run"}\n')
+    monkeypatch.setattr(st, "run_step", lambda step, log, env=None: stand_in_step(test, step))
+    st.run_selftest(test, repository=REPOSITORY, echo=lambda line: None)
+    assert sum(o.step.background for o in test.outcomes) == 3
+    summary = st.write_summary(test, capture_environment("cpu")).read_text()
+    print(summary)
+    benchmark = next(o for o in test.outcomes if o.step.kind == "benchmark")
+    assert benchmark.status == "failed (flex at 262144 keys: wrong (differs from lower-right by 3.0e-01 (relative)))"
+    assert f"| {benchmark.step.name} | {benchmark.status} | 1 | 30 | - |" in summary
+    assert "gpu-marked tests: 1 failed, 1 passed, 1 skipped (details in selftest.log)." in summary
+    assert (
+        "Failed: `tests/gpu/test_gpu_stream.py::test_cuda_stream_placement_gives_gpu_gradients[stream:2-B2]`" in summary
+    )
+    assert "AssertionError: stream:2: model.layers.1.mlp.up_proj.weight differs by 0.25" in summary
+    assert (
+        "Skipped: `tests/gpu/test_gpu_kernels.py::test_each_attention_kernel_matches_the_reference[fa3]` (fa3: fa3 is not installed"
+        in summary
+    )
+    assert "Cut while running: `tests/gpu/test_gpu_measure.py::test_cuda_timeline_holds_the_backward`." in summary
+    assert "earlier/run" not in summary  # the report is this run's
+    assert "`pytest -m 'gpu and quick'`: timeout (45 s); its last lines in selftest.log:" in summary
+    assert "| Qwen/Qwen3-8B T=262144 streambp (stream:2) | 3 | ok | 50.00 | 1.35 |" in summary
+    assert "| Qwen/Qwen3-8B | 262144 | streambp (stream:2), 3 layers | - | 50.00 | 50.50 | +1.0% |  |" in summary
+    assert "| Qwen/Qwen3-8B | 65536 | streambp | - | 50.00 | 50.50 | +1.0% |  |" in summary
+    assert "| Qwen/Qwen3-4B | 9000 | ckpt | - | 50.00 | 50.50 | +1.0% |  |" in summary
+    assert "| chunk backward | 0.720 | 0.720 | 0.720 |" in summary
+    assert (
+        "- Qwen/Qwen3-4B T=9000 ckpt: `timelines/ckpt.measured.json`, peak 19.80 GiB in chunk backward, layer 35 (max_memory_allocated 19.86 GiB)"
+        in summary
+    )
+    assert "| flex | 4096 | 262144 | wrong | 500 | 300 | 3.0e-01 |" in summary
+    assert "| host to device | 512 | 50.2 | 0.0106 - 0.0109 | 0.78 |" in summary
+    assert "The planner assumes 64 GB/s for both directions together" in summary
+    assert "Rates: matmul 230 TFLOP/s (measured)" in summary
+
+
+# What tests/conftest.py writes of a pytest run killed in its fourth test
+_TESTS = (
+    "test_gpu_stream.py::test_cuda_stream_placement_gives_gpu_gradients[stream:2-B2]",
+    "test_gpu_kernels.py::test_each_attention_kernel_matches_the_reference[split]",
+    "test_gpu_kernels.py::test_each_attention_kernel_matches_the_reference[fa3]",
+    "test_gpu_measure.py::test_cuda_timeline_holds_the_backward",
+)
+_TEST_REPORT = "\n".join(
+    json.dumps(line)
+    for line in [
+        {"event": "collected", "tests": [f"tests/gpu/{t}" for t in _TESTS]},
+        {"event": "start", "test": f"tests/gpu/{_TESTS[0]}"},
+        {
+            "event": "result", "test": f"tests/gpu/{_TESTS[0]}", "when": "call", "outcome": "failed", "seconds": 2.3,
+            "message": "tests/gpu/test_gpu_stream.py:95: in test_cuda_stream_placement_gives_gpu_gradients\n"
+            "E   AssertionError: stream:2: model.layers.1.mlp.up_proj.weight differs by 0.25\nE   assert False",
+        },
+        {"event": "start", "test": f"tests/gpu/{_TESTS[1]}"},
+        {"event": "result", "test": f"tests/gpu/{_TESTS[1]}", "when": "call", "outcome": "passed", "seconds": 41.0,
+         "message": ""},
+        {"event": "start", "test": f"tests/gpu/{_TESTS[2]}"},
+        {"event": "result", "test": f"tests/gpu/{_TESTS[2]}", "when": "setup", "outcome": "skipped", "seconds": 0.0,
+         "message": "fa3: fa3 is not installed (build flash-attention's hopper/ directory: cd hopper && pip install .)"},
+        {"event": "start", "test": f"tests/gpu/{_TESTS[3]}"},
+    ]
+)  # fmt: skip
 
 
 def test_estimate_error_per_point():
-    """error = (estimate - measured) / measured on peak allocated; an OOM or a missing row has none."""
-    gib = 2**30
+    """error = (estimate - measured) / measured on peak allocated; an OOM or a missing row has none;
+    a reduced model's rows are its own point."""
     measured = [
-        _row("m", 9000, "ckpt", peak=32 * gib).as_dict(),
-        _row("m", 9000, "bp", status="oom", peak=75 * gib).as_dict(),
+        _row("Qwen/Qwen3-8B", 9000, "ckpt", peak=32 * GIB).as_dict(),
+        _row("Qwen/Qwen3-8B", 9000, "bp", status="oom", peak=75 * GIB).as_dict(),
+        _row("Qwen/Qwen3-8B", 9000, "streambp", peak=20 * GIB, num_layers=3).as_dict(),
     ]
     simulated = [
-        _row("m", 9000, "ckpt", source="simulated", peak=int(32.32 * gib)).as_dict(),
-        _row("m", 9000, "bp", source="simulated", peak=91 * gib).as_dict(),
+        _row("Qwen/Qwen3-8B", 9000, "ckpt", source="simulated", peak=int(32.32 * GIB)).as_dict(),
+        _row("Qwen/Qwen3-8B", 9000, "bp", source="simulated", peak=91 * GIB).as_dict(),
     ]
-    points = [("m", 9000, "ckpt"), ("m", 9000, "bp"), ("m", 9000, "streambp")]
-    ckpt, bp, streambp = estimate_errors([_strings(r) for r in measured], [_strings(r) for r in simulated], points)
+    points = [("Qwen/Qwen3-8B", 9000, m, "", None) for m in ("ckpt", "bp", "streambp")]
+    strings = lambda rows: [{k: "" if v is None else str(v) for k, v in row.items()} for row in rows]
+    ckpt, bp, streambp = estimate_errors(strings(measured), strings(simulated), points, st._key)
     assert ckpt.error == pytest.approx(0.01, abs=1e-3)
     assert bp.error is None and bp.measured_status == "oom"
-    assert streambp.error is None and streambp.measured_status == "missing"
+    assert streambp.error is None and streambp.measured_status == "missing"  # its row has 3 layers
 
 
-def _strings(row: dict) -> dict:
-    return {k: "" if v is None else str(v) for k, v in row.items()}
-
-
-def test_log_readers():
-    """The long step's time is its last progress line; pytest results are counted from -v lines."""
-    log = "\n".join(
-        [
-            f"{PROGRESS_PREFIX} streambp Qwen/Qwen3-8B T=110000: checkpoint pass and head done, 20.5 s",
-            f"{PROGRESS_PREFIX} streambp Qwen/Qwen3-8B T=110000: layer 36 of 36 backward done, 81.0 s",
-            "tests/gpu/test_gpu.py::test_a[x] PASSED  [ 50%]",
-            "tests/gpu/test_gpu.py::test_b FAILED  [100%]",
-        ]
-    )
-    assert progress_seconds(log, "streambp Qwen/Qwen3-8B T=110000") == 81.0
-    assert progress_seconds(log, "streambp Qwen/Qwen3-8B T=96000") is None
+def test_pytest_counts_come_from_its_verbose_lines():
+    """Without a test report, the tests are counted from pytest's -v lines."""
+    log = "tests/gpu/test_gpu.py::test_a[x] PASSED  [ 50%]\ntests/gpu/test_gpu.py::test_b FAILED  [100%]\n"
     assert pytest_counts(log) == {"PASSED": 1, "FAILED": 1}
 
 
 def test_a_failed_steps_last_lines_are_read_from_its_last_run():
     """A step's output tail comes from its last section in the log (an earlier run's is older),
     up to its end line, or to the end of the log when a kill left no end line."""
-    name = "run Qwen/Qwen3-8B T=4608 bp (memory only)"
+    name = "run Qwen/Qwen3-8B T=65536 streambp"
     log = "\n".join(
         [
             f"===== {name}: python -m sbpbench run ...",
@@ -187,7 +441,7 @@ def test_a_failed_steps_last_lines_are_read_from_its_last_run():
             "===== pytest -m 'gpu and quick': python -m pytest ...",
             "tests/gpu/test_gpu.py::test_a PASSED",
             "tests/gpu/test_gpu.py::test_b ===== pytest -m 'gpu and quick': timeout (60 s), 60.0 s",  # killed mid-line
-            "===== estimate Qwen/Qwen3-8B T=4608 bp: python -m sbpbench estimate ...",
+            "===== estimate Qwen/Qwen3-8B T=65536 streambp: python -m sbpbench estimate ...",
             "an estimate's line",
         ]
     )
@@ -199,109 +453,38 @@ def test_a_failed_steps_last_lines_are_read_from_its_last_run():
     assert step_output_tail(log, "never ran") == []
 
 
-def test_gpu_selftest_runs_its_plan_and_writes_the_summary(tmp_path, monkeypatch):
-    """The GPU path end to end with stand-in steps: the default run's streambp speed picks the
-    long point, whose estimate joins the background; summary.md holds every point's error, the
-    long point and the FLOP breakdown."""
-    gib = 2**30
-    test = st.Selftest("cuda", tmp_path, st.GPU_BUDGET_S)
-    ran = []
-
-    def fake_run_step(step, log, env=None):
-        ran.append(step)
-        argv = step.argv
-        placement = _value(argv, "--checkpoints") or ""
-        if argv[:2] == ("sbpbench", "run"):
-            if "--model" not in argv:  # the default run
-                upsert_rows(test.runs_csv, [_row("Qwen/Qwen3-4B", 9000, "streambp", peak=19 * gib, time_s=2.0)])
-            else:
-                seq, method = int(argv[argv.index("--seq") + 1]), argv[argv.index("--method") + 1]
-                row = _row(argv[argv.index("--model") + 1], seq, method, peak=50 * gib, checkpoints=placement)
-                upsert_rows(test.runs_csv, [row])
-                with log.open("a") as out:
-                    out.write(
-                        f"{PROGRESS_PREFIX} {method} Qwen/Qwen3-8B T={seq}: layer 36 of 36 backward done, 75.0 s\n"
-                    )
-        if argv[:2] == ("sbpbench", "estimate"):
-            seq = int(argv[argv.index("--seq") + 1])
-            methods = argv[argv.index("--method") + 1 : argv.index("--out")]
-            model = argv[argv.index("--model") + 1]
-            rows = [
-                _row(model, seq, m, source="simulated", peak=int(50.5 * gib), checkpoints=placement) for m in methods
-            ]
-            upsert_rows(test.estimates_csv, rows)
-        if argv[0] == "pytest":  # what tests/conftest.py records, a failure and a test cut short
-            assert dict(step.env)[TEST_REPORT_ENV] == str(test.tests_report)
-            test.tests_report.write_text(_TEST_REPORT)
-            return st.Outcome(step, "timeout (45 s)", 45.0)
-        return st.Outcome(step, "ok", 1.0)
-
-    test.tests_report.write_text('{"event": "start", "test": "from/an/earlier/run"}\n')
-    monkeypatch.setattr(st, "run_step", fake_run_step)
-    st.run_selftest(test, tests_dir=Path(__file__).parents[1], echo=lambda line: None)
-    assert test.long_seq_len == 110_000
-    assert sum(s.background for s in ran) == 6  # five fixed points' estimates and the long one's
-    summary = st.write_summary(test, capture_environment("cpu")).read_text()
-    assert "| run (the default: Qwen/Qwen3-4B, T=9000, every method) | ok | 1 | 78 | - |" in summary
-    # predicted: 30 s plus its FLOPs at the speed of a 2 s Qwen3-4B step
-    assert "| run Qwen/Qwen3-8B T=110000 streambp (memory only) | ok | 1 | 139 | - |" in summary
-    assert "gpu-marked tests: 1 failed, 1 passed (details in selftest.log)." in summary
-    assert "Failed: `tests/gpu/test_gpu.py::test_dpo` (12 s):" in summary
-    assert "AssertionError: bp vs streambp fp64:\n  loss: rel error 1.897e-04 (tolerance 1e-05)" in summary
-    assert "Cut while running: `tests/gpu/test_gpu_measure.py::test_memory[bp]`." in summary
-    assert "Not reached: 1 (`tests/gpu/test_gpu_measure.py::test_memory[streambp]`)." in summary
-    assert "earlier/run" not in summary  # the report is this run's
-    assert "`pytest -m 'gpu and quick'`: timeout (45 s); its last lines in selftest.log:" in summary
-    assert "| Qwen/Qwen3-8B | 110000 | streambp | - | 50.00 | 50.50 | +1.0% |" in summary
-    assert "| Qwen/Qwen3-8B | 65536 | streambp (recompute:4) | - | 50.00 | 50.50 | +1.0% |" in summary
-    assert "| Qwen/Qwen3-4B | 9000 | streambp | - | 19.00 | 50.50 |" in summary  # off by > 5%: flagged
-    assert "off by more than 5%" in summary
-    assert "streambp Qwen/Qwen3-8B T=110000 (memory only, one step, no warm-up): ok, peak 50.00 GiB" in summary
-    assert "75 s into the step" in summary and "| chunk backward |" in summary
-
-
-# What tests/conftest.py writes of a pytest run killed in its third test
-_TESTS = (
-    "test_gpu.py::test_fp32",
-    "test_gpu.py::test_dpo",
-    "test_gpu_measure.py::test_memory[bp]",
-    "test_gpu_measure.py::test_memory[streambp]",
-)
-_TEST_REPORT = "\n".join(
-    json.dumps(line)
-    for line in [
-        {"event": "collected", "tests": [f"tests/gpu/{t}" for t in _TESTS]},
-        {"event": "start", "test": "tests/gpu/test_gpu.py::test_fp32"},
-        {
-            "event": "result",
-            "test": "tests/gpu/test_gpu.py::test_fp32",
-            "when": "call",
-            "outcome": "passed",
-            "seconds": 9.0,
-            "message": "",
-        },
-        {"event": "start", "test": "tests/gpu/test_gpu.py::test_dpo"},
-        {
-            "event": "result",
-            "test": "tests/gpu/test_gpu.py::test_dpo",
-            "when": "call",
-            "outcome": "failed",
-            "seconds": 12.3,
-            "message": "tests/gpu/test_gpu.py:95: in test_dpo\n    _assert_judged(results)\n"
-            "E   AssertionError: bp vs streambp fp64:\n"
-            "E     loss: rel error 1.897e-04 (tolerance 1e-05)\nE   assert False",
-        },
-        {"event": "start", "test": "tests/gpu/test_gpu_measure.py::test_memory[bp]"},
-    ]
-)
-
-
 def test_a_failures_message_is_cut_to_its_error_lines():
     """The summary shows pytest's E lines of a failure (its assertion and how it failed), or the
     traceback's last lines when it has none."""
     message = "t.py:3: in f\n    g()\nE   ValueError: bad\nE     detail"
     assert message_excerpt(message) == ["ValueError: bad", "  detail"]
     assert message_excerpt("\n".join(f"line {i}" for i in range(20)), max_lines=2) == ["line 18", "line 19"]
+
+
+def test_a_step_at_its_limit_is_stopped_with_its_whole_process_group(tmp_path, monkeypatch):
+    """A real step that starts a child and hangs: at its limit the step and the child it started are
+    stopped (SIGINT to its process group, then SIGKILL), its status a timeout, the log closed."""
+    monkeypatch.setattr(st, "GRACE_S", 1.0)
+    child = "import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
+    step = st.Step("hangs", ("-c", child + " print(p.pid, flush=True); time.sleep(60)"), timeout_s=1.5)
+    log = tmp_path / "selftest.log"
+    outcome = st.run_step(step, log)
+    assert outcome.status == "timeout (2 s)" and outcome.seconds < 10
+    pid = int(log.read_text().splitlines()[2])
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and _alive(pid):
+        time.sleep(0.05)
+    assert not _alive(pid), f"the step's child {pid} outlived it"
+    assert log.read_text().splitlines()[-1].startswith("===== hangs: timeout (2 s)")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    status = Path(f"/proc/{pid}/stat")
+    return not (status.exists() and status.read_text().split(")")[-1].split()[0] == "Z")  # a zombie is gone
 
 
 @pytest.mark.slow
@@ -323,116 +506,3 @@ def test_cpu_selftest_runs_end_to_end(tmp_path):
     for method in ("bp", "ckpt", "streambp"):
         line = next(text for text in summary.splitlines() if text.startswith(f"| small/qwen3 | 512 | {method} |"))
         assert "%" in line, line  # measured and estimated, with an error
-
-
-def test_the_offload_points_fit_the_budget_beside_the_default_run():
-    """Budget arithmetic: each offload point's limit is the overhead plus 1.25 x its two steps at the
-    assumed H100 rate (recompute:4 one forward more, so longer), and the default run's cap plus both
-    fit the 8 minutes, so no earlier step can leave them without their time."""
-    config = load_config(st.LONG_MODEL)
-    cpu, recompute = (st.offload_timeout_s(p, config) for p in st.OFFLOAD_PLACEMENTS)
-    assert st.POINT_OVERHEAD_S < cpu < recompute
-    assert st.DEFAULT_RUN_S + cpu + recompute <= st.GPU_BUDGET_S
-
-
-def test_a_slow_machine_keeps_the_offload_points_and_skips_what_the_budget_cannot_hold(tmp_path, monkeypatch):
-    """Every step taking its whole limit (a slow machine): the default run is cut short so that the
-    offload points get their full limits (reserved), the steps after them that the budget cannot
-    start are `not run (budget)`, not failures, and the whole selftest ends within its budget."""
-    clock = [0.0]
-    monkeypatch.setattr(st.time, "perf_counter", lambda: clock[0])
-    test = st.Selftest("cuda", tmp_path, st.GPU_BUDGET_S)
-    limits = {}
-
-    def slow_run_step(step, log, env=None):
-        limits[step.name] = step.timeout_s
-        if not step.background:
-            clock[0] += step.timeout_s
-        return st.Outcome(step, f"timeout ({step.timeout_s:.0f} s)", step.timeout_s)
-
-    monkeypatch.setattr(st, "run_step", slow_run_step)
-    st.run_selftest(test, tests_dir=Path("tests"), echo=lambda line: None)
-    config = load_config(st.LONG_MODEL)
-    for placement in st.OFFLOAD_PLACEMENTS:
-        name = next(n for n in limits if f"--checkpoints {placement}" in n)
-        assert limits[name] == pytest.approx(st.offload_timeout_s(placement, config))
-    assert clock[0] <= st.GPU_BUDGET_S
-    skipped = [o for o in test.outcomes if o.status == st.NOT_RUN]
-    assert skipped and not any(o.failed for o in skipped)
-    assert test.long_seq_len is None
-
-
-# Wall seconds of the steps of `sbp selftest --budget 535` on one NVIDIA H100 80GB HBM3 (2026-11-26,
-# that run's selftest.log); its default run's streambp step took 1.348 s (its runs.csv).
-H100_STEP_S = {
-    "run (the default": 77.7,
-    "--checkpoints cpu": 92.7,
-    "--checkpoints recompute:4": 94.5,
-    "T=4608 bp": 30.5,
-    "T=20000 ckpt": 33.7,
-}
-H100_STREAMBP_STEP_S = 1.348
-# The long point, Qwen3-8B StreamBP T=110000 memory-only, run alone on that machine: its row came
-# 80 s into `sbp run` (its log); the probes above spent 13-15 s of their wall time outside that count.
-H100_LONG_S = 80 + 15
-
-
-def _priced(tmp_path, monkeypatch, seconds_of):
-    """run_selftest on a clock that each step advances by seconds_of(step); the default run writes
-    the H100's streambp row. Returns the selftest and the clock's end."""
-    clock = [0.0]
-    monkeypatch.setattr(st.time, "perf_counter", lambda: clock[0])
-    test = st.Selftest("cuda", tmp_path, st.GPU_BUDGET_S)
-
-    def priced_run_step(step, log, env=None):
-        if step.background:
-            return st.Outcome(step, "ok", 1.0)
-        seconds = seconds_of(step)
-        assert seconds <= step.timeout_s, f"{step.name}: {seconds} s over its limit {step.timeout_s:.0f} s"
-        clock[0] += seconds
-        if "(the default" in step.name:
-            upsert_rows(test.runs_csv, [_row("Qwen/Qwen3-4B", 9000, "streambp", peak=1, time_s=H100_STREAMBP_STEP_S)])
-        return st.Outcome(step, "ok", seconds)
-
-    monkeypatch.setattr(st, "run_step", priced_run_step)
-    st.run_selftest(test, tests_dir=Path(__file__).parents[1], echo=lambda line: None)
-    return test, clock[0]
-
-
-def _h100_seconds(step) -> float:
-    """A step's H100 wall time; the quick tests (newer than that run) and a long point shorter than
-    110k (not measured) at the plan's own prediction."""
-    if "T=110000" in step.name:
-        return H100_LONG_S
-    if step.argv[0] == "pytest" or "streambp (memory only)" in step.name:  # a shorter long point: predicted
-        return step.predicted_s
-        return st.PREDICTED_S["tests"]
-    return next(s for key, s in H100_STEP_S.items() if key in step.name)
-
-
-def test_the_plan_priced_with_the_h100s_step_times_fits_the_budget_with_the_long_point(tmp_path, monkeypatch):
-    """Every step at the wall time one H100 measured (the quick tests at their prediction): all of
-    them run, the long point at the paper's 110k, and the whole plan ends within the 8 minutes."""
-    test, end = _priced(tmp_path, monkeypatch, _h100_seconds)
-    assert [o.status for o in test.outcomes if not o.step.background] == ["ok"] * 7
-    assert test.long_seq_len == 110_000
-    assert end <= st.GPU_BUDGET_S
-    assert test.outcomes[6].step.argv[0] == "pytest"  # the tests last, after the long point
-
-
-def test_predictions_come_from_this_devices_earlier_log(tmp_path, monkeypatch):
-    """A step's prediction is its wall time in the device's earlier selftest.log when it ran ok
-    there: tests measured at 60 s there leave the long point less time, so it is shorter."""
-    tests_step = st.TESTS_STEP
-    earlier = (
-        f"===== {tests_step}: ok, 60.0 s\n"
-        "===== run Qwen/Qwen3-8B T=4608 bp (memory only): timeout (120 s), 120.0 s\n"  # not a prediction
-    )
-    plan = st.gpu_plan(st.Selftest("cuda", tmp_path, st.GPU_BUDGET_S), Path(__file__).parents[1])
-    steps = st.with_measured_predictions(plan, earlier)
-    predicted = {s.name: s.predicted_s for s in steps}
-    assert predicted[tests_step] == 60.0
-    assert predicted["run Qwen/Qwen3-8B T=4608 bp (memory only)"] == st.PREDICTED_S["probe bp"]
-    (tmp_path / "selftest.log").write_text(earlier)
-    test, end = _priced(tmp_path, monkeypatch, _h100_seconds)
-    assert test.long_seq_len == 96_000 and end <= st.GPU_BUDGET_S

@@ -191,3 +191,95 @@ def test_smoke_sweep_killed_mid_way_then_resumed_has_every_point_once(tmp_path):
     best = {m: int(r["max_seq_len"]) for m, r in answers.items()}
     assert best["streambp"] > best["ckpt"] > best["bp"]
     assert "every point" in stdout and "max sequence length" in stdout
+
+
+def test_a_failed_search_is_an_error_row_and_the_sweep_goes_on(tmp_path, monkeypatch):
+    """A probe that errors in the first search: its answer row says error with the probe's message,
+    the next search and the grid point still run, the exit code is 1, and a rerun retries the search."""
+    import sbpbench.runner.isolated as isolated_module
+
+    path = tmp_path / "exp.toml"
+    path.write_text(
+        'name = "exp"\n[defaults]\nmodel = "tiny/qwen3"\ndevice = "cpu"\nseed_from_estimate = false\n'
+        '[[points]]\nkind = "maxlen"\nmethod = ["bp", "ckpt"]\nseq_len = 64\nseq_len_ceiling = 1024\n'
+        '[[points]]\nmethod = "bp"\nseq_len = 64\n'
+    )
+    calls: list = []
+
+    def measure(spec, env) -> ResultRow:
+        row = _fake(calls, oom_from=300)(spec, env)
+        if (spec.method, spec.seq_len) == ("bp", 128):
+            row.status, row.error = "error", "CUDA error: an illegal memory access"
+        return row
+
+    monkeypatch.setattr(isolated_module, "run_isolated", measure)
+    out = tmp_path / "exp.csv"
+    result = runner.invoke(app, ["sweep", str(path), "--out", str(out)])
+    assert result.exit_code == 1, result.output
+    answers = {r["method"]: r for r in read_rows(out) if r["kind"] == "maxlen"}
+    assert answers["bp"]["status"] == "error" and "bp at T=128: error: CUDA error" in answers["bp"]["error"]
+    assert answers["ckpt"]["status"] == "ok" and answers["ckpt"]["max_seq_len"]
+    assert ("bp", 64, 1) in calls[-1:]  # the grid point ran last
+    jobs = plan(load_experiment(path).points, out, device_name=capture_environment("cpu").device_name)
+    assert [job.done for job in jobs] == [False, True, True]
+
+
+def test_seeds_only_stores_each_seed_and_the_sweep_and_dry_run_use_them(tmp_path, monkeypatch):
+    """`--seeds-only` predicts each seed for the GPU --dry-run prices (a stand-in prediction here)
+    and measures nothing; --dry-run then prices no host time; a GPU's sweep (its seeds' target
+    stood in as cuda, its probes measured on the CPU) predicts none and probes from each seed; a
+    CPU sweep predicts its own."""
+    import sbpbench.runner.isolated as isolated_module
+    import sbpbench.runner.simulated_search as simulated_search
+
+    asked: list = []
+
+    def simulated_max_len(search, out, *, probing, **options) -> ResultRow:
+        asked.append(search.method)
+        row = ResultRow(**spec_fields(search.base), kind="maxlen", source="simulated")
+        row.status, row.max_seq_len, row.oom_seq_len = "ok", 296, 304
+        return row
+
+    calls: list = []
+    monkeypatch.setattr(simulated_search, "simulated_max_len", simulated_max_len)
+    monkeypatch.setattr(isolated_module, "run_isolated", _fake(calls, oom_from=300))
+    path, out = tmp_path / "exp.toml", tmp_path / "exp.csv"
+    path.write_text(
+        'name = "exp"\nkind = "maxlen"\n[defaults]\nmodel = "tiny/qwen3"\nmemory_limit = "1GiB"\nseq_len = 64\n'
+        'resolution = "1%"\n[[points]]\nmethod = ["bp", "streambp"]\n'
+    )
+    seeded = runner.invoke(app, ["sweep", str(path), "--seeds-only", "--out", str(out)])
+    assert seeded.exit_code == 0, seeded.output
+    assert asked == ["bp", "streambp"] and calls == []
+    said = " ".join(seeded.output.split())
+    assert "bp: seed: predicted max T 296" in said and f"2 row(s) written to {out}" in said
+    assert [(r["kind"], r["source"]) for r in read_rows(out)] == [("seed", "simulated")] * 2
+    priced = runner.invoke(app, ["sweep", str(path), "--dry-run", "--out", str(out)])
+    assert priced.exit_code == 0 and "│      0.0 │" in priced.output, priced.output
+
+    searches = load_experiment(path, device="cpu", defaults_for="cuda").searches  # a GPU's searches
+    lines: list[str] = []
+    seed = simulated_search.estimate_seed(capacity_bytes=80 * 2**30, note=lines.append, out=out, target="cuda")
+    env = capture_environment("cpu")
+    run_sweep(
+        plan(searches, out, device_name=env.device_name), out, measure=_fake(calls, oom_from=300), env=env, seed=seed
+    )
+    assert len(asked) == 2 and [t for _, t, _ in calls[:2]] == [296, 304]
+    assert lines[0] == f"bp: seed: predicted max T 296 (stored in {out})"
+
+    swept = runner.invoke(app, ["sweep", str(path), "--out", str(tmp_path / "cpu.csv"), "--device", "cpu"])
+    assert swept.exit_code == 0 and len(asked) == 4, swept.output
+    assert "2 point(s) and answer(s)" in " ".join(swept.output.split()) and "2 seed(s)" in swept.output
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [(["--seeds-only", "--dry-run"], "give one of them"), (["--seeds-only", "--device", "cpu"], "leave out --device")],
+)
+def test_seeds_only_with_a_dry_run_or_a_cpu_is_one_line_and_exit_2(tmp_path, args, message):
+    """--seeds-only predicts a GPU's seeds and runs nothing: with --dry-run or --device cpu it is a
+    one-line error before any work, and no results file is written."""
+    out = tmp_path / "x.csv"
+    result = runner.invoke(app, ["sweep", "experiments/smoke_cpu.toml", *args, "--out", str(out)])
+    assert result.exit_code == 2 and message in result.output
+    assert len(result.output.strip().splitlines()) == 1 and not out.exists()

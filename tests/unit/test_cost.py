@@ -136,3 +136,15 @@ def test_dry_run_prints_the_entries_and_runs_nothing(tmp_path):
     assert "Fig. 3 max T, Qwen3-8B" in result.output and "Table 1, Qwen3-4B" in result.output
     assert "not measured" in result.output and "NVIDIA H100 80GB HBM3" in result.output
     assert not out.exists()
+
+
+@pytest.mark.filterwarnings("ignore::sbpbench.config.run.BeyondContextWarning")
+def test_a_sweeps_budget_weighs_a_point_at_the_dry_runs_price():
+    """The seconds --budget weighs before starting a point (pricing.py point_seconds) are the ones
+    --dry-run prints for it, on the same GPU."""
+    from sbpbench.runner.pricing import point_seconds
+
+    whole = price_experiment(PAPER, results=ROOT / "results")
+    first = load_experiment(PAPER, device="cpu", defaults_for="cuda").grid[0]  # the 64k gpu point
+    seconds = point_seconds(whole.device, ROOT / "results")(first)
+    assert seconds == whole.costs[3].device_s and 60 < seconds < 3600

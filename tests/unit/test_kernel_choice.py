@@ -15,11 +15,12 @@ from sbpbench.core import attention, kernel_choice
 from sbpbench.core.attention import lower_right_attention
 from sbpbench.core.chunk_kernels import ChunkCall, ChunkKernel, SplitKernel
 from sbpbench.core.kernel_choice import (
+    CACHED,
     LOWER_RIGHT,
     KernelChooser,
     MemoryCache,
+    auto_mode,
     chunk_attention,
-    kernel_timing,
     observe_chunk_kernels,
     run_chunk,
     shape_class,
@@ -78,8 +79,11 @@ def _call(num_queries=5, num_keys=12, seed=0) -> ChunkCall:
     return ChunkCall(query, key, value, num_keys - num_queries, 0, None)
 
 
-def _chooser(clock, *kernels, cache=None) -> KernelChooser:
-    return KernelChooser({k.name: k for k in kernels}, cache if cache is not None else MemoryCache(), clock.timer)
+def _chooser(clock, *kernels, cache=None, on_cpu=False) -> KernelChooser:
+    """on_cpu: auto measures on CPU tensors as it would on a GPU (its device check is the only difference)."""
+    cache = cache if cache is not None else MemoryCache()
+    devices = ("cpu",) if on_cpu else kernel_choice.AUTO_DEVICE_TYPES
+    return KernelChooser({k.name: k for k in kernels}, cache, clock.timer, device_types=devices)
 
 
 def test_the_fastest_is_kept_and_a_slower_one_never():
@@ -174,12 +178,6 @@ def test_the_cache_lives_under_the_users_cache_dir(monkeypatch, tmp_path):
     assert default_cache_path() == tmp_path / "own" / "attention-kernels.json"
 
 
-@pytest.fixture
-def auto_on_cpu(monkeypatch):
-    """Auto measures on CPU tensors as it would on a GPU (its device check is the only difference)."""
-    monkeypatch.setattr(kernel_choice, "AUTO_DEVICE_TYPES", ("cpu",))
-
-
 def test_auto_off_a_gpu_keeps_the_reference_without_timing():
     """On a CPU auto is the lower-right path: no candidate runs, nothing is cached."""
     clock = FakeClock()
@@ -190,13 +188,13 @@ def test_auto_off_a_gpu_keeps_the_reference_without_timing():
     assert (fast.runs, seen, chooser.cache.choices) == (0, {LOWER_RIGHT}, {})
 
 
-def test_no_timing_where_forbidden_nor_under_a_narrowed_sdpa(auto_on_cpu):
-    """A measured step (kernel_timing(False)) runs the reference for an uncached class and caches
+def test_no_timing_where_forbidden_nor_under_a_narrowed_sdpa():
+    """A measured step (auto_mode(CACHED)) runs the reference for an uncached class and caches
     nothing; an sdpa_kernel block that narrows SDPA keeps auto on the reference."""
     clock = FakeClock()
     fast = StandIn("fast", clock, 1.0)
-    chooser = _chooser(clock, fast)
-    with using_chooser(chooser), kernel_timing(False), observe_chunk_kernels() as seen:
+    chooser = _chooser(clock, fast, on_cpu=True)
+    with using_chooser(chooser), auto_mode(CACHED), observe_chunk_kernels() as seen:
         run_chunk(_call(), _reference(clock, 3.0))
     assert (fast.runs, seen, chooser.cache.choices) == (0, {LOWER_RIGHT}, {})
     with using_chooser(chooser), sdpa_kernel([SDPBackend.FLASH_ATTENTION]), observe_chunk_kernels() as seen:
@@ -204,12 +202,12 @@ def test_no_timing_where_forbidden_nor_under_a_narrowed_sdpa(auto_on_cpu):
     assert (fast.runs, seen) == (0, {LOWER_RIGHT})
 
 
-def test_auto_through_a_whole_model_is_exact_and_recorded(auto_on_cpu, monkeypatch):
+def test_auto_through_a_whole_model_is_exact_and_recorded(monkeypatch):
     """stream_backward with auto: each shape class timed once, the fast stand-in (the split's values)
     kept and run, bp's gradients to 1e-10, and the step's kernels name it."""
     clock = FakeClock()
     fast, slow = StandIn("fast", clock, 1.0), StandIn("slow", clock, 5.0)
-    chooser = _chooser(clock, fast, slow)
+    chooser = _chooser(clock, fast, slow, on_cpu=True)
     timed_reference = _reference(clock, 3.0)
     monkeypatch.setattr(attention, "lower_right_attention", timed_reference)
     model = tiny_model("tiny/qwen3")
@@ -253,8 +251,9 @@ def test_only_streambp_reads_the_chunk_kernel():
 
 
 def test_the_cuda_memory_step_never_times_and_records_the_chunk_kernels(monkeypatch):
-    """The worker's CUDA measurement (against stand-ins for torch.cuda's counters): the warm-up may
-    time kernels, the memory step may not, and the row names the chunk kernel the memory step ran."""
+    """The worker's CUDA measurement (against stand-ins for torch.cuda's counters): neither the
+    warm-up nor the memory step may time a kernel, the memory step runs auto as the reference, and
+    the row names the chunk kernel the memory step ran."""
     from sbpbench.records import ResultRow
     from sbpbench.runner import point
 
@@ -265,13 +264,13 @@ def test_the_cuda_memory_step_never_times_and_records_the_chunk_kernels(monkeypa
     monkeypatch.setattr(point, "nvml_handle", lambda device: None)
 
     class Step:
-        may_time: list[bool] = []
+        modes: list[str] = []
 
         def prepare(self):
             pass
 
         def run(self):
-            self.may_time.append(kernel_choice._may_time.get())
+            self.modes.append(kernel_choice._mode.get())
             with chunk_attention("split"):
                 run_chunk(_call(), lower_right_attention)
             return torch.tensor(1.0)
@@ -279,7 +278,68 @@ def test_the_cuda_memory_step_never_times_and_records_the_chunk_kernels(monkeypa
     (spec,) = point_specs({"model": "tiny/qwen3", "repeats": 0, "warmup": 1}, ["streambp"])
     row, step = ResultRow(), Step()
     point._measure_cuda(spec, step, row, torch.device("cuda:0"), lambda name: None)
-    assert step.may_time == [True, False] and row.attention_kernel == "split"
+    assert step.modes == [kernel_choice.CACHED, kernel_choice.REFERENCE] and row.attention_kernel == "split"
+
+
+def test_flex_refuses_fp64_on_a_gpu():
+    """FlexAttention's GPU kernel accumulates in fp32: an fp64 call on CUDA (fake tensors) is refused
+    before anything compiles; fp32 on CUDA and the CPU's fp64 eager path are not."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from sbpbench.core.chunk_kernels import FlexKernel
+
+    with FakeTensorMode():
+        query64 = torch.empty(1, 4, 5, 8, dtype=torch.float64, device="cuda")
+        query32 = torch.empty(1, 4, 5, 8, dtype=torch.float32, device="cuda")
+    assert "fp32" in FlexKernel().unsupported(ChunkCall(query64, query64, query64, 7, 0, None))
+    assert FlexKernel().unsupported(ChunkCall(query32, query32, query32, 7, 0, None)) is None
+    assert FlexKernel().unsupported(_call()) is None  # fp64 on the CPU
+
+
+def _shifted_mask(call: ChunkCall) -> torch.Tensor:
+    """Offset-causal attention with every query seeing one key too many (a mask off by one)."""
+    query, key, value = call.query, call.key, call.value
+    num_queries, num_keys = query.shape[2], key.shape[2]
+    query_pos = torch.arange(num_keys - num_queries, num_keys)[:, None]
+    sees = torch.arange(num_keys)[None, :] <= query_pos + 1
+    repeats = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(repeats, 1), value.repeat_interleave(repeats, 1)
+    return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=sees, scale=call.scale)
+
+
+def test_bf16_agreement_catches_a_mask_one_key_off():
+    """In bf16 a kernel whose mask lets each query see one key too many is within the old flat bound
+    (4 roundings, 1.6%, over the whole tensor) but beyond 4x the reference's own error against fp32;
+    the split, whose math is the reference's, passes."""
+    from sbpbench.core.kernel_choice import Judge, _forward_backward, agreement_tolerance, relative_error
+
+    torch.manual_seed(0)
+    query = torch.randn(1, 4, 512, 64, dtype=torch.bfloat16)
+    key, value = (torch.randn(1, 2, 16384, 64, dtype=torch.bfloat16) for _ in range(2))
+    call = ChunkCall(query, key, value, 16384 - 512, 0, None)
+    grad_out = torch.randn(1, 4, 512, 64, dtype=torch.bfloat16)
+    expected = _forward_backward(lower_right_attention, call, grad_out)
+    wide = call.with_tensors(*(t.float() for t in (query, key, value)))
+    judge = Judge(expected, _forward_backward(lower_right_attention, wide, grad_out.float()))
+    shifted = _forward_backward(_shifted_mask, call, grad_out)
+    assert max(relative_error(s, e) for s, e in zip(shifted, expected)) < agreement_tolerance(torch.bfloat16)
+    assert judge.error(shifted) is not None
+    assert judge.error(_forward_backward(SplitKernel().run, call, grad_out)) is None
+
+
+def test_an_out_of_memory_while_timing_is_remembered():
+    """A class that ran out of memory while being measured runs the reference from then on, untried."""
+    clock = FakeClock()
+    short = StandIn("short", clock, 1.0)
+    short.run = lambda call: (short.__dict__.__setitem__("runs", short.runs + 1), _oom())[1]
+    chooser = _chooser(clock, short)
+    with pytest.warns(UserWarning, match="no memory to time"):
+        assert chooser.choose(_call(), _reference(clock, 3.0)) == LOWER_RIGHT
+    assert chooser.choose(_call(), _reference(clock, 3.0)) == LOWER_RIGHT and short.runs == 1
+
+
+def _oom():
+    raise torch.OutOfMemoryError("CUDA out of memory")
 
 
 def test_the_estimator_refuses_a_forced_chunk_kernel():

@@ -178,7 +178,7 @@ def test_schema_3_rows_migrate_to_keys_without_unread_settings(tmp_path):
     new = decode_row({**migrated[0], "schema_version": str(SCHEMA_VERSION), "peak_allocated_bytes": "300"})
     upsert_rows(path, [new])
     assert [(r["method"], r["peak_allocated_bytes"]) for r in read_rows(path)] == [("bp", "300"), ("streambp", "50")]
-    assert SCHEMA_VERSION == 13
+    assert SCHEMA_VERSION == 14
     assert SCHEMA_VERSION >= 4
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import pickle
 import re
+from contextlib import nullcontext
 from types import SimpleNamespace
 
 import pytest
@@ -351,6 +352,120 @@ def test_a_failed_snapshot_costs_the_timeline_not_the_row(monkeypatch, tmp_path)
     point._measure_cuda(spec, step, row, torch.device("cuda:0"), lambda name: step.prepare(), tmp_path, history)
     assert row.loss is not None and row.peak_allocated_bytes == history.peak and row.timeline_file == ""
     assert history.calls[-1] == ("stop",)
+
+
+class DeviceThreadHistory(RecordingMemoryHistory):
+    """The stand-in with torch's per-thread metadata: on a GPU autograd runs a backward on its
+    device thread unless multithreaded backward is off, so an entry made while a backward node runs
+    carries that thread's metadata, set only by a hook running there."""
+
+    def __init__(self, baseline_bytes: int = 0):
+        super().__init__(baseline_bytes)
+        self.labels = {"step": "", "device": ""}  # each thread's metadata
+
+    def _thread(self) -> str:
+        in_backward = torch._C._current_autograd_node() is not None
+        return "device" if in_backward and torch._C._is_multithreading_enabled() else "step"
+
+    def set_metadata(self, text: str) -> None:
+        self.calls.append(("set_metadata", text))
+        self.labels[self._thread()] = text
+
+    def _entry(self, action: str, address: int, nbytes: int) -> None:
+        self.metadata = self.labels[self._thread()]
+        super()._entry(action, address, nbytes)
+
+
+def _tracked_peak(spec):
+    """The CPU tracker's peak of the point's step at 512-byte rounding."""
+    step = _cpu_step(spec)
+    step.prepare()
+    tracked = TrackedTimeline(resident_kinds(step, 512), granularity_bytes=512)
+    with marking(tracked, step), tracked:
+        step.run()
+    return tracked.timeline(point={}).peak
+
+
+def _recorded(monkeypatch, tmp_path, spec):
+    """The worker's CUDA memory step recorded through DeviceThreadHistory: (history, timeline)."""
+    step = _cpu_step(spec)
+    history = DeviceThreadHistory(baseline_bytes=sum(resident_kinds(step, 512).values()))
+    _cuda_stubs(monkeypatch, history)
+    row = ResultRow()
+    point._measure_cuda(spec, step, row, torch.device("cuda:0"), lambda name: step.prepare(), tmp_path, history)
+    return history, load_timeline(row.timeline_file)
+
+
+def _step_allocations(history) -> list[dict]:
+    """The alloc entries from the recorder's first mark on."""
+    entries = history.entries
+    first = next(i for i, e in enumerate(entries) if e.get("user_metadata", "").startswith("sbp\t"))
+    return [e for e in entries[first:] if e["action"] == "alloc"]
+
+
+@pytest.mark.parametrize(("method", "values"), [("streambp", {**LAYER_PEAK, "checkpoints": "cpu"}), ("bp", {})])
+def test_the_recorded_backward_runs_on_the_steps_thread(monkeypatch, tmp_path, method, values):
+    """The allocator's metadata is per thread and a GPU's backward runs on autograd's device
+    thread: the recorder runs the step's backward on the step's thread, so every allocation carries
+    a mark and the replay gives the tracker's peak, its phase and its kinds; multithreaded
+    backward is back on after."""
+    spec = _spec(method, **values)
+    expected = _tracked_peak(spec)
+    history, timeline = _recorded(monkeypatch, tmp_path, spec)
+    assert all(e["user_metadata"].startswith("sbp\t") for e in _step_allocations(history))
+    assert timeline.peak.bytes == expected.bytes and timeline.peak.kinds == expected.kinds
+    assert timeline.peak.phase == expected.phase
+    assert torch._C._is_multithreading_enabled()
+
+
+@pytest.mark.parametrize(("method", "values"), [("streambp", {**LAYER_PEAK, "checkpoints": "cpu"}), ("bp", {})])
+def test_the_replay_counts_a_backward_without_the_steps_marks(monkeypatch, tmp_path, method, values):
+    """Where the backward stays on autograd's device thread, its allocations carry no mark or an
+    old one; the replay still counts every byte, each of the latest mark's kind: the tracker's
+    peak and its kinds."""
+    spec = _spec(method, **values)
+    expected = _tracked_peak(spec)
+    monkeypatch.setattr(torch.autograd, "set_multithreading_enabled", lambda mode: nullcontext())
+    history, timeline = _recorded(monkeypatch, tmp_path, spec)
+    assert any(not e["user_metadata"] for e in _step_allocations(history))  # the case under test
+    assert timeline.peak.bytes == expected.bytes and timeline.peak.kinds == expected.kinds
+
+
+def test_the_replay_gives_unmarked_and_stale_entries_the_latest_mark():
+    """An entry with no mark, another tool's metadata, or an older mark than one already seen (a
+    thread whose metadata was set earlier) counts under the latest mark in the trace; entries
+    before the first mark are not the step's."""
+    from sbpbench.measure.cuda_timeline import timeline_from_trace
+
+    def entry(action, address, size, label):
+        return {"action": action, "addr": address, "size": size, "stream": 0, "user_metadata": label}
+
+    forward, head, layer = (
+        "sbp\t1\tintermediates\tforward",
+        "sbp\t2\tlogits\thead",
+        "sbp\t3\tintermediates\tbackward layer 0",
+    )
+    trace = [
+        entry("alloc", 1, 8, ""),  # before the recorder's first mark
+        entry("alloc", 10, 1024, forward),
+        entry("alloc", 20, 4096, head),
+        entry("alloc", 30, 2048, ""),  # the head's backward, on the device thread: logits
+        entry("free_requested", 20, 4096, ""),
+        entry("alloc", 40, 1000, "another tool's label"),  # logits, 1024 B as allocated
+        entry("alloc", 50, 512, layer),  # a hook set the mark on the device thread
+        entry("alloc", 60, 8192, head),  # the step's thread, its metadata older: intermediates
+        entry("free_requested", 60, 8192, head),
+    ]
+    for time_us, each in enumerate(trace):
+        each["time_us"] = time_us
+    host = {"at": [], "pinned_bytes": [], "rss_bytes": []}
+    timeline = timeline_from_trace(trace, 5120, {"weights": 4096}, [], host, point={})
+    peak = timeline.peak
+    assert peak.bytes == 5120 + 1024 + 2048 + 1024 + 512 + 8192 and peak.phase == "backward layer 0"
+    assert {k: v for k, v in peak.kinds.items() if v} == {
+        "weights": 4096, "logits": 2048 + 1024, "intermediates": 1024 + 512 + 8192, "other": 1024,
+    }  # fmt: skip
+    assert timeline.samples["bytes"][-1] == 5120 + 1024 + 2048 + 1024 + 512
 
 
 def _small_history(entries: int):
