@@ -5,7 +5,7 @@
 
 The shapes are StreamBP's at long T: chunks of 1k-8k queries over 8k-512k keys (the chunk's own
 included, keys ending where the queries end), 32 query and 8 key heads of dim 128 (Qwen3-8B), bf16,
-batch 1. Each kernel of core/chunk_kernels.py (and the lower-right SDPA reference) runs each shape
+batch 1. Each kernel of core/kernels/chunk_kernels.py (and the lower-right SDPA reference) runs each shape
 once to check its values against the reference and warm up (compilation, cuDNN plans), then
 `--reps` timed forwards and backwards, by CUDA events (perf_counter on a CPU); the median and the
 spread are kept. FLOPs are counted as measure/flops.py counts attention (below the diagonal; a
@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 
 from sbpbench.core.attention import lower_right_attention
-from sbpbench.core.chunk_kernels import ChunkCall, default_kernels
-from sbpbench.core.kernel_choice import LOWER_RIGHT, agreement_tolerance, cuda_event_timer, relative_error
+from sbpbench.core.kernels.chunk_kernels import ChunkCall, default_kernels
+from sbpbench.core.kernels.kernel_choice import LOWER_RIGHT, agreement_tolerance, cuda_event_timer, relative_error
 from sbpbench.measure.environment import capture_environment
 from sbpbench.measure.flops import chunk_attention_flops
 

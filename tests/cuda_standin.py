@@ -47,8 +47,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from sbpbench.core import stream as stream_module
 from sbpbench.core.cuda_calls import CudaCalls
 from sbpbench.core.host_pool import PAGE_BYTES, HostBuffer, HostBufferPool
-from sbpbench.core.placement import CheckpointStore
-from sbpbench.core.stream_store import StreamingStore
+from sbpbench.core.placements.placement import CheckpointStore
+from sbpbench.core.placements.stream_store import StreamingStore
 
 DROPPABLE = (
     "wait_event",

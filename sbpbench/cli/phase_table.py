@@ -42,7 +42,7 @@ def _flops(row: ResultRow) -> dict[str, float]:
     from ..measure.flops import phase_flops
     from ..models import load_config
 
-    recompute = re.search(r"recompute:(\d+)", row.checkpoints or "")  # core/placement.py's names
+    recompute = re.search(r"recompute:(\d+)", row.checkpoints or "")  # core/placements/placement.py's names
     config = load_config(row.model, **({"num_hidden_layers": row.num_layers} if row.num_layers else {}))
     phases = phase_flops(
         config,

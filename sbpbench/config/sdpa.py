@@ -1,5 +1,5 @@
 """`--sdpa-backend`: one scaled-dot-product-attention kernel forced for every method of a point;
-`--set chunk_attention=KERNEL`: StreamBP's kernel for a chunk's attention over its prefix (core/kernel_choice.py).
+`--set chunk_attention=KERNEL`: StreamBP's kernel for a chunk's attention over its prefix (core/kernels/kernel_choice.py).
 
 bp and ckpt reach SDPA through transformers' sdpa attention, streambp through its own attention
 function (core/attention.py); both call torch's SDPA, so `torch.nn.attention.sdpa_kernel` around the

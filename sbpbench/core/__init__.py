@@ -12,7 +12,7 @@ from .cuda_calls import release_pinned_memory
 from .labels import IGNORE_INDEX
 from .objectives import DPO, GRPO, SFT, Objective
 from .phases import PhaseTimer, PhaseTimes
-from .placement import Placement
+from .placements.placement import Placement
 from .stream import DEFAULT_CHUNK_SIZE, DEFAULT_LOGITS_CHUNK_SIZE, LayerProgress, stream_backward
 
 __all__ = [

@@ -36,8 +36,8 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
 
-from .chunk_kernels import ChunkCall
-from .kernel_choice import run_chunk
+from .kernels.chunk_kernels import ChunkCall
+from .kernels.kernel_choice import run_chunk
 from .layout import ChunkPlan, SequenceLayout, window_start
 from .memory_kinds import KV_BUFFERS, allocating
 

@@ -26,7 +26,7 @@ from .adapters import DecoderParts
 from .attention import STATE_KWARG, KVBuffer
 from .chunking import chunk_bounds, chunk_kwargs
 from .layout import SequenceLayout
-from .placement import CheckpointStore, Placement
+from .placements.placement import CheckpointStore, Placement
 
 
 @dataclass

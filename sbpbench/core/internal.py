@@ -21,7 +21,7 @@ from .attention import (
 )
 from .checkpoints import forwards_wrapped
 from .head import counted_chunks, sequence_sums
-from .kernel_choice import (
+from .kernels.kernel_choice import (
     CACHED,
     LOWER_RIGHT,
     REFERENCE,
@@ -33,9 +33,9 @@ from .kernel_choice import (
 )
 from .labels import count_targets, loss_dtype, shift_labels
 from .objectives import GRPO_LOSS_TYPES
-from .placement import CheckpointStore, observe_stores
-from .rebuild_schedule import every_input_buffers, schedule
-from .sequences import DeviceSequence
+from .placements.placement import CheckpointStore, observe_stores
+from .placements.rebuild_schedule import every_input_buffers, schedule
+from .placements.sequences import DeviceSequence
 
 __all__ = [
     "ATTENTION_NAME",

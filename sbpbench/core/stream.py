@@ -24,18 +24,18 @@ from .attention import ATTENTION_NAME
 from .checkpoints import Checkpoints, chunked_layer_forward, forward_checkpoints
 from .chunking import chunk_bounds
 from .grad_accum import ChunkGradAccumulator
-from .grad_sync import for_model as grad_sync_for
-from .grad_sync import unwrap
-from .grad_sync_base import GradSync
 from .head import head_backward
-from .kernel_choice import check_chunk_attention
-from .kernel_choice import chunk_attention as use_chunk_attention
+from .kernels.kernel_choice import check_chunk_attention
+from .kernels.kernel_choice import chunk_attention as use_chunk_attention
 from .layer_backward import layer_backward
 from .layout import build_layout
 from .objectives import SFT, Objective
+from .parallel.grad_sync import for_model as grad_sync_for
+from .parallel.grad_sync import unwrap
+from .parallel.grad_sync_base import GradSync
 from .phases import CHECKPOINT_PASS, HEAD, REBUILD, PhaseTimer, timed
-from .placement import CheckpointStore, Placement
-from .stream_store import StreamingStore
+from .placements.placement import CheckpointStore, Placement
+from .placements.stream_store import StreamingStore
 
 DEFAULT_CHUNK_SIZE = 500  # the paper's layer partition for its max-length runs (appendix D)
 DEFAULT_LOGITS_CHUNK_SIZE = 100  # the paper's logits partition

@@ -12,7 +12,7 @@ class StreamBPConfig:
     """chunk_size: positions per chunk in the checkpoint pass and the layer backward;
     logits_chunk_size: positions per chunk of the LM head and loss; checkpoints: where the layer
     inputs live between the two ("gpu", "cpu", "recompute:K", "cpu+recompute:K",
-    "cpu+recompute:K+spill"; sbpbench/core/placement.py). None of them changes the gradients."""
+    "cpu+recompute:K+spill"; sbpbench/core/placements/placement.py). None of them changes the gradients."""
 
     chunk_size: int = DEFAULT_CHUNK_SIZE
     logits_chunk_size: int = DEFAULT_LOGITS_CHUNK_SIZE

@@ -1,5 +1,5 @@
 """The host copy rate each way, between page-locked host memory and the device, as StreamBP's offload
-and stream placements copy (core/host_copies.py): the number the planner assumes
+and stream placements copy (core/placements/host_copies.py): the number the planner assumes
 (simulate/timing.py `host_copy_bytes_s`), measured.
 
     python -m sbpbench.measure.copy_rate --out copy-rate.csv

@@ -1,6 +1,6 @@
 """StreamBP's measured attention-kernel choices, kept on disk between processes.
 
-core/kernel_choice.py times the candidate kernels for a chunk's attention on the first call of a
+core/kernels/kernel_choice.py times the candidate kernels for a chunk's attention on the first call of a
 shape class and asks a cache for earlier answers; core keeps them in memory. The runner measures
 each point in a fresh process, so it installs this cache: one JSON object, key -> kernel name,
 under `$SBP_CACHE_DIR` or `$XDG_CACHE_HOME/sbpbench` (default ~/.cache/sbpbench). A key names the

@@ -1,6 +1,6 @@
 """Data-parallel sharding of a built model with PyTorch FSDP2 (`fully_shard`), as StreamBP needs it
 and as torchtitan applies it: one FSDP unit per decoder layer, then the root (embedding, final
-norm and lm_head, tied or not, stay in the root unit; core/grad_sync.py). FULL_SHARD: parameters,
+norm and lm_head, tied or not, stay in the root unit; core/parallel/grad_sync.py). FULL_SHARD: parameters,
 gradients and optimizer moments are split 1/N over the ranks; a layer's parameters are gathered
 while it runs. docs/distributed.md, "FSDP2".
 """

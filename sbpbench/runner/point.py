@@ -21,7 +21,7 @@ cap is on the tracked bytes, against the machine's RAM) runs at the capacity; th
 that applied (memory_limit_effective_bytes) and the parent says so (runner/isolated.py).
 Every step runs under the forced SDPA kernel, if any (spec.sdpa_backend, measure/sdpa.py); the
 memory step records the kernels that ran (attention_kernel): SDPA's, and StreamBP's chunk kernels
-(core/kernel_choice.py) other than the lower-right SDPA path, e.g. "cudnn+split". StreamBP's chunk
+(core/kernels/kernel_choice.py) other than the lower-right SDPA path, e.g. "cudnn+split". StreamBP's chunk
 kernel under auto is fixed in the memory step: the lower-right path, which the estimator models, so
 a peak never depends on which points ran before. No step ever times a kernel. Before the timed
 steps, an untimed pass (`tune_kernels`, its seconds in tuning_s) measures the shape classes of the
@@ -356,7 +356,7 @@ def _measure(spec: RunSpec, timeline_dir: Path | None) -> ResultRow:
 
 def tune_kernels(calls, synchronize: Callable[[], None]) -> float:
     """Seconds of the untimed pass that chooses the chunk kernels of the calls the point's first
-    steps made and runs each chosen kernel once per shape (core/kernel_choice.py
+    steps made and runs each chosen kernel once per shape (core/kernels/kernel_choice.py
     `tune_chunk_calls`): the measuring, a cuDNN graph per shape and a first compile happen here,
     never in a timed step."""
     synchronize()

@@ -30,7 +30,7 @@ PROTOCOLS = ("steady", "first")
 # path; the efficient and cuDNN kernels exist only on CUDA.
 SDPA_BACKENDS = ("auto", "flash", "efficient", "cudnn", "math")
 CPU_SDPA_BACKENDS = ("auto", "flash", "math")
-# `--set chunk_attention=` (core/kernel_choice.py CHUNK_ATTENTION_CHOICES, which a test checks equal):
+# `--set chunk_attention=` (core/kernels/kernel_choice.py CHUNK_ATTENTION_CHOICES, which a test checks equal):
 # the kernel of a StreamBP chunk's attention over its prefix. auto: measured on a GPU, lower-right
 # elsewhere; lower-right: SDPA with a lower-right causal bias (FlashAttention-2 on a GPU); split:
 # prefix + diagonal block on cuDNN, merged by log-sum-exp; flex: FlexAttention; fa3 / fa4:

@@ -193,7 +193,7 @@ SETTINGS: dict[str, Setting] = {
         read_by=("streambp",),
         axis=True,
         metavar="PLACE",
-    ),  # no `choices`: K is open; RunSpec checks the name (core.placement.Placement.parse)
+    ),  # no `choices`: K is open; RunSpec checks the name (core.placements.placement.Placement.parse)
     "chunk_attention": Setting(
         str,
         "StreamBP attention kernel (default: auto).",  # auto: the fastest measured on a GPU

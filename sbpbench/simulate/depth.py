@@ -148,7 +148,7 @@ class StoreCounts:
 
 
 def store_counts(placement: Placement, num_layers: int, *, embedding_trains: bool = True) -> StoreCounts:
-    """The checkpoint store (core/placement.py) of `placement` put, got and released as
+    """The checkpoint store (core/placements/placement.py) of `placement` put, got and released as
     stream_backward does, on one-element CPU tensors: its own counters, in layer inputs. A stream
     placement's, from its schedule: its buffers, and the copies of the whole step (`stream_transfers`)."""
     if placement.stream:

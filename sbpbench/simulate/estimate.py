@@ -14,7 +14,7 @@ What a GPU needs beyond the allocated peak is the margin, reported separately (M
 With spec.nproc > 1 the prediction is one rank's under FSDP2 FULL_SHARD (sharded.py): the same
 step on the rank's batch, with sharded resident terms and FSDP2's gathered copies added.
 
-Host memory is counted apart (core.placement.observe_stores): the checkpoint copies a placement
+Host memory is counted apart (core.placements.placement.observe_stores): the checkpoint copies a placement
 keeps on the host (`host_pinned_bytes`, their peak) plus HOST_PROCESS_BYTES for the process
 itself; a point fits when both the device and the host side fit.
 """

@@ -81,7 +81,7 @@ def sample_lengths(spec: RunSpec) -> list[int] | None:
     step = period(spec)
     chunk, logits = spec.settings.chunk_size or 0, spec.settings.logits_chunk_size or 0
     prompt = spec.prompt_len if spec.objective in PROMPTED_OBJECTIVES else 0  # whole from 2 x prompt_len on
-    # a stream placement starts the copy of the next chunk under the previous chunk's key (core/sequences.py):
+    # a stream placement starts the copy of the next chunk under the previous chunk's key (core/placements/sequences.py):
     # one layer chunk and one head chunk more, as `_alike` compares one chunk fewer of each
     streamed = _streamed(spec)
     shortest = max((3 + streamed) * chunk + 1, math.ceil((2.5 + streamed) * logits) + 3 + prompt, 2 * prompt + 1, step)
@@ -140,7 +140,7 @@ def _sample(
 
 
 def _streamed(spec: RunSpec) -> bool:
-    """Whether spec runs a stream placement (core/stream_store.py)."""
+    """Whether spec runs a stream placement (core/placements/stream_store.py)."""
     return bool(spec.settings.checkpoints) and Placement.parse(spec.settings.checkpoints).stream
 
 

@@ -8,7 +8,7 @@ activations, which depend on the rank's batch only. So, per rank:
                (dim 0 padded to a multiple of N, as fully_shard pads it), plus the batch
     peak     = baseline + the one-GPU activation peak + what FSDP2 holds gathered at that phase:
       forward, HF head, embedding:  the root unit (embedding, final norm, lm_head: gathered from the
-                                    first forward to the end of backward, core/grad_sync.py) and one
+                                    first forward to the end of backward, core/parallel/grad_sync.py) and one
                                     decoder layer's unsharded parameters
       StreamBP head chunks (both     the root unit and its unsharded gradients (lm_head's)
       of DPO's passes):

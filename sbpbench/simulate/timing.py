@@ -19,7 +19,7 @@ multiply-add, causal attention below the diagonal only), divided by a rate per k
   bandwidth, each overlapping the compute it runs beside (a copy out the next layer's forward, a
   copy back the current layer's backward): only what exceeds that compute is added, plus the
   first copy back, which nothing overlaps;
-- stream placements (`stream_copies_s`): the rebuilt layers' forwards (core/rebuild_schedule.py) as
+- stream placements (`stream_copies_s`): the rebuilt layers' forwards (core/placements/rebuild_schedule.py) as
   work, and the chunk copies of each phase beyond the compute of that phase (they run one chunk ahead
   beside it): a layer's forward reads and writes one layer input, its backward reads two and dZ and
   writes dX, the head and the embedding's backward copy theirs beside no compute counted here. One

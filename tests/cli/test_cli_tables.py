@@ -14,7 +14,7 @@ from sbpbench.cli.models_cmd import models_table
 from sbpbench.cli.plan_cmd import plan_table, summary_table
 from sbpbench.cli.tables import estimate_table, maxlen_table, point_title, points_table, print_table, results_table
 from sbpbench.config import RunSpec
-from sbpbench.core.placement import Placement
+from sbpbench.core.placements.placement import Placement
 from sbpbench.methods.exactness import MethodComparison, TensorDiff
 from sbpbench.records import ResultRow
 from sbpbench.simulate import MARGIN_NOTE

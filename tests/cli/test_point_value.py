@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from sbpbench.cli import app
 from sbpbench.config import ConfigError, RunSpec, point_specs
-from sbpbench.core.placement import Placement
+from sbpbench.core.placements.placement import Placement
 from sbpbench.runner import isolated
 from sbpbench.runner.point import measure_point
 

@@ -1,5 +1,5 @@
 """StreamBP under FSDP2 on CPU with 2 gloo ranks: gradients equal one process's, and the collectives
-equal plain FSDP2 backprop's whatever the chunk count (core/grad_sync.py).
+equal plain FSDP2 backprop's whatever the chunk count (core/parallel/grad_sync.py).
 
 Each rank trains on its own batch (data parallel); the reference is standard BP in one process on
 every rank's batch, gradients averaged over ranks (FSDP2 divides by the world size) and summed over
@@ -305,7 +305,7 @@ def test_sequence_parallel_attention_is_refused():
     """An attention implementation named like Ulysses / ring attention is refused before any work."""
     from types import SimpleNamespace
 
-    from sbpbench.core.grad_sync import check_no_sequence_parallel
+    from sbpbench.core.parallel.grad_sync import check_no_sequence_parallel
 
     model = torch.nn.Linear(2, 2)
     with pytest.raises(ValueError, match="sequence/context parallel"):
@@ -317,7 +317,7 @@ def test_context_parallel_mesh_is_refused():
     """A parameter on a device mesh with a context-parallel dimension ("dp_shard_cp") is refused."""
     from types import SimpleNamespace
 
-    from sbpbench.core.grad_sync import check_no_sequence_parallel
+    from sbpbench.core.parallel.grad_sync import check_no_sequence_parallel
 
     model = torch.nn.Linear(2, 2)
     model.weight.device_mesh = SimpleNamespace(mesh_dim_names=("dp_shard_cp",))  # what a DTensor carries
@@ -376,7 +376,7 @@ def test_deepspeed_loss_scaling_found_with_or_without_amp_enabled():
     """The fp16 loss-scaling check works on engines with amp_enabled() (DeepSpeed < 0.19.8) and without
     it (0.19.8+), and sees each way an engine scales the loss: fp16, Apex AMP, a ZeRO optimizer's
     scaler, torch.autocast fp16's GradScaler at ZeRO-0."""
-    from sbpbench.core.grad_sync_deepspeed import scales_loss
+    from sbpbench.core.parallel.grad_sync_deepspeed import scales_loss
 
     assert not scales_loss(_ds_engine())  # 0.19.8+: no amp_enabled attribute
     assert not scales_loss(_ds_engine(amp=False, optimizer_scales=False))

@@ -1,6 +1,6 @@
 """StreamBP under DeepSpeed ZeRO-1/2/3 on CPU with 2 gloo ranks: gradients equal one process's, each
 gradient is reduced once and (ZeRO-3) each parameter gathered once per pass, whatever the chunk
-count (core/grad_sync_deepspeed.py).
+count (core/parallel/grad_sync_deepspeed.py).
 
 As in tests/distributed/test_distributed.py: each rank trains on its own batch; the reference is standard BP in
 one process, rank-averaged and micro-batch-summed, divided by gradient_accumulation_steps as

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from sbpbench.config import RunSpec
-from sbpbench.core.placement import Placement
+from sbpbench.core.placements.placement import Placement
 from sbpbench.records import ResultRow, upsert_rows
 from sbpbench.simulate import plan as planner
 from sbpbench.simulate.depth import store_counts

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from sbpbench.core.chunk_kernels import ChunkKernel
+from sbpbench.core.kernels.chunk_kernels import ChunkKernel
 from sbpbench.measure.flops import chunk_attention_flops
 
 from ..conftest import load_script

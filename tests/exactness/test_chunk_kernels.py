@@ -1,4 +1,4 @@
-"""The kernels for an offset-causal chunk (core/chunk_kernels.py, split_attention.py) give the
+"""The kernels for an offset-causal chunk (core/kernels/chunk_kernels.py, split_attention.py) give the
 lower-right SDPA path's output and gradients, in fp64 on a CPU, per call and through whole models
 in every layout; the CUDA-only calls (cuDNN's aten ops, FlashAttention-3/4) are wired as their
 APIs say, checked through stand-ins that compute what the real kernels compute."""
@@ -12,9 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sbpbench.core import kernel_choice, stream_backward
+from sbpbench.core import stream_backward
 from sbpbench.core.attention import lower_right_attention
-from sbpbench.core.chunk_kernels import (
+from sbpbench.core.kernels import kernel_choice
+from sbpbench.core.kernels.chunk_kernels import (
     ChunkCall,
     FlashAttention3,
     FlashAttention4,
@@ -24,8 +25,8 @@ from sbpbench.core.chunk_kernels import (
     offset_causal_block_mask,
     offset_causal_mask_mod,
 )
-from sbpbench.core.kernel_choice import CHUNK_ATTENTION_CHOICES, observe_chunk_kernels
-from sbpbench.core.split_attention import CpuFlashOps, CudnnOps, split_attention
+from sbpbench.core.kernels.kernel_choice import CHUNK_ATTENTION_CHOICES, observe_chunk_kernels
+from sbpbench.core.kernels.split_attention import CpuFlashOps, CudnnOps, split_attention
 from sbpbench.methods import MethodSettings
 from sbpbench.methods.exactness import compare_methods
 from sbpbench.settings.choices import CHUNK_ATTENTION

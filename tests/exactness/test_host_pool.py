@@ -14,7 +14,7 @@ import torch
 from sbpbench.core import cuda_calls, host_pool, release_pinned_memory
 from sbpbench.core.cuda_calls import CudaCalls
 from sbpbench.core.host_pool import PAGE_BYTES, HostMemoryError, whole_pages
-from sbpbench.core.placement import CheckpointStore, Placement, observe_stores
+from sbpbench.core.placements.placement import CheckpointStore, Placement, observe_stores
 from sbpbench.data import make_batch
 from sbpbench.runner.point import is_out_of_memory
 

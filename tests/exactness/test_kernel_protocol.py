@@ -1,4 +1,4 @@
-"""The measuring protocol around StreamBP's chunk-kernel choice (runner/point.py, core/kernel_choice.py):
+"""The measuring protocol around StreamBP's chunk-kernel choice (runner/point.py, core/kernels/kernel_choice.py):
 no timed step measures a kernel or pays a first build of one, a memory step runs one fixed kernel
 whatever ran before, and the row names every kernel it used. A whole tiny point on the CPU, with
 stand-in candidates that measure on CPU tensors as auto does on a GPU, and a fake clock."""
@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 
 from sbpbench.config import point_specs
-from sbpbench.core import kernel_choice
-from sbpbench.core.chunk_kernels import ChunkKernel, SplitKernel
-from sbpbench.core.kernel_choice import LOWER_RIGHT, KernelChooser, MemoryCache, using_chooser
+from sbpbench.core.kernels import kernel_choice
+from sbpbench.core.kernels.chunk_kernels import ChunkKernel, SplitKernel
+from sbpbench.core.kernels.kernel_choice import LOWER_RIGHT, KernelChooser, MemoryCache, using_chooser
 from sbpbench.runner import point
 
 

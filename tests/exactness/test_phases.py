@@ -13,7 +13,7 @@ import torch
 
 from sbpbench.core import PhaseTimer, phases, stream_backward
 from sbpbench.core.phases import COPY_WAITS, HOST_COPIES, PHASES, REBUILD
-from sbpbench.core.placement import Placement
+from sbpbench.core.placements.placement import Placement
 from sbpbench.data import make_batch
 from sbpbench.measure.flops import phase_flops
 from sbpbench.records import ResultRow

@@ -1,4 +1,4 @@
-"""Checkpoint placements (core/placement.py): gpu, cpu, recompute:K, cpu+recompute:K and
+"""Checkpoint placements (core/placements/placement.py): gpu, cpu, recompute:K, cpu+recompute:K and
 cpu+recompute:K+spill run the same operations, so they give gpu's loss and gradients to the bit; the offload path's ordering and
 freeing, checked on CPU where its copies are ordinary tensor copies."""
 
@@ -12,7 +12,7 @@ import torch
 
 from sbpbench.core import stream as stream_module
 from sbpbench.core import stream_backward
-from sbpbench.core.placement import CheckpointStore, Placement
+from sbpbench.core.placements.placement import CheckpointStore, Placement
 from sbpbench.data import make_batch
 from sbpbench.models import apply_lora
 
@@ -231,7 +231,7 @@ def test_a_bad_placement_is_refused(text):
 
 def test_observed_stores_report_what_a_step_held_and_moved():
     """observe_stores hands out each step's store: its counters are what a row records."""
-    from sbpbench.core.placement import observe_stores
+    from sbpbench.core.placements.placement import observe_stores
 
     model = _deep_model("tiny/llama")
     batch = make_batch("sft", batch_size=1, seq_len=20, vocab_size=model.config.vocab_size)
@@ -247,7 +247,7 @@ def test_a_sharded_rebuild_gathers_each_layer_once_and_runs_it_hook_free(monkeyp
     """Under a data-parallel sync (FSDP2, DeepSpeed) a segment rebuild holds each rebuilt layer
     gathered once (sync.rebuilding) and runs its chunks through sync.call (hook-free): the gradients
     are the gpu placement's, and no layer hook runs in the rebuild."""
-    from sbpbench.core.grad_sync_base import GradSync
+    from sbpbench.core.parallel.grad_sync_base import GradSync
 
     rebuilt, hooked = [], []
 

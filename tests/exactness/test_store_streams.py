@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sbpbench.core.placement import Placement, observe_stores
+from sbpbench.core.placements.placement import Placement, observe_stores
 from sbpbench.data import make_batch
 
 from ..conftest import tiny_model

@@ -1,6 +1,6 @@
-"""The stream placements (core/stream_store.py, core/sequences.py): layer inputs, Z_L and the gradient
+"""The stream placements (core/placements/stream_store.py, core/placements/sequences.py): layer inputs, Z_L and the gradient
 in host buffers, moved a chunk at a time, binomial rebuilds where the buffers are fewer than the
-inputs (core/rebuild_schedule.py). Same operations on the same values as the gpu placement: the
+inputs (core/placements/rebuild_schedule.py). Same operations on the same values as the gpu placement: the
 loss and every gradient equal gpu's to the bit (fp64, every family, objective, layout, LoRA); no
 tensor of T positions x hidden size is made on the device; the schedule keeps at most N buffers
 and rebuilds as few layers as binomial checkpointing allows."""
@@ -14,8 +14,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sbpbench.core import stream_backward
-from sbpbench.core.placement import Placement, observe_stores
-from sbpbench.core.rebuild_schedule import extra_forwards, rebuilt_layers, schedule
+from sbpbench.core.placements.placement import Placement, observe_stores
+from sbpbench.core.placements.rebuild_schedule import extra_forwards, rebuilt_layers, schedule
 from sbpbench.data import make_batch
 
 from ..conftest import FAMILIES, left_padded_batch, packed_rows

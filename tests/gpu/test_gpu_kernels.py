@@ -1,4 +1,4 @@
-"""On a CUDA GPU: each candidate kernel for a chunk's attention (core/chunk_kernels.py: split, flex,
+"""On a CUDA GPU: each candidate kernel for a chunk's attention (core/kernels/chunk_kernels.py: split, flex,
 fa3, fa4) gives the lower-right reference's output and gradients, in bf16. A kernel that cannot run
 here is skipped with its own reason (not installed, not this GPU).
 
@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from sbpbench.core.attention import lower_right_attention
-from sbpbench.core.chunk_kernels import ChunkCall, default_kernels
-from sbpbench.core.kernel_choice import relative_error
+from sbpbench.core.kernels.chunk_kernels import ChunkCall, default_kernels
+from sbpbench.core.kernels.kernel_choice import relative_error
 
 pytestmark = [pytest.mark.gpu, pytest.mark.quick]
 

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from sbpbench.core import stream_backward
-from sbpbench.core.kernel_choice import LOWER_RIGHT
+from sbpbench.core.kernels.kernel_choice import LOWER_RIGHT
 from sbpbench.core.phases import (
     CHECKPOINT_PASS,
     CHUNK_BACKWARD,
@@ -35,8 +35,8 @@ from sbpbench.core.phases import (
     REBUILD,
     PhaseTimer,
 )
-from sbpbench.core.placement import observe_stores
-from sbpbench.core.rebuild_schedule import rebuilt_layers
+from sbpbench.core.placements.placement import observe_stores
+from sbpbench.core.placements.rebuild_schedule import rebuilt_layers
 from sbpbench.data import make_batch
 from sbpbench.models import build_model
 

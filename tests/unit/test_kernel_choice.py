@@ -1,4 +1,4 @@
-"""Choosing a chunk's attention kernel (core/kernel_choice.py): measured once per shape class,
+"""Choosing a chunk's attention kernel (core/kernels/kernel_choice.py): measured once per shape class,
 the fastest that agrees with the reference kept, cached (in memory, and on disk by the runner's
 JsonChoiceCache), forced by name, recorded. Stand-in kernels with a fake clock, on a CPU."""
 
@@ -11,10 +11,11 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from sbpbench.config import ConfigError, point_specs
-from sbpbench.core import attention, kernel_choice
+from sbpbench.core import attention
 from sbpbench.core.attention import lower_right_attention
-from sbpbench.core.chunk_kernels import ChunkCall, ChunkKernel, SplitKernel
-from sbpbench.core.kernel_choice import (
+from sbpbench.core.kernels import kernel_choice
+from sbpbench.core.kernels.chunk_kernels import ChunkCall, ChunkKernel, SplitKernel
+from sbpbench.core.kernels.kernel_choice import (
     CACHED,
     LOWER_RIGHT,
     KernelChooser,
@@ -286,7 +287,7 @@ def test_flex_refuses_fp64_on_a_gpu():
     before anything compiles; fp32 on CUDA and the CPU's fp64 eager path are not."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from sbpbench.core.chunk_kernels import FlexKernel
+    from sbpbench.core.kernels.chunk_kernels import FlexKernel
 
     with FakeTensorMode():
         query64 = torch.empty(1, 4, 5, 8, dtype=torch.float64, device="cuda")
@@ -311,7 +312,7 @@ def test_bf16_agreement_catches_a_mask_one_key_off():
     """In bf16 a kernel whose mask lets each query see one key too many is within the old flat bound
     (4 roundings, 1.6%, over the whole tensor) but beyond 4x the reference's own error against fp32;
     the split, whose math is the reference's, passes."""
-    from sbpbench.core.kernel_choice import Judge, _forward_backward, agreement_tolerance, relative_error
+    from sbpbench.core.kernels.kernel_choice import Judge, _forward_backward, agreement_tolerance, relative_error
 
     torch.manual_seed(0)
     query = torch.randn(1, 4, 512, 64, dtype=torch.bfloat16)

@@ -257,7 +257,7 @@ def test_checker_sees_modules_named_by_strings():
     allowed = layer_map("    core: x -> nothing\n    runner: y -> models\n    models: z -> nothing\n")
     loader = (
         "import importlib\n"
-        "PRELOAD = ('sbpbench.models.build', 'sbpbench.core.grad_sync')\n"  # models: allowed
+        "PRELOAD = ('sbpbench.models.build', 'sbpbench.core.parallel.grad_sync')\n"  # models: allowed
         "def load(name):\n"
         "    importlib.import_module('sbpbench.core.labels')\n"
         "    __import__('sbpbench.core')\n"
@@ -267,7 +267,7 @@ def test_checker_sees_modules_named_by_strings():
     rule = "(package runner may import only models)"
     assert violations({"runner/fork.py": loader, "runner/files.py": plain}, allowed) == [
         f"sbpbench/runner/files.py: imports sbpbench.core.stream {rule}",
-        f"sbpbench/runner/fork.py: imports sbpbench.core.grad_sync {rule}",
+        f"sbpbench/runner/fork.py: imports sbpbench.core.parallel.grad_sync {rule}",
         f"sbpbench/runner/fork.py: imports sbpbench.core.labels {rule}",
         f"sbpbench/runner/fork.py: imports sbpbench.core {rule}",
         f"sbpbench/runner/fork.py: imports sbpbench.core.head {rule}",
@@ -309,7 +309,7 @@ CORE_INTERNAL = "internal"  # core/internal.py: what our packages use of core be
 
 
 def _core_submodule(name: str) -> str | None:
-    """The core submodule a dotted name lies in ("sbpbench.core.placement.Placement": placement), if any."""
+    """The core submodule a dotted name lies in ("sbpbench.core.placements.placement.Placement": placement), if any."""
     parts = name.split(".")
     if parts[:2] != [ROOT, "core"] or len(parts) < 3:
         return None
@@ -336,7 +336,7 @@ def test_outside_core_only_its_two_faces_are_imported():
     found = core_submodule_imports(our_sources())
     assert not found, "\n".join(found)
     bad = {
-        "runner/a.py": "from ..core.placement import Placement\n",
+        "runner/a.py": "from ..core.placements.placement import Placement\n",
         "runner/b.py": "from ..core import Placement\nfrom ..core.internal import ChunkState\n",
         "runner/c.py": "def f():\n    import sbpbench.core.attention\n",
     }

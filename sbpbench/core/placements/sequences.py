@@ -21,8 +21,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
+from ..memory_kinds import CHECKPOINTS, allocating
 from .host_copies import Copier
-from .memory_kinds import CHECKPOINTS, allocating
 
 Bounds = Sequence[tuple[int, int]]  # (start, end) of each chunk, in the order a loop reads them
 

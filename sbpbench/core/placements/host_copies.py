@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from .cuda_calls import CudaCalls
-from .host_pool import HostBuffer
-from .phases import COPY_WAITS, HOST_COPIES, PhaseTimer, timed
+from ..cuda_calls import CudaCalls
+from ..host_pool import HostBuffer
+from ..phases import COPY_WAITS, HOST_COPIES, PhaseTimer, timed
 
 
 class Copier:

@@ -30,7 +30,7 @@ from contextlib import ExitStack
 import torch
 from torch import nn
 
-from .adapters import DecoderParts, trainable
+from ..adapters import DecoderParts, trainable
 from .grad_sync_base import GradSync
 
 # DeepSpeed internals used (0.19), checked by DeepSpeedSync.__init__ (_check_internals):
@@ -65,7 +65,7 @@ def _check_internals(engine) -> None:
 
         raise RuntimeError(
             f"DeepSpeed {deepspeed.__version__} lacks {missing}: StreamBP's DeepSpeed sync is tested on "
-            "DeepSpeed 0.19 (sbpbench/core/grad_sync_deepspeed.py)"
+            "DeepSpeed 0.19 (sbpbench/core/parallel/grad_sync_deepspeed.py)"
         )
 
 

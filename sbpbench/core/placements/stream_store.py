@@ -29,7 +29,7 @@ from contextlib import contextmanager
 
 import torch
 
-from .cuda_calls import CUDA_CALLS, CudaCalls
+from ..cuda_calls import CUDA_CALLS, CudaCalls
 from .host_copies import Copier, CopyCounters
 from .placement import Placement, RebuildInto, announce, storing_shapes_only
 from .rebuild_schedule import schedule

@@ -36,10 +36,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .cuda_calls import CUDA_CALLS, CudaCalls
+from ..cuda_calls import CUDA_CALLS, CudaCalls
+from ..host_pool import HostBuffer
+from ..memory_kinds import CHECKPOINTS, allocating, note
 from .host_copies import Copier, CopyCounters
-from .host_pool import HostBuffer
-from .memory_kinds import CHECKPOINTS, allocating, note
 from .rebuild_schedule import every_input_buffers
 from .sequences import DeviceSequence
 
