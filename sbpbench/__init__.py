@@ -3,8 +3,9 @@
 Layer map: each package's job, then after "->" the packages of ours it may import besides itself.
 tests/unit/test_layers.py reads the map from this docstring and fails on any other import of ours, at
 module or function level or by a string (a loader's argument, a preload list), on an arrow no
-import uses, and on any import cycle between modules. A module that needs a back-edge is in the
-wrong package. Any module may import this root module (it runs before any of them anyway);
+import uses, on any import cycle between modules, and on a name imported from a package that only
+passes it on from another (import it from the package that defines it). A module that needs a
+back-edge is in the wrong package. Any module may import this root module (it runs before any of them anyway);
 `sbpbench` here is the root itself and __main__.py.
 
     settings: every setting a user can give (type, default, check, help, flag, which methods read it), ConfigError; torch-free -> nothing
@@ -17,7 +18,7 @@ wrong package. Any module may import this root module (it runs before any of the
     config: a point as a value (RunSpec, MaxlenSpec: made, checked and resolved once), experiment files -> settings, methods, models, measure, core, data
     workload: what a spec builds (model, batch, training step) and its row's key and provenance, for runner and simulate -> config, methods, models, data, measure, records
     runner: points measured in own processes, sweeps, max-T search, timeouts, what a sweep costs -> workload, config, methods, measure, records, models, core, simulate
-    simulate: peak memory predicted under fake tensors -> workload, config, methods, measure, records, models, data, core
+    simulate: peak memory predicted under fake tensors -> workload, config, methods, measure, records, models, data, core, settings
     report: the results table beside the paper's numbers, as Markdown -> records, measure
     plot: figures of a results table -> records, measure, settings
     cli: the `sbp` commands (each imports torch's side inside its function) -> settings, config, runner, simulate, report, plot, records, measure, models

@@ -7,8 +7,9 @@ import importlib.util
 import json
 import os
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -24,8 +25,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
-from sbpbench.core import Objective
+from sbpbench.core import Objective, StepHooks, StreamConfig, stream_backward
 from sbpbench.data import SFTBatch, make_sft_batch
+from sbpbench.methods.streambp import current_hooks, step_hooks
 from sbpbench.models import build_model
 from sbpbench.runner.selftest_summary import TEST_REPORT_ENV
 
@@ -36,6 +38,35 @@ needs_trl = pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="
 
 
 REPOSITORY = Path(__file__).resolve().parents[1]
+
+
+STREAM_KNOBS = set(StreamConfig.__dataclass_fields__)
+STEP_HOOKS = set(StepHooks.__dataclass_fields__)
+
+
+def streamed(model, input_ids, labels=None, **kwargs):
+    """stream_backward with StreamConfig's knobs and StepHooks' fields given as keywords (tests
+    spell a step's settings inline), on top of the hooks of an enclosing `step_hooks` (as a
+    method's step gets them); the rest go to stream_backward as they are."""
+    config = StreamConfig(**{k: kwargs.pop(k) for k in list(kwargs) if k in STREAM_KNOBS})
+    hooks = replace(current_hooks(), **{k: kwargs.pop(k) for k in list(kwargs) if k in STEP_HOOKS})
+    return stream_backward(model, input_ids, labels, config=config, hooks=hooks, **kwargs)
+
+
+@contextmanager
+def observing_stores(**hooks) -> Iterator[list]:
+    """The checkpoint store of each StreamBP step run inside (a method's, or `streamed`'s)."""
+    stores: list = []
+    with step_hooks(on_store=stores.append, **hooks):
+        yield stores
+
+
+@contextmanager
+def observing_kernels() -> Iterator[set[str]]:
+    """The chunk-attention kernels the StreamBP steps run inside ran."""
+    seen: set[str] = set()
+    with step_hooks(on_kernel=seen.add):
+        yield seen
 
 
 def load_script(relative: str, name: str):

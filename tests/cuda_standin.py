@@ -405,7 +405,7 @@ class FakeNvml:
 
 
 class RecordingMemoryHistory:
-    """torch.cuda.memory's history calls (measure/cuda_timeline.py CudaMemoryCalls) for CPU tensors.
+    """torch.cuda.memory's history calls (measure/timeline/cuda.py CudaMemoryCalls) for CPU tensors.
 
     While started, a dispatch mode sees each storage an op makes (not one of its inputs', not
     empty, as the tracker and the caching allocator count them) and writes the allocator's trace

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
 
-from ..records.exactness import ExactnessRow, check_exactness_writable, write_exactness
 from ..settings import EXACTNESS_DEFAULTS
 from .errors import user_errors
 from .options import ExactnessOutOpt, point_command, run_fields_but
@@ -49,27 +47,23 @@ def check(settings: dict, methods: tuple[str, ...], out: ExactnessOutOpt = None)
     """Check that every method gives standard BP's loss and gradients.
 
     Exit 1 if one does not, printing where and how much it differs."""
-    from ..config import method_names, point_specs
+    from ..config import exactness_specs
     from ..runner import ExactnessSpec, check_exactness
 
-    compared = tuple(m for m in method_names(methods) if m != "bp")  # bp is the reference
     with user_errors():
-        specs = point_specs(settings, ("bp", *compared), defaults=EXACTNESS_DEFAULTS)
-        if out is not None:
-            check_exactness_writable(out)
-        results = check_exactness(ExactnessSpec(tuple(specs)))
-    judged = specs[0].dtype == "fp32"  # every row against an fp64 step, bp's own row included
+        specs = exactness_specs(settings, methods, defaults=EXACTNESS_DEFAULTS)
+        checked = check_exactness(ExactnessSpec(tuple(specs), out=out))
+    results = checked.results
     console = Console()
     print_table(console, exactness_table(specs, results))
-    if judged:
+    if specs[0].dtype == "fp32":  # every row against an fp64 step, bp's own row included
         for line in error_ratios(results):
             console.print(line, highlight=False)
-    if out is not None:
-        by_method = {spec.method: spec for spec in specs}
-        compared_results = [r for r in results if not (judged and r is results[0])]  # fp32: bp's own row first
+    if checked.not_saved is not None:
         with user_errors():  # a failed write says where the rows are
-            write_exactness(out, [_exactness_row(by_method[r.method], r) for r in compared_results])
-        console.print(f"{len(compared_results)} comparison(s) appended to {out}", highlight=False)
+            raise checked.not_saved
+    if out is not None:
+        console.print(f"{checked.appended} comparison(s) appended to {out}", highlight=False)
     failed = [d for r in results for d in r.failures()]
     for diff in failed:
         console.print(f"[red]{diff.describe()}[/]", highlight=False)
@@ -154,43 +148,3 @@ def error_ratios(results) -> list[str]:
                 f"({name}: {baseline[name].rel_error:.2e} for bp)"
             )
     return lines
-
-
-_EXTERNAL_NOTE = "ran in its own virtualenv (runner/official.py: streambp 1.0, transformers 4.51.3)"
-
-
-def _exactness_row(spec, result) -> ExactnessRow:
-    from ..config import METHODS
-    from ..measure.environment import capture_environment
-
-    env = capture_environment(spec.device)
-    worst = result.worst
-    settings = " ".join(f"{k}={v}" for k, v in spec.settings.as_dict().items() if v is not None)
-    if result.loss is None:
-        outcome = "unsupported"
-    else:
-        outcome = "exact" if result.ok else "differs"
-    return ExactnessRow(
-        timestamp_utc=datetime.now(UTC).isoformat(timespec="seconds"),
-        method=result.method,
-        reference=result.reference,
-        result=outcome,
-        loss_rel_error=None if result.loss is None else result.loss.rel_error,
-        grad_rel_error=None if worst is None else worst.rel_error,
-        worst_tensor="" if worst is None else worst.name,
-        tolerance=None if worst is None else worst.tolerance,
-        note=result.unsupported or (_EXTERNAL_NOTE if METHODS[result.method].external else ""),
-        model=spec.model,
-        num_layers=spec.num_layers,
-        objective=spec.objective,
-        lora_rank=spec.lora_rank,
-        dtype=spec.dtype,
-        batch_size=spec.batch_size,
-        seq_len=spec.seq_len,
-        settings=settings,
-        device=spec.device,
-        torch_version=env.torch_version,
-        transformers_version=env.transformers_version,
-        git_commit=env.git_commit,
-        git_dirty=env.git_dirty,
-    )

@@ -25,7 +25,7 @@ import typer
 from ..measure.units import parse_bytes
 from ..settings import POINT_SETTINGS, SETTINGS, ConfigError, default_of
 from ..settings.model_names import check_model_name
-from ..settings.table import has_flag
+from ..settings.table import NOT_ESTIMATED, has_flag, not_estimated
 from .errors import user_errors
 from .flags import FLAGS, flags_of
 from .outcomes import OK
@@ -56,10 +56,10 @@ SetOpt = Annotated[
 ]
 
 
-def option(name: str, *, help: str | None = None, aliases: tuple[str, ...] = ()) -> Any:
-    """The annotation of a setting's option: its flags (and `aliases`), its help (or `help`).
-    Its value is checked by the config (a bad one is a one-line error, not Typer's box), so
-    choices are named, not enforced by Typer."""
+def option(name: str, *, help: str | None = None, aliases: tuple[str, ...] = (), hidden: bool = False) -> Any:
+    """The annotation of a setting's option: its flags (and `aliases`), its help (or `help`), left
+    out of the help where `hidden`. Its value is checked by the config (a bad one is a one-line
+    error, not Typer's box), so choices are named, not enforced by Typer."""
     setting = SETTINGS[name]
     text = help or setting.help
     extra: dict[str, Any] = {}
@@ -79,7 +79,7 @@ def option(name: str, *, help: str | None = None, aliases: tuple[str, ...] = ())
         kind, extra = bool, {"show_default": False}
     else:
         kind = str  # numbers parsed by `point_command`; sizes ("80GiB", "T/3") and choices by the config
-    hidden = not has_flag(name)  # a former knob flag (FORMER_KNOB_FLAGS)
+    hidden = hidden or not has_flag(name)  # or a former knob flag (FORMER_KNOB_FLAGS)
     return Annotated[kind | None, typer.Option(*flags_of(name), *aliases, help=text, hidden=hidden, **extra)]
 
 
@@ -146,8 +146,9 @@ BudgetOpt = Annotated[
     str | None,
     typer.Option(
         metavar="DURATION",
-        help="Stop cleanly after this long, e.g. 9m: no point starts "
-        "with under 30 s left, and one it cuts is not kept; exit 3, and the same command resumes.",
+        help="The time this command may take, e.g. 9m where commands are killed at 10 minutes: it stops "
+        "cleanly within it (no point starts with under 30 s left, one it cuts is not kept); exit 3, and the "
+        "same command resumes.",
     ),
 ]
 
@@ -221,6 +222,15 @@ def parse_knobs(words: list[str], knobs: tuple[str, ...]) -> dict[str, Any]:
     return values
 
 
+def refuse_unestimated(settings: dict[str, Any], names: tuple[str, ...]) -> None:
+    """ValueError (one line) for the first of `names`, settings the estimator does not model, given
+    at a value other than its default: which, why, and what to do instead (the table's `estimator`)."""
+    for name in names:
+        value = settings.get(name)
+        if value is not None and value != SETTINGS[name].default:
+            raise ValueError(f"{FLAGS[name]} is not modelled by the estimator: {not_estimated(name)}")
+
+
 def check_sizes(sizes: dict[str, str | None]) -> None:
     """Size options ({flag: text}) read now, before the command loads torch: one without its unit is
     a one-line error that says which to add (measure/units.py)."""
@@ -230,33 +240,44 @@ def check_sizes(sizes: dict[str, str | None]) -> None:
                 parse_bytes(text, what=flag)
 
 
-def knob_lines(knobs: tuple[str, ...]) -> str:
-    """What `--set help` prints: each knob, its value and its help, from the settings table."""
+def knob_lines(knobs: tuple[str, ...], refused: tuple[str, ...] = ()) -> str:
+    """What `--set help` prints: each knob, its value and its help, from the settings table; a knob
+    in `refused` says so."""
     values = {name: SETTINGS[name].metavar or ("true|false" if SETTINGS[name].kind is bool else "N") for name in knobs}
     width = max(len(f"{name}={value}") for name, value in values.items())
-    return "\n".join(f"{f'{name}={value}':<{width}}  {SETTINGS[name].help}" for name, value in values.items())
+    note = dict.fromkeys(refused, " Not modelled by the estimator: default only.")
+    return "\n".join(
+        f"{f'{name}={value}':<{width}}  {SETTINGS[name].help}{note.get(name, '')}" for name, value in values.items()
+    )
 
 
 def point_command(
-    fields: tuple[str, ...], *, helps: dict[str, str] | None = None, aliases: dict[str, tuple[str, ...]] | None = None
+    fields: tuple[str, ...],
+    *,
+    helps: dict[str, str] | None = None,
+    aliases: dict[str, tuple[str, ...]] | None = None,
+    predicted: bool = False,
 ) -> Callable:
     """Give a command the options of `fields` (setting names) before its own parameters, with
     its own help text (helps) or extra flag names (aliases) for some. The command receives them
     as `settings`: a dict of the ones the user gave, and `methods`: the methods named by --method
-    and the positional words after it."""
+    and the positional words after it. A `predicted` command (`sbp estimate`, `sbp plan`) keeps the
+    settings the estimator does not model out of its help and refuses them at any value but their
+    default (refuse_unestimated), before it runs."""
     helps, aliases = helps or {}, aliases or {}
     flagged = tuple(name for name in fields if has_flag(name) or name in FORMER_KNOB_FLAGS)
     knobs = tuple(name for name in fields if SETTINGS[name].read_by)  # what --set takes
+    refused = tuple(name for name in fields if name in NOT_ESTIMATED) if predicted else ()
 
     def decorate(command: Callable) -> Callable:
         @functools.wraps(command)
         def with_options(**values):
             words = [*(values.pop("method", None) or []), *(values.pop("more_methods", None) or [])]
-            settings = given_settings(values, flagged, knobs)
+            settings = given_settings(values, flagged, knobs, refused)
             return command(settings=settings, methods=parse_methods(words), **values)
 
         # what Typer reads: this signature (inspect.signature returns __signature__) and its annotations
-        parameters = _parameters(command, fields, flagged, knobs, helps, aliases)
+        parameters = _parameters(command, fields, flagged, knobs, helps, aliases, refused)
         with_options.__signature__ = inspect.Signature(parameters)
         with_options.__annotations__ = {p.name: p.annotation for p in parameters}
         return with_options
@@ -264,16 +285,15 @@ def point_command(
     return decorate
 
 
-def _parameters(command: Callable, fields, flagged, knobs, helps, aliases) -> list[inspect.Parameter]:
-    """The command's signature as Typer reads it: the settings' options, --set, the extra methods,
-    then the command's own parameters."""
+def _parameters(command: Callable, fields, flagged, knobs, helps, aliases, hidden) -> list[inspect.Parameter]:
+    """The command's signature as Typer reads it: the settings' options (those in `hidden` out of
+    its help), --set, the extra methods, then the command's own parameters."""
     keyword = inspect.Parameter.KEYWORD_ONLY
     hints = typing.get_type_hints(command, include_extras=True)  # a module's string annotations, resolved
-    parameters = [
-        inspect.Parameter(name, keyword, default=None, annotation=option(name, help=helps.get(name), aliases=also))
-        for name in flagged
-        for also in (aliases.get(name, ()),)
-    ]
+    parameters = []
+    for name in flagged:
+        annotation = option(name, help=helps.get(name), aliases=aliases.get(name, ()), hidden=name in hidden)
+        parameters.append(inspect.Parameter(name, keyword, default=None, annotation=annotation))
     if knobs:
         parameters.append(inspect.Parameter("set_knobs", keyword, default=None, annotation=SetOpt))
     if "method" in fields:
@@ -285,13 +305,16 @@ def _parameters(command: Callable, fields, flagged, knobs, helps, aliases) -> li
     ]
 
 
-def given_settings(values: dict, flagged: tuple[str, ...], knobs: tuple[str, ...]) -> dict[str, Any]:
+def given_settings(
+    values: dict, flagged: tuple[str, ...], knobs: tuple[str, ...], refused: tuple[str, ...] = ()
+) -> dict[str, Any]:
     """The settings given, taken out of `values` (the parsed options): numbers parsed, --set's knobs
-    added; a size without a unit and a model name that is a typo of a registry name are refused
-    here, before torch loads (the command imports it); `--set help` prints the knobs and exits."""
+    added; one of `refused` at a value but its default, a size without a unit and a model name that
+    is a typo of a registry name are refused here, before torch loads (the command imports it);
+    `--set help` prints the knobs and exits."""
     set_words = values.pop("set_knobs", None) or []
     if "help" in set_words:
-        print(knob_lines(knobs))
+        print(knob_lines(knobs, refused))
         raise typer.Exit(OK)
     settings = {name: values.pop(name) for name in flagged if name != "method"}
     with user_errors():
@@ -301,6 +324,7 @@ def given_settings(values: dict, flagged: tuple[str, ...], knobs: tuple[str, ...
             if settings.get(name) is not None:
                 raise ValueError(f"{FLAGS[name]} given twice: by {flags_of(name)[0]} and by --set")
             settings[name] = value
+        refuse_unestimated(settings, refused)
         for name in (n for n, v in settings.items() if SETTINGS[n].size and isinstance(v, str)):
             parse_bytes(settings[name], what=FLAGS[name])  # read again by the config; a bare number is refused now
         if settings.get("model") is not None:

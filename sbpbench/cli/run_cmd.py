@@ -12,6 +12,7 @@ from rich.console import Console
 from ..measure.threads import busy_warning
 from ..records import ResultRow, check_writable, read_rows, row_key
 from ..runner.outcome import point_line
+from ..settings import ConfigError
 from .errors import user_errors
 from .options import RUN_FIELDS, OutOpt, point_command
 from .outcomes import fail_if, interrupted
@@ -132,8 +133,6 @@ def print_phases(console: Console, rows: list[ResultRow]) -> None:
 
 def check_one_process(specs: list[RunSpec], flag: str) -> None:
     """A timeline or a trace records one process's step: refuse several ranks before anything runs."""
-    from ..config import ConfigError
-
     if specs[0].nproc > 1:
         raise ConfigError("nproc", f"{flag} records one process's step: give --nproc 1")
 

@@ -151,7 +151,7 @@ def _dry_run(experiment: Path, out: Path | None, device: str | None) -> None:
                       str(span[0]) if len(span) == 1 else f"{span[0]}-{span[-1]}")  # fmt: skip
     count = max(commands(pricing.costs, min_start_s=MIN_START_S), default=0)
     table.caption = (
-        f"Predicted for {pricing.device}, not measured: {count} command(s) of --budget 9m. device min: process "
+        f"Predicted for {pricing.device}, not measured: {count} command(s) of 9 minutes each (--budget 9m). device min: process "
         "starts and steps on the GPU; host min: the seeds' fake-tensor searches on the CPU, none for a seed "
         "stored by --seeds-only. "
         f"Rates: {pricing.rates.describe()}"

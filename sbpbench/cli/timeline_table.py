@@ -1,12 +1,12 @@
 """`sbp run --timeline`: where a step's peak memory is, by kind, measured beside predicted, and the
-prediction's accuracy per kind and in total (measure/memory_timeline.py `peak_accuracy`)."""
+prediction's accuracy per kind and in total (measure/timeline/data.py `peak_accuracy`)."""
 
 from __future__ import annotations
 
 from rich.markup import escape
 from rich.table import Table
 
-from ..measure.memory_timeline import Timeline, peak_accuracy
+from ..measure.timeline.data import Timeline, peak_accuracy
 from ..records import ResultRow
 
 MIB = 2**20

@@ -9,9 +9,8 @@ from .run import (
     DEVICE_DEFAULTS,
     DTYPES,
     FIELD_NAMES,
-    METHODS,
     RunSpec,
-    method_names,
+    exactness_specs,
     point_specs,
 )
 
@@ -19,12 +18,11 @@ __all__ = [
     "DEVICE_DEFAULTS",
     "DTYPES",
     "FIELD_NAMES",
-    "METHODS",
     "ConfigError",
     "MaxlenSpec",
     "Resolution",
     "RunSpec",
-    "method_names",
+    "exactness_specs",
     "point_specs",
     "resolve_device",
 ]

@@ -154,10 +154,6 @@ class RunSpec:
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
-    def with_method(self, method: str) -> RunSpec:
-        """The same point for another method (settings re-derived for what it reads)."""
-        return replace(self, method=method, settings=MethodSettings(**vars(self.settings)))
-
     def with_settings(self, **knobs: Any) -> RunSpec:
         """The point with these knobs given: no longer the rule's choice where they were."""
         return replace(
@@ -301,6 +297,13 @@ def point_specs(
     warn_beyond_context(specs[0].model, specs[0].seq_len, config)
     say_changed_values(specs[0], values, search=search)
     return specs
+
+
+def exactness_specs(values: Mapping[str, Any], methods: Sequence[str] | None = None, **options) -> list[RunSpec]:
+    """`sbp check`'s points (point_specs, with its options): bp's first, the reference, then one per
+    method named (method_names: the default methods when none is) but bp."""
+    compared = tuple(m for m in method_names(methods) if m != "bp")
+    return point_specs(values, ("bp", *compared), **options)
 
 
 def say_changed_values(spec: RunSpec, values: Mapping[str, Any], *, search: bool = False) -> None:

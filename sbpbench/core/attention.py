@@ -20,26 +20,26 @@ to one contiguous key range (`planned_attention`), no mask needed.
 transformers' own `sdpa_attention_forward` cannot be reused: with no mask, `is_causal` and more
 keys than queries it silently cuts the keys to the query length. core/README.md, "The attention
 function": splicing the prefix K/V, offset causal attention without a T x T matrix
-(`offset_causal_attention`), sliding windows and the choice of CUDA kernels (`force_cuda_branch`
-runs that branch off a GPU).
+(`offset_causal_attention`), sliding windows and the choice of CUDA kernels (the step's hooks'
+`cuda_branch` runs that branch off a GPU). `ChunkAttention` carries what a step says of its chunks'
+attention into the function: the configured kernel and the step's hooks.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
 
+from .hooks import NO_HOOKS, CausalBias, StepHooks
 from .kernels.chunk_kernels import ChunkCall
-from .kernels.kernel_choice import run_chunk
+from .kernels.kernel_choice import AUTO, run_chunk
 from .layout import ChunkPlan, SequenceLayout, window_start
-from .memory_kinds import KV_BUFFERS, allocating
+from .memory_kinds import KV_BUFFERS
 
 ATTENTION_NAME = "sbp_stream"  # must not contain "flash": transformers treats such names as hub kernels
 STATE_KWARG = "sbp_stream_state"
@@ -50,6 +50,29 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 class KVCaptured(Exception):
     """Raised by the attention function once a chunk's keys/values are stored: the rest of the
     layer (o_proj, MLP) is not needed to build the K/V buffers, so it is skipped."""
+
+
+@dataclass(frozen=True)
+class ChunkAttention:
+    """How a step runs the attention of a chunk over its prefix: `setting` (StreamConfig's
+    chunk_attention) picks the kernel, the hooks say how auto measures, what is told of each call,
+    and whether the CUDA branch is forced (hooks.py)."""
+
+    setting: str = AUTO
+    hooks: StepHooks = NO_HOOKS
+
+    def reference(self, call: ChunkCall) -> torch.Tensor:
+        return lower_right_attention(call, self.hooks.cuda_branch)
+
+    def __call__(self, call: ChunkCall) -> torch.Tensor:
+        hooks = self.hooks
+        return run_chunk(
+            call, self.reference, setting=self.setting, mode=hooks.kernel_mode, chooser=hooks.chooser,
+            on_kernel=hooks.on_kernel, on_call=hooks.on_chunk_call,
+        )  # fmt: skip
+
+
+DEFAULT_ATTENTION = ChunkAttention()
 
 
 @dataclass
@@ -67,12 +90,13 @@ class KVBuffer:
     keys: torch.Tensor | None = None  # (B, kv_heads, T, head_dim), allocated on the first chunk
     values: torch.Tensor | None = None
     sliding_window: int | None = None
+    attention: ChunkAttention = field(default=DEFAULT_ATTENTION)  # the step's kernel setting and hooks
 
     def store(self, key: torch.Tensor, value: torch.Tensor, sliding_window: int | None) -> int:
         """Write the chunk's (B, kv_heads, c, head_dim) keys/values; return the chunk's end."""
         if self.keys is None:
             batch, kv_heads, _, head_dim = key.shape
-            with allocating(KV_BUFFERS):
+            with self.attention.hooks.allocating(KV_BUFFERS):
                 self.keys = key.new_empty(batch, kv_heads, self.seq_len, head_dim)
                 self.values = value.new_empty(batch, kv_heads, self.seq_len, value.shape[-1])
         end = self.start + key.shape[2]
@@ -139,7 +163,6 @@ class _BufferedPrefix(torch.autograd.Function):
 # first), so a group of K/V heads per call bounds them. 2 GiB: one call up to about 100k tokens on
 # Qwen3-8B, as every point measured so far ran.
 ATTENTION_BACKWARD_BYTES = 2 * 2**30
-_sized_for: int | None = None  # set by `grouped_as_for`
 
 
 def kv_heads_per_call(batch: int, heads: int, kv_heads: int, head_dim: int, itemsize: int, seq_len: int) -> int:
@@ -153,42 +176,6 @@ def kv_heads_per_call(batch: int, heads: int, kv_heads: int, head_dim: int, item
     return 1
 
 
-@contextmanager
-def grouped_as_for(seq_len: int) -> Iterator[None]:
-    """Within the block, the attention groups its K/V heads as a step of seq_len positions would,
-    whatever the step's own length: the memory simulator's short samples of a long point run the
-    long point's calls (simulate/length.py). Nests; restores the previous setting on exit."""
-    global _sized_for
-    previous, _sized_for = _sized_for, seq_len
-    try:
-        yield
-    finally:
-        _sized_for = previous
-
-
-CausalBiasFn = Callable[[int, int], torch.Tensor]  # (num_queries, num_keys) -> attn_mask for SDPA
-_forced_cuda_branch: CausalBiasFn | None = None  # set by force_cuda_branch()
-
-
-@contextmanager
-def force_cuda_branch(causal_bias: CausalBiasFn = causal_lower_right) -> Iterator[None]:
-    """Within the block, `offset_causal_attention` takes its CUDA branch whatever the device.
-
-    That branch is what a GPU runs: a lower-right causal bias instead of a boolean (c, n) mask, and
-    K/V heads repeated where CUDA's kernels lack GQA. Its users off a GPU: tests (CPU SDPA
-    materialises the bias, so the branch's rows can be checked) and the memory simulator
-    (simulate/cuda_attention.py), whose stand-in for SDPA replays CUDA's kernel choice on fake
-    tensors. causal_bias(num_queries, num_keys) builds the bias (default torch's
-    `causal_lower_right`; the simulator passes one built outside its fake mode). Nests; restores
-    the previous setting on exit, whatever happens."""
-    global _forced_cuda_branch
-    previous, _forced_cuda_branch = _forced_cuda_branch, causal_bias
-    try:
-        yield
-    finally:
-        _forced_cuda_branch = previous
-
-
 def offset_causal_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -198,25 +185,27 @@ def offset_causal_attention(
     key_start: int,
     scale: float | None,
     sliding_window: int | None,
+    attention: ChunkAttention = DEFAULT_ATTENTION,
 ) -> torch.Tensor:
     """Causal attention of queries at absolute positions [query_start, query_start + c) over keys at
     [key_start, query_start + c). query (B, H, c, hd); key/value (B, kv_heads, n, hd) -> (B, H, c, hd).
 
     A square call (no prefix) is SDPA's plain causal attention. A chunk with a prefix runs on the
-    kernel kernel_choice.py picks (`chunk_attention`: the lower-right SDPA path below unless told
+    kernel kernel_choice.py picks (`attention.setting`: the lower-right SDPA path below unless told
     or measured otherwise)."""
     num_queries, num_keys = query.shape[2], key.shape[2]
     query_end = query_start + num_queries
     assert key_start + num_keys == query_end, "keys must end where the queries end"
     needs_window = sliding_window is not None and query_end - 1 - key_start >= sliding_window
     if num_queries == num_keys:
-        return lower_right_attention(ChunkCall(query, key, value, query_start, key_start, scale, sliding_window))
+        return attention.reference(ChunkCall(query, key, value, query_start, key_start, scale, sliding_window))
     call = ChunkCall(query, key, value, query_start, key_start, scale, sliding_window if needs_window else None)
-    return run_chunk(call, lower_right_attention)
+    return attention(call)
 
 
-def lower_right_attention(call: ChunkCall) -> torch.Tensor:
+def lower_right_attention(call: ChunkCall, cuda_branch: CausalBias | None = None) -> torch.Tensor:
     """The reference path: SDPA with is_causal (square) or the lower-right causal bias.
+    cuda_branch: take the CUDA branch whatever the device, with this bias (StepHooks.cuda_branch).
 
     Never builds a (T, T) matrix, nor a float (c, n) one without a window: on CUDA the lower-right
     causal bias dispatches to the flash / memory-efficient kernels, on CPU a (c, n) boolean mask
@@ -228,7 +217,7 @@ def lower_right_attention(call: ChunkCall) -> torch.Tensor:
     query_start, key_start, sliding_window = call.query_start, call.key_start, call.window
     query_end = query_start + num_queries
     needs_window = sliding_window is not None and query_end - 1 - key_start >= sliding_window
-    forced = _forced_cuda_branch
+    forced = cuda_branch
     on_cuda = forced is not None or query.device.type == "cuda"  # SDPA will run CUDA kernels
     square = num_queries == num_keys
 
@@ -290,9 +279,11 @@ def stream_attention(
             return out.transpose(1, 2).contiguous(), None
     else:
         raise TypeError(f"the {ATTENTION_NAME!r} attention function needs a StreamBP state ({STATE_KWARG}=...)")
+    attention = state.attention if isinstance(state, KVBuffer) else state.buffer.attention
     out = planned_attention(
-        query, key, value, plan, query_start=state.start, scale=scaling, sliding_window=sliding_window
-    )
+        query, key, value, plan, query_start=state.start, scale=scaling, sliding_window=sliding_window,
+        attention=attention,
+    )  # fmt: skip
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -309,7 +300,8 @@ def _prefix_attention(
         buffer.values[:, :, state.start : end] = value
     batch, heads, _, head_dim = query.shape
     kv_heads = key.shape[1]
-    seq_len = buffer.seq_len if _sized_for is None else _sized_for
+    sized_for = buffer.attention.hooks.sized_for
+    seq_len = buffer.seq_len if sized_for is None else sized_for
     group = kv_heads_per_call(batch, heads, kv_heads, head_dim, key.dtype.itemsize, seq_len)
     queries = query.split(group * (query.shape[1] // kv_heads), dim=1)
     outs = []
@@ -317,9 +309,8 @@ def _prefix_attention(
         own = slice(index * group, (index + 1) * group)  # this call's K/V heads
         k = _BufferedPrefix.apply(k, [buffer.keys[:, own]], [state.grad_keys[:, own]], plan.key_start, state.start)
         v = _BufferedPrefix.apply(v, [buffer.values[:, own]], [state.grad_values[:, own]], plan.key_start, state.start)
-        outs.append(
-            planned_attention(q, k, v, plan, query_start=state.start, scale=scale, sliding_window=sliding_window)
-        )
+        attend = functools.partial(planned_attention, attention=buffer.attention, plan=plan, scale=scale)
+        outs.append(attend(q, k, v, query_start=state.start, sliding_window=sliding_window))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
@@ -332,6 +323,7 @@ def planned_attention(
     query_start: int,
     scale: float | None,
     sliding_window: int | None,
+    attention: ChunkAttention = DEFAULT_ATTENTION,
 ) -> torch.Tensor:
     """query (B, H, c, hd) at positions [query_start, query_start + c); key/value (B, kv_heads, n, hd)
     at [plan.key_start, query_start + c) -> (B, H, c, hd_v).
@@ -341,7 +333,7 @@ def planned_attention(
     causal alignment and its kernels (flash / memory-efficient on CUDA). A padding or document mask
     instead would rule the flash kernel out and reach the efficient kernel as a (B, 1, c, n) float
     bias (1.6 GB in fp32 at B = 8, c = 500, n = 100k). A dead piece is zeros: no SDPA call."""
-    attend = functools.partial(offset_causal_attention, scale=scale, sliding_window=sliding_window)
+    attend = functools.partial(offset_causal_attention, scale=scale, sliding_window=sliding_window, attention=attention)
     if plan.groups is None:
         return attend(query, key, value, query_start=query_start, key_start=plan.key_start)
     rows = []

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .adapters import DecoderParts
-from .attention import STATE_KWARG, KVBuffer
+from .attention import DEFAULT_ATTENTION, STATE_KWARG, ChunkAttention, KVBuffer
 from .chunking import chunk_bounds, chunk_kwargs
 from .layout import SequenceLayout
 from .placements.placement import CheckpointStore, Placement
@@ -36,6 +36,7 @@ class Checkpoints:
     last_hidden: torch.Tensor | None = None  # last layer output, input of the final norm
     seen: set[int] = field(default_factory=set)  # layers the forward called
     layout: SequenceLayout | None = None  # padding and packed documents (layout.py)
+    attention: ChunkAttention = DEFAULT_ATTENTION  # the step's chunk-attention kernel and hooks
 
 
 def forward_checkpoints(
@@ -48,6 +49,7 @@ def forward_checkpoints(
     position_ids: torch.Tensor | None = None,
     layout: SequenceLayout | None = None,
     prepare_embedding: Callable[[], None] = lambda: None,
+    attention: ChunkAttention = DEFAULT_ATTENTION,
 ) -> Checkpoints:
     """store: where the layer inputs go (default: all kept on their device, the gpu placement).
     gathered(layer): a context that holds the layer's parameters gathered while its chunks run (a
@@ -55,11 +57,12 @@ def forward_checkpoints(
     position_ids: (B or 1, T), given to the decoder (packed rows); None: its own, arange(T).
     layout: the batch's padding and packed documents (layout.py), None for one sequence per row.
     prepare_embedding: before the embedding runs outside the decoder's call (the stream placement
-    computes X_0 chunk by chunk where it reads it; a sharded engine gathers the embedding)."""
+    computes X_0 chunk by chunk where it reads it; a sharded engine gathers the embedding).
+    attention: the chunks' kernel setting and the step's hooks (attention.py)."""
     num_layers = len(parts.layers)
     store = store if store is not None else CheckpointStore(Placement(), num_layers)
     gathered = gathered if gathered is not None else _nothing_to_gather
-    saved = Checkpoints(layer_inputs=store, layer_kwargs=[{}] * num_layers, layout=layout)
+    saved = Checkpoints(layer_inputs=store, layer_kwargs=[{}] * num_layers, layout=layout, attention=attention)
 
     def norm_hook(module, args):
         saved.last_hidden = args[0]
@@ -139,7 +142,7 @@ def _chunked_forward(forward, index: int, saved: Checkpoints, chunk_size: int, g
         saved.seen.add(index)
 
         def run(source, sink) -> None:
-            chunked_layer_forward(forward, source, sink, kwargs, chunk_size, saved.layout)
+            chunked_layer_forward(forward, source, sink, kwargs, chunk_size, saved.layout, saved.attention)
 
         with gathered():
             return saved.layer_inputs.forward_layer(index, hidden_states, run)
@@ -148,7 +151,13 @@ def _chunked_forward(forward, index: int, saved: Checkpoints, chunk_size: int, g
 
 
 def chunked_layer_forward(
-    forward, source, sink, kwargs: dict, chunk_size: int, layout: SequenceLayout | None = None
+    forward,
+    source,
+    sink,
+    kwargs: dict,
+    chunk_size: int,
+    layout: SequenceLayout | None = None,
+    attention: ChunkAttention = DEFAULT_ATTENTION,
 ) -> None:
     """X_{l+1} into sink from X_l (B, T, d) read from source (sequences.py), chunk_size positions at
     a time through `forward` (a layer or its forward method), attending over a key/value buffer of
@@ -157,7 +166,7 @@ def chunked_layer_forward(
     read before its output chunk is written, so source and sink may be one host buffer. Call it
     without grad."""
     seq_len = source.shape[1]
-    buffer = KVBuffer(seq_len=seq_len, attend=True, layout=layout)
+    buffer = KVBuffer(seq_len=seq_len, attend=True, layout=layout, attention=attention)
     bounds = chunk_bounds(seq_len, chunk_size)
     for (start, end), hidden in zip(bounds, source.chunks(bounds)):
         buffer.start = start

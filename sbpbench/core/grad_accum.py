@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .memory_kinds import GRADIENTS, allocating
+from .memory_kinds import GRADIENTS, KindListener, allocating
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -23,7 +23,8 @@ class ChunkGradAccumulator:
     `finish()` after the loop (once; later calls do nothing). Pre-existing .grad is added last,
     as autograd's accumulation would."""
 
-    def __init__(self, params: list[torch.nn.Parameter], fp32: bool = True):
+    def __init__(self, params: list[torch.nn.Parameter], fp32: bool = True, kinds: KindListener | None = None):
+        self._kinds = kinds  # told that the sums are gradients (memory_kinds.py)
         # Deduplicate shared (tied) parameters; keep order stable.
         unique = {id(p): p for p in params if p.requires_grad}
         self._low = [p for p in unique.values() if fp32 and p.dtype in _LOW_PRECISION]
@@ -38,7 +39,7 @@ class ChunkGradAccumulator:
                 continue
             total = self._sums.get(id(p))
             if total is None:
-                with allocating(GRADIENTS):
+                with allocating(self._kinds, GRADIENTS):
                     self._sums[id(p)] = p.grad.float()
             else:
                 total.add_(p.grad)
@@ -52,7 +53,7 @@ class ChunkGradAccumulator:
         self.collect()
         for p in self._low:
             if id(p) in self._sums:
-                with allocating(GRADIENTS):
+                with allocating(self._kinds, GRADIENTS):
                     self._sums[id(p)] = self._sums[id(p)].to(p.dtype)
 
     def finish(self) -> None:
@@ -63,6 +64,6 @@ class ChunkGradAccumulator:
             if total is None:
                 p.grad = saved
                 continue
-            with allocating(GRADIENTS):
+            with allocating(self._kinds, GRADIENTS):
                 p.grad = total.to(p.dtype) if saved is None else saved.add_(total.to(p.dtype))
         self._low = []  # done: a second finish() is a no-op

@@ -20,7 +20,7 @@ from .adapters import DecoderParts
 from .chunking import chunk_bounds
 from .grad_accum import ChunkGradAccumulator
 from .labels import loss_dtype
-from .memory_kinds import LOGITS, allocating
+from .memory_kinds import LOGITS, KindListener, allocating
 from .objectives import Objective
 
 
@@ -44,14 +44,19 @@ def counted_chunks(seq_len: int, chunk_size: int, objective: Objective) -> list[
 
 @torch.no_grad()
 def sequence_sums(
-    objective: Objective, logits_of, bounds: list[tuple[int, int]], hidden, dtype: torch.dtype
+    objective: Objective,
+    logits_of,
+    bounds: list[tuple[int, int]],
+    hidden,
+    dtype: torch.dtype,
+    kinds: KindListener | None = None,
 ) -> torch.Tensor:
     """Pass 1 for objectives of whole-sequence sums (DPO, GSPO): their (B, J) sums, no graph.
     logits_of(hidden): the (B, c, V) logits of a chunk's hidden states; bounds: the counted chunks;
-    hidden: the last layer's output (sequences.py); dtype: its dtype."""
+    hidden: the last layer's output (sequences.py); dtype: its dtype; kinds: told what the logits are."""
     sums = None
     for (start, end), chunk in zip(bounds, hidden.chunks(bounds)):
-        with allocating(LOGITS):
+        with allocating(kinds, LOGITS):
             part = objective.sequence_sums(logits_of(chunk), start, end)
         sums = part if sums is None else sums + part
     if sums is None:  # nothing counted: the sums over no positions
@@ -69,21 +74,23 @@ def head_backward(
     chunk_size: int,
     accumulator: ChunkGradAccumulator,
     call: Callable[[nn.Module], Callable] = lambda module: module,
+    kinds: KindListener | None = None,
 ) -> torch.Tensor:
     """last_hidden (B, T, d): the last layer's output; grad_hidden (B, T, d): where dZ goes, in the
     hidden dtype (both sequences.py; one host buffer under the stream placement: each chunk's dZ
     written over that chunk of Z once read). Returns the loss. The chunks' norm and lm_head weight
     gradients are collected into `accumulator`; the caller finishes it. call(module): what to run
-    for the final norm and the lm_head (a sharded unit's hook-free forward: grad_sync.py)."""
+    for the final norm and the lm_head (a sharded unit's hook-free forward: grad_sync.py). kinds:
+    a memory-kind listener told what the logits are (memory_kinds.py)."""
     seq_len, dtype = last_hidden.shape[1], last_hidden.dtype
     counted = counted_chunks(seq_len, chunk_size, objective)
     if objective.needs_sequence_sums:
         logits_of = lambda hidden: _chunk_logits(parts, hidden, call)
-        objective.prepare(sequence_sums(objective, logits_of, counted, last_hidden, dtype))
+        objective.prepare(sequence_sums(objective, logits_of, counted, last_hidden, dtype, kinds))
     total = torch.zeros((), dtype=loss_dtype(dtype), device=last_hidden.device)
     for (start, end), chunk in zip(counted, last_hidden.chunks(counted)):
         hidden = chunk.detach().requires_grad_()
-        with allocating(LOGITS):
+        with allocating(kinds, LOGITS):
             with torch.enable_grad():
                 part = objective.chunk_loss(_chunk_logits(parts, hidden, call), start, end)
             part.backward()

@@ -23,19 +23,22 @@ import torch
 from torch import nn
 
 from .adapters import KeyValueRecipe
-from .attention import STATE_KWARG, ChunkState, KVBuffer, KVCaptured, chunk_plan
+from .attention import STATE_KWARG, ChunkAttention, ChunkState, KVBuffer, KVCaptured, chunk_plan
 from .chunking import chunk_bounds, chunk_kwargs
+from .config import StreamConfig
 from .grad_accum import ChunkGradAccumulator
 from .kv_capture import Projection, key_value_projection
 from .layout import SequenceLayout
-from .memory_kinds import KV_GRAD_SUMS, allocating
-from .phases import CHUNK_BACKWARD, CHUNK_FORWARD, KV_CAPTURE, PhaseTimer, timed
+from .memory_kinds import KV_GRAD_SUMS
+from .phases import CHUNK_BACKWARD, CHUNK_FORWARD, KV_CAPTURE
 
 
-def _capture_keys_values(layer, layer_input, kwargs: dict, chunks, project: Projection | None = None) -> KVBuffer:
+def _capture_keys_values(
+    layer, layer_input, kwargs: dict, chunks, attention: ChunkAttention, project: Projection | None = None
+) -> KVBuffer:
     """layer_input: X (sequences.py), read first chunk to last. project: the keys/values alone by the
     family's recipe (kv_capture.py); None runs the layer until its attention function has stored them."""
-    capture = KVBuffer(seq_len=layer_input.shape[1], attend=False)  # fills keys, values (B, kv, T, h)
+    capture = KVBuffer(seq_len=layer_input.shape[1], attend=False, attention=attention)  # keys, values (B, kv, T, h)
     with torch.no_grad():
         for (start, end), hidden in zip(chunks, layer_input.chunks(chunks)):
             capture.start = start
@@ -58,32 +61,33 @@ def layer_backward(
     grad,
     kwargs: dict,
     *,
-    chunk_size: int,
+    config: StreamConfig,
+    attention: ChunkAttention,
     need_input_grad: bool,
-    fp32_grad_accumulation: bool,
     call=None,
     layout: SequenceLayout | None = None,
     key_values: KeyValueRecipe | None = None,
-    timer: PhaseTimer | None = None,
 ) -> None:
     """layer_input X (B, T, d); grad dZ (B, T, d) is overwritten with dX when need_input_grad (both
     sequences.py: read and written chunk by chunk). Leaves the layer's parameter gradients in .grad. call: what runs a chunk, `layer` itself unless
     a data-parallel engine needs its hook-free `forward` (grad_sync.py). layout: the batch's padding
     and packed documents (layout.py), None when each row is one sequence from position 0.
     key_values: the family's K/V recipe (adapters.py), None to capture through the whole layer.
-    timer: times K/V capture, chunk forward and chunk backward (phases.py)."""
+    config: the chunk size and the gradient sums' dtype; attention: the chunks' kernel setting and
+    the step's hooks (their timer times K/V capture, chunk forward and chunk backward, phases.py)."""
     call = layer if call is None else call
+    hooks = attention.hooks
     seq_len = layer_input.shape[1]  # layer_input, grad: (B, T, d)
-    chunks = chunk_bounds(seq_len, chunk_size)  # [(start, end), ...] covering [0, T)
-    with timed(timer, KV_CAPTURE):
+    chunks = chunk_bounds(seq_len, config.chunk_size)  # [(start, end), ...] covering [0, T)
+    with hooks.timed(KV_CAPTURE):
         project = key_value_projection(layer, call, kwargs, key_values)
-        capture = _capture_keys_values(call, layer_input, kwargs, chunks, project)
+        capture = _capture_keys_values(call, layer_input, kwargs, chunks, attention, project)
         keys, values, window = capture.keys, capture.values, capture.sliding_window  # (B, kv, T, h) each
         acc_dtype = torch.promote_types(keys.dtype, torch.float32)  # dK/dV sum over later chunks
-        with allocating(KV_GRAD_SUMS):
+        with hooks.allocating(KV_GRAD_SUMS):
             grad_keys = torch.zeros_like(keys, dtype=acc_dtype)  # (B, kv, T, h), fp32 (fp64 for an fp64 model)
             grad_values = torch.zeros_like(values, dtype=acc_dtype)  # (B, kv, T, h)
-    accumulator = ChunkGradAccumulator(list(layer.parameters()), fp32_grad_accumulation)
+    accumulator = ChunkGradAccumulator(list(layer.parameters()), config.fp32_grad_accumulation, hooks.kinds)
 
     backward_order = list(reversed(chunks))  # last chunk first: its dK/dV from later chunks are complete
     # each chunk taken where it is first read: a host copy is waited for just before its use
@@ -91,10 +95,10 @@ def layer_backward(
     for start, end in backward_order:
         state = ChunkState(start, chunk_plan(layout, start, end, window), capture, grad_keys, grad_values)
         chunk_input = next(inputs).detach().requires_grad_(need_input_grad)  # X[chunk] (B, c, d), a leaf
-        with timed(timer, CHUNK_FORWARD), torch.enable_grad():  # queries (B, heads, c, h) against keys[..., :end, :]
+        with hooks.timed(CHUNK_FORWARD), torch.enable_grad():  # queries (B, heads, c, h) against keys[..., :end, :]
             output = call(chunk_input, **chunk_kwargs(kwargs, start, end), **{STATE_KWARG: state})  # (B, c, d)
 
-        with timed(timer, CHUNK_BACKWARD):
+        with hooks.timed(CHUNK_BACKWARD):
             roots, root_grads = [output], [next(grads)]  # dZ[chunk] (B, c, d)
             if end < seq_len:  # later chunks attended to this chunk's keys/values: (B, kv, c, h) each
                 roots += [state.key_chunk, state.value_chunk]
@@ -105,5 +109,5 @@ def layer_backward(
             if need_input_grad:
                 grad.write(start, end, chunk_input.grad)  # dX[chunk] (B, c, d) over dZ[chunk], now spent
             accumulator.collect()  # this chunk's weight gradients into the (fp32) sums
-    with timed(timer, CHUNK_BACKWARD):
+    with hooks.timed(CHUNK_BACKWARD):
         accumulator.finish()  # the sums into .grad, rounded once

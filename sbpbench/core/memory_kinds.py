@@ -3,22 +3,20 @@
 A memory timeline (sbpbench's `sbp run --timeline`) splits the bytes at the peak by kind. The
 kinds only this package can name are its own buffers: the layer inputs it keeps (checkpoints),
 the keys/values of all positions (K/V buffers), their fp32 gradient sums (dK/dV sums), the fp32
-sums of the chunks' weight gradients (gradients) and what a head chunk makes (logits). Two seams tell a listener about them:
+sums of the chunks' weight gradients (gradients) and what a head chunk makes (logits). Two calls
+tell a listener about them, the step's hooks (hooks.py) carrying it:
 
-    with allocating(KV_BUFFERS): keys = x.new_empty(...)   # what the block allocates is of this kind
-    note(CHECKPOINTS, layer_input)                         # an existing tensor is of this kind
+    with allocating(listener, KV_BUFFERS): keys = x.new_empty(...)   # what the block allocates is of this kind
+    note(listener, CHECKPOINTS, layer_input)                         # an existing tensor is of this kind
 
-A listener (anything with `begin(kind) -> previous`, `end(previous)` and `note(kind, tensors)`)
-is installed with `listening(listener)`. Without one, `allocating` returns one shared
-`nullcontext` and `note` returns at once: a step not recorded runs exactly as before. The
-listener is a module global, not a context variable: autograd runs a CUDA backward on a thread
-of its own, which a context variable set here would not reach.
+A listener has `begin(kind) -> previous`, `end(previous)` and `note(kind, tensors)`. Without one
+(None), `allocating` returns one shared `nullcontext` and `note` returns at once: a step not
+recorded runs exactly as before.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from typing import Protocol
 
 import torch
@@ -44,21 +42,6 @@ class KindListener(Protocol):
         """These tensors' storages are of `kind` from now on."""
 
 
-_listener: KindListener | None = None
-
-
-@contextmanager
-def listening(listener: KindListener) -> Iterator[KindListener]:
-    """Tell `listener` the kinds of what StreamBP allocates within the block. Does not nest."""
-    global _listener
-    assert _listener is None, "one memory recorder at a time"
-    _listener = listener
-    try:
-        yield listener
-    finally:
-        _listener = None
-
-
 class _Allocating:
     __slots__ = ("kind", "listener", "previous")
 
@@ -72,14 +55,12 @@ class _Allocating:
         self.listener.end(self.previous)
 
 
-def allocating(kind: str) -> AbstractContextManager:
+def allocating(listener: KindListener | None, kind: str) -> AbstractContextManager:
     """What the block allocates is of `kind` (nothing happens without a listener)."""
-    listener = _listener
     return _NOTHING if listener is None else _Allocating(listener, kind)
 
 
-def note(kind: str, *tensors: torch.Tensor | None) -> None:
+def note(listener: KindListener | None, kind: str, *tensors: torch.Tensor | None) -> None:
     """The storages of `tensors` (None skipped) are of `kind` (nothing happens without a listener)."""
-    listener = _listener
     if listener is not None:
         listener.note(kind, tuple(t for t in tensors if t is not None))

@@ -14,36 +14,30 @@ order section by section; "Memory per phase" gives what is resident when.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from contextlib import closing, contextmanager
 
 import torch
 
 from .adapters import DecoderParts, check_no_attention_dropout, resolve_parts, trainable
-from .attention import ATTENTION_NAME
+from .attention import ATTENTION_NAME, ChunkAttention
 from .checkpoints import Checkpoints, chunked_layer_forward, forward_checkpoints
 from .chunking import chunk_bounds
+from .config import StreamConfig
 from .grad_accum import ChunkGradAccumulator
 from .head import head_backward
+from .hooks import NO_HOOKS, StepHooks
 from .kernels.kernel_choice import check_chunk_attention
-from .kernels.kernel_choice import chunk_attention as use_chunk_attention
 from .layer_backward import layer_backward
 from .layout import build_layout
 from .objectives import SFT, Objective
 from .parallel.grad_sync import for_model as grad_sync_for
 from .parallel.grad_sync import unwrap
 from .parallel.grad_sync_base import GradSync
-from .phases import CHECKPOINT_PASS, HEAD, REBUILD, PhaseTimer, timed
-from .placements.placement import CheckpointStore, Placement
+from .phases import CHECKPOINT_PASS, HEAD, REBUILD, timed
+from .placements.placement import CheckpointStore
 from .placements.stream_store import StreamingStore
 
-DEFAULT_CHUNK_SIZE = 500  # the paper's layer partition for its max-length runs (appendix D)
-DEFAULT_LOGITS_CHUNK_SIZE = 100  # the paper's logits partition
-
-# progress(done, num_layers): called with 0 once the checkpoint pass and the head are done, then
-# after each layer's backward with the number of layers done. Core only calls it; what to do with
-# it (print past a few seconds, log) is the caller's.
-LayerProgress = Callable[[int, int], None]
+DEFAULT_CONFIG = StreamConfig()
 
 
 def stream_backward(
@@ -54,55 +48,25 @@ def stream_backward(
     objective: Objective | None = None,
     attention_mask: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-    logits_chunk_size: int = DEFAULT_LOGITS_CHUNK_SIZE,
-    fp32_grad_accumulation: bool = True,
-    checkpoints: str | Placement = "gpu",
-    progress: LayerProgress | None = None,
+    config: StreamConfig = DEFAULT_CONFIG,
+    hooks: StepHooks | None = None,
     scale_wrt_gas: bool = True,
-    timer: PhaseTimer | None = None,
-    chunk_attention: str = "auto",
 ) -> torch.Tensor:
-    """Forward + backward of a training objective with StreamBP.
-
-    model: a causal LM, one wrapped with FSDP2, or a DeepSpeedEngine (ZeRO 0-3; then in place of
-    `engine.backward(loss)`, gradients divided by its gradient_accumulation_steps, before `engine.step()`).
-
-    Returns the loss (0-dim, detached) and accumulates into every trainable parameter's .grad what
+    """Forward + backward of a training objective with StreamBP. Returns the loss (0-dim, detached)
+    and accumulates into every trainable parameter's .grad what
     `objective.full_loss(model(input_ids=..., attention_mask=...).logits).backward()` would, to
     rounding; for SFT that is `model(..., labels=labels).loss.backward()`.
 
-    input_ids: (B, T) int64. Give either labels ((B, T), -100 where not counted, HF convention,
-    shifted inside: the SFT objective) or an `objective` (objectives.SFT / GRPO / DPO, which hold
-    their own labels and inputs). attention_mask: (B, T) of 0/1, each row 0...0 1...1 0...0 (left
-    padding, as TRL's GRPO batches, right padding, or both), as the model takes it: pads are never
-    keys of a real query, positions are arange(T) pads included; padded positions must not be the
-    source of a counted prediction. position_ids: (B or 1, T), packed documents: 0, 1, ... restarting
-    at 0 for each document (TRL's padding-free rows); each document gets the gradients of BP run on
-    it alone, and the first label of each document must be -100 (SFT only). See layout.py.
-    chunk_size: positions per chunk in the layer backward; logits_chunk_size: positions per chunk
-    in the head. fp32_grad_accumulation: sum per-chunk
-    gradients of bf16/fp16 parameters in fp32 and round once (see grad_accum.py). checkpoints:
-    where the layer inputs live between the checkpoint pass and their layer's backward, "gpu"
-    (the model's device), "cpu", "recompute:K", "cpu+recompute:K", "cpu+recompute:K+spill", or
-    "stream" / "stream:N" (the inputs, Z_L and the gradient in host memory, moved a chunk at a time;
-    placement.py, stream_store.py); the same
-    operations whatever the placement, so the same gradients. On CUDA an offloading placement's host
-    copies live in page-locked buffers that the process keeps for later steps (registering them is
-    slow); `release_pinned_memory()` frees them (host_pool.py says what is kept when T changes).
-    progress: see LayerProgress (per layer of the backward, for long steps). scale_wrt_gas: a
-    DeepSpeedEngine only, as `engine.backward(loss, scale_wrt_gas=...)`: False leaves the gradients
-    undivided by the engine's gradient_accumulation_steps (transformers' Trainer: its loss is already
-    scaled for accumulation). timer: a PhaseTimer (phases.py) that times each phase of this step,
-    summed over layers; `timer.resolve()` after the step reads it (on CUDA: one synchronize, then).
-    chunk_attention: the kernel for a chunk's attention over its prefix, "auto" (on a GPU the fastest,
-    measured on first use of a shape; elsewhere "lower-right"), "lower-right" (SDPA with a lower-right
-    causal bias), "split", "flex", "fa3" or "fa4" (chunk_kernels.py, kernel_choice.py); each gives the
-    same gradients to rounding.
-    """
-    _check_sizes(chunk_size, logits_chunk_size)
-    check_chunk_attention(chunk_attention, input_ids.device)
-    placement = checkpoints if isinstance(checkpoints, Placement) else Placement.parse(checkpoints)
+    model: a causal LM, one wrapped with FSDP2, or a DeepSpeedEngine (ZeRO 0-3: called in place of
+    `engine.backward(loss)`, before `engine.step()`). input_ids: (B, T) int64. Either labels ((B, T),
+    -100 where not counted, shifted inside: the SFT objective) or an `objective` (objectives/: SFT,
+    GRPO, DPO). attention_mask: (B, T) 0/1, left or right padding; position_ids: (B or 1, T), packed
+    documents restarting at 0 (layout.py says what each gives). config: StreamBP's knobs (config.py);
+    hooks: what the caller watches of the step (hooks.py). scale_wrt_gas: a DeepSpeedEngine's, as
+    `engine.backward(loss, scale_wrt_gas=...)`: False leaves the gradients undivided by its
+    gradient_accumulation_steps (transformers' Trainer scales its loss itself)."""
+    hooks = hooks if hooks is not None else NO_HOOKS
+    check_chunk_attention(config.chunk_attention, input_ids.device, hooks.chooser)
     if (labels is None) == (objective is None):
         raise ValueError("give either labels (the SFT objective) or objective=..., not both or neither")
     objective = objective if objective is not None else SFT(labels)
@@ -113,66 +77,80 @@ def stream_backward(
     sync = grad_sync_for(model, parts)  # FSDP2, DeepSpeed or one process; refuses sequence parallelism
     if scale_wrt_gas:
         objective = sync.objective(objective)  # DeepSpeed: each chunk's gradient / accumulation steps
-
-    if timer is not None:
-        timer.start(input_ids.device)
-    store = (StreamingStore if placement.stream else CheckpointStore)(placement, len(parts.layers))
-    store.timer = timer
-    kernels = use_chunk_attention(chunk_attention)
-    with _streaming_mode(parts), sync.step(), closing(store), kernels:  # close: frees (and unpins) what an error left
-        with timed(timer, CHECKPOINT_PASS):
+    if hooks.timer is not None:
+        hooks.timer.start(input_ids.device)
+    store = _store(config, len(parts.layers), hooks)
+    attention = ChunkAttention(config.chunk_attention, hooks)
+    with _streaming_mode(parts), sync.step(), closing(store):  # close: frees (and unpins) what an error left
+        with hooks.timed(CHECKPOINT_PASS):
             saved = forward_checkpoints(
-                parts, input_ids, chunk_size, store, gathered=sync.gathered, position_ids=position_ids, layout=layout,
-                prepare_embedding=sync.gather_head,
+                parts, input_ids, config.chunk_size, store, gathered=sync.gathered, position_ids=position_ids,
+                layout=layout, prepare_embedding=sync.gather_head, attention=attention,
             )  # fmt: skip
-        store.rebuild_into = lambda index, source, sink: _rebuild(parts, saved, index, source, sink, chunk_size, sync)
-        embed_trainable = bool(trainable(parts.embed))
-        with timed(timer, HEAD):
-            sync.gather_head()  # a head unit of its own that the checkpoint pass resharded
-            head_grads = ChunkGradAccumulator(trainable(parts.norm) + trainable(parts.lm_head), fp32_grad_accumulation)
-            last_hidden = store.last_hidden(saved.last_hidden)
-            saved.last_hidden = None
-            grad = store.head_grad(last_hidden)  # dZ_L; becomes dX layer after layer
-            loss = head_backward(
-                parts, last_hidden, grad, objective, chunk_size=logits_chunk_size, accumulator=head_grads,
-                call=sync.head,
-            )  # fmt: skip
-            del last_hidden  # Z_L (on the device unless streamed)
-            tied = embed_trainable and parts.lm_head.weight is parts.embed.weight
-            if tied:
-                head_grads.round_sums()  # the embedding's gradient joins this sum before it meets .grad
-            else:
-                head_grads.finish()
-        num_layers = len(parts.layers)
-        if progress is not None:
-            progress(0, num_layers)
-        for index in reversed(range(num_layers)):
-            sync.begin(parts.layers[index])
-            layer_backward(
-                parts.layers[index],
-                store.get(index, grad.device),
-                grad,
-                saved.layer_kwargs[index],
-                chunk_size=chunk_size,
-                need_input_grad=embed_trainable or index > 0,
-                fp32_grad_accumulation=fp32_grad_accumulation,
-                call=sync.call(parts.layers[index]),
-                layout=layout,
-                key_values=parts.key_values,
-                timer=timer,
-            )
-            sync.end(parts.layers[index])  # the chunks' summed gradients, reduced once
-            store.release(index)  # free X_l
-            if progress is not None:
-                progress(num_layers - index, num_layers)
-        if embed_trainable:
+        store.rebuild_into = lambda index, source, sink: _rebuild(parts, saved, index, source, sink, config, sync)
+        loss, grad, head_grads = _head(parts, saved, store, objective, config, hooks, sync)
+        _layers_backward(parts, saved, store, grad, config, attention, sync)
+        if trainable(parts.embed):
             sync.gather_head()
-            embedding_grads = ChunkGradAccumulator(trainable(parts.embed), fp32_grad_accumulation)
-            _embedding_backward(sync.head(parts.embed), input_ids, grad, chunk_size, embedding_grads)
+            embedding_grads = ChunkGradAccumulator(trainable(parts.embed), config.fp32_grad_accumulation, hooks.kinds)
+            _embedding_backward(sync.head(parts.embed), input_ids, grad, config.chunk_size, embedding_grads)
         head_grads.finish()  # no-op unless tied
-    if timer is not None:
-        timer.finish()
+    if hooks.timer is not None:
+        hooks.timer.finish()
     return loss
+
+
+def _store(config: StreamConfig, num_layers: int, hooks: StepHooks) -> CheckpointStore:
+    """Where the step keeps its layer inputs (placements/), told to the hooks' on_store."""
+    placement = config.checkpoints
+    kind = StreamingStore if placement.stream else CheckpointStore
+    store = kind(placement, num_layers, kinds=hooks.kinds, shapes_only=hooks.shapes_only)
+    store.timer = hooks.timer
+    if hooks.on_store is not None:
+        hooks.on_store(store)
+    return store
+
+
+def _head(parts: DecoderParts, saved: Checkpoints, store, objective, config: StreamConfig, hooks, sync: GradSync):
+    """The head phase: the loss and dZ_L (B, T, d), which becomes dX layer after layer; the norm's
+    and lm_head's gradient sums, finished unless the lm_head is tied to a trainable embedding."""
+    with hooks.timed(HEAD):
+        sync.gather_head()  # a head unit of its own that the checkpoint pass resharded
+        head_params = trainable(parts.norm) + trainable(parts.lm_head)
+        head_grads = ChunkGradAccumulator(head_params, config.fp32_grad_accumulation, hooks.kinds)
+        last_hidden = store.last_hidden(saved.last_hidden)
+        saved.last_hidden = None
+        grad = store.head_grad(last_hidden)  # dZ_L
+        loss = head_backward(
+            parts, last_hidden, grad, objective, chunk_size=config.logits_chunk_size, accumulator=head_grads,
+            call=sync.head, kinds=hooks.kinds,
+        )  # fmt: skip
+        del last_hidden  # Z_L (on the device unless streamed)
+        if trainable(parts.embed) and parts.lm_head.weight is parts.embed.weight:
+            head_grads.round_sums()  # the embedding's gradient joins this sum before it meets .grad
+        else:
+            head_grads.finish()
+    return loss, grad, head_grads
+
+
+def _layers_backward(parts: DecoderParts, saved: Checkpoints, store, grad, config, attention, sync: GradSync) -> None:
+    """Layers L-1 down to 0: each layer's chunked backward, its gradient reduced once, X_l freed."""
+    progress, num_layers = attention.hooks.progress, len(parts.layers)
+    embed_trainable = bool(trainable(parts.embed))
+    if progress is not None:
+        progress(0, num_layers)
+    for index in reversed(range(num_layers)):
+        layer = parts.layers[index]
+        sync.begin(layer)
+        layer_backward(
+            layer, store.get(index, grad.device), grad, saved.layer_kwargs[index], config=config, attention=attention,
+            need_input_grad=embed_trainable or index > 0, call=sync.call(layer), layout=saved.layout,
+            key_values=parts.key_values,
+        )  # fmt: skip
+        sync.end(layer)  # the chunks' summed gradients, reduced once
+        store.release(index)  # free X_l
+        if progress is not None:
+            progress(num_layers - index, num_layers)
 
 
 def _embedding_backward(embed, input_ids: torch.Tensor, grad, chunk_size: int, accumulator) -> None:
@@ -191,20 +169,17 @@ def _embedding_backward(embed, input_ids: torch.Tensor, grad, chunk_size: int, a
 
 
 def _rebuild(
-    parts: DecoderParts, saved: Checkpoints, index: int, source, sink, chunk_size: int, sync: GradSync
+    parts: DecoderParts, saved: Checkpoints, index: int, source, sink, config: StreamConfig, sync: GradSync
 ) -> None:
     """X_{index+1} into sink from X_index read from source, as the checkpoint pass made it (recompute
     placements; sequences.py). A sharded layer is gathered once for the whole rebuild, and its chunks
     run hook-free (grad_sync.py)."""
     layer = parts.layers[index]
     with timed(saved.layer_inputs.timer, REBUILD), torch.no_grad(), sync.rebuilding(layer):
-        chunked_layer_forward(sync.call(layer), source, sink, saved.layer_kwargs[index], chunk_size, saved.layout)
-
-
-def _check_sizes(chunk_size: int, logits_chunk_size: int) -> None:
-    for name, value in (("chunk_size", chunk_size), ("logits_chunk_size", logits_chunk_size)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        chunked_layer_forward(
+            sync.call(layer), source, sink, saved.layer_kwargs[index], config.chunk_size, saved.layout,
+            saved.attention,
+        )  # fmt: skip
 
 
 def _check_shapes(input_ids, labels) -> None:

@@ -2,9 +2,10 @@
 training step's forward + backward is `stream_backward` on the batch the stock trainer would feed its
 loss, with the stock loss scaling and logging (docs/trainers.md). A script switches by class name:
 
-    from sbpbench.integrations import StreamBPConfig, StreamBPSFTTrainer
+    from sbpbench.core import StreamConfig
+    from sbpbench.integrations import StreamBPSFTTrainer
     trainer = StreamBPSFTTrainer(model=model, args=SFTConfig(...), train_dataset=dataset,
-                                 streambp=StreamBPConfig(chunk_size=2048))
+                                 streambp=StreamConfig(chunk_size=2048))
 
 The trainer classes are imported on first use, so importing this package imports neither TRL (an
 optional extra, `pip install -e ".[trl]"`) nor transformers' Trainer; StreamBPTrainer needs no TRL.
@@ -14,8 +15,6 @@ from __future__ import annotations
 
 import importlib
 
-from .config import StreamBPConfig
-
 _TRAINERS = {  # class -> module defining it
     "StreamBPTrainer": ".trainer",
     "StreamBPSFTTrainer": ".sft",
@@ -23,7 +22,7 @@ _TRAINERS = {  # class -> module defining it
     "StreamBPGRPOTrainer": ".grpo",
 }
 
-__all__ = ["StreamBPConfig", "StreamBPDPOTrainer", "StreamBPGRPOTrainer", "StreamBPSFTTrainer", "StreamBPTrainer"]
+__all__ = ["StreamBPDPOTrainer", "StreamBPGRPOTrainer", "StreamBPSFTTrainer", "StreamBPTrainer"]
 
 
 def __getattr__(name: str):

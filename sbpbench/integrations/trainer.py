@@ -36,9 +36,8 @@ from accelerate.utils.memory import clear_device_cache
 from transformers import Trainer
 from transformers.training_args import OptimizerNames
 
-from ..core import SFT, Objective, stream_backward
-from ..core.internal import check_no_attention_dropout, observe_chunk_kernels, resolve_parts
-from .config import StreamBPConfig
+from ..core import SFT, Objective, StepHooks, StreamConfig, stream_backward
+from ..core.internal import check_no_attention_dropout, resolve_parts
 from .token_outputs import TokenRecorder
 
 # What a batch of a causal-LM trainer may hold: the inputs StreamBP reads, and the FlashAttention
@@ -57,11 +56,11 @@ class StreamedBatch(NamedTuple):
     position_ids: torch.Tensor | None = None
 
 
-def streambp_config(streambp: StreamBPConfig | None) -> StreamBPConfig:
+def streambp_config(streambp: StreamConfig | None) -> StreamConfig:
     if streambp is None:
-        return StreamBPConfig()
-    if not isinstance(streambp, StreamBPConfig):
-        raise TypeError(f"streambp must be a StreamBPConfig, got {type(streambp).__name__}")
+        return StreamConfig()
+    if not isinstance(streambp, StreamConfig):
+        raise TypeError(f"streambp must be a sbpbench.core.StreamConfig, got {type(streambp).__name__}")
     return streambp
 
 
@@ -70,7 +69,7 @@ class StreamBPStep(Trainer):
     `streamed_batch` (the batch and objective the stock loss would see) and, for TRL's metrics,
     `recorded_outputs` (the fused-head fields its loss code reads) and `log_streamed`."""
 
-    streambp: StreamBPConfig
+    streambp: StreamConfig
     recorded_outputs: tuple[str, ...] = ()  # TRL fused-head fields to record from the streamed head
 
     def training_step(
@@ -106,16 +105,16 @@ class StreamBPStep(Trainer):
         device = batch.input_ids.device
         if device.type == "cuda" and self.args.skip_memory_metrics:  # else the Trainer's own tracker owns the peak
             torch.cuda.reset_peak_memory_stats(device)
-        with self.accelerator.autocast(), observe_chunk_kernels() as kernels:  # autocast: as Accelerate's forward
+        kernels: set[str] = set()
+        with self.accelerator.autocast():  # as Accelerate's forward
             loss = stream_backward(
                 engine if engine is not None else model,
                 batch.input_ids,
                 objective=objective,
                 attention_mask=batch.attention_mask,
                 position_ids=batch.position_ids,
-                chunk_size=config.chunk_size,
-                logits_chunk_size=config.logits_chunk_size,
-                checkpoints=config.checkpoints,
+                config=config,
+                hooks=StepHooks(on_kernel=kernels.add),
                 scale_wrt_gas=False,
             )
         if engine is not None and self.accelerator.sync_gradients:
@@ -210,7 +209,7 @@ class StreamBPStep(Trainer):
             "is built in)": callable(self.compute_loss_func),
             "label smoothing is not supported: set label_smoothing_factor=0": self.label_smoother is not None,
             "activation_offloading offloads saved activations, which StreamBP does not keep: set "
-            "activation_offloading=False, and StreamBPConfig(checkpoints='cpu') to keep its checkpoints on "
+            "activation_offloading=False, and StreamConfig(checkpoints='cpu') to keep its checkpoints on "
             "the host": bool(getattr(args, "activation_offloading", False)),
         }
         refuse(self, refusals)
@@ -257,11 +256,11 @@ def check_batch_keys(inputs: Mapping[str, Any], allowed: tuple[str, ...]) -> Non
 
 
 class StreamBPInit:
-    """First in each StreamBP trainer's bases: takes the `streambp=` keyword (a StreamBPConfig; None:
+    """First in each StreamBP trainer's bases: takes the `streambp=` keyword (a StreamConfig; None:
     the defaults), builds the stock trainer with the other arguments, then refuses what StreamBP
     cannot run (the trainer's `refuse_unsupported`)."""
 
-    def __init__(self, *args, streambp: StreamBPConfig | None = None, **kwargs):
+    def __init__(self, *args, streambp: StreamConfig | None = None, **kwargs):
         self.streambp = streambp_config(streambp)
         super().__init__(*args, **kwargs)
         self.refuse_unsupported()
@@ -269,4 +268,4 @@ class StreamBPInit:
 
 class StreamBPTrainer(StreamBPInit, StreamBPStep):
     """transformers' Trainer, each training step's forward + backward by StreamBP (exact: the stock
-    step's loss and gradients to rounding). streambp: chunk sizes and checkpoint placement."""
+    step's loss and gradients to rounding). streambp: StreamBP's knobs, a sbpbench.core.StreamConfig."""

@@ -1,1 +1,2 @@
-"""Measurement: the CPU live-tensor-bytes tracker (GPU memory and timing come with `sbp run`)."""
+"""Measurement: memory (the CPU live-tensor tracker, torch.cuda, NVML, RSS), a step's memory over time
+(timeline/), time, FLOPs and the environment a step ran in."""

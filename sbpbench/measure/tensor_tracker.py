@@ -11,7 +11,7 @@ With `limit_bytes`, an op that takes the live bytes over the limit raises Tracke
 right after it runs: the CPU stand-in for a CUDA out-of-memory error on a smaller device.
 
 Each storage is counted under a kind (`kind_bytes`; `peak_kinds` at the peak): `kind_of_new` when
-it is made, or the kind a `note` gives it later (measure/memory_timeline.py names the kinds; a
+it is made, or the kind a `note` gives it later (measure/timeline/data.py names the kinds; a
 memory timeline sets them from the step's phase and StreamBP's own seam, core/memory_kinds.py, whose
 listener the tracker is: `begin`, `end`, `note`). Left alone, everything is "intermediates".
 
@@ -31,7 +31,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .memory_timeline import INTERMEDIATES
+from .timeline.data import INTERMEDIATES
 
 
 def _tensors(values) -> list[torch.Tensor]:
@@ -90,12 +90,6 @@ class LiveTensorTracker(TorchDispatchMode):
         self.kind_of_new = INTERMEDIATES  # the kind a storage made now is counted under
         self._phase_kind = INTERMEDIATES  # kind_of_new outside any `begin` block
         self._explicit: str | None = None  # the kind of the innermost `begin` block
-
-    def reset_peak(self) -> None:
-        """Start a new peak from the bytes live now (as torch.cuda.reset_peak_memory_stats)."""
-        self.peak_bytes = self.live_bytes
-        self.peak_kinds = {k: v for k, v in self.kind_bytes.items() if v}
-        self.largest = Allocation(0, 0, "")
 
     # -- kinds: core/memory_kinds.py's listener, and the phase's default -------------------------
 

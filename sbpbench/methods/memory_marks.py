@@ -17,18 +17,19 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from functools import partial
 
 import torch
 
 from ..core import UnsupportedModelError
-from ..core.internal import memory_kinds, observe_stores, resolve_parts
+from ..core.internal import memory_kinds, resolve_parts
 from .phase_labels import PhaseLabels
-from .streambp import timing_phases
+from .streambp import step_hooks, timing_phases
 
 
 @contextmanager
 def marking(recorder, step, rss_bytes=lambda: None, *, label_phases: bool = True) -> Iterator[None]:
-    """recorder: a timeline recorder (measure/memory_timeline.py PhaseMarks and core's listener);
+    """recorder: a timeline recorder (measure/timeline/marks.py PhaseMarks and core's listener);
     step: the point's TrainingStep (methods/step.py); rss_bytes: () -> the process's RSS now.
     label_phases: False where the caller's own PhaseLabels already label the recorder (the estimator)."""
     model = step.model
@@ -36,30 +37,30 @@ def marking(recorder, step, rss_bytes=lambda: None, *, label_phases: bool = True
         if label_phases:
             labels = PhaseLabels(recorder, chunked_head=step.method == "streambp")
             stack.enter_context(labels.attached(model, step.optimizer))
-        stack.enter_context(memory_kinds.listening(recorder))
         stack.enter_context(timing_phases(on_phase=recorder.on_stage))
         for parameter in step.trainable:
-            hook = parameter.register_post_accumulate_grad_hook(_note_gradient)
+            hook = parameter.register_post_accumulate_grad_hook(partial(_note_gradient, recorder))
             stack.callback(hook.remove)
         for layer in _layers(model):
-            hook = layer.register_forward_pre_hook(_note_checkpoint, with_kwargs=True)
+            hook = layer.register_forward_pre_hook(partial(_note_checkpoint, recorder), with_kwargs=True)
             stack.callback(hook.remove)
-        stores = stack.enter_context(observe_stores())
+        stores = []  # StreamBP's steps tell the recorder their kinds and hand over their stores
+        stack.enter_context(step_hooks(kinds=recorder, on_store=stores.append))
         recorder.host_probe = lambda: (sum(store.host_bytes for store in stores), rss_bytes())
         stack.callback(setattr, recorder, "host_probe", None)
         yield
 
 
-def _note_gradient(parameter: torch.Tensor) -> None:
-    memory_kinds.note(memory_kinds.GRADIENTS, parameter.grad)
+def _note_gradient(recorder, parameter: torch.Tensor) -> None:
+    memory_kinds.note(recorder, memory_kinds.GRADIENTS, parameter.grad)
 
 
-def _note_checkpoint(layer, args, kwargs) -> None:
+def _note_checkpoint(recorder, layer, args, kwargs) -> None:
     """A decoder layer under transformers' gradient checkpointing keeps its input for the recompute."""
     if getattr(layer, "gradient_checkpointing", False) and layer.training and torch.is_grad_enabled():
         hidden = args[0] if args else kwargs.get("hidden_states")
         if isinstance(hidden, torch.Tensor):
-            memory_kinds.note(memory_kinds.CHECKPOINTS, hidden)
+            memory_kinds.note(recorder, memory_kinds.CHECKPOINTS, hidden)
 
 
 def _layers(model) -> list:

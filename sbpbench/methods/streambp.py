@@ -1,9 +1,15 @@
 """StreamBP from sbpbench.core, behind the common method signature.
 
-`reporting_progress(callback)` hands core's per-layer progress callback (core/stream.py
-LayerProgress) to every StreamBP step run inside it, and `timing_phases()` gives each a PhaseTimer
-(core/phases.py): a measuring caller (the worker) sets them around its steps without the registry's
-(model, batch, settings) signature growing an argument that no other method reads.
+The step's StreamConfig is made from the method settings by field name: a knob core reads is a
+field of both, and reaches the step without a line here. What a measuring caller (the worker, the
+estimator) watches or steers of the steps it runs goes into their StepHooks through
+`step_hooks(...)`, a context around the steps, so the registry's (model, batch, settings)
+signature grows no argument that no other method reads:
+
+    with step_hooks(on_store=stores.append, kernel_mode=REFERENCE): step.run()
+
+`reporting_progress(callback)` and `timing_phases()` are two such contexts: per-layer progress,
+and a PhaseTimer for each step (core/phases.py).
 """
 
 from __future__ import annotations
@@ -11,25 +17,52 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import fields, replace
 
 import torch
 
-from ..core import LayerProgress, PhaseTimer, stream_backward
+from ..core import LayerProgress, PhaseTimer, StepHooks, StreamConfig, stream_backward
 from ..data import Batch
 
-_PROGRESS: ContextVar[LayerProgress | None] = ContextVar("streambp_progress", default=None)
+_HOOKS: ContextVar[StepHooks | None] = ContextVar("streambp_hooks", default=None)
 _TIMERS: ContextVar[list[PhaseTimer] | None] = ContextVar("streambp_timers", default=None)
 _ON_PHASE: ContextVar[Callable[[str | None], None] | None] = ContextVar("streambp_on_phase", default=None)
+# hooks that are told something: a nested context's callback runs after the outer one's
+_CALLBACKS = ("progress", "on_store", "on_kernel", "on_chunk_call")
+
+
+def _both(outer, inner):
+    if outer is None:
+        return inner
+
+    def call(*args):
+        outer(*args)
+        inner(*args)
+
+    return call
 
 
 @contextmanager
-def reporting_progress(callback: LayerProgress | None) -> Iterator[None]:
-    """StreamBP steps run inside call `callback(done, num_layers)` per layer of their backward."""
-    token = _PROGRESS.set(callback)
+def step_hooks(**given) -> Iterator[StepHooks]:
+    """StreamBP steps run inside get these StepHooks fields, on top of an enclosing context's: a
+    callback is added to the outer one's, any other field replaces it."""
+    current = current_hooks()
+    merged = {n: _both(getattr(current, n), v) if n in _CALLBACKS else v for n, v in given.items()}
+    token = _HOOKS.set(replace(current, **merged))
     try:
-        yield
+        yield current_hooks()
     finally:
-        _PROGRESS.reset(token)
+        _HOOKS.reset(token)
+
+
+def current_hooks() -> StepHooks:
+    """The StepHooks a StreamBP step run here would get."""
+    return _HOOKS.get() or StepHooks()
+
+
+def reporting_progress(callback: LayerProgress | None):
+    """StreamBP steps run inside call `callback(done, num_layers)` per layer of their backward."""
+    return step_hooks(progress=callback)
 
 
 @contextmanager
@@ -46,22 +79,21 @@ def timing_phases(on_phase: Callable[[str | None], None] | None = None) -> Itera
         _ON_PHASE.reset(told)
 
 
+def stream_config(settings) -> StreamConfig:
+    """StreamConfig from the method settings: every field of StreamConfig by its name."""
+    return StreamConfig(**{f.name: getattr(settings, f.name) for f in fields(StreamConfig)})
+
+
 def streambp(model, batch: Batch, settings) -> torch.Tensor:
-    timers = _TIMERS.get()
-    timer = None
+    hooks, timers = current_hooks(), _TIMERS.get()
     if timers is not None:
-        timer = PhaseTimer(on_phase=_ON_PHASE.get())
-        timers.append(timer)
+        timers.append(PhaseTimer(on_phase=_ON_PHASE.get()))
+        hooks = replace(hooks, timer=timers[-1])
     return stream_backward(
         model,
         batch.input_ids,
         objective=batch.objective(),
         attention_mask=batch.attention_mask,
-        chunk_size=settings.chunk_size,
-        logits_chunk_size=settings.logits_chunk_size,
-        fp32_grad_accumulation=settings.fp32_grad_accumulation,
-        progress=_PROGRESS.get(),
-        checkpoints=settings.checkpoints,
-        timer=timer,
-        chunk_attention=settings.chunk_attention,
+        config=stream_config(settings),
+        hooks=hooks,
     )

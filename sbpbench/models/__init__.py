@@ -4,7 +4,7 @@ from ..core import UnsupportedModelError  # what building or running an unsuppor
 from .build import build_model, count_parameters, load_config, weights_source
 from .lora import apply_lora
 from .registry import MODELS, REAL_MODELS, SMALL_MODELS, TINY_MODELS, ModelSpec, config_dict, full_depth, get_spec
-from .source import is_hub_id, is_local_checkpoint
+from .source import is_local_checkpoint
 
 __all__ = [
     "MODELS",
@@ -19,7 +19,6 @@ __all__ = [
     "count_parameters",
     "full_depth",
     "get_spec",
-    "is_hub_id",
     "is_local_checkpoint",
     "load_config",
     "weights_source",

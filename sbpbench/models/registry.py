@@ -37,10 +37,6 @@ class ModelSpec:
     base: str  # the real model whose config.json this shape starts from
     overrides: dict = field(default_factory=dict)
 
-    @property
-    def is_tiny(self) -> bool:
-        return bool(self.overrides)
-
 
 TINY_MODELS = {
     "tiny/qwen3": ModelSpec("tiny/qwen3", "Qwen/Qwen3-0.6B", {**_TINY, "num_key_value_heads": 2, "head_dim": 16}),

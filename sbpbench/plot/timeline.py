@@ -17,7 +17,8 @@ from pathlib import Path
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from ..measure.memory_timeline import Timeline, load_timeline, phase_group
+from ..measure.timeline.data import Timeline, load_timeline
+from ..measure.timeline.marks import phase_group
 from ..records.select import cell, short_model
 from . import style
 from .common import FORMATS, device_part, save, setting_parts, stem

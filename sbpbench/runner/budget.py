@@ -1,9 +1,10 @@
-"""A wall-clock budget for `sbp sweep` and `sbp maxlen` (--budget): stop cleanly before a limit
-that would kill the command, e.g. a machine that allows 10 minutes a command.
+"""A wall-clock budget for `sbp sweep` and `sbp maxlen` (--budget): the time the user gives the
+command, so that it stops cleanly before a limit of theirs would kill it (a scheduler's limit on a
+job, a shell's timeout).
 
-A point's own timeout (timeout.py) starts at 10 minutes of set-up allowance, so on a lent machine
-the command's limit, not the point's timeout, would end a long point: killed mid-point, with the
-summary and whatever ran after it in the same command lost. Under a budget a point starts only
+A point's own timeout (timeout.py) starts at 10 minutes of set-up allowance, so under a shorter
+limit on the command, that limit, not the point's timeout, would end a long point: killed mid-point,
+with the summary and whatever ran after it in the same command lost. Under a budget a point starts only
 while at least MIN_START_S are left, and runs under the smaller of its own timeout and what is
 left. A point cut by the budget is not a result (it says nothing about the machine): its row is
 dropped, BudgetSpent stops the command, and the same command resumes (every finished point and

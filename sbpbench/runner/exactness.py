@@ -3,14 +3,18 @@
 Builds the spec's model (random weights, seeded) in fp64 or fp32, one synthetic batch with the
 paper's random right padding, and compares every method with `bp` (see methods/exactness.py):
 in fp64 directly (1e-10); in fp32 against a float64 step on the same weights, each method within a
-small factor of bp's own fp32 error (`judge_against_fp64`).
+small factor of bp's own fp32 error (`judge_against_fp64`). With an `out` file, each comparison is
+appended to it as an ExactnessRow (records/exactness.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from datetime import UTC, datetime
+from pathlib import Path
 
 from ..config import RunSpec
+from ..measure.environment import Environment, capture_environment
 from ..methods import METHODS, MethodSettings
 from ..methods.exactness import (
     FLOAT32_COMPUTE_NOTE,
@@ -21,23 +25,56 @@ from ..methods.exactness import (
     judge_against_fp64,
     step_gradients,
 )
+from ..records.exactness import ExactnessRow, check_exactness_writable, write_exactness
+from ..records.store import RowsNotSaved
 from ..workload.build import build_model_and_batch
+
+EXTERNAL_NOTE = "ran in its own virtualenv (runner/official.py: streambp 1.0, transformers 4.51.3)"
 
 
 @dataclass(frozen=True)
 class ExactnessSpec:
     """One spec per method, all of one model and batch: the first is the reference (bp), the
     rest are compared with it, each with the settings it reads. With LoRA the adapters get
-    seeded non-zero B matrices (gradients everywhere)."""
+    seeded non-zero B matrices (gradients everywhere). `out`: a CSV the comparisons are appended to."""
 
     specs: tuple[RunSpec, ...]
+    out: Path | None = None
 
     @property
     def reference(self) -> RunSpec:
         return self.specs[0]
 
 
-def check_exactness(spec: ExactnessSpec) -> list[MethodComparison]:
+@dataclass(frozen=True)
+class ExactnessCheck:
+    """What `check_exactness` found: a comparison per spec, in spec order (fp32: the first is bp's
+    own step against fp64); the number of rows appended to the spec's `out`, or why they were not
+    (the error names the file beside it that keeps them)."""
+
+    results: list[MethodComparison]
+    appended: int = 0
+    not_saved: RowsNotSaved | None = None
+
+
+def check_exactness(spec: ExactnessSpec) -> ExactnessCheck:
+    """Compare each method with the reference; append the comparisons to `spec.out` if given (its
+    header checked before anything runs)."""
+    if spec.out is not None:
+        check_exactness_writable(spec.out)
+    results = compare_all(spec)
+    if spec.out is None:
+        return ExactnessCheck(results)
+    rows = exactness_rows(list(spec.specs), results)
+    try:
+        write_exactness(spec.out, rows)
+    except RowsNotSaved as error:
+        return ExactnessCheck(results, not_saved=error)
+    return ExactnessCheck(results, appended=len(rows))
+
+
+def compare_all(spec: ExactnessSpec) -> list[MethodComparison]:
+    """A comparison per spec, in spec order (module docstring)."""
     run = spec.reference
     # LoRA B matrices start at zero, which would make every A gradient zero: seeded non-zero B
     model, batch = build_model_and_batch(run, lora_alpha=2 * run.lora_rank, lora_init_seed=run.seed)
@@ -82,4 +119,47 @@ def float32_note(run: RunSpec, results) -> str:
         f"fp64: {len({d.name for d in loose})} tensor(s) judged at 1e-05, such as {loose[0].name}: "
         f"{FLOAT32_COMPUTE_NOTE}. Every other "
         f"gradient is judged at {tight:g}: its largest error here is {largest:.1e}."
+    )
+
+
+def exactness_rows(specs: list[RunSpec], results: list[MethodComparison]) -> list[ExactnessRow]:
+    """The rows of a check (results: in spec order): one per compared method; fp32 leaves out bp's
+    own step against fp64, the first."""
+    by_method = {spec.method: spec for spec in specs}
+    compared = results[1:] if specs[0].dtype == "fp32" else results
+    env = capture_environment(specs[0].device)
+    return [exactness_row(by_method[r.method], r, env) for r in compared]
+
+
+def exactness_row(spec: RunSpec, result: MethodComparison, env: Environment) -> ExactnessRow:
+    """One comparison as a row of the exactness CSV, with the point, settings and provenance."""
+    worst = result.worst
+    settings = " ".join(f"{k}={v}" for k, v in spec.settings.as_dict().items() if v is not None)
+    if result.loss is None:
+        outcome = "unsupported"
+    else:
+        outcome = "exact" if result.ok else "differs"
+    return ExactnessRow(
+        timestamp_utc=datetime.now(UTC).isoformat(timespec="seconds"),
+        method=result.method,
+        reference=result.reference,
+        result=outcome,
+        loss_rel_error=None if result.loss is None else result.loss.rel_error,
+        grad_rel_error=None if worst is None else worst.rel_error,
+        worst_tensor="" if worst is None else worst.name,
+        tolerance=None if worst is None else worst.tolerance,
+        note=result.unsupported or (EXTERNAL_NOTE if METHODS[result.method].external else ""),
+        model=spec.model,
+        num_layers=spec.num_layers,
+        objective=spec.objective,
+        lora_rank=spec.lora_rank,
+        dtype=spec.dtype,
+        batch_size=spec.batch_size,
+        seq_len=spec.seq_len,
+        settings=settings,
+        device=spec.device,
+        torch_version=env.torch_version,
+        transformers_version=env.transformers_version,
+        git_commit=env.git_commit,
+        git_dirty=env.git_dirty,
     )

@@ -36,8 +36,8 @@ first step's registration, which no timed step pays.
 A step that runs past a few seconds prints "layer i of L" lines to stderr (measure/progress.py;
 StreamBP steps only: bp and ckpt are transformers' own backward, with no per-layer callback).
 With a timeline folder (`sbp run --timeline`; runner/timelines.py) the memory step is also recorded
-as a memory timeline, the tracker's on the CPU (measure/tracked_timeline.py), PyTorch's memory
-history on a GPU (measure/cuda_timeline.py), marked with the step's phases and kinds
+as a memory timeline, the tracker's on the CPU (measure/timeline/tracked.py), PyTorch's memory
+history on a GPU (measure/timeline/cuda.py), marked with the step's phases and kinds
 (methods/memory_marks.py); an OOM step keeps what it recorded.
 With spec.nproc > 1 this process is one rank (runner/ranks.py): the model is sharded with FSDP2,
 the batch is the rank's own, and on the CPU the tracker also counts FSDP2's in-place resizes of
@@ -55,20 +55,8 @@ from pathlib import Path
 import torch
 
 from ..config import RunSpec
-from ..core.internal import (
-    CACHED,
-    LOWER_RIGHT,
-    REFERENCE,
-    auto_mode,
-    observe_chunk_kernels,
-    observe_stores,
-    record_chunk_calls,
-    set_choice_cache,
-    tune_chunk_calls,
-)
+from ..core.internal import CACHED, LOWER_RIGHT, REFERENCE, KernelChooser, tune_chunk_calls
 from ..measure.cuda_memory import NvmlPeakSampler, nvml_handle, start_cuda
-from ..measure.cuda_timeline import CUDA_MEMORY, CudaMemoryCalls, CudaTimeline
-from ..measure.cuda_timeline import ROUNDING as CUDA_ROUNDING
 from ..measure.flops import training_flops
 from ..measure.host_memory import peak_rss_bytes, reset_peak_rss, total_ram_bytes
 from ..measure.kernel_cache import JsonChoiceCache
@@ -77,11 +65,13 @@ from ..measure.progress import StepProgress
 from ..measure.sdpa import RecordingSdpaBackends, forcing_sdpa_backend, is_no_kernel_error
 from ..measure.tensor_tracker import LiveTensorTracker, TrackedOutOfMemoryError, counting_fsdp_resizes
 from ..measure.threads import load_average_1m, set_intra_op_threads
+from ..measure.timeline.cuda import CUDA_MEMORY, CudaMemoryCalls, CudaTimeline
+from ..measure.timeline.cuda import ROUNDING as CUDA_ROUNDING
+from ..measure.timeline.tracked import TrackedTimeline
 from ..measure.timing import time_steps
-from ..measure.tracked_timeline import TrackedTimeline
 from ..methods import MethodUnsupported
 from ..methods.step import TrainingStep, storage_bytes
-from ..methods.streambp import reporting_progress, timing_phases
+from ..methods.streambp import current_hooks, reporting_progress, step_hooks, timing_phases
 from ..records import ResultRow, one_line
 from ..records.schema import phase_column
 from ..workload.build import build_model_and_batch, training_step
@@ -171,10 +161,8 @@ def _measure_cpu(
             marks,
             tracker,
             resizes,
-            observe_stores() as stores,
             kernels,
-            observe_chunk_kernels() as chunk_kernels,
-            auto_mode(REFERENCE),
+            step_hooks(on_store=stores.append, on_kernel=chunk_kernels.add, kernel_mode=REFERENCE),
         ):
             row.loss = float(step.run())
     except BaseException as failed:
@@ -188,7 +176,7 @@ def _measure_cpu(
         row.activation_peak_bytes = tracker.peak_bytes
         if recorder is not None:  # what ran, up to an OOM
             timelines.save_cpu(recorder, spec, row, timeline_dir, timelines.status_of(error, is_out_of_memory))
-    with auto_mode(CACHED):
+    with step_hooks(kernel_mode=CACHED):
         for i in range(1, spec.warmup + 1):
             prepare(f"warm-up {i} of {spec.warmup}")
             step.run()
@@ -230,7 +218,7 @@ def _measure_cuda(
     def synchronize() -> None:
         torch.cuda.synchronize(device)
 
-    with auto_mode(CACHED):
+    with step_hooks(kernel_mode=CACHED):
         for i in range(1, spec.warmup + 1):
             prepare(f"warm-up {i} of {spec.warmup}")
             step.run()
@@ -246,15 +234,12 @@ def _measure_cuda(
     stores, kernels, chunk_kernels = [], RecordingSdpaBackends(), set()
     error = None
     try:
-        chunks = observe_chunk_kernels()
         with (
             sampler,
             history,
             marks,
-            observe_stores() as stores,
             kernels,
-            chunks as chunk_kernels,
-            auto_mode(REFERENCE),
+            step_hooks(on_store=stores.append, on_kernel=chunk_kernels.add, kernel_mode=REFERENCE),
         ):
             row.loss = float(step.run())
             synchronize()
@@ -277,7 +262,8 @@ def _measure_cuda(
 def measure_point(spec: RunSpec, timeline_dir: str | Path | None = None) -> ResultRow:
     """Measure one point in this process. Never raises for a failed step: the row says what happened.
     timeline_dir: also record the memory step's timeline into this folder (runner/timelines.py)."""
-    with observe_stores() as stores:  # each step's checkpoint store (streambp), the first step's first
+    stores = []  # each step's checkpoint store (streambp), the first step's first
+    with step_hooks(on_store=stores.append):
         row = _measure(spec, Path(timeline_dir) if timeline_dir else None)
     if stores and stores[0].pins_host_memory:
         row.host_register_s = stores[0].host_register_s
@@ -294,9 +280,10 @@ def _measure(spec: RunSpec, timeline_dir: Path | None) -> ResultRow:
         if rank is not None:
             device = ranks.join(spec, rank)
             row.device = str(device)
+        chooser = current_hooks().chooser
         if device.type == "cuda":
             start_cuda_point(spec, row, device)
-            set_choice_cache(JsonChoiceCache())  # StreamBP's measured chunk kernels, across points
+            chooser = KernelChooser(cache=JsonChoiceCache())  # StreamBP's measured chunk kernels, across points
         step = build_step(spec, row, device, rank)
         row.optimizer_state_bytes = step.optimizer_state_bytes
         progress = StepProgress(
@@ -308,8 +295,13 @@ def _measure(spec: RunSpec, timeline_dir: Path | None) -> ResultRow:
             step.prepare()
             progress.restart(name)
 
-        with reporting_progress(progress), forcing_sdpa_backend(spec.sdpa_backend):
-            with record_chunk_calls() as calls:
+        calls = {}  # the chunk calls' shapes, in order of first appearance
+        with (
+            reporting_progress(progress),
+            forcing_sdpa_backend(spec.sdpa_backend),
+            step_hooks(chooser=chooser),
+        ):
+            with step_hooks(on_chunk_call=lambda shape: calls.setdefault(shape)):
                 if device.type == "cuda":
                     synchronize = _measure_cuda(spec, step, row, device, prepare, timeline_dir)
                 else:
@@ -318,12 +310,12 @@ def _measure(spec: RunSpec, timeline_dir: Path | None) -> ResultRow:
             if spec.repeats:
                 if calls:
                     progress.restart("attention kernels")
-                    row.tuning_s = tune_kernels(calls, synchronize)
+                    row.tuning_s = tune_kernels(calls, chooser, synchronize)
                 timed = (f"timed step {i} of {spec.repeats}" for i in range(1, spec.repeats + 1))
+                timed_kernels = set()
                 with (
                     timing_phases() as timers,  # streambp steps: a PhaseTimer each
-                    auto_mode(CACHED),  # never a timing inside a timed step
-                    observe_chunk_kernels() as timed_kernels,
+                    step_hooks(kernel_mode=CACHED, on_kernel=timed_kernels.add),  # never a timing in a timed step
                 ):
                     timing = time_steps(
                         step.run,
@@ -334,7 +326,7 @@ def _measure(spec: RunSpec, timeline_dir: Path | None) -> ResultRow:
                 row.timed_attention_kernel = "+".join(sorted(timed_kernels))
                 from .traces import trace_step  # sbp run --trace: one step more, profiled, outside the times
 
-                with auto_mode(CACHED):  # the timed steps' kernels, never a timing
+                with step_hooks(kernel_mode=CACHED):  # the timed steps' kernels, never a timing
                     trace_step(spec, row, device.type, prepare, step.run, synchronize)
         row.optimizer_state_bytes = step.optimizer_state_bytes
     except MethodUnsupported as error:  # the method cannot run here: a result, with the reason
@@ -354,14 +346,14 @@ def _measure(spec: RunSpec, timeline_dir: Path | None) -> ResultRow:
     return row
 
 
-def tune_kernels(calls, synchronize: Callable[[], None]) -> float:
+def tune_kernels(calls, chooser: KernelChooser | None, synchronize: Callable[[], None]) -> float:
     """Seconds of the untimed pass that chooses the chunk kernels of the calls the point's first
     steps made and runs each chosen kernel once per shape (core/kernels/kernel_choice.py
     `tune_chunk_calls`): the measuring, a cuDNN graph per shape and a first compile happen here,
     never in a timed step."""
     synchronize()
     start = time.perf_counter()
-    tune_chunk_calls(calls)
+    tune_chunk_calls(calls, chooser)
     synchronize()
     return time.perf_counter() - start
 

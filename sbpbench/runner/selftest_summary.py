@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..measure.memory_timeline import load_timeline
+from ..measure.timeline.data import load_timeline
 from ..measure.units import GIB
 from ..records.schema import PHASE_COLUMNS
 

@@ -15,10 +15,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..config import RunSpec
-from ..measure.cuda_timeline import CudaTimeline
 from ..measure.host_memory import rss_bytes
-from ..measure.memory_timeline import Timeline, load_timeline
-from ..measure.tracked_timeline import TrackedTimeline
+from ..measure.timeline.cuda import CudaTimeline
+from ..measure.timeline.data import Timeline, load_timeline
+from ..measure.timeline.tracked import TrackedTimeline
 from ..methods.memory_marks import marking
 from ..methods.step import TrainingStep
 from ..records import ResultRow

@@ -36,7 +36,7 @@ START_S = 5.0  # interpreter, torch and transformers imports, CUDA context
 BUILD_S_PER_GIB = 1.6  # random weights, gradients and the first allocations, per GiB of weights
 SEEDED_PROBES = 3  # just below and just above the seed, and one more where the prediction is off
 SEED_S = 60.0  # a fake-tensor search of one method on a 16-core host (selftest: 15-23 s per estimate)
-COMMAND_S = 540.0  # `--budget 9m`: a command that must end within 10 minutes, with a minute to spare
+COMMAND_S = 540.0  # the --dry-run's command length, as under `--budget 9m`
 TIMED_METHODS = ("bp", "ckpt", "streambp")  # the time model's; other methods are priced as ckpt
 
 

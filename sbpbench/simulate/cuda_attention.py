@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import CausalBias, CausalVariant, causal_lower_right
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ..core.internal import force_cuda_branch
+from ..methods.streambp import step_hooks
 
 aten = torch.ops.aten
 
@@ -216,9 +216,9 @@ def _causal_lower_right_outside_fake_mode(num_queries: int, num_keys: int) -> Ca
 
 
 def streambp_cuda_branch():
-    """StreamBP's attention (core.attention) as on a GPU, through core's public hook
-    `force_cuda_branch`, with the lower-right causal bias made outside the fake mode."""
-    return force_cuda_branch(causal_bias=_causal_lower_right_outside_fake_mode)
+    """StreamBP's attention (core.attention) as on a GPU, through the steps' hooks
+    (StepHooks.cuda_branch), with the lower-right causal bias made outside the fake mode."""
+    return step_hooks(cuda_branch=_causal_lower_right_outside_fake_mode)
 
 
 def _bytes(*shape: int, dtype: torch.dtype) -> int:

@@ -7,14 +7,14 @@ target "cuda" predicts torch.cuda.max_memory_allocated of the same point on a GP
 - every block rounded up to 512 B, as the caching allocator does;
 - attention through the CUDA kernels' own ops, chosen as CUDA's dispatcher chooses, plus the
   memory those kernels allocate internally (cuda_attention.py);
-- StreamBP's attention takes its CUDA branch (core.attention.force_cuda_branch);
+- StreamBP's attention takes its CUDA branch (StepHooks.cuda_branch);
 - AdamW's multi-tensor (foreach) implementation, PyTorch's default for CUDA parameters.
 What a GPU needs beyond the allocated peak is the margin, reported separately (MARGIN_NOTE).
 
 With spec.nproc > 1 the prediction is one rank's under FSDP2 FULL_SHARD (sharded.py): the same
 step on the rank's batch, with sharded resident terms and FSDP2's gathered copies added.
 
-Host memory is counted apart (core.placements.placement.observe_stores): the checkpoint copies a placement
+Host memory is counted apart (StepHooks.on_store, shapes_only): the checkpoint copies a placement
 keeps on the host (`host_pinned_bytes`, their peak) plus HOST_PROCESS_BYTES for the process
 itself; a point fits when both the device and the host side fit.
 """
@@ -27,14 +27,15 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from functools import lru_cache
 
-from ..config import ConfigError, RunSpec
-from ..core.internal import observe_stores
+from ..config import RunSpec
 from ..measure.environment import capture_environment
 from ..measure.flops import training_flops
 from ..methods import MethodFn, MethodSettings, MethodUnsupported
 from ..methods.phase_labels import PhaseLabels
 from ..methods.step import storage_bytes
+from ..methods.streambp import step_hooks
 from ..records import ResultRow, one_line
+from ..settings import ConfigError
 from ..workload.rows import spec_fields
 from .cuda_attention import CudaAttention, hidden_buffers, streambp_cuda_branch
 from .fake_mode import build_fake_step
@@ -148,7 +149,8 @@ def simulate(
         stack.enter_context(phases.attached(step.model, step.optimizer))
         # On a GPU the host copies are another memory; on the CPU they are in the same one, as the
         # tracker counts them: fake copies, so the counter sees them.
-        stores = stack.enter_context(observe_stores(shapes_only=cuda))
+        stores = []
+        stack.enter_context(step_hooks(on_store=stores.append, shapes_only=cuda))
         stack.enter_context(counter.attached(step))
         stack.enter_context(fake.mode)
         stack.enter_context(counter)

@@ -40,8 +40,9 @@ import numpy as np
 
 from ..config import MaxlenSpec, RunSpec
 from ..core import Placement
-from ..core.internal import grouped_as_for, kv_heads_per_call
+from ..core.internal import kv_heads_per_call
 from ..methods import MethodFn
+from ..methods.streambp import step_hooks
 from ..models import load_config
 from ..records.select import PROMPTED_OBJECTIVES
 from .estimate import Estimate, StepMemory, assemble_unrun, estimate, granularity_bytes, simulate
@@ -124,7 +125,7 @@ def _sample(
     if key in _SAMPLES:
         _SAMPLES.move_to_end(key)
         return _SAMPLES[key]
-    with grouped_as_for(sized_for):
+    with step_hooks(sized_for=sized_for):
         estimate, record = simulate(spec, target=target, method=method, counter_type=InstantRecorder)
     index = {key: i for i, key in enumerate(record.keys)}
     found = _SAMPLES[key] = _Sample(

@@ -32,9 +32,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..config import ConfigError, RunSpec
+from ..config import RunSpec
 from ..core.internal import unwrap_model
 from ..methods import MethodUnsupported, data_parallel_unsupported
+from ..settings import ConfigError
 
 
 def check_sharded_spec(spec: RunSpec) -> None:

@@ -1,5 +1,5 @@
 """The predicted memory timeline of a point: the estimator's fake-tensor walk of the step, sampled
-after every op, in the format of a measured one (measure/memory_timeline.py).
+after every op, in the format of a measured one (measure/timeline/data.py).
 
 The walk is `simulate` (estimate.py) with a counter that also logs: the same phases (the model's
 labels and StreamBP's own), the same kinds (methods/memory_marks.py) and the same resident
@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..config import RunSpec
-from ..measure.memory_timeline import Timeline
-from ..measure.tracked_timeline import TrackerMarks
+from ..measure.timeline.data import Timeline
+from ..measure.timeline.tracked import TrackerMarks
 from ..methods.memory_marks import marking
 from ..workload.timeline import resident_kinds
 from .estimate import granularity_bytes, simulate, unrun_step

@@ -10,7 +10,7 @@ import re
 import torch
 
 from ..config.run import RunSpec
-from ..measure.memory_timeline import GRADIENTS, OPTIMIZER_STATE, OTHER, WEIGHTS
+from ..measure.timeline.data import GRADIENTS, OPTIMIZER_STATE, OTHER, WEIGHTS
 from ..methods.step import TrainingStep
 from ..methods.training import optimizer_state_tensors
 from ..records import ResultRow, row_key

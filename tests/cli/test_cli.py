@@ -26,6 +26,24 @@ def test_check_reports_exact_methods():
     assert "unsupported" in result.output
 
 
+def test_check_appends_a_row_per_compared_method(tmp_path):
+    """`sbp check --out` appends one row per method compared with bp, with its point and provenance;
+    in fp32, bp's own step against fp64 is shown but not written."""
+    from sbpbench.records.exactness import read_exactness
+
+    out = tmp_path / "exactness.csv"
+    args = ["check", "--model", "tiny/qwen3", "--seq", "16", "--chunk-size", "5", "--method", "ckpt", "streambp"]
+    result = runner.invoke(app, [*args, "--dtype", "fp32", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert f"2 comparison(s) appended to {out}" in " ".join(result.output.split())
+    rows = read_exactness(out)
+    assert [(r["method"], r["result"], r["dtype"], r["seq_len"]) for r in rows] == [
+        ("ckpt", "exact", "fp32", "16"),
+        ("streambp", "exact", "fp32", "16"),
+    ]
+    assert "chunk_size=5" in rows[1]["settings"] and rows[1]["torch_version"]
+
+
 def test_check_unknown_model_is_a_one_line_error():
     """An unknown model gives `error: ...` naming the known models, exit 2, no traceback."""
     result = runner.invoke(app, ["check", "--model", "nope/nope"])

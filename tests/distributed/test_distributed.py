@@ -17,7 +17,7 @@ import torch
 
 from sbpbench.data import make_batch
 
-from ..conftest import tiny_model
+from ..conftest import streamed, tiny_model
 from .ranks import WORLD, run_distributed, serve_cases
 
 SEQ = 24
@@ -120,13 +120,12 @@ def _batch(case, model, rank, micro):
 
 
 def _step(case, model, batch):
-    from sbpbench.core import stream_backward
 
     if case["method"] == "bp":
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
         batch.objective().full_loss(logits).backward()
     else:
-        stream_backward(
+        streamed(
             model,
             batch.input_ids,
             objective=batch.objective(),
@@ -347,13 +346,12 @@ def test_bf16_fp32_chunk_sums_no_worse_than_fsdp2_backprop(results):
 def test_zero_module_without_its_engine_is_refused():
     """A module under DeepSpeed ZeRO (parameters marked ds_id) given without its DeepSpeedEngine is
     refused with what to pass instead, not run with no reduction at all."""
-    from sbpbench.core import stream_backward
 
     model = tiny_model("tiny/qwen3", torch.float32)
     batch = make_batch("sft", batch_size=1, seq_len=8, vocab_size=model.config.vocab_size)
     next(model.parameters()).ds_id = 0  # what deepspeed.zero.Init leaves on a partitioned parameter
     with pytest.raises(ValueError, match="pass the DeepSpeedEngine"):
-        stream_backward(model, batch.input_ids, batch.labels)
+        streamed(model, batch.input_ids, batch.labels)
 
 
 def _ds_engine(*, fp16=False, amp=None, optimizer_scales=None, autocast_scaler=None):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ..conftest import streamed
 from .ranks import deepspeed_rank, run_distributed, serve_cases
 from .test_distributed import _assert_close, _batch, _model, _reference
 
@@ -110,7 +111,6 @@ def _engine(case, model):
 
 
 def _step(case, engine, batch):
-    from sbpbench.core import stream_backward
 
     if "after_eval_forwards" in case["name"]:
         for _ in range(2):
@@ -120,7 +120,7 @@ def _step(case, engine, batch):
         logits = engine(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
         engine.backward(batch.objective().full_loss(logits))
     else:
-        stream_backward(
+        streamed(
             engine,
             batch.input_ids,
             objective=batch.objective(),
@@ -171,11 +171,9 @@ def _run_case(case, rank):
 
     engine = _engine(case, _model(case))
     if case["name"].startswith("refused"):
-        from sbpbench.core import stream_backward
-
         batch = _batch(case, engine.module, rank, 0)
         try:
-            stream_backward(engine.module, batch.input_ids, batch.labels)
+            streamed(engine.module, batch.input_ids, batch.labels)
         except ValueError as error:
             return {}, {"error": str(error)}
         return {}, {"error": None}

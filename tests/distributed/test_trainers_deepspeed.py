@@ -20,6 +20,7 @@ import torch
 from .ranks import deepspeed_rank, run_distributed, serve_cases
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is an optional extra: pip install -e '.[deepspeed]'")
+pytest.importorskip("datasets", reason="needs datasets: pip install -e '.[trl]'")
 
 pytestmark = pytest.mark.slow
 
@@ -37,6 +38,7 @@ def _train(case, streambp: bool, rank: int) -> dict:
     from transformers import Trainer, TrainingArguments
 
     from sbpbench import integrations
+    from sbpbench.core import StreamConfig
 
     from ..conftest import tiny_model
     from ..exactness.test_trainers import _common, _pad_collator, _token_rows
@@ -60,7 +62,7 @@ def _train(case, streambp: bool, rank: int) -> dict:
     )
     cls = integrations.StreamBPTrainer if streambp else Trainer
     kwargs = {"train_dataset": Dataset.from_list(_token_rows(16)), "data_collator": _pad_collator}
-    extra = {"streambp": integrations.StreamBPConfig(chunk_size=5, logits_chunk_size=7)} if streambp else {}
+    extra = {"streambp": StreamConfig(chunk_size=5, logits_chunk_size=7)} if streambp else {}
     trainer = cls(model=model, args=args, **kwargs, **extra)
     trainer.train()
     params = list(trainer.model_wrapped.module.named_parameters())

@@ -7,8 +7,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from sbpbench.core import attention
+from sbpbench.core import StepHooks, attention
 from sbpbench.core.attention import offset_causal_attention
+
+from ..conftest import streamed
 
 
 def _full_reference(q, k, v, window):
@@ -55,24 +57,24 @@ def test_cuda_branch_lower_right_bias_on_cpu(start, end, kv_heads, dtype):
     q = torch.randn(2, 4, 20, 8, dtype=torch.float64)
     k = torch.randn(2, kv_heads, 20, 8, dtype=torch.float64)
     v = torch.randn(2, kv_heads, 20, 8, dtype=torch.float64)
-    with attention.force_cuda_branch():
-        out = attention.offset_causal_attention(
-            q[:, :, start:end].to(dtype),
-            k[:, :, :end].to(dtype),
-            v[:, :, :end].to(dtype),
-            query_start=start,
-            key_start=0,
-            scale=None,
-            sliding_window=None,
-        )
+    out = attention.offset_causal_attention(
+        q[:, :, start:end].to(dtype),
+        k[:, :, :end].to(dtype),
+        v[:, :, :end].to(dtype),
+        query_start=start,
+        key_start=0,
+        scale=None,
+        sliding_window=None,
+        attention=attention.ChunkAttention(hooks=StepHooks(cuda_branch=causal_lower_right)),
+    )
     tolerance = 1e-12 if dtype == torch.float64 else 3e-2
     expected = _full_reference(q, k, v, None)[:, :, start:end]
     torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance)
 
 
-def test_force_cuda_branch_uses_the_given_bias_and_restores():
-    """force_cuda_branch builds the non-square chunk's bias with the given function, nests, and
-    leaves the CPU branch (which never calls it) in place after the block."""
+def test_the_cuda_branch_hook_uses_the_given_bias_only_where_given():
+    """StepHooks.cuda_branch builds the non-square chunk's bias with the given function; a step
+    without it takes the CPU branch, which never calls it."""
     calls = []
 
     def spy(num_queries, num_keys):
@@ -81,14 +83,15 @@ def test_force_cuda_branch_uses_the_given_bias_and_restores():
 
     q, k = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 7, 8)
 
-    def run():
-        return attention.offset_causal_attention(q, k, k, query_start=4, key_start=0, scale=None, sliding_window=None)
+    def run(hooks=None):
+        return attention.offset_causal_attention(
+            q, k, k, query_start=4, key_start=0, scale=None, sliding_window=None,
+            attention=attention.ChunkAttention(hooks=hooks or StepHooks()),
+        )  # fmt: skip
 
-    with attention.force_cuda_branch(causal_bias=spy):
-        with attention.force_cuda_branch():
-            run()
-        assert calls == []
-        run()
+    run(StepHooks(cuda_branch=causal_lower_right))
+    assert calls == []
+    run(StepHooks(cuda_branch=spy))
     assert calls == [(3, 7)]
     run()
     assert calls == [(3, 7)]
@@ -99,7 +102,7 @@ def test_a_chunk_attends_through_a_view_of_the_buffers_not_a_copy(monkeypatch, f
     """In the layer backward every chunk with a prefix gets its keys/values as views of the layer's
     whole-sequence buffers (_BufferedPrefix): concatenating would copy the prefix and hold its
     gradient, 4 x h_kv x hd x s bytes per key position."""
-    from sbpbench.core import layer_backward, stream_backward
+    from sbpbench.core import layer_backward
     from sbpbench.data import make_batch
 
     from ..conftest import tiny_model
@@ -123,7 +126,7 @@ def test_a_chunk_attends_through_a_view_of_the_buffers_not_a_copy(monkeypatch, f
     monkeypatch.setattr(F, "scaled_dot_product_attention", recording_sdpa)
     model = tiny_model(family, torch.float64)
     batch = make_batch("sft", batch_size=1, seq_len=30, vocab_size=model.config.vocab_size)
-    stream_backward(model, batch.input_ids, objective=batch.objective(), chunk_size=7, logits_chunk_size=9)
+    streamed(model, batch.input_ids, objective=batch.objective(), chunk_size=7, logits_chunk_size=9)
     storages = {(b.keys.untyped_storage().data_ptr(), b.values.untyped_storage().data_ptr()) for b in buffers}
     assert calls, "no chunk attended to a prefix"
     assert set(calls) <= storages

@@ -12,7 +12,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sbpbench.core import stream_backward
 from sbpbench.core.attention import lower_right_attention
 from sbpbench.core.kernels import kernel_choice
 from sbpbench.core.kernels.chunk_kernels import (
@@ -25,13 +24,13 @@ from sbpbench.core.kernels.chunk_kernels import (
     offset_causal_block_mask,
     offset_causal_mask_mod,
 )
-from sbpbench.core.kernels.kernel_choice import CHUNK_ATTENTION_CHOICES, observe_chunk_kernels
+from sbpbench.core.kernels.kernel_choice import CHUNK_ATTENTION_CHOICES
 from sbpbench.core.kernels.split_attention import CpuFlashOps, CudnnOps, split_attention
 from sbpbench.methods import MethodSettings
 from sbpbench.methods.exactness import compare_methods
 from sbpbench.settings.choices import CHUNK_ATTENTION
 
-from ..conftest import FAMILIES, left_padded_batch, packed_rows, padded_batch, tiny_model
+from ..conftest import FAMILIES, left_padded_batch, observing_kernels, packed_rows, padded_batch, streamed, tiny_model
 from .test_layouts import DOCS, SEQ_LEN, SPANS, assert_same, per_document_step, streamed_step
 
 # (start, end, key_start) of a chunk's queries and the first key they see; windows that cut or not
@@ -277,7 +276,7 @@ CASES = {  # name -> (batch size, T, real lengths per row, chunk, logits chunk, 
 
 def _assert_forced_matches_bp(model, batch, chunk, logits_chunk, kernel="split"):
     settings = MethodSettings(chunk_size=chunk, logits_chunk_size=logits_chunk, chunk_attention=kernel)
-    with observe_chunk_kernels() as seen:
+    with observing_kernels() as seen:
         (result,) = compare_methods(model, batch, ["streambp"], settings)
     assert result.ok, f"streambp with {kernel} differs from bp:\n" + "\n".join(d.describe() for d in result.failures())
     return seen
@@ -302,7 +301,7 @@ def test_forced_split_left_padding_and_packed_documents():
     batch = left_padded_batch(model, seq_len=SEQ_LEN, spans=SPANS)
     assert _assert_forced_matches_bp(model, batch, 4, 5) == {"split"}
     input_ids, labels, position_ids = packed_rows(model, doc_lengths=DOCS)
-    with observe_chunk_kernels() as seen:
+    with observing_kernels() as seen:
         ours = streamed_step(
             model, input_ids, labels, position_ids=position_ids, chunk_size=5, logits_chunk_size=4,
             chunk_attention="split",
@@ -351,7 +350,7 @@ def test_a_kernel_the_device_lacks_is_refused_before_any_work():
     model = tiny_model("tiny/qwen3")
     batch = padded_batch(model, batch_size=1, seq_len=8)
     with pytest.raises(ValueError, match="fa3 cannot run on cpu.*use auto or lower-right"):
-        stream_backward(model, batch.input_ids, batch.labels, chunk_attention="fa3")
+        streamed(model, batch.input_ids, batch.labels, chunk_attention="fa3")
     with pytest.raises(ValueError, match="unknown chunk_attention 'fast'"):
-        stream_backward(model, batch.input_ids, batch.labels, chunk_attention="fast")
+        streamed(model, batch.input_ids, batch.labels, chunk_attention="fast")
     assert all(p.grad is None for p in model.parameters())

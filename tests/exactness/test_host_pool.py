@@ -14,10 +14,11 @@ import torch
 from sbpbench.core import cuda_calls, host_pool, release_pinned_memory
 from sbpbench.core.cuda_calls import CudaCalls
 from sbpbench.core.host_pool import PAGE_BYTES, HostMemoryError, whole_pages
-from sbpbench.core.placements.placement import CheckpointStore, Placement, observe_stores
+from sbpbench.core.placements.placement import CheckpointStore, Placement
 from sbpbench.data import make_batch
 from sbpbench.runner.point import is_out_of_memory
 
+from ..conftest import observing_stores
 from ..cuda_standin import RecordingCalls, route_stores
 from .test_placement import NUM_LAYERS, _deep_model, _step
 
@@ -29,7 +30,7 @@ def _steps(monkeypatch, calls: RecordingCalls, seq_lens, checkpoints: str = "cpu
     stores = []
     for seq_len in seq_lens:
         batch = make_batch("sft", batch_size=1, seq_len=seq_len, vocab_size=model.config.vocab_size)
-        with observe_stores() as observed:
+        with observing_stores() as observed:
             _step(model, batch, checkpoints)
         stores += observed
     return stores

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 
 from sbpbench.config import point_specs
-from sbpbench.core.kernels import kernel_choice
 from sbpbench.core.kernels.chunk_kernels import ChunkKernel, SplitKernel
-from sbpbench.core.kernels.kernel_choice import LOWER_RIGHT, KernelChooser, MemoryCache, using_chooser
+from sbpbench.core.kernels.kernel_choice import DEFAULT_CHOOSER, LOWER_RIGHT, KernelChooser, MemoryCache
+from sbpbench.methods.streambp import step_hooks
 from sbpbench.runner import point
 
 
@@ -44,9 +44,9 @@ class Candidate(ChunkKernel):
 def _reference(clock: Clock):
     from sbpbench.core.attention import lower_right_attention
 
-    def reference(call):
+    def reference(call, cuda_branch=None):
         clock.now += 3.0
-        return lower_right_attention(call)
+        return lower_right_attention(call, cuda_branch)
 
     return reference
 
@@ -60,7 +60,7 @@ def stand_in(monkeypatch):
     fast = Candidate("fast", clock)
     chooser = KernelChooser({"fast": fast}, MemoryCache(), clock.timer, device_types=("cpu",))
     monkeypatch.setattr(attention, "lower_right_attention", _reference(clock))
-    with using_chooser(chooser):
+    with step_hooks(chooser=chooser):
         yield chooser, fast
 
 
@@ -130,7 +130,7 @@ def test_auto_off_the_chooser_devices_tunes_nothing():
     the lower-right path and the row says so."""
     row = point.measure_point(_spec(warmup=0, repeats=1))
     assert row.status == "ok", row.error
-    assert row.timed_attention_kernel == LOWER_RIGHT and kernel_choice._chooser.timings == 0
+    assert row.timed_attention_kernel == LOWER_RIGHT and DEFAULT_CHOOSER.timings == 0
 
 
 def test_forced_flex_is_warmed_before_the_timed_steps(monkeypatch):
@@ -150,7 +150,7 @@ def test_forced_flex_is_warmed_before_the_timed_steps(monkeypatch):
         return result
 
     monkeypatch.setattr(point, "time_steps", watched)
-    with using_chooser(chooser):
+    with step_hooks(chooser=chooser):
         row = point.measure_point(_spec(warmup=0, repeats=1, chunk_attention="flex"))
     assert row.status == "ok", row.error
     assert inside == [0] and len(flex.builds) == 2 and chooser.timings == 0

@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sbpbench.core import adapters, stream_backward
+from sbpbench.core import adapters
 from sbpbench.core.adapters import resolve_parts
+from sbpbench.core.attention import DEFAULT_ATTENTION
 from sbpbench.core.checkpoints import forward_checkpoints
 from sbpbench.core.chunking import chunk_bounds
 from sbpbench.core.kv_capture import key_value_projection
@@ -18,7 +19,7 @@ from sbpbench.core.stream import _streaming_mode
 from sbpbench.data import make_batch
 from sbpbench.models import apply_lora
 
-from ..conftest import FAMILIES, tiny_model
+from ..conftest import FAMILIES, streamed, tiny_model
 
 # windows shorter than T, so that the sliding_window each capture records matters
 WINDOWED = {
@@ -44,13 +45,13 @@ def _captures(model):
         saved = forward_checkpoints(parts, batch.input_ids, CHUNK)
         for index, layer in enumerate(parts.layers):
             layer_input, kwargs = saved.layer_inputs.get(index, batch.input_ids.device), saved.layer_kwargs[index]
-            whole = _capture_keys_values(layer, layer_input, kwargs, chunks)
+            whole = _capture_keys_values(layer, layer_input, kwargs, chunks, DEFAULT_ATTENTION)
             project = key_value_projection(layer, layer, kwargs, parts.key_values)
             assert project is not None, f"{type(layer).__name__}: the recipe does not apply"
             q_calls = []
             handle = layer.self_attn.q_proj.register_forward_hook(lambda *args, q_calls=q_calls: q_calls.append(1))
             try:
-                alone = _capture_keys_values(layer, layer_input, kwargs, chunks, project)
+                alone = _capture_keys_values(layer, layer_input, kwargs, chunks, DEFAULT_ATTENTION, project)
             finally:
                 handle.remove()
             results.append((whole, alone, len(q_calls)))
@@ -114,9 +115,7 @@ def test_a_step_with_recipes_equals_one_without_bitwise(monkeypatch, family):
 
     def step():
         model.zero_grad(set_to_none=True)
-        loss = stream_backward(
-            model, batch.input_ids, objective=batch.objective(), chunk_size=CHUNK, logits_chunk_size=9
-        )
+        loss = streamed(model, batch.input_ids, objective=batch.objective(), chunk_size=CHUNK, logits_chunk_size=9)
         return loss, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     loss, grads = step()

@@ -10,19 +10,19 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import CausalBias
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 
-from sbpbench.core import attention, stream_backward
-from sbpbench.core.attention import force_cuda_branch
+from sbpbench.core import attention
 from sbpbench.core.labels import shift_labels, sum_cross_entropy
 from sbpbench.core.layout import ChunkPlan, Piece, RowGroup, build_layout
 from sbpbench.data import SFTBatch
 from sbpbench.methods import MethodSettings
 from sbpbench.methods.exactness import compare_methods, compare_step
 from sbpbench.methods.hf_baseline import hf_forward_backward
+from sbpbench.methods.streambp import step_hooks
 from sbpbench.models import apply_lora
 
-from ..conftest import FAMILIES, left_padded_batch, packed_rows, tiny_model
+from ..conftest import FAMILIES, left_padded_batch, packed_rows, streamed, tiny_model
 from .test_placement import PLACEMENTS, _deep_model
 
 SEQ_LEN = 29
@@ -74,7 +74,7 @@ def bp_step(model, batch):
 
 def streamed_step(model, input_ids, labels=None, **kwargs):
     model.zero_grad(set_to_none=True)
-    loss = stream_backward(model, input_ids, labels, **kwargs)
+    loss = streamed(model, input_ids, labels, **kwargs)
     return loss, _grads(model)
 
 
@@ -192,7 +192,7 @@ def test_cuda_branch_takes_no_mask_and_stays_exact(monkeypatch):
     left_reference, packed_reference = bp_step(model, batch), per_document_step(model, input_ids, labels, position_ids)
     # attention.py's own F only: torch's stays as it is (CausalBias dispatches on its identity)
     monkeypatch.setattr(attention, "F", SimpleNamespace(scaled_dot_product_attention=recording))
-    with force_cuda_branch():
+    with step_hooks(cuda_branch=causal_lower_right):
         kwargs = {"chunk_size": 4, "logits_chunk_size": 5}
         left = streamed_step(model, batch.input_ids, batch.labels, attention_mask=batch.attention_mask, **kwargs)
         packed = streamed_step(model, input_ids, labels, position_ids=position_ids, **kwargs)

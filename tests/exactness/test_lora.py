@@ -8,13 +8,12 @@ import sys
 import pytest
 import torch
 
-from sbpbench.core import stream_backward
 from sbpbench.core.adapters import UnsupportedModelError, resolve_parts
 from sbpbench.methods import MethodSettings, run_method
 from sbpbench.methods.exactness import compare_methods
 from sbpbench.models import apply_lora
 
-from ..conftest import FAMILIES, padded_batch, tiny_model
+from ..conftest import FAMILIES, padded_batch, streamed, tiny_model
 from .test_model_unchanged import _snapshot
 
 peft = pytest.importorskip("peft")
@@ -148,7 +147,7 @@ def test_lora_dropout_in_training_is_refused():
     model.train()
     batch = _batch(model)
     with pytest.raises(UnsupportedModelError, match="lora_dropout=0"):
-        stream_backward(model, batch.input_ids, batch.labels, attention_mask=batch.attention_mask)
+        streamed(model, batch.input_ids, batch.labels, attention_mask=batch.attention_mask)
 
 
 def test_adapters_streambp_cannot_follow_are_refused():

@@ -7,7 +7,7 @@ import torch
 
 from sbpbench.methods import MethodSettings, run_method
 
-from ..conftest import FAMILIES, needs_trl, padded_batch, tiny_model
+from ..conftest import FAMILIES, needs_trl, padded_batch, streamed, tiny_model
 
 
 def _is_checkpointing(model) -> list[bool]:
@@ -57,7 +57,5 @@ def test_model_restored_after_an_error():
     bad = batch.labels.clone()
     bad[0, 3] = model.config.vocab_size + 5  # out of range: cross-entropy fails inside the head
     with pytest.raises((IndexError, RuntimeError)):
-        from sbpbench.core import stream_backward
-
-        stream_backward(model, batch.input_ids, bad)
+        streamed(model, batch.input_ids, bad)
     assert model.config._attn_implementation == "sdpa"

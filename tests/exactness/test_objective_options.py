@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sbpbench.core import DPO, GRPO, SFT, stream_backward
+from sbpbench.core import DPO, GRPO, SFT
 from sbpbench.core.labels import shift_labels
 from sbpbench.core.objectives import DPO_LOSS_TYPES, token_logps
 from sbpbench.methods import MethodSettings
 from sbpbench.methods.exactness import compare_methods
 
-from ..conftest import ObjectiveBatch, grpo_rows, padded_batch, tiny_model
+from ..conftest import ObjectiveBatch, grpo_rows, padded_batch, streamed, tiny_model
 
 SETTINGS = MethodSettings(chunk_size=5, logits_chunk_size=7)  # neither divides T
 PROMPTS, COMPLETIONS = [9, 4, 6, 9], [12, 15, 3, 8]  # TRL layout: prompt width 9, completion width 15
@@ -117,7 +117,7 @@ def test_sft_num_items_in_batch_scales_and_allows_an_empty_micro_batch():
     )
     model.zero_grad(set_to_none=True)
     empty = torch.full_like(batch.labels, -100)
-    loss = stream_backward(model, batch.input_ids, objective=SFT(empty, num_items_in_batch=50), chunk_size=5)
+    loss = streamed(model, batch.input_ids, objective=SFT(empty, num_items_in_batch=50), chunk_size=5)
     assert float(loss) == 0.0
     assert all(p.grad is None or not bool(p.grad.any()) for p in model.parameters())
 

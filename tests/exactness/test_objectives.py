@@ -7,14 +7,14 @@ import math
 import pytest
 import torch
 
-from sbpbench.core import DPO, GRPO, SFT, stream_backward
+from sbpbench.core import DPO, GRPO, SFT
 from sbpbench.core.labels import shift_labels
 from sbpbench.core.objectives import token_logps
 from sbpbench.data import DPOBatch, GRPOBatch, make_dpo_batch, make_grpo_batch
 from sbpbench.methods import MethodSettings
 from sbpbench.methods.exactness import compare_methods
 
-from ..conftest import tiny_model
+from ..conftest import streamed, tiny_model
 
 SETTINGS = MethodSettings(chunk_size=5, logits_chunk_size=7)  # neither divides T
 FAMILIES = ("tiny/qwen3", "tiny/llama", "tiny/mistral")  # qwen3 and llama tie embeddings; mistral does not
@@ -133,7 +133,7 @@ def test_dpo_streamed_loss_is_the_loss():
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
     expected = batch.objective().full_loss(logits)
     model.zero_grad()
-    loss = stream_backward(model, batch.input_ids, objective=batch.objective(), attention_mask=batch.attention_mask)
+    loss = streamed(model, batch.input_ids, objective=batch.objective(), attention_mask=batch.attention_mask)
     assert torch.allclose(loss, expected.detach(), rtol=1e-12)
 
 
@@ -166,9 +166,9 @@ def test_stream_backward_needs_labels_or_objective():
     model = tiny_model("tiny/qwen3", torch.float64)
     ids = torch.randint(0, 512, (1, 8))
     with pytest.raises(ValueError, match="either labels"):
-        stream_backward(model, ids)
+        streamed(model, ids)
     with pytest.raises(ValueError, match="either labels"):
-        stream_backward(model, ids, ids, objective=SFT(ids))
+        streamed(model, ids, ids, objective=SFT(ids))
 
 
 def _saturating_refs(sums: torch.Tensor, beta: float) -> torch.Tensor:

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from sbpbench.core import PhaseTimer, phases, stream_backward
+from sbpbench.core import PhaseTimer, phases
 from sbpbench.core.phases import COPY_WAITS, HOST_COPIES, PHASES, REBUILD
 from sbpbench.core.placements.placement import Placement
 from sbpbench.data import make_batch
@@ -19,7 +19,7 @@ from sbpbench.measure.flops import phase_flops
 from sbpbench.records import ResultRow
 from sbpbench.records.schema import phase_column
 
-from ..conftest import tiny_model
+from ..conftest import streamed, tiny_model
 from ..cuda_standin import RecordingCalls, route_stores
 from .test_placement import _deep_model
 
@@ -47,7 +47,7 @@ def _standin_step(monkeypatch, checkpoints: str, *, timer: bool = True):
     batch = make_batch("sft", batch_size=1, seq_len=20, vocab_size=model.config.vocab_size)
     phase_timer = LoggingTimer(calls) if timer else None
     with calls.tracking():
-        stream_backward(
+        streamed(
             model, batch.input_ids, objective=batch.objective(), chunk_size=7, logits_chunk_size=9,
             checkpoints=checkpoints, timer=phase_timer,
         )  # fmt: skip
@@ -145,7 +145,7 @@ def test_on_a_cpu_the_phases_add_up_to_the_steps_wall_time():
     for checkpoints in ("cpu", "recompute:2"):
         timer = PhaseTimer()
         start = time.perf_counter()
-        stream_backward(
+        streamed(
             model, batch.input_ids, objective=batch.objective(), chunk_size=16, logits_chunk_size=32,
             checkpoints=checkpoints, timer=timer,
         )  # fmt: skip

@@ -11,12 +11,11 @@ import pytest
 import torch
 
 from sbpbench.core import stream as stream_module
-from sbpbench.core import stream_backward
 from sbpbench.core.placements.placement import CheckpointStore, Placement
 from sbpbench.data import make_batch
 from sbpbench.models import apply_lora
 
-from ..conftest import FAMILIES, tiny_model
+from ..conftest import FAMILIES, observing_stores, streamed, tiny_model
 
 NUM_LAYERS = 5  # K = 2, 3 do not divide it, K = 5 does, K = 7 is deeper than the model
 PLACEMENTS = (
@@ -41,7 +40,7 @@ def _deep_model(family: str, lora: bool = False):
 
 def _step(model, batch, checkpoints: str, **kwargs):
     model.zero_grad(set_to_none=True)
-    loss = stream_backward(
+    loss = streamed(
         model,
         batch.input_ids,
         objective=batch.objective(),
@@ -230,12 +229,11 @@ def test_a_bad_placement_is_refused(text):
 
 
 def test_observed_stores_report_what_a_step_held_and_moved():
-    """observe_stores hands out each step's store: its counters are what a row records."""
-    from sbpbench.core.placements.placement import observe_stores
+    """on_store hands out each step's store: its counters are what a row records."""
 
     model = _deep_model("tiny/llama")
     batch = make_batch("sft", batch_size=1, seq_len=20, vocab_size=model.config.vocab_size)
-    with observe_stores() as stores:
+    with observing_stores() as stores:
         _step(model, batch, "cpu+recompute:2")
     (store,) = stores
     kept = 3  # X_0, X_2, X_4 of 5 layers

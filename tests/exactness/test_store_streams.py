@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sbpbench.core.placements.placement import Placement, observe_stores
+from sbpbench.core.placements.placement import Placement
 from sbpbench.data import make_batch
 
-from ..conftest import tiny_model
+from ..conftest import observing_stores, tiny_model
 from ..cuda_standin import RecordingCalls, route_stores
 from .test_placement import NUM_LAYERS, _deep_model, _step
 
@@ -46,7 +46,7 @@ def test_the_cuda_branch_is_ordered_and_exact(monkeypatch, checkpoints):
     batch = make_batch("sft", batch_size=1, seq_len=20, vocab_size=model.config.vocab_size)
     ref_loss, ref_grads = _step(model, batch, "gpu")
     calls = RecordingCalls()
-    with observe_stores() as stores:
+    with observing_stores() as stores:
         loss, grads = _recorded_step(monkeypatch, calls, checkpoints, model=model)
     calls.assert_clean()
     assert torch.equal(loss, ref_loss)

@@ -13,12 +13,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from sbpbench.core import stream_backward
-from sbpbench.core.placements.placement import Placement, observe_stores
+from sbpbench.core.placements.placement import Placement
 from sbpbench.core.placements.rebuild_schedule import extra_forwards, rebuilt_layers, schedule
 from sbpbench.data import make_batch
 
-from ..conftest import FAMILIES, left_padded_batch, packed_rows
+from ..conftest import FAMILIES, left_padded_batch, observing_stores, packed_rows, streamed
 from .test_placement import NUM_LAYERS, _deep_model
 
 STREAMS = ("stream", "stream:2", "stream:3")  # every input kept; each rebuilt from X_0; binomial
@@ -28,7 +27,7 @@ DOCS = [[7, 12, 3, 9, 1, 1], [20, 13]]  # packed documents, T = 33
 
 def _run(model, input_ids, checkpoints: str, **kwargs):
     model.zero_grad(set_to_none=True)
-    loss = stream_backward(model, input_ids, chunk_size=7, logits_chunk_size=9, checkpoints=checkpoints, **kwargs)
+    loss = streamed(model, input_ids, chunk_size=7, logits_chunk_size=9, checkpoints=checkpoints, **kwargs)
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return loss, grads
 
@@ -116,7 +115,7 @@ def test_the_store_keeps_at_most_n_buffers_and_rebuilds_as_the_schedule_says(num
     buffer it takes), the step rebuilds F(L, N - 2) + 1 - L layers, and every buffer is back."""
     model = _deep_model("tiny/llama")
     batch = make_batch("sft", batch_size=1, seq_len=20, vocab_size=model.config.vocab_size)
-    with observe_stores() as stores:
+    with observing_stores() as stores:
         _run(model, batch.input_ids, f"stream:{num_buffers}", objective=batch.objective())
     (store,) = stores
     layer_input = 20 * model.config.hidden_size * 8  # B = 1, T = 20, fp64
@@ -193,7 +192,7 @@ def test_the_planner_counts_the_copies_a_stream_step_makes(num_buffers, lora):
 
     model = _deep_model("tiny/qwen3", lora=lora)
     ids = torch.randint(0, model.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(0))
-    with observe_stores() as stores:
+    with observing_stores() as stores:
         _run(model, ids, f"stream:{num_buffers}", labels=ids)
     (store,) = stores
     layer_input = 20 * model.config.hidden_size * 8  # B = 1, T = 20, fp64

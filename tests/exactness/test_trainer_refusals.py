@@ -1,5 +1,5 @@
 """What the StreamBP trainers refuse, at construction or per batch, with a one-line message that says
-what to do; what they warn about; StreamBPConfig's checks; and that TRL stays an optional import."""
+what to do; what they warn about; StreamConfig's checks; and that TRL stays an optional import."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 from accelerate.utils import DistributedType
 
-from sbpbench.integrations import StreamBPConfig
+from sbpbench.core import StreamConfig
 from sbpbench.integrations.trainer import checkpointing_option
 
 from ..conftest import needs_trl, tiny_model
@@ -30,7 +30,7 @@ def _assert_refused(make, match: str):
 
 
 def _make_trainer(**options):
-    from datasets import Dataset
+    Dataset = pytest.importorskip("datasets", reason="needs datasets: pip install -e '.[trl]'").Dataset
     from transformers import TrainingArguments
 
     from sbpbench.integrations import StreamBPTrainer
@@ -102,7 +102,7 @@ def test_trainer_options_streambp_cannot_run_are_refused(options, words):
 
 def test_compute_loss_func_is_refused():
     """A custom compute_loss_func (it reads full logits) is refused at construction."""
-    from datasets import Dataset
+    Dataset = pytest.importorskip("datasets", reason="needs datasets: pip install -e '.[trl]'").Dataset
     from transformers import TrainingArguments
 
     from sbpbench.integrations import StreamBPTrainer
@@ -220,16 +220,16 @@ def test_batch_without_labels_is_refused():
     [({"chunk_size": 0}, "chunk_size must be a positive integer"), ({"checkpoints": "disk"}, "checkpoints must be")],
 )
 def test_config_checks_its_fields(options, words):
-    """StreamBPConfig refuses a chunk size below 1 and an unknown placement when it is made."""
+    """StreamConfig refuses a chunk size below 1 and an unknown placement when it is made."""
     with pytest.raises(ValueError, match=words):
-        StreamBPConfig(**options)
+        StreamConfig(**options)
 
 
 def test_streambp_keyword_takes_a_config():
-    """streambp= given anything but a StreamBPConfig is a TypeError before the trainer is built."""
+    """streambp= given anything but a StreamConfig is a TypeError before the trainer is built."""
     from sbpbench.integrations import StreamBPTrainer
 
-    with pytest.raises(TypeError, match="StreamBPConfig"):
+    with pytest.raises(TypeError, match="StreamConfig"):
         StreamBPTrainer(model=tiny_model("tiny/qwen3"), streambp={"chunk_size": 8})
 
 
@@ -248,7 +248,7 @@ def test_importing_integrations_does_not_import_trl():
     """`import sbpbench.integrations` and StreamBPTrainer import no TRL; a TRL trainer does."""
     code = (
         "import sys, sbpbench, sbpbench.integrations\n"
-        "from sbpbench.integrations import StreamBPConfig, StreamBPTrainer\n"
+        "from sbpbench.core import StreamConfig\nfrom sbpbench.integrations import StreamBPTrainer\n"
         "assert 'trl' not in sys.modules, 'trl imported'\n"
         "from sbpbench.integrations import StreamBPSFTTrainer\n"
         "assert 'trl' in sys.modules\n"

@@ -1,5 +1,5 @@
-"""The trainer code the pages show runs as written on a CPU: README's StreamBPSFTTrainer example,
-and docs/trainers.md's script that compares our updates with the stock trainer's. Each block is
+"""The trainer code the pages show runs as written on a CPU: docs/trainers.md's StreamBPSFTTrainer
+example, and its script that compares our updates with the stock trainer's. Each block is
 read from its page, so the page cannot drift from what runs."""
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ def run_block(code: str) -> tuple[dict, str, list]:
     return namespace, printed.getvalue(), caught
 
 
-def test_the_readme_trainer_example_runs_as_written(tmp_path, monkeypatch):
-    """README's "With a trainer" block trains 3 steps on a CPU as pasted: no bf16 error, no missing
+def test_the_trainers_page_example_runs_as_written(tmp_path, monkeypatch):
+    """docs/trainers.md's first example trains 3 steps on a CPU as pasted: no bf16 error, no missing
     processing class, and none of sbpbench's or transformers' warnings about checkpointing."""
     monkeypatch.chdir(tmp_path)  # it writes output_dir="out"
-    namespace, _, caught = run_block(python_block("README.md", "## With a trainer"))
+    namespace, _, caught = run_block(python_block("docs/trainers.md", "## A first run on a CPU"))
     assert namespace["trainer"].state.global_step == 3
     messages = [str(w.message) for w in caught]
     assert not [m for m in messages if "checkpointing" in m], messages

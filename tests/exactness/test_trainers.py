@@ -159,7 +159,7 @@ def _pad_collator(rows: list[dict]) -> dict[str, torch.Tensor]:
 
 
 def _run_trainer(cls, tmp_path, collator, **kwargs):
-    from datasets import Dataset
+    Dataset = pytest.importorskip("datasets", reason="needs datasets: pip install -e '.[trl]'").Dataset
     from transformers import TrainingArguments
 
     args = TrainingArguments(**_common(tmp_path), train_sampling_strategy="sequential", remove_unused_columns=False)
@@ -174,20 +174,22 @@ def test_trainer_matches_stock(tmp_path, layout):
     (DataCollatorWithFlattening: one row, position_ids restarting per document)."""
     from transformers import DataCollatorWithFlattening, Trainer
 
-    from sbpbench.integrations import StreamBPConfig, StreamBPTrainer
+    from sbpbench.core import StreamConfig
+    from sbpbench.integrations import StreamBPTrainer
 
     collator = _pad_collator if layout == "padded" else DataCollatorWithFlattening()
     stock = _run_trainer(Trainer, tmp_path, collator)
-    config = StreamBPConfig(chunk_size=5, logits_chunk_size=7)
+    config = StreamConfig(chunk_size=5, logits_chunk_size=7)
     _assert_same_training(stock, _run_trainer(StreamBPTrainer, tmp_path, collator, streambp=config))
 
 
 def test_trainer_logs_what_streambp_ran(tmp_path):
     """Each logged training loss comes with the chunk sizes, placement, chunk attention kernel and
     peak memory of the StreamBP steps (tiny model, CPU); the run's closing summary has none."""
-    from sbpbench.integrations import StreamBPConfig, StreamBPTrainer
+    from sbpbench.core import StreamConfig
+    from sbpbench.integrations import StreamBPTrainer
 
-    config = StreamBPConfig(chunk_size=5, logits_chunk_size=7, checkpoints="recompute:2")
+    config = StreamConfig(chunk_size=5, logits_chunk_size=7, checkpoints="recompute:2")
     _, logs = _run_trainer(StreamBPTrainer, tmp_path, _pad_collator, streambp=config)
     training = [log for log in logs if "loss" in log]
     assert len(training) == STEPS
@@ -228,10 +230,11 @@ def test_sft_trainer_matches_stock(tmp_path, layout):
     restarting per document); its entropy, token accuracy and token count logged from the streamed step."""
     from trl import SFTTrainer
 
-    from sbpbench.integrations import StreamBPConfig, StreamBPSFTTrainer
+    from sbpbench.core import StreamConfig
+    from sbpbench.integrations import StreamBPSFTTrainer
 
     stock = _run_sft(SFTTrainer, tmp_path, layout)
-    config = StreamBPConfig(chunk_size=5, logits_chunk_size=7)
+    config = StreamConfig(chunk_size=5, logits_chunk_size=7)
     _assert_same_training(stock, _run_sft(StreamBPSFTTrainer, tmp_path, layout, streambp=config))
 
 
@@ -241,11 +244,12 @@ def test_sft_trainer_matches_stock_under_adamw(tmp_path):
     in fp64 (docs/trainers.md): Adam's per-element scaling amplifies only rounding that is not there."""
     from trl import SFTTrainer
 
-    from sbpbench.integrations import StreamBPConfig, StreamBPSFTTrainer
+    from sbpbench.core import StreamConfig
+    from sbpbench.integrations import StreamBPSFTTrainer
 
     adamw = {"optim": "adamw_torch", "learning_rate": 1e-3}
     stock = _run_sft(SFTTrainer, tmp_path, "padded", adamw)
-    config = StreamBPConfig(chunk_size=5, logits_chunk_size=7)
+    config = StreamConfig(chunk_size=5, logits_chunk_size=7)
     _assert_same_training(stock, _run_sft(StreamBPSFTTrainer, tmp_path, "padded", adamw, streambp=config))
 
 
@@ -286,10 +290,11 @@ def test_dpo_trainer_matches_stock(tmp_path, case):
     margins, log-probs, entropy, logits and accuracy logged from the streamed step."""
     from trl import DPOTrainer
 
-    from sbpbench.integrations import StreamBPConfig, StreamBPDPOTrainer
+    from sbpbench.core import StreamConfig
+    from sbpbench.integrations import StreamBPDPOTrainer
 
     stock = _run_dpo(DPOTrainer, tmp_path, DPO_CASES[case])
-    config = StreamBPConfig(chunk_size=4, logits_chunk_size=6)
+    config = StreamConfig(chunk_size=4, logits_chunk_size=6)
     _assert_same_training(stock, _run_dpo(StreamBPDPOTrainer, tmp_path, DPO_CASES[case], streambp=config))
 
 
@@ -348,8 +353,9 @@ def test_grpo_trainer_matches_stock(tmp_path, case):
     clipping; entropy, KL and clip ratios logged from the streamed step."""
     from trl import GRPOTrainer
 
-    from sbpbench.integrations import StreamBPConfig, StreamBPGRPOTrainer
+    from sbpbench.core import StreamConfig
+    from sbpbench.integrations import StreamBPGRPOTrainer
 
     stock = _run_grpo(GRPOTrainer, tmp_path, GRPO_CASES[case])
-    config = StreamBPConfig(chunk_size=5, logits_chunk_size=7)
+    config = StreamConfig(chunk_size=5, logits_chunk_size=7)
     _assert_same_training(stock, _run_grpo(StreamBPGRPOTrainer, tmp_path, GRPO_CASES[case], streambp=config))

@@ -11,7 +11,7 @@ memory-source and the ordering test (a module fixture). The CUDA cases are skipp
 (conftest.py); the CPU cases run the same isolated path.
 
 On CUDA the worker also records its memory step's timeline (`sbp run --timeline`: PyTorch's memory
-history, measure/cuda_timeline.py). Its replay must hold the backward's allocations and reach the
+history, measure/timeline/cuda.py). Its replay must hold the backward's allocations and reach the
 allocator's own peak (max_memory_allocated).
 """
 
@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import pytest
 
 from sbpbench.config import RunSpec
-from sbpbench.measure.memory_timeline import Timeline, load_timeline
+from sbpbench.measure.timeline.data import Timeline, load_timeline
 from sbpbench.methods import MethodSettings
 from sbpbench.records import ResultRow
 from sbpbench.runner import run_isolated

@@ -23,7 +23,6 @@ import time
 import pytest
 import torch
 
-from sbpbench.core import stream_backward
 from sbpbench.core.kernels.kernel_choice import LOWER_RIGHT
 from sbpbench.core.phases import (
     CHECKPOINT_PASS,
@@ -35,11 +34,11 @@ from sbpbench.core.phases import (
     REBUILD,
     PhaseTimer,
 )
-from sbpbench.core.placements.placement import observe_stores
 from sbpbench.core.placements.rebuild_schedule import rebuilt_layers
 from sbpbench.data import make_batch
 from sbpbench.models import build_model
 
+from ..conftest import observing_stores, streamed
 from ..exactness.test_placement import NUM_LAYERS, _deep_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.quick]
@@ -59,7 +58,7 @@ WORKING_PHASES = (CHECKPOINT_PASS, HEAD, KV_CAPTURE, CHUNK_FORWARD, CHUNK_BACKWA
 
 def _step(model, batch, checkpoints: str, **kwargs):
     model.zero_grad(set_to_none=True)
-    loss = stream_backward(
+    loss = streamed(
         model,
         batch.input_ids,
         objective=batch.objective(),
@@ -81,7 +80,7 @@ def test_cuda_stream_placement_gives_gpu_gradients(placement, batch_size):
     batch = make_batch("sft", batch_size=batch_size, seq_len=SEQ_LEN, vocab_size=model.config.vocab_size, device=DEVICE)
     chunks = {"chunk_size": CHUNK, "logits_chunk_size": LOGITS_CHUNK}
     ref_loss, ref_grads = _step(model, batch, "gpu", **chunks)
-    with observe_stores() as stores:
+    with observing_stores() as stores:
         loss, grads = _step(model, batch, placement, **chunks)
     (store,) = stores
     assert store.pins_host_memory == (torch.device(DEVICE).type == "cuda")

@@ -10,12 +10,11 @@ import pytest
 import torch
 
 from sbpbench.config import point_specs
-from sbpbench.core import stream_backward
 from sbpbench.measure.progress import PROGRESS_PREFIX, StepProgress
 from sbpbench.records import ResultRow
 from sbpbench.runner import point
 
-from ..conftest import padded_batch, tiny_model
+from ..conftest import padded_batch, streamed, tiny_model
 
 
 def test_memory_only_points_default_to_no_warmup():
@@ -61,7 +60,7 @@ def test_stream_backward_reports_every_layer():
     model = tiny_model("tiny/qwen3", torch.float32)
     batch = padded_batch(model, batch_size=1, seq_len=16)
     calls = []
-    stream_backward(model, batch.input_ids, batch.labels, chunk_size=8, progress=lambda *a: calls.append(a))
+    streamed(model, batch.input_ids, batch.labels, chunk_size=8, progress=lambda *a: calls.append(a))
     layers = model.config.num_hidden_layers
     assert calls == [(i, layers) for i in range(layers + 1)]
 

@@ -15,7 +15,7 @@ import pytest
 
 from sbpbench.measure.copy_rate import DEVICE_TO_HOST, HOST_TO_DEVICE, CopyRate, write_csv
 from sbpbench.measure.environment import capture_environment
-from sbpbench.measure.memory_timeline import Peak, Timeline
+from sbpbench.measure.timeline.data import Peak, Timeline
 from sbpbench.records import ResultRow, upsert_rows
 from sbpbench.runner import selftest as st
 from sbpbench.runner.selftest_summary import (

@@ -20,20 +20,17 @@ from sbpbench.core.kernels.kernel_choice import (
     LOWER_RIGHT,
     KernelChooser,
     MemoryCache,
-    auto_mode,
-    chunk_attention,
-    observe_chunk_kernels,
     run_chunk,
     shape_class,
-    using_chooser,
 )
 from sbpbench.measure.kernel_cache import JsonChoiceCache
 from sbpbench.measure.sdpa import RecordingSdpaBackends
 from sbpbench.methods import MethodSettings
 from sbpbench.methods.exactness import compare_methods
+from sbpbench.methods.streambp import current_hooks, step_hooks
 from sbpbench.runner.point import kernel_names
 
-from ..conftest import padded_batch, tiny_model
+from ..conftest import observing_kernels, padded_batch, tiny_model
 
 
 class FakeClock:
@@ -66,9 +63,9 @@ class StandIn(ChunkKernel):
 
 
 def _reference(clock: FakeClock, seconds: float):
-    def reference(call):
+    def reference(call, cuda_branch=None):
         clock.now += seconds
-        return lower_right_attention(call)
+        return lower_right_attention(call, cuda_branch)
 
     return reference
 
@@ -122,8 +119,8 @@ def test_a_forced_kernel_runs_though_slower_and_is_recorded():
     clock = FakeClock()
     split = StandIn("split", clock, 5.0)
     chooser = _chooser(clock, split)
-    with using_chooser(chooser), chunk_attention("split"), observe_chunk_kernels() as seen:
-        run_chunk(_call(), _reference(clock, 0.0))
+    seen = set()
+    run_chunk(_call(), _reference(clock, 0.0), setting="split", chooser=chooser, on_kernel=seen.add)
     assert (split.runs, seen, chooser.cache.choices) == (1, {"split"}, {})
 
 
@@ -184,22 +181,23 @@ def test_auto_off_a_gpu_keeps_the_reference_without_timing():
     clock = FakeClock()
     fast = StandIn("fast", clock, 1.0)
     chooser = _chooser(clock, fast)
-    with using_chooser(chooser), observe_chunk_kernels() as seen:
-        run_chunk(_call(), lower_right_attention)
+    seen = set()
+    run_chunk(_call(), lower_right_attention, chooser=chooser, on_kernel=seen.add)
     assert (fast.runs, seen, chooser.cache.choices) == (0, {LOWER_RIGHT}, {})
 
 
 def test_no_timing_where_forbidden_nor_under_a_narrowed_sdpa():
-    """A measured step (auto_mode(CACHED)) runs the reference for an uncached class and caches
-    nothing; an sdpa_kernel block that narrows SDPA keeps auto on the reference."""
+    """A measured step (mode CACHED) runs the reference for an uncached class and caches nothing;
+    an sdpa_kernel block that narrows SDPA keeps auto on the reference."""
     clock = FakeClock()
     fast = StandIn("fast", clock, 1.0)
     chooser = _chooser(clock, fast, on_cpu=True)
-    with using_chooser(chooser), auto_mode(CACHED), observe_chunk_kernels() as seen:
-        run_chunk(_call(), _reference(clock, 3.0))
+    seen = set()
+    run_chunk(_call(), _reference(clock, 3.0), mode=CACHED, chooser=chooser, on_kernel=seen.add)
     assert (fast.runs, seen, chooser.cache.choices) == (0, {LOWER_RIGHT}, {})
-    with using_chooser(chooser), sdpa_kernel([SDPBackend.FLASH_ATTENTION]), observe_chunk_kernels() as seen:
-        run_chunk(_call(), _reference(clock, 3.0))
+    seen = set()
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        run_chunk(_call(), _reference(clock, 3.0), chooser=chooser, on_kernel=seen.add)
     assert (fast.runs, seen) == (0, {LOWER_RIGHT})
 
 
@@ -214,7 +212,7 @@ def test_auto_through_a_whole_model_is_exact_and_recorded(monkeypatch):
     model = tiny_model("tiny/qwen3")
     batch = padded_batch(model, batch_size=2, seq_len=23, lengths=[23, 17])
     settings = MethodSettings(chunk_size=5, logits_chunk_size=7, chunk_attention="auto")
-    with using_chooser(chooser), observe_chunk_kernels() as seen:
+    with step_hooks(chooser=chooser), observing_kernels() as seen:
         (result,) = compare_methods(model, batch, ["streambp"], settings)
     assert result.ok, "\n".join(d.describe() for d in result.failures())
     assert seen == {"fast"} and set(chooser.cache.choices.values()) == {"fast"}
@@ -271,9 +269,11 @@ def test_the_cuda_memory_step_never_times_and_records_the_chunk_kernels(monkeypa
             pass
 
         def run(self):
-            self.modes.append(kernel_choice._mode.get())
-            with chunk_attention("split"):
-                run_chunk(_call(), lower_right_attention)
+            hooks = current_hooks()
+            self.modes.append(hooks.kernel_mode)
+            run_chunk(
+                _call(), lower_right_attention, setting="split", mode=hooks.kernel_mode, on_kernel=hooks.on_kernel
+            )
             return torch.tensor(1.0)
 
     (spec,) = point_specs({"model": "tiny/qwen3", "repeats": 0, "warmup": 1}, ["streambp"])

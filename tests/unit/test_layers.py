@@ -4,7 +4,8 @@ The map is read from `sbpbench.__doc__` (one line per package: `name: job -> all
 the documentation and this check cannot drift. Every import counts: absolute (`sbpbench.x`) and
 relative, at module level and inside functions, and a module named by a string (a loader's
 argument, a preload list, a `-m` command line). No modules of ours import each other in a cycle,
-however the cycle is spread over module and function level.
+however the cycle is spread over module and function level. A name is imported from the package
+that defines it, not through another package's re-export.
 """
 
 from __future__ import annotations
@@ -344,3 +345,108 @@ def test_outside_core_only_its_two_faces_are_imported():
         "sbpbench/runner/a.py:1",
         "sbpbench/runner/c.py:2",
     ]
+
+
+def _imported_names(nodes, package: str) -> list[tuple[int, str, str, str]]:
+    """(line, module, name, bound as) of each `from module import name` among `nodes`, a relative
+    module resolved against `package`; `*` left out."""
+    found = []
+    for node in nodes:
+        if isinstance(node, ast.ImportFrom):
+            base = imported_modules(ast.Module([node], []), package)[0][1].rpartition(".")[0]
+            found += [(node.lineno, base, a.name, a.asname or a.name) for a in node.names if a.name != "*"]
+    return found
+
+
+def reexports(sources: dict[str, str]) -> list[str]:
+    """One line per `from X import name` of ours (at any level, X given as {path under sbpbench/:
+    source}) where X's package does not define `name` but takes it from another package of ours:
+    the importer imports it from the package that defines it. A chain through X's own modules
+    (a package's __init__.py importing its submodule) is followed to the end."""
+    trees, packages, top = {}, {}, {}
+    for path, source in sources.items():
+        module, packages[module] = module_and_package(path)
+        trees[module], top[module] = ast.parse(source, path), package_at(path)
+    bound = {  # module -> {name it binds at its top level: (module it came from, name there)}
+        module: {alias: (base, name) for _, base, name, alias in _imported_names(tree.body, packages[module])}
+        for module, tree in trees.items()
+    }
+    found = []
+    for path in sorted(sources):
+        module, package = module_and_package(path)
+        for line, base, name, _ in _imported_names(ast.walk(trees[module]), package):
+            if base not in trees or f"{base}.{name}" in trees:  # not ours, or a module
+                continue
+            home, there, seen = base, name, set()
+            while there in bound[home] and (home, there) not in seen:
+                seen.add((home, there))
+                home, there = bound[home][there]
+                if home not in trees or f"{home}.{there}" in trees:  # defined outside ours, or a module
+                    break
+            if home in trees and top[home] != top[base]:
+                found.append(f"sbpbench/{path}:{line}: imports {name} from {base}, which takes it from {home}")
+    return found
+
+
+# Imports through a re-export that stay until their modules change: (path, name). simulate takes
+# ConfigError from config; it will import it from settings once the map gives simulate that arrow.
+def test_names_are_imported_from_the_package_that_defines_them():
+    """A name imported from a package of ours is defined in that package: no package passes on
+    another's name (config handing out methods' METHODS), so the layer map's arrows are the real ones."""
+    found = reexports(our_sources())
+    assert not found, "names re-exported across packages; import each from its own package:\n" + "\n".join(found)
+
+
+def test_reexport_checker_refuses_a_name_passed_on_from_another_package():
+    """A name another package defines, passed on through a package's __init__ and one of its modules,
+    is refused; a package's own names through its __init__, a submodule and a foreign name are not."""
+    sources = {
+        "methods/__init__.py": "from .registry import METHODS\n",
+        "methods/registry.py": "METHODS = {}\n",
+        "config/__init__.py": "from .run import METHODS, RunSpec\nfrom . import run\n",
+        "config/run.py": "from ..methods import METHODS\nfrom torch import Tensor\nclass RunSpec: ...\n",
+        "cli/a.py": "from ..config import RunSpec, run\nfrom ..config.run import Tensor\n"
+        "def f():\n    from ..config import METHODS\n",
+        "cli/b.py": "from ..methods import METHODS\n",
+    }
+    assert reexports(sources) == [
+        "sbpbench/cli/a.py:4: imports METHODS from sbpbench.config, which takes it from sbpbench.methods.registry",
+        "sbpbench/config/__init__.py:1: imports METHODS from sbpbench.config.run, which takes it from sbpbench.methods.registry",
+    ]
+
+
+CORE_ROOMS_MAX = 24  # core/ read at a glance: its top files and folders
+
+
+def core_rooms(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The import graph of sbpbench.core with each top-level module and each subpackage as one
+    room ("sbpbench.core.placements.placement" -> "placements"), edges between rooms only."""
+    prefix = f"{ROOT}.core."
+
+    def room(module: str) -> str | None:
+        return module[len(prefix) :].split(".")[0] if module.startswith(prefix) else None
+
+    rooms: dict[str, set[str]] = {}
+    for module, imported in graph.items():
+        source = room(module)
+        if source is None:
+            continue
+        rooms.setdefault(source, set())
+        rooms[source] |= {r for r in map(room, imported) if r is not None and r != source}
+    return rooms
+
+
+def test_core_is_a_few_rooms_with_imports_running_one_way():
+    """core/ as rooms (a top file, or a folder as one): at most CORE_ROOMS_MAX of them, and no two
+    rooms importing each other however indirectly, so a folder never reaches back up into the
+    algorithm that uses it."""
+    rooms = core_rooms(import_graph(our_sources()))
+    assert len(rooms) <= CORE_ROOMS_MAX, sorted(rooms)
+    found = cycles(rooms)
+    assert not found, "rooms of core that import each other:\n" + "\n".join(map(" <-> ".join, found))
+    bad = {
+        "core/stream.py": "from .placements.placement import CheckpointStore\n",
+        "core/placements/__init__.py": "",
+        "core/placements/placement.py": "from ..stream import stream_backward\n",
+    }
+    assert cycles(core_rooms(import_graph(bad))) == [["placements", "stream"]]

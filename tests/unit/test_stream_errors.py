@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config
 
-from sbpbench.core import UnsupportedModelError, stream_backward
+from sbpbench.core import StreamConfig, UnsupportedModelError, stream_backward
 from sbpbench.data import make_batch
 
 from ..conftest import padded_batch, tiny_model
@@ -62,13 +62,30 @@ def test_packed_rows_are_refused_for_per_row_objectives(objective):
         stream_backward(model, batch.input_ids, objective=batch.objective(), position_ids=position_ids)
 
 
-@pytest.mark.parametrize("kwargs", [{"chunk_size": 0}, {"logits_chunk_size": -3}, {"chunk_size": 2.5}])
-def test_bad_chunk_sizes_are_refused(kwargs):
-    """Chunk sizes must be positive integers."""
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"chunk_size": 0}, "StreamConfig.chunk_size must be a positive integer"),
+        ({"logits_chunk_size": -3}, "StreamConfig.logits_chunk_size must be a positive integer"),
+        ({"chunk_size": 2.5}, "positive integer"),
+        ({"chunk_size": True}, "positive integer"),
+        ({"fp32_grad_accumulation": "yes"}, "True or False"),
+        ({"checkpoints": "disk"}, "checkpoints must be one of"),
+        ({"chunk_attention": "fastest"}, "unknown chunk_attention"),
+    ],
+)
+def test_a_bad_knob_is_refused_when_the_config_is_made(kwargs, words):
+    """StreamConfig checks every knob once, when made, naming the field: no step is needed."""
+    with pytest.raises(ValueError, match=words):
+        StreamConfig(**kwargs)
+
+
+def test_a_forced_kernel_the_device_lacks_is_refused_before_the_step():
+    """A kernel with no implementation here (fa3 on a CPU) is refused by the step, before any work."""
     model = tiny_model("tiny/qwen3")
     batch = padded_batch(model, batch_size=1, seq_len=8)
-    with pytest.raises(ValueError, match="positive integer"):
-        stream_backward(model, batch.input_ids, batch.labels, **kwargs)
+    with pytest.raises(ValueError, match="fa3 cannot run on cpu"):
+        stream_backward(model, batch.input_ids, batch.labels, config=StreamConfig(chunk_attention="fa3"))
 
 
 def test_unsupported_family_is_refused_with_the_supported_list():

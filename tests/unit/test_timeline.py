@@ -15,18 +15,12 @@ import pytest
 import torch
 
 from sbpbench.config import point_specs
-from sbpbench.core import memory_kinds, stream_backward
-from sbpbench.measure.memory_timeline import (
-    KINDS,
-    MAX_SAMPLES,
-    StepPhases,
-    TimelineLog,
-    load_timeline,
-    peak_accuracy,
-    phase_group,
-)
+from sbpbench.core import memory_kinds
 from sbpbench.measure.tensor_tracker import LiveTensorTracker
-from sbpbench.measure.tracked_timeline import TrackedTimeline
+from sbpbench.measure.timeline.data import KINDS, MAX_SAMPLES, load_timeline, peak_accuracy
+from sbpbench.measure.timeline.log import TimelineLog
+from sbpbench.measure.timeline.marks import StepPhases, phase_group
+from sbpbench.measure.timeline.tracked import TrackedTimeline
 from sbpbench.methods.memory_marks import marking
 from sbpbench.models import load_config
 from sbpbench.records import ResultRow
@@ -35,7 +29,7 @@ from sbpbench.simulate.timeline import predicted_timeline
 from sbpbench.workload.build import build_model_and_batch, training_step
 from sbpbench.workload.timeline import resident_kinds
 
-from ..conftest import padded_batch, tiny_model
+from ..conftest import padded_batch, streamed, tiny_model
 from ..cuda_standin import RecordingMemoryHistory
 
 
@@ -182,7 +176,7 @@ def test_recording_changes_no_gradient():
 
     def run():
         model.zero_grad(set_to_none=True)
-        loss = stream_backward(model, batch.input_ids, batch.labels, chunk_size=16, logits_chunk_size=8,
+        loss = streamed(model, batch.input_ids, batch.labels, chunk_size=16, logits_chunk_size=8,
                                checkpoints="cpu+recompute:2")  # fmt: skip
         return loss, {name: p.grad.clone() for name, p in model.named_parameters()}
 
@@ -196,17 +190,15 @@ def test_recording_changes_no_gradient():
 
 def test_the_core_seam_costs_nothing_without_a_listener():
     """Without a listener, `allocating` hands back one shared no-op context and `note` returns;
-    with one, they reach it; a second listener at once is refused."""
-    assert memory_kinds.allocating("K/V buffers") is memory_kinds.allocating("logits")
-    memory_kinds.note("checkpoints", torch.ones(1))
+    with one, they reach it."""
+    assert memory_kinds.allocating(None, "K/V buffers") is memory_kinds.allocating(None, "logits")
+    memory_kinds.note(None, "checkpoints", torch.ones(1))
     tracker = LiveTensorTracker()
-    with memory_kinds.listening(tracker), tracker:
-        with memory_kinds.allocating(memory_kinds.KV_BUFFERS):
+    with tracker:
+        with memory_kinds.allocating(tracker, memory_kinds.KV_BUFFERS):
             kept = torch.ones(256)
         other = torch.ones(128)
-        memory_kinds.note(memory_kinds.CHECKPOINTS, other)
-        with pytest.raises(AssertionError, match="one memory recorder"), memory_kinds.listening(tracker):
-            pass
+        memory_kinds.note(tracker, memory_kinds.CHECKPOINTS, other)
     assert tracker.kind_bytes["K/V buffers"] == kept.nbytes and tracker.kind_bytes["checkpoints"] == other.nbytes
     assert set(memory_kinds.KINDS) <= set(KINDS)
 
@@ -435,7 +427,7 @@ def test_the_replay_gives_unmarked_and_stale_entries_the_latest_mark():
     """An entry with no mark, another tool's metadata, or an older mark than one already seen (a
     thread whose metadata was set earlier) counts under the latest mark in the trace; entries
     before the first mark are not the step's."""
-    from sbpbench.measure.cuda_timeline import timeline_from_trace
+    from sbpbench.measure.timeline.cuda import timeline_from_trace
 
     def entry(action, address, size, label):
         return {"action": action, "addr": address, "size": size, "stream": 0, "user_metadata": label}
@@ -469,7 +461,7 @@ def test_the_replay_gives_unmarked_and_stale_entries_the_latest_mark():
 
 
 def _small_history(entries: int):
-    from sbpbench.measure.cuda_timeline import CudaTimeline
+    from sbpbench.measure.timeline.cuda import CudaTimeline
 
     def make(device, kinds, *, calls):
         return CudaTimeline(device, kinds, calls=calls, max_entries=entries)

@@ -17,26 +17,24 @@ times as far from it as the reference itself is, in the relative Frobenius norm 
 element. The largest element is what catches a mask off by one key: its error sits in a few rows
 and columns, which a norm over the whole tensor averages away.
 
-When auto measures (`auto_mode`): MEASURE (the default, a training loop: the first call of a
-class measures it), CACHED (a cached choice or the reference, never a timing) or REFERENCE (the
-reference, whatever is cached). A benchmark records the calls a step makes (`record_chunk_calls`),
-then measures their classes and warms every distinct shape of the chosen kernels in one untimed
+When auto measures (the step's hooks' `kernel_mode`): MEASURE (the default, a training loop: the
+first call of a class measures it), CACHED (a cached choice or the reference, never a timing) or
+REFERENCE (the reference, whatever is cached). A benchmark records the calls a step makes (the
+hooks' `on_chunk_call`), then measures their classes and warms every distinct shape of the chosen kernels in one untimed
 pass (`tune_chunk_calls`): a cuDNN graph is built, and a compiled kernel specialised, once per new
 shape, which a timed step must not pay. An out-of-memory while measuring a class is remembered for
 the life of the chooser: that class runs the reference, untimed, from then on.
 
-The process has one `KernelChooser`. Its cache holds choices in memory unless a caller installs
-another (`set_choice_cache`: the runner keeps them in a JSON file; core does no file I/O).
-`observe_chunk_kernels()` collects the names of the kernels that ran.
+The process has a default `KernelChooser`, whose cache holds choices in memory; a caller passes
+its own in the step's hooks (the runner's keeps them in a JSON file; core does no file I/O). The
+hooks' `on_kernel` is told the name of each kernel that ran.
 """
 
 from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -303,87 +301,30 @@ class Tuning:
         return "+".join(sorted(set(self.kernels.values())))
 
 
-_chooser = KernelChooser()
-_setting: ContextVar[str] = ContextVar("chunk_attention", default=AUTO)
-_mode: ContextVar[str] = ContextVar("chunk_kernel_auto_mode", default=MEASURE)
-_observers: list[set[str]] = []
-_recorders: list[dict[CallShape, None]] = []
+DEFAULT_CHOOSER = KernelChooser()  # the process's: its choices kept in memory across steps
 
 
-def check_chunk_attention(name: str, device: torch.device | None = None) -> None:
+def check_chunk_attention(name: str, device: torch.device | None = None, chooser: KernelChooser | None = None) -> None:
     """ValueError, before any work, for an unknown name or a forced kernel the device lacks."""
     if name not in CHUNK_ATTENTION_CHOICES:
         raise ValueError(f"unknown chunk_attention {name!r}; choose from {', '.join(CHUNK_ATTENTION_CHOICES)}")
     if device is None or name in (AUTO, LOWER_RIGHT):
         return
-    reason = _chooser.kernels[name].unavailable(device)
+    reason = (chooser or DEFAULT_CHOOSER).kernels[name].unavailable(device)
     if reason is not None:
         raise ValueError(f"chunk_attention={name} cannot run on {device}: {reason}; use auto or {LOWER_RIGHT}")
 
 
-@contextmanager
-def chunk_attention(name: str) -> Iterator[None]:
-    """Within the block, chunks run with this choice (CHUNK_ATTENTION_CHOICES)."""
-    check_chunk_attention(name)
-    token = _setting.set(name)
-    try:
-        yield
-    finally:
-        _setting.reset(token)
-
-
-@contextmanager
-def auto_mode(mode: str) -> Iterator[None]:
-    """Within the block, auto measures a new class on first use (MEASURE), takes a cached choice or
-    the reference and never times (CACHED: a measured step's peak memory and time hold no timing
-    runs), or runs the reference whatever is cached (REFERENCE: a kernel fixed in advance)."""
-    if mode not in (MEASURE, CACHED, REFERENCE):
-        raise ValueError(f"unknown auto mode {mode!r}")
-    token = _mode.set(mode)
-    try:
-        yield
-    finally:
-        _mode.reset(token)
-
-
-@contextmanager
-def observe_chunk_kernels() -> Iterator[set[str]]:
-    """The yielded set collects the name of each kernel that ran a chunk call in the block
-    (LOWER_RIGHT included). Nests."""
-    seen: set[str] = set()
-    _observers.append(seen)
-    try:
-        yield seen
-    finally:
-        _observers.remove(seen)
-
-
-@contextmanager
-def record_chunk_calls() -> Iterator[dict[CallShape, None]]:
-    """The yielded dict (an ordered set) collects the shape of each chunk call in the block, in the
-    order of first appearance. Nests."""
-    shapes: dict[CallShape, None] = {}
-    _recorders.append(shapes)
-    try:
-        yield shapes
-    finally:
-        _recorders.remove(shapes)
-
-
-def tune_chunk_calls(shapes) -> Tuning:
+def tune_chunk_calls(shapes, chooser: KernelChooser | None = None) -> Tuning:
     """Measure the shape class of each recorded call not yet chosen, then run the chosen kernel once
     on every distinct shape (forward and backward, random values) so that no later step builds a
     cuDNN graph or specialises a compiled kernel. Calls under a forced kernel are only warmed.
     Returns the kernel of each shape; the caller times the whole pass."""
+    chooser = chooser or DEFAULT_CHOOSER
     tuning, warmed = Tuning(), set()
     for shape in shapes:
         call = shape.random_call()
-        setting_token, mode_token = _setting.set(shape.setting), _mode.set(MEASURE)
-        try:
-            name = select(call, shape.reference)
-        finally:
-            _setting.reset(setting_token)
-            _mode.reset(mode_token)
+        name = select(call, shape.reference, shape.setting, MEASURE, chooser)
         tuning.kernels[shape] = name
         dims = (shape.query, shape.key, shape.value, shape.dtype, shape.device, shape.window, name)
         # the reference builds nothing per shape (flash / efficient kernels); starts change no graph
@@ -391,29 +332,12 @@ def tune_chunk_calls(shapes) -> Tuning:
             warmed.add(dims)
             grad_out = torch.randn_like(call.query[..., : call.value.shape[-1]])
             try:
-                _forward_backward(_chooser.kernels[name].run, call, grad_out)
+                _forward_backward(chooser.kernels[name].run, call, grad_out)
                 tuning.warmed += 1
             except torch.OutOfMemoryError:
                 warnings.warn(f"no memory to warm {name} on {shape_class(call)}; a step may build it", stacklevel=2)
         del call
     return tuning
-
-
-def set_choice_cache(cache: ChoiceCache) -> ChoiceCache:
-    """Keep auto's choices in `cache` from now on; returns the previous cache."""
-    previous, _chooser.cache = _chooser.cache, cache
-    return previous
-
-
-@contextmanager
-def using_chooser(chooser: KernelChooser) -> Iterator[KernelChooser]:
-    """Within the block the process uses `chooser` (tests: stand-in kernels, a fake clock)."""
-    global _chooser
-    previous, _chooser = _chooser, chooser
-    try:
-        yield chooser
-    finally:
-        _chooser = previous
 
 
 def _auto_may_leave_reference() -> bool:
@@ -423,31 +347,38 @@ def _auto_may_leave_reference() -> bool:
     return backends.flash_sdp_enabled() and backends.cudnn_sdp_enabled() and backends.mem_efficient_sdp_enabled()
 
 
-def run_chunk(call: ChunkCall, reference: Reference) -> torch.Tensor:
-    """Attention of one offset-causal chunk by the kernel the current setting picks."""
-    if _recorders:
-        shape = CallShape.of(call, _setting.get(), reference)
-        for shapes in _recorders:
-            shapes.setdefault(shape)
-    name = select(call, reference)
-    for seen in _observers:
-        seen.add(name)
-    return reference(call) if name == LOWER_RIGHT else _chooser.kernels[name].run(call)
+def run_chunk(
+    call: ChunkCall,
+    reference: Reference,
+    *,
+    setting: str = AUTO,
+    mode: str = MEASURE,
+    chooser: KernelChooser | None = None,
+    on_kernel: Callable[[str], None] | None = None,
+    on_call: Callable[[CallShape], None] | None = None,
+) -> torch.Tensor:
+    """Attention of one offset-causal chunk by the kernel `setting` (chunk_attention) picks; auto
+    asks `chooser` in `mode`. on_kernel(name) is told the kernel that ran, on_call(shape) the call."""
+    chooser = chooser or DEFAULT_CHOOSER
+    if on_call is not None:
+        on_call(CallShape.of(call, setting, reference))
+    name = select(call, reference, setting, mode, chooser)
+    if on_kernel is not None:
+        on_kernel(name)
+    return reference(call) if name == LOWER_RIGHT else chooser.kernels[name].run(call)
 
 
-def select(call: ChunkCall, reference: Reference) -> str:
-    setting = _setting.get()
+def select(call: ChunkCall, reference: Reference, setting: str, mode: str, chooser: KernelChooser) -> str:
     if setting == LOWER_RIGHT:
         return LOWER_RIGHT
     if setting != AUTO:
-        kernel = _chooser.kernels[setting]
+        kernel = chooser.kernels[setting]
         return setting if kernel.unsupported(call) is None else LOWER_RIGHT
-    if call.query.device.type not in _chooser.device_types or not _auto_may_leave_reference():
+    if call.query.device.type not in chooser.device_types or not _auto_may_leave_reference():
         return LOWER_RIGHT
-    mode = _mode.get()
     if mode == REFERENCE or _is_fake(call.query):
         return LOWER_RIGHT
-    return _chooser.choose(call, reference, may_time=mode == MEASURE)
+    return chooser.choose(call, reference, may_time=mode == MEASURE)
 
 
 def _is_fake(tensor: torch.Tensor) -> bool:

@@ -30,15 +30,15 @@ different result: every placement runs the same operations on the same values.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
 
 from ..cuda_calls import CUDA_CALLS, CudaCalls
 from ..host_pool import HostBuffer
-from ..memory_kinds import CHECKPOINTS, allocating, note
+from ..memory_kinds import CHECKPOINTS, KindListener, allocating, note
 from .host_copies import Copier, CopyCounters
 from .rebuild_schedule import every_input_buffers
 from .sequences import DeviceSequence
@@ -145,11 +145,23 @@ class CheckpointStore(CopyCounters):
     the pool did not have: the first step's cost, 0.0 once the pool holds them).
 
     timer: set by the step (stream.py) to time its copies (on the side stream on CUDA) and the
-    compute stream's waits for them (phases.py)."""
+    compute stream's waits for them (phases.py). kinds: a memory-kind listener told that what the
+    store holds is checkpoints (memory_kinds.py). shapes_only: host copies keep only shape and
+    dtype, for the memory simulator, whose fake tensors have no values to copy and whose count must
+    not charge host copies to the device."""
 
-    def __init__(self, placement: Placement, num_layers: int, calls: CudaCalls = CUDA_CALLS):
+    def __init__(
+        self,
+        placement: Placement,
+        num_layers: int,
+        *,
+        kinds: KindListener | None = None,
+        shapes_only: bool = False,
+        calls: CudaCalls = CUDA_CALLS,
+    ):
         self.placement = placement
         self.num_layers = num_layers
+        self.kinds, self.shapes_only = kinds, shapes_only
         self.rebuild_into: RebuildInto | None = None  # set before the first get that needs one (stream.py)
         self._copier = Copier(calls)
         self._calls = calls
@@ -159,7 +171,6 @@ class CheckpointStore(CopyCounters):
         self._arrived: dict = {}  # index -> event: the copy back to the device is done
         self.max_device_inputs = 0
         self.host_bytes = self.max_host_bytes = 0
-        announce(self)
 
     @property
     def device_inputs(self) -> int:
@@ -179,7 +190,7 @@ class CheckpointStore(CopyCounters):
         """The checkpoint pass through layer `index`: X_l put, run(source, sink) chunk by chunk into
         X_{l+1}, which goes back to the decoder."""
         self.put(index, layer_input)
-        with allocating(CHECKPOINTS):
+        with allocating(self.kinds, CHECKPOINTS):
             output = torch.empty_like(layer_input)  # becomes X_{l+1}
         run(DeviceSequence(layer_input), DeviceSequence(output))
         return output
@@ -189,7 +200,7 @@ class CheckpointStore(CopyCounters):
         (rebuilt later)."""
         if not self.placement.kept(index):
             return
-        note(CHECKPOINTS, layer_input)  # X_0 is the embedding's output, made before the pass could say
+        note(self.kinds, CHECKPOINTS, layer_input)  # X_0 is the embedding's output, made before the pass could say
         if not self.placement.offload:
             self._device[index] = layer_input
         else:
@@ -198,7 +209,7 @@ class CheckpointStore(CopyCounters):
 
     def _copy_out(self, index: int, layer_input: torch.Tensor) -> None:
         """Keep a host copy of X_index: pinned and copied on the side stream on CUDA."""
-        if _shapes_only:
+        if self.shapes_only:
             self._host[index] = _HostShape(layer_input.shape, layer_input.dtype, layer_input.nbytes)
             self._copier.to_host_bytes += layer_input.nbytes
         elif self._copier.overlaps(layer_input.device):  # host memory: no device allocation to tell of
@@ -207,7 +218,7 @@ class CheckpointStore(CopyCounters):
             self._copier.to_host(host, layer_input)
             self._host[index] = host
         else:  # an ordinary copy off a GPU
-            with allocating(CHECKPOINTS):  # on a CPU: in the memory counted
+            with allocating(self.kinds, CHECKPOINTS):  # on a CPU: in the memory counted
                 host = self._host[index] = torch.empty(layer_input.shape, dtype=layer_input.dtype)
             self._copier.to_host(host, layer_input)
         self.host_bytes += layer_input.nbytes
@@ -231,14 +242,14 @@ class CheckpointStore(CopyCounters):
         if index < 0 or index in self._device or index not in self._host:
             return
         host = self._host[index]
-        with allocating(CHECKPOINTS):
+        with allocating(self.kinds, CHECKPOINTS):
             target = self._bring_back(index, host, device)
         self._device[index] = target
         self._count()
 
     def _bring_back(self, index: int, host, device: torch.device) -> torch.Tensor:
         """A device copy of the host copy of X_index, on its way (a side stream on CUDA)."""
-        if _shapes_only:
+        if self.shapes_only:
             target = torch.empty(host.shape, dtype=host.dtype, device=device)
             self._copier.to_device_bytes += host.nbytes
         else:
@@ -273,7 +284,7 @@ class CheckpointStore(CopyCounters):
         assert self.rebuild_into is not None, "a recomputing store needs its rebuild function"
         for layer in range(start, top):
             source = self._device[layer]
-            with allocating(CHECKPOINTS):
+            with allocating(self.kinds, CHECKPOINTS):
                 output = torch.empty_like(source)
             self.rebuild_into(layer, DeviceSequence(source), DeviceSequence(output))
             self._device[layer + 1] = output
@@ -312,42 +323,8 @@ class CheckpointStore(CopyCounters):
 
 @dataclass(frozen=True)
 class _HostShape:
-    """A host copy under observe_stores(shapes_only=True): what it would hold, not the values."""
+    """A host copy of a store made with shapes_only: what it would hold, not the values."""
 
     shape: torch.Size
     dtype: torch.dtype
     nbytes: int
-
-
-_observers: list[Callable[[object], None]] = []
-_shapes_only = False
-
-
-def announce(store) -> None:
-    """A store was made: hand it to the observers (observe_stores)."""
-    for observer in _observers:
-        observer(store)
-
-
-def storing_shapes_only() -> bool:
-    """Whether host copies keep only shapes and dtypes (observe_stores(shapes_only=True))."""
-    return _shapes_only
-
-
-@contextmanager
-def observe_stores(*, shapes_only: bool = False) -> Iterator[list[CheckpointStore]]:
-    """Within the block, every CheckpointStore made is appended to the yielded list (its counters
-    say what the step held where: a measured row's host_pinned_peak_bytes and transfer_bytes).
-    shapes_only: host copies keep only shape and dtype, for the memory simulator, whose fake
-    tensors have no values to copy and whose count must not charge host copies to the device.
-    Nests; restores the previous setting on exit, whatever happens."""
-    global _shapes_only
-    stores: list[CheckpointStore] = []
-    previous = _shapes_only
-    _observers.append(stores.append)
-    _shapes_only = shapes_only or previous
-    try:
-        yield stores
-    finally:
-        _observers.remove(stores.append)
-        _shapes_only = previous

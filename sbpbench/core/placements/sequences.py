@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from ..memory_kinds import CHECKPOINTS, allocating
+from ..memory_kinds import CHECKPOINTS, KindListener, allocating
 from .host_copies import Copier
 
 Bounds = Sequence[tuple[int, int]]  # (start, end) of each chunk, in the order a loop reads them
@@ -62,10 +62,17 @@ class DeviceSequence:
 class HostSequence:
     """A (B, T, d) tensor in host memory, moved a chunk at a time through `copier`. shapes_only (the
     memory simulator): no host memory, each chunk read is an empty device tensor, writes move
-    nothing; the byte counters count as if they did."""
+    nothing; the byte counters count as if they did. kinds: told the host copy is checkpoints."""
 
     def __init__(
-        self, copier: Copier, shape: torch.Size, dtype: torch.dtype, device: torch.device, *, shapes_only: bool
+        self,
+        copier: Copier,
+        shape: torch.Size,
+        dtype: torch.dtype,
+        device: torch.device,
+        *,
+        shapes_only: bool,
+        kinds: KindListener | None = None,
     ):
         self.copier, self.shape, self.dtype, self.device = copier, torch.Size(shape), dtype, device
         self.nbytes = math.prod(shape) * dtype.itemsize
@@ -77,7 +84,7 @@ class HostSequence:
             self._buffer = copier.take_buffer(self.nbytes)
             self.host = self._buffer.view(self.shape, dtype)
         else:
-            with allocating(CHECKPOINTS):  # a CPU device: ordinary memory, the memory counted
+            with allocating(kinds, CHECKPOINTS):  # a CPU device: ordinary memory, the memory counted
                 self.host = torch.empty(self.shape, dtype=dtype)
 
     def chunks(self, bounds: Bounds) -> Iterator[torch.Tensor]:

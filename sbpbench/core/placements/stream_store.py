@@ -30,8 +30,9 @@ from contextlib import contextmanager
 import torch
 
 from ..cuda_calls import CUDA_CALLS, CudaCalls
+from ..memory_kinds import KindListener
 from .host_copies import Copier, CopyCounters
-from .placement import Placement, RebuildInto, announce, storing_shapes_only
+from .placement import Placement, RebuildInto
 from .rebuild_schedule import schedule
 from .sequences import EmbeddedSequence, HostSequence
 
@@ -43,14 +44,22 @@ class StreamingStore(CopyCounters):
     Counters as CheckpointStore's; `device_inputs` is always 0; `rebuilt` counts the layer forwards
     beyond the checkpoint pass's (rebuild_schedule.rebuilt_layers)."""
 
-    def __init__(self, placement: Placement, num_layers: int, calls: CudaCalls = CUDA_CALLS):
+    def __init__(
+        self,
+        placement: Placement,
+        num_layers: int,
+        *,
+        kinds: KindListener | None = None,
+        shapes_only: bool = False,
+        calls: CudaCalls = CUDA_CALLS,
+    ):
         assert placement.stream, placement
         self.placement, self.num_layers = placement, num_layers
         self.num_buffers = placement.buffers(num_layers)
         self.rebuild_into: RebuildInto | None = None  # set before the first get that needs one (stream.py)
         self._copier = Copier(calls)
         self._calls = calls
-        self._shapes_only = storing_shapes_only()
+        self.kinds, self.shapes_only = kinds, shapes_only
         self._kept: dict[int, HostSequence | EmbeddedSequence] = {}  # index -> the buffer keeping X_index
         self._advancing: HostSequence | None = None  # the pass's buffer between two kept inputs
         self.schedule = schedule(num_layers, self.num_buffers)
@@ -60,10 +69,11 @@ class StreamingStore(CopyCounters):
         self.device_inputs = self.max_device_inputs = 0
         self.host_bytes = self.max_host_bytes = 0
         self.rebuilt = 0
-        announce(self)
 
     def _take(self, like: torch.Tensor | HostSequence | EmbeddedSequence) -> HostSequence:
-        buffer = HostSequence(self._copier, like.shape, like.dtype, like.device, shapes_only=self._shapes_only)
+        buffer = HostSequence(
+            self._copier, like.shape, like.dtype, like.device, shapes_only=self.shapes_only, kinds=self.kinds
+        )
         assert len(self._buffers) < self.num_buffers, "more host buffers than the placement allows"
         self._buffers.append(buffer)
         self.host_bytes += buffer.nbytes

@@ -1,6 +1,6 @@
 """A step's memory timeline on the CPU: the live-tensor tracker, sampled after every op.
 
-`TrackedTimeline` is a LiveTensorTracker (tensor_tracker.py) that also logs the allocated bytes
+`TrackedTimeline` is a LiveTensorTracker (measure/tensor_tracker.py) that also logs the allocated bytes
 (the resident baseline plus the tracked live bytes) after each op, the op's count as the time axis.
 Deterministic like the tracker, so its shape, its peak (the row's peak, to the byte) and its
 breakdown may be asserted. The runner marks it (phases, kinds, the host) as it marks any recorder.
@@ -8,8 +8,10 @@ breakdown may be asserted. The runner marks it (phases, kinds, the host) as it m
 
 from __future__ import annotations
 
-from .memory_timeline import PhaseMarks, Timeline, TimelineLog
-from .tensor_tracker import LiveTensorTracker
+from ..tensor_tracker import LiveTensorTracker
+from .data import Timeline
+from .log import TimelineLog
+from .marks import PhaseMarks
 
 
 class TrackerMarks(PhaseMarks):

@@ -45,7 +45,9 @@ from typing import Self
 
 import torch
 
-from .memory_timeline import INTERMEDIATES, OTHER, PhaseMarks, Timeline, TimelineLog, breakdown
+from .data import INTERMEDIATES, OTHER, Timeline, breakdown
+from .log import TimelineLog
+from .marks import PhaseMarks
 
 ROUNDING = 512  # c10/cuda/CUDACachingAllocator.cpp kMinBlockSize: a request is rounded up to a multiple
 # Trace entries kept at most: a long StreamBP step makes about 100 per layer and chunk (Qwen3-8B at
