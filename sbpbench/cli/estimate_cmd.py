@@ -14,24 +14,21 @@ from .errors import user_errors
 from .options import (
     DEFAULT_GPU_MEMORY,
     PREDICTED_POINT,
+    RUN_FIELDS,
     ExactOpt,
     GpuMemoryOpt,
     check_sizes,
     out_option,
     point_command,
     predicted_gpu_point_helps,
-    run_fields_but,
 )
 from .outcomes import fail_if
 from .progress import Progress
 from .tables import estimate_table, print_table
 
-# a prediction is for a GPU: the GPU defaults (Qwen/Qwen3-4B, T=9000, bf16) unless told
-# (sdpa_backend, chunk_attention: the estimator models torch's own kernel choice and StreamBP's
-# lower-right chunk path, not a forced or measured kernel)
-ESTIMATE_FIELDS = run_fields_but(
-    "device", "warmup", "repeats", "memory_limit", "timeout_s", "threads", "weights", "sdpa_backend", "chunk_attention"
-)
+# a prediction is for a GPU: the GPU defaults (Qwen/Qwen3-4B, T=9000, bf16) unless told. Every point
+# setting parses; one the estimator does not model is refused (the settings table's `estimator`)
+ESTIMATE_FIELDS = RUN_FIELDS
 
 EstimateOutOpt = out_option("none, the table is only printed")
 TargetOpt = Annotated[
@@ -48,10 +45,7 @@ EXAMPLES = (  # the end of its help (options.py examples)
 )
 
 
-@point_command(
-    ESTIMATE_FIELDS,
-    helps=predicted_gpu_point_helps(),
-)
+@point_command(ESTIMATE_FIELDS, helps=predicted_gpu_point_helps(), predicted=True)
 def estimate(
     settings: dict,
     methods: tuple[str, ...],

@@ -11,15 +11,16 @@ from rich.table import Table
 
 from ..measure.host_memory import total_ram_bytes
 from ..measure.units import parse_bytes
+from ..settings import SETTINGS
 from .errors import user_errors
 from .options import (
     DEFAULT_GPU_MEMORY,
     PREDICTED_POINT,
+    RUN_FIELDS,
     GpuMemoryOpt,
     HostMemoryOpt,
     point_command,
     predicted_gpu_point_helps,
-    run_fields_but,
 )
 from .outcomes import fail_if
 from .progress import Progress
@@ -31,23 +32,14 @@ if TYPE_CHECKING:
     from ..simulate.timing import Rates
 
 GIB = 2**30
-# the planner chooses method settings for streambp itself; nothing is measured (no threads)
-PLAN_FIELDS = run_fields_but(
-    "method",
-    "chunk_size",
-    "checkpoints",
-    "device",
-    "warmup",
-    "repeats",
-    "memory_limit",
-    "timeout_s",
-    "threads",
-    "nproc",
-    "mlp_tile_size",
-    "offload_checkpoints",
-    "weights",
-    "sdpa_backend",  # the estimator models torch's own kernel choice
-    "chunk_attention",  # and StreamBP's lower-right chunk path
+# what the planner decides itself: StreamBP on one GPU, its chunk size and checkpoint placement
+PLANNED = ("method", "nproc", "chunk_size", "checkpoints")
+# the rest of a point and StreamBP's other knobs; one the estimator does not model is refused, as by
+# `sbp estimate` (the settings table's `estimator`)
+PLAN_FIELDS = tuple(
+    name
+    for name in RUN_FIELDS
+    if name not in PLANNED and (not SETTINGS[name].read_by or "streambp" in SETTINGS[name].read_by)
 )
 
 EXAMPLES = (  # the end of its help (options.py examples)
@@ -56,10 +48,7 @@ EXAMPLES = (  # the end of its help (options.py examples)
 )
 
 
-@point_command(
-    PLAN_FIELDS,
-    helps=predicted_gpu_point_helps(),
-)
+@point_command(PLAN_FIELDS, helps=predicted_gpu_point_helps(), predicted=True)
 def plan_command(
     settings: dict,
     methods: tuple[str, ...],

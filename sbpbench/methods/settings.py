@@ -1,6 +1,6 @@
 """The knobs a method may read: MethodSettings, one field per method knob of the settings table
-(sbpbench/settings, those with `read_by`), in its order. tests/unit/test_settings.py checks that the
-fields are the table's knobs and take the values it declares.
+(sbpbench/settings, those with `read_by`), in its order, made from the table: a knob declared there
+is a field here, taking what its setting takes or None.
 
 In a spec and its results row the knobs a method does not read are None, so a method's key holds
 only what changes it (two `bp` rows never differ by a StreamBP chunk size). A spec holds them
@@ -10,7 +10,7 @@ resolved (config/run.py): integer chunk sizes and a Placement; as given they may
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import field, fields, make_dataclass, replace
 
 from ..core import Placement
 from ..settings import METHOD_KNOBS, SETTINGS
@@ -21,20 +21,7 @@ DEFAULTS = {name: SETTINGS[name].default for name in METHOD_KNOBS}
 DEFAULTS["checkpoints"] = Placement.parse(DEFAULTS["checkpoints"])
 
 
-@dataclass(frozen=True, kw_only=True)
-class MethodSettings:
-    """A method's knobs. None: the method's default (DEFAULTS) if it reads the knob, absent if it
-    does not. Checked by the run config (sbpbench.config) and, for library callers, by
-    stream_backward itself."""
-
-    chunk_size: int | str | None = None  # StreamBP's positions per layer chunk (given: N, "T/k" or "auto")
-    logits_chunk_size: int | str | None = None  # positions per head chunk (given: N or "auto")
-    fp32_grad_accumulation: bool | None = None  # StreamBP: sum bf16 chunk gradients in fp32
-    mlp_tile_size: int | None = None  # tiled: positions per MLP tile
-    offload_checkpoints: bool | None = None  # tiled: layer checkpoints in host memory
-    checkpoints: Placement | str | None = None  # StreamBP's placement (given: its name)
-    chunk_attention: str | None = None  # StreamBP's kernel for a chunk's attention over its prefix
-
+class _Knobs:
     def for_method(self, uses: tuple[str, ...]) -> MethodSettings:
         """The knobs in `uses` set (given or default), every other one None."""
         values = {f.name: None for f in fields(self)}
@@ -46,6 +33,27 @@ class MethodSettings:
     def as_dict(self) -> dict:
         """The knobs as a results row holds them: a placement by its name."""
         return {f.name: _plain(getattr(self, f.name)) for f in fields(self)}
+
+
+def _annotation(name: str) -> str:
+    """What a knob's field takes: its setting's kinds, or None."""
+    kind = SETTINGS[name].kind
+    return " | ".join([k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,))] + ["None"])
+
+
+MethodSettings = make_dataclass(
+    "MethodSettings",
+    [(name, _annotation(name), field(default=None)) for name in METHOD_KNOBS],
+    bases=(_Knobs,),
+    frozen=True,
+    kw_only=True,
+    namespace={
+        "__module__": __name__,  # make_dataclass's `module` is Python 3.12's: pickle finds the class here
+        "__doc__": """A method's knobs, one field per knob of the settings table. None: the method's
+    default (DEFAULTS) if it reads the knob, absent if it does not. Checked by the run config
+    (sbpbench.config) and, for library callers, by core's StreamConfig.""",
+    },
+)
 
 
 def _plain(value):

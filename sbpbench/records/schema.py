@@ -1,7 +1,7 @@
 """The results schema: one dataclass whose fields, in order, are the CSV columns.
 
-The method settings' columns are the settings table's method knobs (sbpbench/settings), in its
-order; tests/unit/test_settings.py checks that they are.
+The method settings' columns are made from the settings table's method knobs (sbpbench/settings),
+in its order: a knob declared there is a column here.
 
 Raw units live in the column names (`*_bytes`, `*_s`); GiB exist only on screen. Every row
 carries its provenance (when, where, which versions and commit, every setting that changes the
@@ -78,7 +78,8 @@ read back with the new columns empty):
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields, make_dataclass
+from typing import Any
 
 from ..settings import METHOD_KNOBS, SETTINGS
 
@@ -101,8 +102,8 @@ SOURCES = ("measured", "simulated")
 
 
 @dataclass(kw_only=True)
-class ResultRow:
-    """One CSV row: its fields, in order, are the columns."""
+class _PointColumns:
+    """A row's columns up to the method settings."""
 
     schema_version: int = SCHEMA_VERSION
     timestamp_utc: str = ""  # ISO 8601, when the point finished
@@ -127,15 +128,31 @@ class ResultRow:
     device: str = ""  # cpu | cuda | cuda:N (several ranks: rank 0's; rank r runs on cuda:N+r)
     nproc: int | None = None  # data-parallel ranks (FSDP2 FULL_SHARD); 1: one process
     protocol: str = ""  # steady (gradient buffers resident before the step) | first (allocated in it)
-    # the method settings: the settings table's method knobs, in its order (a test checks), each
-    # empty in a row whose method does not read it (schema 4); a chunk's "auto" as the number chosen
-    chunk_size: int | None = None
-    logits_chunk_size: int | None = None
-    fp32_grad_accumulation: bool | None = None
-    mlp_tile_size: int | None = None
-    offload_checkpoints: bool | None = None
-    checkpoints: str = ""  # a placement's name
-    chunk_attention: str = ""
+
+
+def _knob_column(name: str) -> tuple[str, str, Any]:
+    """A method knob's column: the first kind its setting takes, empty (None) where the method does
+    not read it; a text one ("" where not read: a placement's or a kernel's name)."""
+    kind = SETTINGS[name].kind
+    first = (kind if isinstance(kind, tuple) else (kind,))[0]
+    return (name, "str", field(default="")) if first is str else (name, f"{first.__name__} | None", field(default=None))
+
+
+# the method settings: the settings table's method knobs, in its order, each empty in a row whose
+# method does not read it (schema 4); a chunk's "auto" as the number chosen
+_MethodSettingColumns = make_dataclass(
+    "_MethodSettingColumns",
+    [_knob_column(name) for name in METHOD_KNOBS],
+    bases=(_PointColumns,),
+    kw_only=True,
+    namespace={"__module__": __name__},  # make_dataclass's `module` is Python 3.12's
+)
+
+
+@dataclass(kw_only=True)
+class ResultRow(_MethodSettingColumns):
+    """One CSV row: its fields, in order, are the columns (the point's, the method settings', then these)."""
+
     auto_settings: str = ""  # the chunk settings chosen by the point's rule ("chunk_size;logits_chunk_size")
     attn_implementation: str = ""
     sdpa_backend: str = ""  # the SDPA kernel forced for the point (flash | efficient | cudnn | math) or auto

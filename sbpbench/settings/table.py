@@ -1,13 +1,14 @@
 """Every setting a user can give, declared once: the value it takes, its default, its check, its
-choices, its help, its flag, and for a method's knob the methods that read it. Torch-free, so
-`sbp --help` needs nothing heavy.
+choices, its help, its flag, for a method's knob the methods that read it, and whether the
+estimator models it. Torch-free, so `sbp --help` needs nothing heavy.
 
 Everything else is derived from this table (docs/settings.md): the CLI's options (cli/options.py,
-in the table's order: the point, how it is measured, the methods' knobs, a search's own), the keys
-of experiment files (config/experiment.py), the generic checks and the defaults of the specs
-(config/run.py RunSpec, config/maxlen.py MaxlenSpec), MethodSettings and which knobs each method
-reads (methods/settings.py, methods/registry.py), and the method-setting columns of the results
-(records/schema.py). Adding a setting is one entry here plus its test (docs/settings.md walks
+in the table's order: the point, how it is measured, the methods' knobs, a search's own), what
+`sbp estimate` and `sbp plan` refuse, the keys of experiment files (config/experiment.py), the
+generic checks and the defaults of the specs (config/run.py RunSpec, config/maxlen.py MaxlenSpec),
+MethodSettings' fields and which knobs each method reads (methods/settings.py,
+methods/registry.py), and the method-setting columns of the results (records/schema.py). Adding a
+method's knob is one entry here plus the code that reads it and its test (docs/settings.md walks
 through one); a setting the runner reads, not a method, also has its typed field on RunSpec (or
 MaxlenSpec) defaulting to `default_of(name)`. tests/unit/test_settings.py checks that the names agree
 and that no module outside this package writes a list of setting names by hand.
@@ -33,6 +34,9 @@ from .errors import ConfigError
 
 AUTO = "auto"  # a chunk setting left to the point's rule (methods/chunk_sizes.py)
 DEVICE_KINDS = ("cuda", "cpu")  # what `by_device` and `in_search` are keyed by (config/device.py device_kind)
+UNTIMED = "it times no step; leave it out"  # why a prediction has no use for a setting of the timing
+# why a method's knob whose entry does not say is refused
+UNCHECKED_KNOB = "its entry in the settings table does not say it is; leave the knob out, or measure it with `sbp run`"
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,11 @@ class Setting:
     # a byte size: typed (CLI, experiment file) as text with its unit, "80GiB"; a bare number is
     # refused, never read as bytes. Python callers give a byte count (an int)
     size: bool = False
+    # whether the estimator (`sbp estimate`, `sbp plan`) models it: True, or why not and what to do
+    # instead. Unset: a method's knob is not modelled until its entry says True (the fake step runs its
+    # code, but its effect may lie beyond fake tensors or the extrapolations); any other setting is.
+    # Both commands refuse a setting not modelled at a value other than its default, before any work
+    estimator: bool | str | None = None
 
 
 SETTINGS: dict[str, Setting] = {
@@ -83,6 +92,7 @@ SETTINGS: dict[str, Setting] = {
         bool,
         "Real weights from the directory or HF cache (default: random).",
         default=False,
+        estimator="memory does not depend on the weights' values; leave it out",
     ),
     "seq_len": Setting(
         int,
@@ -115,7 +125,13 @@ SETTINGS: dict[str, Setting] = {
     "dtype": Setting(
         str, "Dtype (default: bf16 on cuda, fp32 on cpu).", DTYPE_NAMES, by_device={"cuda": "bf16", "cpu": "fp32"}
     ),
-    "device": Setting(str, "auto (default), cpu, cuda or cuda:N.", default="auto", metavar="DEVICE"),
+    "device": Setting(
+        str,
+        "auto (default), cpu, cuda or cuda:N.",
+        default="auto",
+        metavar="DEVICE",
+        estimator="it runs on fake tensors; --target says which device it predicts",
+    ),
     "num_layers": Setting(int, "Keep the first N layers (default: all).", minimum=1),
     # how it is measured
     "protocol": Setting(
@@ -125,18 +141,35 @@ SETTINGS: dict[str, Setting] = {
         default="steady",
     ),
     # 0 when repeats is 0 (config/run.py point_specs: a memory-only step needs no warm-up)
-    "warmup": Setting(int, "Discarded steps before measuring (default: 1; 0 with --repeats 0).", default=1, minimum=0),
-    "repeats": Setting(int, "Timed steps; 0: memory only (default: 3).", default=3, minimum=0),
+    "warmup": Setting(
+        int,
+        "Discarded steps before measuring (default: 1; 0 with --repeats 0).",
+        default=1,
+        minimum=0,
+        estimator=UNTIMED,
+    ),
+    "repeats": Setting(int, "Timed steps; 0: memory only (default: 3).", default=3, minimum=0, estimator=UNTIMED),
     "memory_limit": Setting(
         (int, str),
         "Memory cap, e.g. 80GiB: CUDA per-process; CPU: tracked tensors (default: none).",
         in_search={"cuda": "80GiB", "cpu": "1GiB"},  # a search: the paper's GPU; on a CPU, minutes per search
         metavar="SIZE",
         size=True,
+        estimator="--gpu-memory is the predicted GPU's memory",
     ),
-    "timeout_s": Setting((int, float), "Seconds per point (default: from its FLOPs).", flags=("--timeout",)),
+    "timeout_s": Setting(
+        (int, float),
+        "Seconds per point (default: from its FLOPs).",
+        flags=("--timeout",),
+        estimator="it runs in this process, with no time limit; leave it out",
+    ),
     "seed": Setting(int, "Seed for weights and batch (default: 0).", default=0, minimum=0),
-    "threads": Setting(int, "torch threads per point (default: OMP_NUM_THREADS, else the physical cores).", minimum=1),
+    "threads": Setting(
+        int,
+        "torch threads per point (default: OMP_NUM_THREADS, else the physical cores).",
+        minimum=1,
+        estimator=UNTIMED,
+    ),
     "nproc": Setting(
         int,
         "Data-parallel ranks (FSDP2): gloo on cpu, a GPU each on cuda (default: 1).",
@@ -145,7 +178,12 @@ SETTINGS: dict[str, Setting] = {
     ),
     # one SDPA kernel forced for every method (config/sdpa.py); a wrong name's error lists the choices
     "sdpa_backend": Setting(
-        str, "SDPA kernel for all methods (default: auto).", SDPA_BACKENDS, default="auto", metavar="KERNEL"
+        str,
+        "SDPA kernel for all methods (default: auto).",
+        SDPA_BACKENDS,
+        default="auto",
+        metavar="KERNEL",
+        estimator="it predicts the kernel torch's dispatcher picks; measure a forced kernel with `sbp run`",
     ),
     # the methods' knobs, in the results' column order (records/schema.py). `default` is the paper's
     # where it has one; core's DEFAULT_CHUNK_SIZE / DEFAULT_LOGITS_CHUNK_SIZE equal it (a test checks:
@@ -159,6 +197,7 @@ SETTINGS: dict[str, Setting] = {
         read_by=("streambp", "official"),
         axis=True,
         metavar="N|T/k|auto",
+        estimator=True,
     ),
     "logits_chunk_size": Setting(
         (int, str),
@@ -169,9 +208,14 @@ SETTINGS: dict[str, Setting] = {
         read_by=("streambp", "ckpt-chunked-ce", "tiled", "official"),
         axis=True,
         metavar="N|auto",
+        estimator=True,
     ),
     "fp32_grad_accumulation": Setting(
-        bool, "StreamBP: sum bf16 chunk gradients in fp32 (default: on).", default=True, read_by=("streambp",)
+        bool,
+        "StreamBP: sum bf16 chunk gradients in fp32 (default: on).",
+        default=True,
+        read_by=("streambp",),
+        estimator=True,
     ),
     "mlp_tile_size": Setting(
         int,
@@ -181,10 +225,16 @@ SETTINGS: dict[str, Setting] = {
         default=2048,
         minimum=1,
         read_by=("tiled",),
+        estimator=True,
     ),
     "offload_checkpoints": Setting(
-        bool, "tiled: layer checkpoints in host memory (default: on).", default=True, read_by=("tiled",)
-    ),  # as ALST does
+        bool,
+        "tiled: layer checkpoints in host memory (default: on).",
+        default=True,  # as ALST does
+        read_by=("tiled",),
+        # the fake step's host copies are fake CPU tensors like the rest, counted in the one memory
+        estimator="it counts tiled's layer checkpoints in GPU memory either way; leave the knob out",
+    ),
     "checkpoints": Setting(
         str,
         "StreamBP: where layer inputs wait for their backward: gpu (default), cpu, recompute:K, "
@@ -193,6 +243,7 @@ SETTINGS: dict[str, Setting] = {
         read_by=("streambp",),
         axis=True,
         metavar="PLACE",
+        estimator=True,
     ),  # no `choices`: K is open; RunSpec checks the name (core.placements.placement.Placement.parse)
     "chunk_attention": Setting(
         str,
@@ -201,6 +252,9 @@ SETTINGS: dict[str, Setting] = {
         default="auto",
         read_by=("streambp",),
         metavar="KERNEL",
+        # simulate/estimate.py: auto is the lower-right path on fake tensors; split, flex, fa3, fa4 are refused there
+        estimator="it predicts the lower-right kernel, auto's on fake tensors; leave the knob out, or measure "
+        "a kernel with `sbp run`",
     ),  # the choices' meanings: settings/choices.py
     # a max-length search's own (its first probe is seq_len)
     "seq_len_ceiling": Setting(
@@ -246,6 +300,18 @@ POINT_SETTINGS = tuple(name for name, setting in SETTINGS.items() if not setting
 SEARCH_SETTINGS = tuple(name for name, setting in SETTINGS.items() if setting.search)  # MaxlenSpec
 METHOD_KNOBS = tuple(name for name, setting in SETTINGS.items() if setting.read_by)  # MethodSettings, in order
 CHUNK_SETTINGS = tuple(name for name, setting in SETTINGS.items() if setting.auto)  # the settings that may be AUTO
+
+
+def not_estimated(name: str) -> str:
+    """Why the estimator does not model a setting and what to do instead; "" where it models it."""
+    said = SETTINGS[name].estimator
+    if said is None:
+        return UNCHECKED_KNOB if SETTINGS[name].read_by else ""
+    return "" if said is True else said
+
+
+# what `sbp estimate` and `sbp plan` take but refuse at a value other than its default
+NOT_ESTIMATED = tuple(name for name in POINT_SETTINGS if not_estimated(name))
 
 
 def default_of(name: str, device: str = "cpu", objective: str | None = None, *, search: bool = False) -> Any:

@@ -5,7 +5,10 @@ derived from it (a scan of the source fails on one written out by hand)."""
 from __future__ import annotations
 
 import ast
+import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -39,6 +42,7 @@ from sbpbench.settings import (
 )
 from sbpbench.settings import OBJECTIVES as SETTING_OBJECTIVES
 from sbpbench.settings import STEPS as SETTING_STEPS
+from sbpbench.settings.table import UNCHECKED_KNOB, not_estimated
 
 
 def test_choices_are_the_registries_names():
@@ -83,13 +87,12 @@ def _kinds(annotation: str) -> set[str]:
 
 
 def test_knob_fields_and_columns_take_the_tables_values():
-    """MethodSettings and ResultRow write the knobs out as plain fields: each MethodSettings field
-    takes what its setting takes (or None), each column the first of those (text: ""), in the table's
-    order; a knob added to the table alone fails here, naming the two fields to write."""
+    """MethodSettings and ResultRow make a field of each knob from the table, in its order: each
+    MethodSettings field takes what its setting takes (or None), each column the first of those
+    (text: ""), as the CSV reader decodes it."""
     knob_fields = {f.name: f for f in fields(MethodSettings)}
     columns = {f.name: f for f in fields(ResultRow)}
     for name in METHOD_KNOBS:
-        assert name in knob_fields and name in columns, f"write {name} on MethodSettings and ResultRow"
         kind = SETTINGS[name].kind
         kinds = [k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,))]
         assert set(kinds) | {"None"} <= _kinds(knob_fields[name].type), name
@@ -149,6 +152,138 @@ def test_the_table_imports_no_torch():
     assert done.stdout.strip() == "[]"
 
 
+def test_each_entry_says_whether_the_estimator_models_it(monkeypatch):
+    """`estimator` is True or why not; unsaid, a method's knob is not modelled (the estimator's
+    extrapolations are checked per knob) and any other setting is."""
+    knob = Setting(bool, "Toy (default: on).", default=True, read_by=("streambp",))
+    monkeypatch.setitem(SETTINGS, "toy_knob", knob)
+    monkeypatch.setitem(SETTINGS, "toy_modelled_knob", Setting(**{**vars(knob), "estimator": True}))
+    monkeypatch.setitem(SETTINGS, "toy_count", Setting(int, "Toys (default: 3).", default=3))
+    assert not_estimated("toy_knob") == UNCHECKED_KNOB
+    assert not_estimated("toy_modelled_knob") == not_estimated("toy_count") == not_estimated("seq_len") == ""
+    assert not_estimated("chunk_attention") == SETTINGS["chunk_attention"].estimator != ""
+
+
+# The knob experiment: a boolean knob that StreamBP reads, declared in a copy of the settings table
+# and nowhere else, before the table derives its first list (as an entry of SETTINGS would be).
+STAND_IN = (
+    'SETTINGS["stand_in"] = Setting(bool, "StreamBP: a stand-in (default: on).", default=True, read_by=("streambp",))'
+)
+FIRST_DERIVED = "\nPOINT_SETTINGS = "
+
+
+@pytest.fixture(scope="module")
+def stand_in_copy(tmp_path_factory) -> Path:
+    """A copy of the sbpbench package whose settings table alone holds one more knob (STAND_IN)."""
+    root = tmp_path_factory.mktemp("stand_in")
+    shutil.copytree(Path(sbpbench.__file__).parent, root / "sbpbench", ignore=shutil.ignore_patterns("__pycache__"))
+    table = root / "sbpbench" / "settings" / "table.py"
+    source = table.read_text()
+    assert source.count(FIRST_DERIVED) == 1, "the table derives its lists from POINT_SETTINGS on"
+    table.write_text(source.replace(FIRST_DERIVED, f"\n{STAND_IN}\n{FIRST_DERIVED}"))
+    return root
+
+
+def _with_stand_in(root: Path, code: str) -> dict:
+    """The JSON that `code` prints last, run in a fresh interpreter on the copy with the stand-in."""
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], cwd=root, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+STAND_IN_TORCH_FREE = """
+    import json, sys
+    from typer.testing import CliRunner
+    import sbpbench
+    from sbpbench.cli import app
+    from sbpbench.cli.docs_page import page
+    from sbpbench.records.schema import KEY_COLUMNS, METHOD_SETTING_COLUMNS, ResultRow, upgrade
+    from sbpbench.records.store import encode_row
+
+    sbp = lambda *argv: " ".join(CliRunner().invoke(app, list(argv)).output.split())
+    print(json.dumps({
+        "package": sbpbench.__file__,
+        "columns": METHOD_SETTING_COLUMNS,
+        "in_key": "stand_in" in KEY_COLUMNS,
+        "written": encode_row(ResultRow(method="streambp", stand_in=False))["stand_in"],
+        "read_back": [upgrade({"schema_version": "14", "method": m})["stand_in"] for m in ("streambp", "bp")],
+        "set_help": {command: sbp(command, "--set", "help") for command in ("run", "estimate", "plan")},
+        "bad_value": sbp("run", "--set", "stand_in=maybe"),
+        "refused": sbp("estimate", "--set", "stand_in=off"),
+        "at_default": sbp("estimate", "--set", "stand_in=on", "--gpu-memory", "80"),
+        "commands_page": page(),
+        "torch": "torch" in sys.modules,
+    }))
+"""
+
+
+def test_a_knob_in_the_table_alone_reaches_the_cli_and_the_results(stand_in_copy):
+    """With the stand-in declared in the table and nothing else edited: a results column in the key
+    (read back from an older file at its default for StreamBP), `--set` on every point command, one
+    line for a bad value, refused by `sbp estimate` (not said to be modelled) but at its default, and
+    every command's help, so docs/commands.md, unchanged. No torch is loaded for any of it."""
+    from sbpbench.cli.docs_page import page
+
+    got = _with_stand_in(stand_in_copy, STAND_IN_TORCH_FREE)
+    assert got["package"].startswith(str(stand_in_copy)) and not got["torch"]
+    assert got["columns"] == [*METHOD_KNOBS, "stand_in"] and got["in_key"]
+    assert got["written"] == "false" and got["read_back"] == ["true", ""]
+    line = "stand_in=true|false StreamBP: a stand-in (default: on)."
+    assert all(line in text for text in got["set_help"].values()), got["set_help"]
+    assert f"{line} Not modelled by the estimator: default only." in got["set_help"]["estimate"]
+    assert "error: invalid input: --set stand_in must be true or false, got 'maybe'" == got["bad_value"]
+    assert f"error: invalid input: --set stand_in is not modelled by the estimator: {UNCHECKED_KNOB}" == got["refused"]
+    assert "--gpu-memory '80' has no unit" in got["at_default"]  # past the knob: refused further on
+    assert got["commands_page"] == page()
+
+
+STAND_IN_CONFIG = """
+    import json
+    from dataclasses import fields
+    from pathlib import Path
+    from sbpbench.config import point_specs
+    from sbpbench.config.experiment import load_experiment
+    from sbpbench.methods import MethodSettings
+    from sbpbench.records import ResultRow
+    from sbpbench.workload.rows import spec_fields
+
+    point = {"device": "cpu", "model": "tiny/qwen3", "seq_len": 64}
+    given = {spec.method: spec for spec in point_specs({**point, "stand_in": False}, ["streambp", "bp"])}
+    (unset,) = point_specs(point, ["streambp"])
+    entry = '[[points]]\\nmodel = "tiny/qwen3"\\nmethod = "streambp"\\nseq_len = 64\\nstand_in = '
+    Path("grid.toml").write_text(entry + "false\\n")
+    (from_file,) = load_experiment("grid.toml", device="cpu").grid
+    Path("bad.toml").write_text(entry + "3\\n")
+    try:
+        load_experiment("bad.toml", device="cpu")
+    except ValueError as error:
+        bad = str(error)
+    print(json.dumps({
+        "field": [f.name for f in fields(MethodSettings)][-1],
+        "streambp": given["streambp"].settings.stand_in,
+        "bp": given["bp"].settings.stand_in,
+        "unset": unset.settings.stand_in,
+        "row": ResultRow(**spec_fields(given["streambp"])).stand_in,
+        "from_file": from_file.settings.stand_in,
+        "bad_file": bad,
+    }))
+"""
+
+
+@pytest.mark.slow
+def test_a_knob_in_the_table_alone_reaches_the_specs_and_experiment_files(stand_in_copy):
+    """With the stand-in declared in the table and nothing else edited: a MethodSettings field that a
+    StreamBP spec holds (its default when not given) and a bp spec leaves None, its row's column, and
+    an experiment-file key with the table's type check."""
+    got = _with_stand_in(stand_in_copy, STAND_IN_CONFIG)
+    assert got["field"] == "stand_in" and (got["streambp"], got["bp"], got["unset"]) == (False, None, True)
+    assert got["row"] is False and got["from_file"] is False
+    assert "stand_in: expected true/false" in got["bad_file"] and got["bad_file"].endswith("got 3")
+
+
 # A literal of this many setting names written outside sbpbench/settings/ is a hand-kept copy of a
 # settings list, unless it is one of the selections below.
 LIST_THRESHOLD = 3
@@ -162,6 +297,7 @@ SELECTIONS = {
     "cli/options.py::FORMER_KNOB_FLAGS": "the knobs' own flags from before --set, kept hidden for one release",
     "cli/options.py::PREDICTED_POINT": "what `sbp estimate` and `sbp plan` fix in the point they predict",
     "cli/options.py::predicted_gpu_point_helps": "`sbp estimate`'s and `sbp plan`'s help for a GPU point's defaults",
+    "cli/plan_cmd.py::PLANNED": "what `sbp plan` decides itself: StreamBP on one GPU, its chunk size and placement",
     "plot/common.py::POINT_GROUP": "the columns a memory figure holds fixed",
     "plot/maxlen.py::MAXLEN_GROUP": "the columns a max-length figure holds fixed",
     "plot/predicted.py::SHARED": "the columns a measured-on-predicted figure holds fixed",
