@@ -8,10 +8,17 @@ from __future__ import annotations
 import pytest
 
 from sbpbench.config import point_specs
+from sbpbench.core import attention as attention_module
 from sbpbench.core.kernels.chunk_kernels import ChunkKernel, SplitKernel
 from sbpbench.core.kernels.kernel_choice import DEFAULT_CHOOSER, LOWER_RIGHT, KernelChooser, MemoryCache
+from sbpbench.methods import MethodSettings
+from sbpbench.methods.exactness import compare_methods
 from sbpbench.methods.streambp import step_hooks
 from sbpbench.runner import point
+
+from ..conftest import observing_kernels, padded_batch, tiny_model
+from ..unit.test_kernel_choice import FakeClock, StandIn, _chooser
+from ..unit.test_kernel_choice import _reference as timed_reference_of
 
 
 class Clock:
@@ -155,3 +162,22 @@ def test_forced_flex_is_warmed_before_the_timed_steps(monkeypatch):
     assert row.status == "ok", row.error
     assert inside == [0] and len(flex.builds) == 2 and chooser.timings == 0
     assert row.timed_attention_kernel == "flex"
+
+
+def test_auto_through_a_whole_model_is_exact_and_recorded(monkeypatch):
+    """stream_backward with auto: each shape class timed once, the fast stand-in (the split's values)
+    kept and run, bp's gradients to 1e-10, and the step's kernels name it."""
+    clock = FakeClock()
+    fast, slow = StandIn("fast", clock, 1.0), StandIn("slow", clock, 5.0)
+    chooser = _chooser(clock, fast, slow, on_cpu=True)
+    timed_reference = timed_reference_of(clock, 3.0)
+    monkeypatch.setattr(attention_module, "lower_right_attention", timed_reference)
+    model = tiny_model("tiny/qwen3")
+    batch = padded_batch(model, batch_size=2, seq_len=23, lengths=[23, 17])
+    settings = MethodSettings(chunk_size=5, logits_chunk_size=7, chunk_attention="auto")
+    with step_hooks(chooser=chooser), observing_kernels() as seen:
+        (result,) = compare_methods(model, batch, ["streambp"], settings)
+    assert result.ok, "\n".join(d.describe() for d in result.failures())
+    assert seen == {"fast"} and set(chooser.cache.choices.values()) == {"fast"}
+    classes = len(chooser.cache.choices)
+    assert classes >= 2 and slow.runs == classes * (1 + chooser.reps)  # checked, warmed up, timed: once per class

@@ -11,7 +11,6 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from sbpbench.config import ConfigError, point_specs
-from sbpbench.core import attention
 from sbpbench.core.attention import lower_right_attention
 from sbpbench.core.kernels import kernel_choice
 from sbpbench.core.kernels.chunk_kernels import ChunkCall, ChunkKernel, SplitKernel
@@ -25,12 +24,8 @@ from sbpbench.core.kernels.kernel_choice import (
 )
 from sbpbench.measure.kernel_cache import JsonChoiceCache
 from sbpbench.measure.sdpa import RecordingSdpaBackends
-from sbpbench.methods import MethodSettings
-from sbpbench.methods.exactness import compare_methods
-from sbpbench.methods.streambp import current_hooks, step_hooks
+from sbpbench.methods.streambp import current_hooks
 from sbpbench.runner.point import kernel_names
-
-from ..conftest import observing_kernels, padded_batch, tiny_model
 
 
 class FakeClock:
@@ -199,25 +194,6 @@ def test_no_timing_where_forbidden_nor_under_a_narrowed_sdpa():
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
         run_chunk(_call(), _reference(clock, 3.0), chooser=chooser, on_kernel=seen.add)
     assert (fast.runs, seen) == (0, {LOWER_RIGHT})
-
-
-def test_auto_through_a_whole_model_is_exact_and_recorded(monkeypatch):
-    """stream_backward with auto: each shape class timed once, the fast stand-in (the split's values)
-    kept and run, bp's gradients to 1e-10, and the step's kernels name it."""
-    clock = FakeClock()
-    fast, slow = StandIn("fast", clock, 1.0), StandIn("slow", clock, 5.0)
-    chooser = _chooser(clock, fast, slow, on_cpu=True)
-    timed_reference = _reference(clock, 3.0)
-    monkeypatch.setattr(attention, "lower_right_attention", timed_reference)
-    model = tiny_model("tiny/qwen3")
-    batch = padded_batch(model, batch_size=2, seq_len=23, lengths=[23, 17])
-    settings = MethodSettings(chunk_size=5, logits_chunk_size=7, chunk_attention="auto")
-    with step_hooks(chooser=chooser), observing_kernels() as seen:
-        (result,) = compare_methods(model, batch, ["streambp"], settings)
-    assert result.ok, "\n".join(d.describe() for d in result.failures())
-    assert seen == {"fast"} and set(chooser.cache.choices.values()) == {"fast"}
-    classes = len(chooser.cache.choices)
-    assert classes >= 2 and slow.runs == classes * (1 + chooser.reps)  # checked, warmed up, timed: once per class
 
 
 def test_a_rows_kernels_name_sdpas_and_the_chunk_kernels():
