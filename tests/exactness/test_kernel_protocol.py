@@ -21,21 +21,11 @@ from ..unit.test_kernel_choice import FakeClock, StandIn, _chooser
 from ..unit.test_kernel_choice import _reference as timed_reference_of
 
 
-class Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def timer(self, fn) -> float:
-        start = self.now
-        fn()
-        return self.now - start
-
-
 class Candidate(ChunkKernel):
     """The split's exact values at 1 s a run on the fake clock, plus `build_s` the first time it
     sees a shape (a cuDNN graph, a compiled specialisation); `builds` lists those shapes."""
 
-    def __init__(self, name: str, clock: Clock, build_s: float = 0.5):
+    def __init__(self, name: str, clock: FakeClock, build_s: float = 0.5):
         self.name, self.clock, self.build_s = name, clock, build_s
         self.builds: list[tuple] = []
 
@@ -48,7 +38,7 @@ class Candidate(ChunkKernel):
         return SplitKernel().run(call)
 
 
-def _reference(clock: Clock):
+def _reference(clock: FakeClock):
     from sbpbench.core.attention import lower_right_attention
 
     def reference(call, cuda_branch=None):
@@ -63,7 +53,7 @@ def stand_in(monkeypatch):
     """A chooser that measures on the CPU (the GPU's path) with one fast candidate, "fast"."""
     from sbpbench.core import attention
 
-    clock = Clock()
+    clock = FakeClock()
     fast = Candidate("fast", clock)
     chooser = KernelChooser({"fast": fast}, MemoryCache(), clock.timer, device_types=("cpu",))
     monkeypatch.setattr(attention, "lower_right_attention", _reference(clock))
@@ -143,7 +133,7 @@ def test_auto_off_the_chooser_devices_tunes_nothing():
 def test_forced_flex_is_warmed_before_the_timed_steps(monkeypatch):
     """A forced kernel is not measured but is still run once per shape before the timed steps (a
     first compile never lands in a timed step)."""
-    clock = Clock()
+    clock = FakeClock()
     flex = Candidate("flex", clock)
     chooser = KernelChooser({"flex": flex}, MemoryCache(), clock.timer, device_types=("cpu",))
     monkeypatch.setattr("sbpbench.config.run.check_chunk_attention", lambda *args: None)  # flex on a CPU
