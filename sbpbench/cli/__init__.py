@@ -8,9 +8,11 @@ command's first docstring line is its summary in `sbp --help`; its module's EXAM
 from __future__ import annotations
 
 import shutil
+import signal
 import sys
 import textwrap
 import warnings
+from typing import Annotated
 
 import typer
 
@@ -55,6 +57,31 @@ for module, command, name in (
 ):
     app.command(name, epilog=examples(module.EXAMPLES))(command)
 app.add_typer(peers, name="peers")
+TERMINATED = 143  # 128 + SIGTERM, as a shell reports a process SIGTERM ended
+
+
+def _version(shown: bool) -> None:
+    if shown:
+        from importlib.metadata import version
+
+        print(f"sbp {version('sbpbench')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """Exact StreamBP and a benchmark of backpropagation methods on long sequences."""
+
+
+def _terminated(signum, frame) -> None:
+    """SIGTERM: one line, as Ctrl-C's, then exit 143; unwinding runs the cleanups (worker processes,
+    temporary files) that an unhandled signal would skip."""
+    print("terminated (SIGTERM): rows already written are kept", file=sys.stderr)
+    raise SystemExit(TERMINATED)
 
 
 def _one_line_warning(message, category, filename, lineno, line=None) -> str:
@@ -72,4 +99,5 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
 
 def main() -> None:
     warnings.formatwarning = _one_line_warning  # e.g. a results-CSV row skipped: one line, no source
+    signal.signal(signal.SIGTERM, _terminated)
     app()

@@ -37,7 +37,7 @@ EXAMPLES = (  # the end of its help (options.py examples)
         "batch_size": f"Rows per batch (default: {EXACTNESS_DEFAULTS['batch_size']}).",
         "lora_rank": "Check with LoRA adapters of this rank (default: 0, none).",
         "dtype": "fp64 (tolerance 1e-10), fp32 (against an fp64 step: within a small factor of bp's own "
-        f"fp32 error) or bf16 (reported only) (default: {EXACTNESS_DEFAULTS['dtype']}).",
+        f"fp32 error) or bf16 (against an fp64 step: within a few times bp's own bf16 error) (default: {EXACTNESS_DEFAULTS['dtype']}).",
         "chunk_size": f"StreamBP positions per layer chunk (default: {EXACTNESS_DEFAULTS['chunk_size']}).",
         "num_layers": f"Keep only the first N decoder layers (default: {EXACTNESS_DEFAULTS['num_layers']}).",
         "device": f"cpu, cuda or cuda:N (default: {EXACTNESS_DEFAULTS['device']}).",
@@ -79,13 +79,13 @@ def exactness_table(specs: list[RunSpec], results: list) -> Table:
     layers = f"{run.num_layers} layers" if run.num_layers else "all layers"
     layers += f", LoRA r{run.lora_rank}" if run.lora_rank else ""
     chunks = f", chunk {streamed.settings.chunk_size}/{streamed.settings.logits_chunk_size}" if streamed else ""
-    judged = run.dtype == "fp32"
+    judged = run.dtype in ("fp32", "bf16")  # against an fp64 step, by bp's own error
     table = Table(
         title=f"{run.model} ({layers}), {run.objective}, {run.dtype}, B={run.batch_size}, T={run.seq_len}{chunks}: "
         f"vs {results[0].reference}"
     )
     columns = ("method", "result", "loss err", "grad err", "tolerance", "worst gradient")
-    columns += ("worst vs bp fp32",) if judged else ()
+    columns += (f"worst vs bp {run.dtype}",) if judged else ()
     for column in columns:
         table.add_column(column, no_wrap=True)
     for result in results:

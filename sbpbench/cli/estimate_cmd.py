@@ -26,6 +26,17 @@ from .outcomes import fail_if
 from .progress import Progress
 from .tables import estimate_table, print_table
 
+GIB = 2**30
+# The host side is checked only when given: this machine's RAM says nothing of the GPU machine's.
+HostMemoryOpt = Annotated[
+    str | None,
+    typer.Option(
+        metavar="SIZE",
+        help="The GPU machine's host memory, e.g. 120GiB: a placement whose host buffers + process need more "
+        "does not fit (default: not checked; the need is printed).",
+    ),
+]
+
 # a prediction is for a GPU: the GPU defaults (Qwen/Qwen3-4B, T=9000, bf16) unless told. Every point
 # setting parses; one the estimator does not model is refused (the settings table's `estimator`)
 ESTIMATE_FIELDS = RUN_FIELDS
@@ -50,6 +61,7 @@ def estimate(
     settings: dict,
     methods: tuple[str, ...],
     gpu_memory: GpuMemoryOpt = None,
+    host_memory: HostMemoryOpt = None,
     target: TargetOpt = "cuda",
     exact: ExactOpt = False,
     out: EstimateOutOpt = None,
@@ -61,9 +73,9 @@ def estimate(
     peak and whether it fits --gpu-memory. Unless --exact, the step runs on a shallow model and at
     short lengths and is extrapolated to the full depth (sbpbench/simulate/depth.py) and length
     (length.py), equal to the full run to the byte in tests."""
-    check_sizes({"--gpu-memory": gpu_memory})
+    check_sizes({"--gpu-memory": gpu_memory, "--host-memory": host_memory})
     from ..config import point_specs
-    from ..simulate import MARGIN_NOTE, TARGETS
+    from ..simulate import MARGIN_NOTE, TARGETS, check_estimate_host_memory
     from ..simulate.depth import estimate_point_by_depth
 
     with user_errors():
@@ -71,26 +83,55 @@ def estimate(
             raise ValueError(f"unknown --target {target!r}; choose from {', '.join(TARGETS)}")
         gpu_memory_bytes = parse_bytes(gpu_memory or DEFAULT_GPU_MEMORY)
         specs = point_specs({**settings, **PREDICTED_POINT}, methods, defaults_for="cuda")
+        check_estimate_host_memory(specs)  # its real batches fit this machine
         if out is not None:
             check_writable(out)
     console = Console()
     rows = []
-    with Progress(console, len(specs)) as progress:
+    host_memory_bytes = parse_bytes(host_memory) if host_memory else None  # read by check_sizes
+    with Progress(Console(stderr=True), len(specs)) as progress:  # stdout: the result alone
         for spec in specs:
             progress.start(f"simulating {spec.method} ({spec.model}, T={spec.seq_len})")
             note = lambda line, method=spec.method: progress.note(f"{method}: {line}")
             row = estimate_point_by_depth(
-                spec, target=target, gpu_memory_bytes=gpu_memory_bytes, exact=exact, note=note
-            )
+                spec, target=target, gpu_memory_bytes=gpu_memory_bytes, host_memory_bytes=host_memory_bytes,
+                exact=exact, note=note,
+            )  # fmt: skip
             progress.advance(f"{spec.method}: {row.status}")
             rows.append(row)
             if out is not None:
                 with user_errors():  # a failed write says where the rows are
                     upsert_rows(out, [row])
     print_table(console, estimate_table(rows, gpu_memory_bytes, MARGIN_NOTE))
+    _say_failures(console, rows)
+    print_host_side(console, rows, host_memory_bytes)
+    _say_written(console, rows, out)
+    fail_if(any(row.status == "error" for row in rows))
+
+
+def print_host_side(console: Console, rows: list, host_memory_bytes: int | None) -> None:
+    """Each placement's host side: what its buffers and the process need, against --host-memory."""
+    from ..simulate.estimate import host_peak_bytes
+
     for row in rows:
-        if row.status == "error":
-            console.print(f"{row.method}: error: {escape(row.error)}", highlight=False, soft_wrap=True)
+        if not row.host_pinned_peak_bytes or row.status in ("error", "unsupported"):
+            continue
+        need = f"{row.method}: host needs {host_peak_bytes(row) / GIB:.2f} GiB (pinned checkpoints + process)"
+        if host_memory_bytes is None:
+            console.print(f"{need}; --host-memory checks it", highlight=False)
+        elif row.error.startswith("host"):
+            console.print(f"[red]{need}: over --host-memory {host_memory_bytes / GIB:.2f} GiB[/]", highlight=False)
+        else:
+            console.print(f"{need}: fits --host-memory {host_memory_bytes / GIB:.2f} GiB", highlight=False)
+
+
+def _say_failures(console: Console, rows: list) -> None:
+    """Why a method has no estimate: an error, or unsupported (it cannot run here, so it is not modelled)."""
+    for row in rows:
+        if row.status in ("error", "unsupported"):
+            console.print(f"{row.method}: {row.status}: {escape(row.error)}", highlight=False, soft_wrap=True)
+
+
+def _say_written(console: Console, rows: list, out) -> None:
     if out is not None:
         console.print(f"{len(rows)} row(s) written to {out}", highlight=False)
-    fail_if(any(row.status == "error" for row in rows))

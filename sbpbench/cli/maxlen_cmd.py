@@ -13,6 +13,7 @@ from ..measure.units import parse_bytes
 from ..records import ResultRow, check_writable
 from ..runner.outcome import written_line
 from ..settings import SEARCH_SETTINGS, default_of
+from ..settings.table import NOT_ESTIMATED
 from .errors import user_errors
 from .options import (
     BudgetOpt,
@@ -22,6 +23,7 @@ from .options import (
     check_sizes,
     out_option,
     point_command,
+    refuse_unestimated,
     run_fields_but,
 )
 from .outcomes import finish
@@ -133,6 +135,12 @@ def _probing(settings: dict, simulate: bool, gpu_memory, host_memory, exact: boo
                         (exact, "--exact is how --simulate predicts a probe: add --simulate")):  # fmt: skip
         if given and not simulate:
             raise ValueError(what)
+    if simulate and gpu_memory and settings.get("memory_limit") is not None:
+        raise ValueError(
+            "--memory-limit and --gpu-memory both give the simulated GPU's size: give one of them (--gpu-memory)"
+        )
+    if simulate and settings.get("device") is not None:
+        raise ValueError("--device does not apply to --simulate (its probes predict a GPU on this CPU): drop it")
     if simulate and settings.get("weights"):
         raise ValueError("--weights does not apply to --simulate (fake tensors hold no values); drop it")
     if simulate and "seed_from_estimate" in settings:
@@ -140,6 +148,8 @@ def _probing(settings: dict, simulate: bool, gpu_memory, host_memory, exact: boo
             "--no-seed and --seed-from-estimate are for measured searches (a --simulate search's probes are "
             "the estimate); drop it"
         )
+    if simulate:  # the budget (--memory-limit) is the simulated GPU's size, as --gpu-memory is
+        refuse_unestimated(settings, tuple(name for name in NOT_ESTIMATED if name != "memory_limit"))
     return Probing(
         simulate=simulate,
         exact=exact,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -12,13 +13,14 @@ from rich.table import Table
 from ..measure.host_memory import total_ram_bytes
 from ..measure.units import parse_bytes
 from ..settings import SETTINGS
+from ..settings.table import has_flag
 from .errors import user_errors
+from .flags import flags_of
 from .options import (
     DEFAULT_GPU_MEMORY,
     PREDICTED_POINT,
     RUN_FIELDS,
     GpuMemoryOpt,
-    HostMemoryOpt,
     point_command,
     predicted_gpu_point_helps,
 )
@@ -42,6 +44,17 @@ PLAN_FIELDS = tuple(
     if name not in PLANNED and (not SETTINGS[name].read_by or "streambp" in SETTINGS[name].read_by)
 )
 
+# The host default is this machine's RAM: right where one plans on the GPU's own host, wrong from a
+# laptop; a notice names it either way, since it decides the stream placement's buffers and time.
+PlanHostMemoryOpt = Annotated[
+    str | None,
+    typer.Option(
+        metavar="SIZE",
+        help="The GPU machine's host memory, for the checkpoints kept there, e.g. 120GiB (default: this "
+        "machine's RAM, said in a notice; give it when planning for another machine).",
+    ),
+]
+
 EXAMPLES = (  # the end of its help (options.py examples)
     "sbp plan --model Qwen/Qwen3-8B --seq 131072",
     "sbp plan --model Qwen/Qwen3-8B --seq 1048576 --lora-rank 64",
@@ -53,7 +66,7 @@ def plan_command(
     settings: dict,
     methods: tuple[str, ...],
     gpu_memory: GpuMemoryOpt = None,
-    host_memory: HostMemoryOpt = None,
+    host_memory: PlanHostMemoryOpt = None,
     gpu: Annotated[
         str,
         typer.Option(metavar="NAME", help="The GPU whose measured rows give the rates: its device name contains this."),
@@ -71,10 +84,11 @@ def plan_command(
     (matmul and attention rates, chunk overheads, PCIe copies beyond the compute they overlap),
     are ruled out by bounds or estimated (`sbp estimate`, from short fake runs) until one fits
     both the GPU and the host. The rates come from measured rows of --gpu in --results when there
-    are any, else published H100 figures. Prints the fastest candidate of each kind of placement
-    and why it is or is not the plan. Predictions, not measurements."""
+    are any, else assumed from published H100 figures. Prints the fastest candidate of each kind of
+    placement and why it is or is not the plan, then the `sbp run` command that measures the plan.
+    Predictions, not measurements."""
     from ..config import point_specs
-    from ..simulate.plan import candidates, meta_model, plan, summary
+    from ..simulate.plan import candidates, meta_model, plan, ruled_out_by, summary
     from ..simulate.timing import fitted_rates
 
     with user_errors():
@@ -83,6 +97,7 @@ def plan_command(
         (spec,) = point_specs({**settings, **PREDICTED_POINT}, ["streambp"], defaults_for="cuda")
         rates = fitted_rates(results, gpu, meta_model)
     console = Console()
+    print_notices(console, host_memory, host_bytes, results, gpu, rates)
     with Progress(console, None) as progress:
         progress.start(f"planning {spec.model}, T={spec.seq_len}")
         chosen, tried = plan(
@@ -93,9 +108,62 @@ def plan_command(
         print_every_candidate(console, spec, tried, gpu_bytes, host_bytes, rates)
     print_table(console, summary_table(spec, summary(chosen, tried, found), chosen, gpu_bytes, host_bytes, rates))
     if chosen is None:
-        console.print("[red]nothing fits[/]: a shorter --seq, LoRA, or more host memory", highlight=False)
+        console.print(f"[red]nothing fits[/]: {advice(ruled_out_by(spec, tried, gpu_bytes))}", highlight=False)
     fail_if(chosen is None)
     print_choice(console, spec, chosen, gpu_bytes, host_bytes)
+    console.print(run_command(settings, spec, chosen), highlight=False, soft_wrap=True)
+
+
+def print_notices(console: Console, host_memory: str | None, host_bytes: int, results: Path, gpu: str, rates: Rates):
+    """What the plan assumed that the command line did not say: the host memory, and rates assumed
+    where --results or --gpu gave no measured rows."""
+    found = []
+    if not host_memory:
+        found.append(f"--host-memory not given: planning for this machine's RAM, {host_bytes / GIB:.1f} GiB")
+    if not rates.fitted:
+        why = "no such file or folder" if not results.exists() else f"no measured rows of --gpu {gpu} there"
+        found.append(f"--results {results}: {why}; the rates are assumed (published H100 figures)")
+    for line in found:
+        console.print(f"[yellow]notice:[/] {line}", highlight=False)
+
+
+def advice(constraints: set[str]) -> str:
+    """What would make a candidate fit, from what ruled them out (simulate/plan.py `ruled_out_by`)."""
+    more = [f"more {kind} memory (--{kind.lower()}-memory)" for kind in ("GPU", "host") if kind in constraints]
+    return "a shorter --seq, LoRA (--lora-rank), or " + (" or ".join(more) or "more GPU memory (--gpu-memory)")
+
+
+def run_command(settings: dict, spec: RunSpec, chosen: PlanOutcome) -> str:
+    """The `sbp run` line that measures the plan's point on a GPU: every option given to `sbp plan`,
+    then the plan's method, placement and chunk sizes (a shell quotes nothing else)."""
+    from ..simulate.plan import describe
+
+    d = describe(chosen, spec.batch_size * spec.seq_len)
+    point = dict(
+        settings, model=spec.model, seq_len=spec.seq_len, device="cuda", method="streambp",
+        checkpoints=d["checkpoints"], chunk_size=d["chunk_size"], logits_chunk_size=d["logits_chunk_size"],
+    )  # fmt: skip
+    return shlex.join(["sbp", "run", *(word for name, value in point.items() for word in _option_words(name, value))])
+
+
+def _option_words(name: str, value) -> list[str]:
+    """A setting as `sbp run` takes it: its flag and value, a bool's --name or --no-name, a knob
+    without a flag as --set NAME=VALUE."""
+    if not has_flag(name):
+        text = str(value).lower() if isinstance(value, bool) else str(value)
+        return ["--set", f"{name}={text}"]
+    flag, *negative = flags_of(name)[0].split("/")
+    if SETTINGS[name].kind is bool:
+        return [flag if value else negative[0]]
+    return [flag, str(value)]
+
+
+def seconds_and_hours(seconds: float) -> str:
+    """Seconds, with minutes or hours beside them where those read better: "3,357 s (56 min)"."""
+    text = f"{seconds:,.0f} s"
+    if seconds >= 3600:
+        return f"{text} ({seconds / 3600:.1f} h)"
+    return f"{text} ({seconds / 60:.0f} min)" if seconds >= 120 else text
 
 
 def print_every_candidate(
@@ -116,19 +184,16 @@ def print_choice(console: Console, spec: RunSpec, chosen: PlanOutcome, gpu_bytes
 
     d = describe(chosen, spec.batch_size * spec.seq_len)
     pinned = chosen.candidate.counts.max_host_inputs * layer_input_bytes(spec)
+    pinning_s = seconds_and_hours(d["first_step_pinning_s"])
+    pinning = f"; the first step pins {pinned / GIB:.0f} GiB of host memory ({pinning_s})"
     console.print(
-        f"plan: --checkpoints {d['checkpoints']} --chunk-size {d['chunk_size']} --logits-chunk-size "
-        f"{d['logits_chunk_size']}", highlight=False,
-    )  # fmt: skip
-    pinning = f"; the first step pins {pinned / GIB:.0f} GiB of host memory ({d['first_step_pinning_s']:.0f} s)"
-    console.print(
-        f"predicted {d['predicted_time_s']:,.0f} s per step ({d['tokens_per_s']:,.0f} tokens/s)"
-        + (pinning if pinned else ""),
+        f"plan: {d['checkpoints']}, chunk {d['chunk_size']}: predicted {seconds_and_hours(d['predicted_time_s'])} per step "
+        f"({d['tokens_per_s']:,.0f} tokens/s)" + (pinning if pinned else ""),
         highlight=False,
     )
     console.print(
         f"why: the fastest candidate that fits {gpu_bytes / GIB:.0f} GiB of GPU and {host_bytes / GIB:.0f} GiB of "
-        "host; each faster one above needs more",
+        "host; each faster one above needs more. Measure it:",
         highlight=False,
     )
 

@@ -16,6 +16,24 @@ EXAMPLES = (  # the end of its help (options.py examples)
 )
 
 
+def check_figure_dir(out: Path) -> None:
+    """Fail before any figure is drawn if `out` is not a folder this process can write into: a
+    regular file, or a folder whose nearest existing one takes no new file (probed with a file of
+    its own); nothing is created."""
+    import tempfile
+
+    from ..records import not_writable
+
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; pass a folder for the figures, e.g. --out plots")
+    existing = next(folder for folder in (out.absolute(), *out.absolute().parents) if folder.exists())
+    try:
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".sbp-probe-"):
+            pass
+    except OSError as error:
+        raise not_writable(out, error, "cannot write figures there") from None
+
+
 def plot(
     results: ResultsArg,
     out: Annotated[
@@ -39,6 +57,7 @@ def plot(
     from ..report.inputs import load_paper, load_table
 
     with user_errors():
+        check_figure_dir(out)
         table = load_table(results)
         paper, note = load_paper(reference)
         chosen = tuple(dict.fromkeys(f for value in formats or [] for f in value.replace(",", " ").split()))

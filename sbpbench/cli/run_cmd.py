@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 
 from ..measure.threads import busy_warning
-from ..records import ResultRow, check_writable, read_rows, row_key
+from ..records import ResultRow, check_writable, keeps_earlier, read_rows, row_key
 from ..runner.outcome import point_line
 from ..settings import ConfigError
 from .errors import user_errors
@@ -184,19 +184,35 @@ def interrupted_line(rows: list[ResultRow], specs: list[RunSpec], out: Path) -> 
 
 
 def written_line(rows: list[ResultRow], earlier: dict[tuple, dict], out: Path) -> str:
-    """Where the rows went, and what of an earlier run they replaced or sit beside (rows are
-    upserted by point: a rerun of the same point replaces its row)."""
-    replaced = [earlier[key] for key in (row_key(row) for row in rows) if key in earlier]
-    line = f"{len(rows)} row(s) written to {out}"
-    if replaced:
-        commits = sorted({_commit(row) for row in replaced})
-        times = sorted(row.get("timestamp_utc") or "time unknown" for row in replaced)
-        when = times[0] if times[0] == times[-1] else f"{times[0]} to {times[-1]}"
-        line += f", {len(replaced)} of them replacing rows of an earlier run (commit {', '.join(commits)}, {when})"
-    others = len(earlier) - len(replaced)
+    """Where the rows went, and what of an earlier run they replaced, kept or sit beside (rows are
+    upserted by point: a rerun of the same point replaces its row, unless it failed where the
+    earlier row was ok: records.keeps_earlier)."""
+    found = [(row, earlier.get(row_key(row))) for row in rows]
+    kept = [(row, old) for row, old in found if old is not None and keeps_earlier(old, row.as_dict())]
+    replaced = [old for row, old in found if old is not None and not keeps_earlier(old, row.as_dict())]
+    parts = []
+    if len(kept) < len(rows) or not kept:
+        parts.append(f"{len(rows) - len(kept)} row(s) written to {out}")
+        if replaced:
+            parts[0] += f", {len(replaced)} of them replacing rows of an earlier run ({_run_of(replaced)})"
+    if kept:
+        methods = ", ".join(row.method for row, _ in kept)
+        parts.append(
+            f"{out} keeps the ok row(s) of {methods} from an earlier run ({_run_of([old for _, old in kept])}):"
+            " a failed rerun does not replace a measurement; it is noted in the row's error column"
+        )
+    others = len(earlier) - len(replaced) - len(kept)
     if others:
-        line += f"; {others} row(s) of other points from earlier runs are also in it"
-    return line
+        parts.append(f"{others} row(s) of other points from earlier runs are also in it")
+    return "; ".join(parts)
+
+
+def _run_of(rows: list[dict]) -> str:
+    """The commits and times of earlier rows: "commit 1a2b3c4, 2025-01-01T00:00:00+00:00"."""
+    commits = sorted({_commit(row) for row in rows})
+    times = sorted(row.get("timestamp_utc") or "time unknown" for row in rows)
+    when = times[0] if times[0] == times[-1] else f"{times[0]} to {times[-1]}"
+    return f"commit {', '.join(commits)}, {when}"
 
 
 def _commit(row: dict) -> str:

@@ -225,8 +225,8 @@ def results_table(rows: list[ResultRow], title: str, notes: Sequence[str] = ()) 
 
 
 def _fits(row: ResultRow) -> str:
-    if row.status == "error":
-        return "[red]error[/]"
+    if row.status in ("error", "unsupported"):
+        return f"[red]{row.status}[/]"
     return "[green]yes[/]" if row.status == "ok" else "[yellow]no[/]"
 
 

@@ -292,6 +292,7 @@ def point_specs(
     # fail here, before any process starts, on a model that cannot be built or a method cannot run
     config = load_config(specs[0].model)
     check_model_family(specs[0].model, config, names)
+    check_model_sizes(specs[0], config)
     if specs[0].weights:
         weights_source(specs[0].model)  # real weights where asked for: in the directory or the HF cache
     warn_beyond_context(specs[0].model, specs[0].seq_len, config)
@@ -332,6 +333,22 @@ def say_changed_values(spec: RunSpec, values: Mapping[str, Any], *, search: bool
                 ),
                 stacklevel=3,
             )
+
+
+def check_model_sizes(spec: RunSpec, config) -> None:
+    """Refuse counts and sizes the model cannot have, before anything is built: more layers than
+    it has (--num-layers keeps the first N), a LoRA rank over its hidden size (a rank-r adapter of a
+    d x d weight is exact from r = d on)."""
+    depth = getattr(config, "num_hidden_layers", None)
+    if spec.num_layers is not None and isinstance(depth, int) and spec.num_layers > depth:
+        raise ConfigError(
+            "num_layers", f"{spec.num_layers} is more than {spec.model}'s {depth} layers; give {depth} or fewer"
+        )
+    hidden = getattr(config, "hidden_size", None)
+    if spec.lora_rank and isinstance(hidden, int) and spec.lora_rank > hidden:
+        raise ConfigError(
+            "lora_rank", f"{spec.lora_rank} is over {spec.model}'s hidden size {hidden}; give {hidden} or less"
+        )
 
 
 class BeyondContextWarning(UserWarning):

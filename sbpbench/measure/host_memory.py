@@ -49,6 +49,18 @@ def total_ram_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def available_ram_bytes() -> int:
+    """Memory a new allocation can get now without swapping (Linux: MemAvailable of /proc/meminfo);
+    the machine's RAM where that is unreadable."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024  # reported in kB
+    except (OSError, IndexError, ValueError):
+        pass
+    return total_ram_bytes()
+
+
 _STATM = Path("/proc/self/statm")
 _PAGE_BYTES = resource.getpagesize()
 

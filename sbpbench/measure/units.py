@@ -5,6 +5,7 @@ bytes fits nothing, and said so for every method). Python callers give byte coun
 
 from __future__ import annotations
 
+import math
 import re
 
 GIB = 2**30
@@ -42,7 +43,14 @@ def parse_bytes(text: str, what: str = "the size") -> int:
 
 
 def gib(nbytes: float | None, digits: int = 2) -> str:
-    return "-" if nbytes is None else f"{nbytes / GIB:.{digits}f}"
+    """GiB with `digits` decimals; a size above 0 that would round to 0 keeps two significant digits
+    (a tiny model's 0.0034, never 0.00)."""
+    if nbytes is None:
+        return "-"
+    value = nbytes / GIB
+    if 0 < value < 0.5 * 10**-digits:
+        digits = 1 - math.floor(math.log10(value))
+    return f"{value:.{digits}f}"
 
 
 _DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(s|m|min|h)?\s*$", re.IGNORECASE)

@@ -71,5 +71,23 @@ def write_exactness(path: str | Path, rows: list[ExactnessRow]) -> None:
 
 
 def read_exactness(path: str | Path) -> list[dict[str, str]]:
+    """The rows of an exactness CSV, every column present ("" where an older file lacks it);
+    ValueError (one line) for a CSV without the required columns or with a non-numeric error."""
     with Path(path).open(newline="") as f:
-        return list(csv.DictReader(f))
+        reader = csv.DictReader(f)
+        missing = [c for c in REQUIRED_EXACTNESS_COLUMNS if c not in (reader.fieldnames or ())]
+        if missing:
+            raise ValueError(
+                f"{path} is not an exactness CSV: it lacks the column(s) {', '.join(missing)}; "
+                "give one written by `sbp check --out`"
+            )
+        rows = [dict.fromkeys(EXACTNESS_COLUMNS, "") | {k: v or "" for k, v in r.items() if k} for r in reader]
+    for line, row in enumerate(rows, start=2):
+        for column in ("loss_rel_error", "grad_rel_error", "tolerance"):
+            try:
+                float(row[column] or 0)
+            except ValueError:
+                raise ValueError(
+                    f"{path} line {line}, column {column}: {row[column]!r} is not a number; fix or remove that line"
+                ) from None
+    return rows

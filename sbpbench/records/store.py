@@ -9,12 +9,15 @@ it, and one left by a killed process is stale (no process holds its flock) and r
 next writer. Raw fcntl, not the `filelock` package: its FileLock keeps the lock file after release
 (to keep waiters on one inode); here a waiter re-checks the inode instead, so no file is left.
 
-Reading checks every row against the schema: a file whose header lacks REQUIRED_COLUMNS is not
-a results CSV (ValueError); a file with a column this schema does not know, or a row of a newer
-schema_version, was written by a newer sbpbench and is refused (ValueError naming it: read with an
-older schema its rows would be misread, and rewritten they would lose what they say); a row cut
-short or missing a required value is skipped with a warning (ResultsFileWarning) that names its line. check_writable checks the same header before
-any work, and a write that fails all the same keeps its new rows in a file beside (RowsNotSaved).
+Reading checks every row against the schema (parse.py) and refuses a file it cannot read whole:
+not a results CSV, of a newer schema, or damaged (ValueError naming the file, line and column). A
+file read in part would be rewritten without what was not read. check_writable reads the file the
+same way before any work, and a write that fails all the same keeps its new rows in a file beside
+(RowsNotSaved).
+
+Rows are keyed by their point (KEY_COLUMNS), one row per key. A rerun replaces its point's row,
+but a failed one (any status but ok) never replaces an ok row: the ok row stays, and its error
+column says when the rerun failed and how (`stored_row`).
 """
 
 from __future__ import annotations
@@ -30,11 +33,12 @@ from contextlib import contextmanager
 from dataclasses import fields
 from pathlib import Path
 
-from .schema import COLUMNS, KEY_COLUMNS, REQUIRED_COLUMNS, SCHEMA_VERSION, ResultRow, upgrade
+from .parse import check_header, read_records
+from .schema import COLUMNS, KEY_COLUMNS, REQUIRED_COLUMNS, ResultRow, upgrade
 
 
 class ResultsFileWarning(UserWarning):
-    """A results CSV row that could not be read and was skipped."""
+    """A results CSV under a folder that could not be read and was skipped."""
 
 
 class NotWritable(OSError):
@@ -96,8 +100,9 @@ def check_writable(
     path: str | Path, *, required: tuple[str, ...] = REQUIRED_COLUMNS, kind: str = "results CSV"
 ) -> Path:
     """Fail before any work is done if the CSV cannot be written: not a .csv name, a directory,
-    a folder that cannot be created or written, or an existing file whose header is not a `kind`
-    (lacks `required`): rows upserted into it would be lost at the end of a measurement."""
+    a folder that cannot be created or written, or an existing file that is not a `kind` (lacks
+    `required`), or for a results CSV one that read_rows refuses: rows upserted into it would be
+    lost at the end of a measurement."""
     path = Path(path)
     if path.exists() and path.is_dir():
         raise ValueError(f"{path} is a directory; pass a CSV file path such as {path / 'runs.csv'}")
@@ -109,10 +114,10 @@ def check_writable(
         raise not_writable(path, error, f"cannot create the folder {path.parent}") from None
     if path.is_file():
         advice = f"; pass another --out file name, or move {path} aside"
-        check_header(path, csv_header(path), required, kind, advice=advice)
         if required == REQUIRED_COLUMNS:
-            check_known_columns(path, csv_header(path))
-            check_versions(path)
+            read_records(path, advice)  # every row: a damaged file is refused before any work, never rewritten
+        else:
+            check_header(path, csv_header(path), required, kind, advice=advice)
     target = path if path.exists() else path.parent
     if not os.access(target, os.W_OK) or not os.access(path.parent, os.W_OK):
         raise PermissionError(f"{path}: no write permission in {path.parent}; pass a writable --out path")
@@ -134,94 +139,54 @@ def not_writable(path: Path, error: OSError, doing: str) -> OSError:
     return PermissionError(message) if error.errno in (errno.EACCES, errno.EPERM) else NotWritable(message)
 
 
-def check_header(
-    path: Path,
-    header: list[str],
-    required: tuple[str, ...] = REQUIRED_COLUMNS,
-    kind: str = "results CSV",
-    advice: str = "",
-) -> None:
-    """ValueError unless a header has the `required` columns of a `kind` ([]: an empty file, which any write may fill)."""
-    missing = [c for c in required if c not in header]
-    if header and missing:
-        shown = ",".join(header[:4])[:60]
-        raise ValueError(
-            f"{path} is not a {kind}: its first line ({shown!r}...) lacks the column(s) {', '.join(missing)}{advice}"
-        )
-
-
-NEWER = "written by a newer sbpbench; upgrade sbpbench (pip install -U) to read it, or move the file aside"
-
-
-def check_known_columns(path: Path, header: list[str]) -> None:
-    """ValueError naming the file when its header has a column this schema does not know."""
-    unknown = [c for c in header if c not in COLUMNS]
-    if unknown:
-        raise ValueError(
-            f"{path} has column(s) {', '.join(unknown)[:80]} that results schema {SCHEMA_VERSION} does not know: {NEWER}"
-        )
-
-
-def check_versions(path: Path) -> None:
-    """ValueError naming the file and line of the first row of a newer schema_version than this one."""
-    with path.open(newline="") as f:
-        for line, record in enumerate(csv.DictReader(f), start=2):
-            newer_row(path, line, record)
-
-
-def newer_row(path: Path, line: int, record: dict) -> None:
-    version = record.get("schema_version") or ""
-    if version.isdigit() and int(version) > SCHEMA_VERSION:
-        raise ValueError(f"{path} line {line} is of results schema {version}, newer than {SCHEMA_VERSION}: {NEWER}")
-
-
 def read_rows(path: str | Path) -> list[dict]:
-    """Rows as dicts of strings, each as the current schema reads it (schema.upgrade). Rows that
-    an upgrade makes one point (the same key) are one row: the latest by timestamp. A row cut
-    short or missing a required value is skipped with a ResultsFileWarning naming its line; a
-    file that is not a results CSV, or is of a newer schema, raises ValueError."""
+    """Rows as dicts of strings, each as the current schema reads it (schema.upgrade), one per
+    point: of rows that an upgrade makes one point (the same key), the one `preferred` takes. A file
+    that is not a results CSV, is of a newer schema or is damaged raises ValueError (parse.py)."""
     path = Path(path)
     if not path.exists():
         return []
-    rows = [upgrade(row) for row in _checked_rows(path)]
-    latest: dict[tuple[str, ...], int] = {}
-    for i, row in enumerate(rows):
-        j = latest.setdefault(row_key(row), i)
-        if j != i and row.get("timestamp_utc", "") >= rows[j].get("timestamp_utc", ""):
-            latest[row_key(row)] = i
-    kept = set(latest.values())
-    return [row for i, row in enumerate(rows) if i in kept]
+    return one_per_point(upgrade(row) for row in read_records(path))
 
 
-def _checked_rows(path: Path) -> list[dict]:
-    """The rows of a results CSV that have every field of the header and the required values."""
-    with path.open(newline="") as f:
-        text = f.read()
-    if not text.strip():
-        return []
-    reader = csv.DictReader(text.splitlines(keepends=True))
-    header = reader.fieldnames or []
-    check_header(path, header or ["(no header)"])
-    check_known_columns(path, header)
-    rows, start = [], 2
-    for record in reader:
-        line, start = start, reader.line_num + 1
-        if None in record.values():
-            _skip(path, line, f"has fewer fields than the header's {len(header)}: cut short")
-        elif None in record:
-            _skip(path, line, f"has more fields than the header's {len(header)}: damaged")
-        elif missing := [c for c in REQUIRED_COLUMNS if not record[c]]:
-            _skip(path, line, f"lacks the required field(s) {', '.join(missing)}")
-        elif reader.line_num == text.count("\n") + 1 and not text.endswith(("\n", "\r")):
-            _skip(path, line, "has no line end: cut short")
-        else:
-            newer_row(path, line, record)
-            rows.append({k: v or "" for k, v in record.items()})
-    return rows
+def one_per_point(rows: Iterable[dict]) -> list[dict]:
+    """One row per key, in the order the keys first appear: of several, the one `preferred` takes."""
+    kept: dict[tuple[str, ...], dict] = {}
+    for row in rows:
+        key = row_key(row)
+        kept[key] = preferred(kept[key], row) if key in kept else row
+    return list(kept.values())
 
 
-def _skip(path: Path, line: int, why: str) -> None:
-    warnings.warn(f"{path} line {line} {why}; row skipped", ResultsFileWarning, stacklevel=4)
+def preferred(a: dict, b: dict) -> dict:
+    """Of two rows of one point, the one a reader takes: an ok row over one that failed, else the
+    later (by timestamp; `b` on a tie)."""
+    if (a.get("status") == "ok") != (b.get("status") == "ok"):
+        return a if a.get("status") == "ok" else b
+    return b if b.get("timestamp_utc", "") >= a.get("timestamp_utc", "") else a
+
+
+# The start of an ok row's error once a rerun of its point failed: the row keeps its measurement.
+FAILED_RERUN = "rerun failed"
+
+
+def keeps_earlier(old: dict, new: dict) -> bool:
+    """Whether `old` stays when `new` of the same point is upserted: a failed rerun (oom, error,
+    timeout, skipped, unsupported) never replaces an ok measurement."""
+    return old.get("status") == "ok" and new.get("status") != "ok"
+
+
+def stored_row(old: dict | None, new: dict) -> dict:
+    """The point's row once `new` is upserted over `old`: `new`, or where `old` stays, `old` with the
+    failed attempt (when, which commit, its status and error) in its error column."""
+    if old is None or not keeps_earlier(old, new):
+        return new
+    commit = (new.get("git_commit") or "unknown")[:7] + ("-dirty" if new.get("git_dirty") == "true" else "")
+    when = new.get("timestamp_utc") or "an unknown time"
+    attempt = f"{FAILED_RERUN} at {when} (commit {commit}): {new.get('status')}"
+    if new.get("error"):
+        attempt += f": {new['error']}"
+    return {**old, "error": attempt[:500]}
 
 
 def csv_header(path: Path) -> list[str]:
@@ -229,7 +194,7 @@ def csv_header(path: Path) -> list[str]:
     if not path.exists():
         return []
     try:
-        with path.open(newline="") as f:
+        with path.open(newline="", encoding="utf-8-sig") as f:
             return next(csv.reader(f), [])
     except UnicodeDecodeError:
         return ["(not text)"]
@@ -290,8 +255,9 @@ def _write_atomic(path: Path, columns: list[str], rows: list[dict]) -> None:
 
 
 def upsert_rows(path: str | Path, rows: Iterable[ResultRow | dict], *, replace: bool = True) -> None:
-    """Add rows to the CSV; a row whose key is already there replaces it (replace=True) or is
-    dropped (replace=False). A file of a newer schema is never rewritten (read_rows refuses it). If the
+    """Add rows to the CSV; a row whose key is already there replaces it (replace=True; but a failed
+    rerun never replaces an ok row: `stored_row`) or is dropped (replace=False). A file of a newer
+    schema or a damaged one is never rewritten (read_rows refuses it). If the
     write fails (the file changed since check_writable, a full disk), the new rows go to a file
     beside it and RowsNotSaved names that file."""
     path = Path(path)
@@ -300,7 +266,6 @@ def upsert_rows(path: str | Path, rows: Iterable[ResultRow | dict], *, replace: 
         check_writable(path)
         with _write_errors(path), _locked(path):
             existing = read_rows(path)
-            columns = list(COLUMNS)
             index = {row_key(row): i for i, row in enumerate(existing)}
             for row in new:
                 i = index.get(row_key(row))
@@ -308,8 +273,8 @@ def upsert_rows(path: str | Path, rows: Iterable[ResultRow | dict], *, replace: 
                     index[row_key(row)] = len(existing)
                     existing.append(row)
                 elif replace:
-                    existing[i] = row
-            _write_atomic(path, columns, existing)
+                    existing[i] = stored_row(existing[i], row)
+            _write_atomic(path, list(COLUMNS), existing)
     except (OSError, ValueError) as error:
         raise RowsNotSaved(
             f"{error}; the {len(new)} new row(s) are kept in {keep_unsaved(path, COLUMNS, new)}"
@@ -371,7 +336,9 @@ def _numeric(table):
 
 def load_results(source: str | Path, kinds: tuple[str, ...] | None = None):
     """A results CSV, or every CSV under a directory, as one pandas DataFrame in schema column order;
-    only the rows of `kinds` where given (e.g. RESULT_KINDS: no seed rows)."""
+    only the rows of `kinds` where given (e.g. RESULT_KINDS: no seed rows). A point in several files
+    is one row, the one `preferred` takes (its file in source_file). A file read_rows refuses is an
+    error; under a directory it is skipped with a warning naming it."""
     import pandas as pd
 
     source = Path(source)
@@ -386,7 +353,7 @@ def load_results(source: str | Path, kinds: tuple[str, ...] | None = None):
             if not source.is_dir():
                 raise
             warnings.warn(f"{error}; skipped", ResultsFileWarning, stacklevel=2)  # another CSV in the folder
-    table = pd.DataFrame(rows).fillna("")
+    table = pd.DataFrame(one_per_point(rows) if len(files) > 1 else rows).fillna("")
     table = _numeric(table)
     ordered = [c for c in COLUMNS if c in table.columns]
     return table[ordered + [c for c in table.columns if c not in ordered]]

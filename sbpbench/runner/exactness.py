@@ -3,7 +3,8 @@
 Builds the spec's model (random weights, seeded) in fp64 or fp32, one synthetic batch with the
 paper's random right padding, and compares every method with `bp` (see methods/exactness.py):
 in fp64 directly (1e-10); in fp32 against a float64 step on the same weights, each method within a
-small factor of bp's own fp32 error (`judge_against_fp64`). With an `out` file, each comparison is
+small factor of bp's own fp32 error (`judge_against_fp64`); in bf16 likewise, within a few times
+bp's own bf16 error (`judge_low_precision`). With an `out` file, each comparison is
 appended to it as an ExactnessRow (records/exactness.py).
 """
 
@@ -23,12 +24,14 @@ from ..methods.exactness import (
     compare_methods,
     compare_step,
     judge_against_fp64,
+    judge_low_precision,
     step_gradients,
 )
 from ..records.exactness import ExactnessRow, check_exactness_writable, write_exactness
 from ..records.store import RowsNotSaved
 from ..workload.build import build_model_and_batch
 
+LOW_PRECISION = ("bf16",)  # judged against an fp64 step by bp's own error (judge_low_precision)
 EXTERNAL_NOTE = "ran in its own virtualenv (runner/official.py: streambp 1.0, transformers 4.51.3)"
 
 
@@ -88,6 +91,8 @@ def compare_all(spec: ExactnessSpec) -> list[MethodComparison]:
     methods = [s.method for s in spec.specs[1:]]
     if run.dtype == "fp32":
         results = judge_against_fp64(model, batch, methods, settings, baseline=run.method)
+    elif run.dtype in LOW_PRECISION:
+        results = judge_low_precision(model, batch, methods, settings, baseline=run.method)
     else:
         results = compare_methods(model, batch, methods, settings, reference=run.method)
     external = {s.method: s for s in spec.specs[1:] if METHODS[s.method].external}
@@ -123,10 +128,10 @@ def float32_note(run: RunSpec, results) -> str:
 
 
 def exactness_rows(specs: list[RunSpec], results: list[MethodComparison]) -> list[ExactnessRow]:
-    """The rows of a check (results: in spec order): one per compared method; fp32 leaves out bp's
-    own step against fp64, the first."""
+    """The rows of a check (results: in spec order): one per compared method; fp32 and bf16 leave
+    out bp's own step against fp64, the first."""
     by_method = {spec.method: spec for spec in specs}
-    compared = results[1:] if specs[0].dtype == "fp32" else results
+    compared = results[1:] if specs[0].dtype in ("fp32", *LOW_PRECISION) else results
     env = capture_environment(specs[0].device)
     return [exactness_row(by_method[r.method], r, env) for r in compared]
 

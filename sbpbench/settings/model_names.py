@@ -139,9 +139,15 @@ def check_model_name(name: str) -> None:
         return
     guess = closest_model(name)
     if guess is not None:
+        # `hf download` only for an ORG/NAME id; a bare word gets the registry and the id form
+        download = (
+            f"run `hf download {name} config.json` first"
+            if "/" in name
+            else "give a registry name (`sbp models`) or a Hub id ORG/NAME"
+        )
         raise ValueError(
             f"unknown model {name!r}: did you mean {guess}? It is not in the registry (`sbp models`) nor in the "
-            f"Hugging Face cache; for the Hub id, run `hf download {name} config.json` first"
+            f"Hugging Face cache; {download}"
         )
     reason = hub_unavailable() if is_hub_id(name) else ""
     if reason:

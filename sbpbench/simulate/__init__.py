@@ -11,6 +11,7 @@ from .estimate import (
     MARGIN_NOTE,
     TARGETS,
     Estimate,
+    check_estimate_host_memory,
     estimate,
     estimate_point,
 )
@@ -21,6 +22,7 @@ __all__ = [
     "MARGIN_NOTE",
     "TARGETS",
     "Estimate",
+    "check_estimate_host_memory",
     "estimate",
     "estimate_point",
 ]

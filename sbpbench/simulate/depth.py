@@ -123,8 +123,10 @@ def estimate_point_by_depth(
             )
     shallow = estimate_point(replace(spec, num_layers=low), target=target, method=method, estimator=estimator)
     row = estimate_point(replace(spec, num_layers=high), target=target, method=method, estimator=estimator)
-    if "error" in (shallow.status, row.status):
-        return row
+    failed = [r for r in (shallow, row) if r.status in ("error", "unsupported")]
+    if failed:  # the method cannot run, or its step failed: that row, with the point's own depth
+        failed[0].num_layers = depth
+        return failed[0]
     steps = (depth - low) // (high - low)  # whole segments: depth = low (mod high - low)
     for column in AFFINE_COLUMNS:
         a, b = getattr(shallow, column), getattr(row, column)

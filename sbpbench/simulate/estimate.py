@@ -30,6 +30,7 @@ from functools import lru_cache
 from ..config import RunSpec
 from ..measure.environment import capture_environment
 from ..measure.flops import training_flops
+from ..measure.host_memory import available_ram_bytes
 from ..methods import MethodFn, MethodSettings, MethodUnsupported
 from ..methods.phase_labels import PhaseLabels
 from ..methods.step import storage_bytes
@@ -63,6 +64,35 @@ MARGIN_NOTE = "CUDA context 0.75 GiB + 5% of the activation peak for allocator f
 # runtime and its libraries (cuBLAS, cuDNN) mapped, typically 3-5 GiB of RSS; the model is built on
 # the GPU (models/build.py initialises on the target device), so its weights never sit on the host.
 HOST_PROCESS_BYTES = 5 * GIB
+
+
+# The estimate's own host memory: its batch is real (fake_mode.py), and the step's Python reads
+# it, so it grows with the tokens. Measured RSS of `sbp estimate --model tiny/qwen3`: 43 B per token
+# for one method (T = 1e7 to 3e7), 97 B for three; the fake steps of up to UNRUN_CACHED + 1
+# methods hold their batches at once (`_unrun`'s cache and the one being built).
+ESTIMATE_HOST_BYTES_PER_TOKEN = 48
+UNRUN_CACHED = 4
+HOST_HEADROOM_FRACTION = 0.8  # of the memory available now: the rest for the process and the OS
+
+
+def check_estimate_host_memory(specs: list[RunSpec], available_bytes: int | None = None) -> None:
+    """ValueError (one line) when the estimate of `specs` (one point, a spec per method) would need
+    more host memory for its real batches than `available_bytes` (default: what this machine has
+    available now) allows, with the bound and what to do."""
+    if not specs:
+        return
+    if available_bytes is None:
+        available_bytes = available_ram_bytes()
+    spec, held = specs[0], min(len(specs), UNRUN_CACHED + 1)
+    per_token = ESTIMATE_HOST_BYTES_PER_TOKEN * held * spec.batch_size
+    need, allowed = per_token * spec.seq_len, int(HOST_HEADROOM_FRACTION * available_bytes)
+    if need > allowed:
+        raise ValueError(
+            f"--seq {spec.seq_len} would need about {need / GIB:.1f} GiB of this machine's memory for the "
+            f"estimate's real token batches ({ESTIMATE_HOST_BYTES_PER_TOKEN} B per token, B={spec.batch_size}, "
+            f"{held} method(s) at once) but {allowed / GIB:.1f} GiB is usable; give --seq {allowed // per_token} "
+            "or less, or fewer methods"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -281,8 +311,9 @@ def host_peak_bytes(row: ResultRow) -> int:
 
 
 def judge(row: ResultRow, gpu_memory_bytes: int | None, host_memory_bytes: int | None) -> ResultRow:
-    """status ok or oom from the row's device peak + margin and its host peak; error rows stay."""
-    if row.status == "error":
+    """status ok or oom from the row's device peak + margin and its host peak; error and
+    unsupported rows stay."""
+    if row.status in ("error", "unsupported"):
         return row
     row.status, row.error = "ok", ""
     row.device_total_memory_bytes = gpu_memory_bytes

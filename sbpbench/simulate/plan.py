@@ -190,6 +190,26 @@ def plan(
     return None, list(decided.values())
 
 
+def ruled_out_by(spec: RunSpec, decided: list[PlanOutcome], gpu_memory_bytes: int) -> set[str]:
+    """What would have to grow for a decided candidate to fit: "GPU", "host" or both. A candidate the
+    host ruled out counts for the GPU where the GPU alone rules it out too (its bound with an
+    unbounded host, or its estimate's peak + margin), so more host memory is advised only where it
+    would help."""
+    num_layers = spec.num_layers or load_config(spec.model).num_hidden_layers
+    unbounded_host = _Bounds(spec, gpu_memory_bytes, 2**62, num_layers)
+    found = set()
+    for outcome in decided:
+        row = outcome.row
+        if not (outcome.bound or row.error).startswith("host"):
+            found.add("GPU")
+        elif outcome.bound:
+            found.add("GPU" if unbounded_host.refuses(outcome.candidate) else "host")
+        else:
+            peak = row.peak_allocated_bytes
+            found.add("host" if peak is not None and peak + (row.margin_bytes or 0) <= gpu_memory_bytes else "GPU")
+    return found
+
+
 def family(placement: Placement) -> str:
     """The placement's kind, its numbers as letters: "cpu+recompute:K+spill", "stream:N"."""
     if placement.stream:

@@ -78,17 +78,23 @@ class Rates:
     host_copy_bytes_s: float = 64e9
     launch_s: float = 5e-6
     pinning_bytes_s: float = HOST_REGISTER_BYTES_S
-    measured: tuple[str, ...] = ()  # the rates fitted to measured rows (the others are defaults)
-    source: str = ""  # which rows
+    # where each rate not assumed came from: (rate, "fitted to 4 rows of NVIDIA H100 80GB HBM3"); the
+    # others are the defaults above, assumed from published figures
+    fitted: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def measured(self) -> tuple[str, ...]:
+        """The rates fitted to measured rows."""
+        return tuple(name for name, _ in self.fitted)
 
     def describe(self) -> str:
-        """One line: every rate and whether it was measured or is a default."""
-        parts = []
+        """One line: every rate, grouped by where it came from: fitted to measured rows, or assumed."""
+        origins = dict(self.fitted)
+        groups: dict[str, list[str]] = {}
         for name, label, unit, scale in _SHOWN:
-            state = "measured" if name in self.measured else "default"
-            parts.append(f"{label} {getattr(self, name) / scale:.3g} {unit} ({state})")
-        source = f"; measured on {self.source}" if self.measured else f"; defaults: {DEFAULT_RATES_NOTE}"
-        return "; ".join(parts) + source
+            origin = origins.get(name, f"assumed ({DEFAULT_RATES_NOTE})")
+            groups.setdefault(origin, []).append(f"{label} {getattr(self, name) / scale:.3g} {unit}")
+        return "; ".join(f"{', '.join(rates)}: {origin}" for origin, rates in groups.items())
 
 
 _SHOWN = (  # (rate, label, unit, scale)
@@ -288,10 +294,9 @@ def fitted_rates(results: str | Path, device: str, model_of) -> Rates:
     # host copies hide behind the compute they run beside (a Qwen3-8B layer input at 64k copies in
     # 8 ms at PCIe rate, a layer's forward takes hundreds), so its time is compute too.
     timed = [row for row in rows if row.method in ("bp", "ckpt", "streambp")]
-    measured = ("pinning_bytes_s",) if pinned else ()
-    source = f"{len(rows)} measured row(s) of {rows[0].device_name}"
+    fitted = (("pinning_bytes_s", _fitted_to(pinned)),) if pinned else ()
     if not timed:
-        return replace(rates, measured=measured, source=source)
+        return replace(rates, fitted=fitted)
     columns, times = [], []
     for row in timed:
         step = work(
@@ -306,15 +311,22 @@ def fitted_rates(results: str | Path, device: str, model_of) -> Rates:
         columns.append([step.matmul_flops, step.attention_forward_flops, step.attention_backward_flops])
         times.append(row.time_median_s - step_time(step, rates).chunks_s)
     design, target = np.array(columns), np.array(times)
-    measured += COMPUTE_RATES
     if len(timed) >= 3 and np.linalg.matrix_rank(design) == 3:
         seconds_per_flop, *_ = np.linalg.lstsq(design, target, rcond=None)
         if (seconds_per_flop > 0).all():
             values = {name: float(1 / s) for name, s in zip(COMPUTE_RATES, seconds_per_flop)}
-            return replace(rates, **values, measured=measured, source=source)
+            fitted += tuple((name, _fitted_to(timed)) for name in COMPUTE_RATES)
+            return replace(rates, **values, fitted=fitted)
     factor = float(target.sum() / (design @ np.array([1 / getattr(rates, name) for name in COMPUTE_RATES])).sum())
     values = {name: getattr(rates, name) / factor for name in COMPUTE_RATES}
-    return replace(rates, **values, measured=measured, source=source + ", one factor on the default compute rates")
+    scaled = _fitted_to(timed) + ", one factor on the assumed"
+    return replace(rates, **values, fitted=fitted + tuple((name, scaled) for name in COMPUTE_RATES))
+
+
+def _fitted_to(rows) -> str:
+    """Where a rate fitted to `rows` came from: "fitted to 4 rows of NVIDIA H100 80GB HBM3"."""
+    devices = sorted({row.device_name for row in rows})
+    return f"fitted to {len(rows)} row{'s' if len(rows) > 1 else ''} of {', '.join(devices)}"
 
 
 def _measured_rows(results: str | Path):

@@ -109,16 +109,18 @@ def test_plot_of_garbage_says_not_a_results_csv(tmp_path):
 
 
 @pytest.mark.slow
-def test_report_of_a_truncated_csv_warns_with_the_line_and_goes_on(tmp_path):
-    """A fixture CSV cut mid-row: `sbp report` warns on one line naming the line, and reports the rest."""
+def test_report_of_a_truncated_csv_refuses_it_naming_the_line(tmp_path):
+    """A fixture CSV cut mid-row: `sbp report` refuses it in one line naming the file, the line and
+    the column where it was cut, exit 2, and writes no report."""
     text = (ROOT / "tests" / "fixtures" / "results.csv").read_text()
     path = tmp_path / "cut.csv"
     path.write_text(text[: len(text) - 40])
     done = _sbp("report", str(path), "--out", str(tmp_path / "report.md"))
-    assert done.returncode == 0, done.stderr
+    assert done.returncode == 2, done.stderr
     count = len(text.splitlines())
-    assert f"warning: {path} line {count} " in done.stderr and "row skipped" in done.stderr
-    assert (tmp_path / "report.md").read_text()
+    assert f"error: invalid input: {path} line {count} is cut short in column " in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+    assert not (tmp_path / "report.md").exists()
 
 
 def test_the_progress_bar_keeps_its_times_whole_at_80_columns():

@@ -104,17 +104,20 @@ def _measured(tmp_path, rates: Rates, seq_lens, device="NVIDIA H100 80GB HBM3", 
 
 def test_rates_are_fitted_to_the_measured_rows_of_the_device(tmp_path):
     """Rows timed at known rates give those rates back (matmul, attention forward and backward), said
-    to be measured; another GPU's rows, or none, leave the defaults, said to be defaults."""
+    said to be fitted to those rows of that device; another GPU's rows, or none, leave the defaults,
+    said to be assumed."""
     truth = Rates(matmul_flop_s=600e12, attention_forward_flop_s=300e12, attention_backward_flop_s=200e12)
     points = [("bp", 4096), ("ckpt", 16384), ("streambp", 32768), ("streambp", 131072)]
     _measured(tmp_path, truth, points)
     fitted = fitted_rates(tmp_path, "H100", meta_model)
     for name in COMPUTE_RATES:
         assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-6), name
-    assert fitted.measured == COMPUTE_RATES and "4 measured row(s) of NVIDIA H100" in fitted.describe()
-    assert "(measured)" in fitted.describe() and "host copies 64 GB/s (default)" in fitted.describe()
+    assert fitted.measured == COMPUTE_RATES
+    described = fitted.describe()
+    assert "attention backward 200 TFLOP/s: fitted to 4 rows of NVIDIA H100 80GB HBM3" in described
+    assert "host copies 64 GB/s, page-locking 2 GB/s: assumed (H100" in described and "measured" not in described
     assert fitted_rates(tmp_path, "A100", meta_model) == Rates()
-    assert "(measured)" not in Rates().describe()
+    assert "fitted" not in Rates().describe() and "attention forward 335 TFLOP/s," in Rates().describe()
 
 
 def test_rows_of_every_placement_fit_the_rates_with_their_own_work(tmp_path):
@@ -134,7 +137,7 @@ def test_rows_of_every_placement_fit_the_rates_with_their_own_work(tmp_path):
         ))  # fmt: skip
     upsert_rows(tmp_path / "measured.csv", rows)
     fitted = fitted_rates(tmp_path, "H100", meta_model)
-    assert "4 measured row(s)" in fitted.describe() and "one factor" not in fitted.describe()
+    assert "fitted to 4 rows of" in fitted.describe() and "one factor" not in fitted.describe()
     for name in COMPUTE_RATES:
         assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-6), name
 
@@ -307,11 +310,74 @@ def test_sbp_plan_prints_the_choice_and_the_fastest_of_each_placement_in_30_line
     args = ["plan", "--model", "Qwen/Qwen3-8B", "--seq", "2097152", "--gpu-memory", "80GiB", "--host-memory", "120GiB"]
     result = CliRunner().invoke(app, args, env={"COLUMNS": "80"})
     assert result.exit_code == 0, result.output
-    lines = result.output.splitlines()
+    *lines, command = result.output.splitlines()
     assert len(lines) <= 30 and max(map(len, lines)) <= 80, result.output
-    assert "plan: --checkpoints stream:7 --chunk-size 4096" in result.output and "None" not in result.output
+    assert "plan: stream:7, chunk 4096: predicted " in result.output and "None" not in result.output
+    assert command.startswith("sbp run --model Qwen/Qwen3-8B --seq 2097152 "), command
     for kind in ("gpu", "cpu ", "recompute:2", "cpu+recompute:2", "stream:7"):
         assert kind in result.output, kind
     every = CliRunner().invoke(app, [*args, "--all"], env={"COLUMNS": "80"})
     assert every.exit_code == 0 and len(every.output.splitlines()) > len(lines)
     assert "cpu+recompute:12+spill, any chunk: host: needs" in every.output
+
+
+@pytest.mark.filterwarnings("ignore::sbpbench.config.run.BeyondContextWarning")  # T past Qwen3-8B's 40,960
+@pytest.mark.parametrize("extra", [[], pytest.param(["--lora-rank", "64"], marks=pytest.mark.slow)])
+def test_the_plan_ends_with_the_sbp_run_command_that_starts_its_point(monkeypatch, tmp_path, extra):
+    """`sbp plan`'s last line is an `sbp run` command; pasted (model, length and device swapped for
+    a CPU check) it starts streambp with the planned placement and chunks and every option given."""
+    import shlex
+
+    from typer.testing import CliRunner
+
+    import sbpbench.runner
+    from sbpbench.cli import app
+
+    monkeypatch.setattr(planner, "estimate_point_by_depth", _fits_when_streamed([]))
+    args = ["plan", "--model", "Qwen/Qwen3-8B", "--seq", "2097152", "--host-memory", "120GiB", *extra]
+    result = CliRunner().invoke(app, args, env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    argv = shlex.split(result.output.splitlines()[-1])
+    assert argv[:2] == ["sbp", "run"] and " ".join(extra) in " ".join(argv), argv
+    swapped = {"--model": "tiny/qwen3", "--seq": "256", "--device": "cpu"}
+    argv = [swapped.get(before, word) for before, word in zip(["", *argv], argv)]
+    started = []
+
+    def run_points(specs, out, **recordings):
+        started.extend(specs)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(sbpbench.runner, "run_points", run_points)
+    CliRunner().invoke(app, [*argv[1:], "--out", str(tmp_path / "runs.csv")])
+    (spec,) = started
+    assert (spec.model, spec.seq_len, spec.device, spec.method) == ("tiny/qwen3", 256, "cpu", "streambp")
+    chosen = result.output.split("plan: ")[1].split(": predicted")[0]  # "stream:7, chunk 4096"
+    assert f"{spec.settings.checkpoints.name}, chunk {spec.settings.chunk_size}" == chosen
+    assert spec.settings.logits_chunk_size == int(argv[-1]) and spec.lora_rank == (64 if extra else 0)
+
+
+@pytest.mark.filterwarnings("ignore::sbpbench.config.run.BeyondContextWarning")  # T past Qwen3-8B's 40,960
+def test_sbp_plan_names_what_it_assumed_and_advises_on_what_ruled_out_every_candidate(monkeypatch, tmp_path):
+    """Without --host-memory a notice names the flag and this machine's RAM; --results without rows
+    of --gpu says the rates are assumed; where only the GPU ruled candidates out, the advice is more
+    --gpu-memory, never more host memory."""
+    from typer.testing import CliRunner
+
+    from sbpbench.cli import app
+    from sbpbench.measure.host_memory import total_ram_bytes
+
+    def too_small(spec, **_):
+        return ResultRow(status="oom", error="needs more", peak_allocated_bytes=62 * 2**30, margin_bytes=2**30,
+                         peak_phase="backward layer 35", checkpoints=spec.settings.checkpoints.name)  # fmt: skip
+
+    monkeypatch.setattr(planner, "estimate_point_by_depth", too_small)
+    args = ["plan", "--model", "Qwen/Qwen3-8B", "--seq", "1048576", "--gpu-memory", "1GiB", "--gpu", "A100"]
+    result = CliRunner().invoke(app, [*args, "--results", str(tmp_path / "none")], env={"COLUMNS": "200"})
+    assert result.exit_code == 1, result.output
+    ram = f"{total_ram_bytes() / 2**30:.1f} GiB"
+    assert f"notice: --host-memory not given: planning for this machine's RAM, {ram}" in result.output
+    assert f"notice: --results {tmp_path / 'none'}: no such file or folder; the rates are assumed" in result.output
+    assert "nothing fits: " in result.output and "--gpu-memory" in result.output
+    assert "host memory" not in result.output.split("nothing fits")[1]
+    result = CliRunner().invoke(app, [*args, "--host-memory", "1TiB"], env={"COLUMNS": "200"})
+    assert "--host-memory not given" not in result.output and "no measured rows of --gpu A100" in result.output

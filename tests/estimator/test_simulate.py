@@ -227,7 +227,7 @@ def test_estimate_command_prints_a_table_and_writes_rows(tmp_path):
     args = ["--model", "tiny/llama", "--seq", "64", "--method", "bp", "streambp", "--gpu-memory", "1MiB"]
     result = CliRunner().invoke(app, [*args, "--out", str(out)], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
-    assert "predicted peak memory" in result.output and "fits 0.00 GiB" in result.output
+    assert "predicted peak memory" in result.output and "fits 0.00098 GiB" in result.output
     rows = read_rows(out)
     assert [(r["method"], r["status"], r["source"]) for r in rows] == [
         ("bp", "oom", "simulated"),

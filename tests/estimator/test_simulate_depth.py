@@ -70,3 +70,11 @@ def test_only_models_whose_layers_are_all_alike_are_extrapolated():
     """Depth extrapolation applies to uniform-layer models and not to Gemma's mixed sliding/global layers."""
     assert uniform_layers("Qwen/Qwen3-8B") and uniform_layers("meta-llama/Llama-3.1-8B")
     assert not uniform_layers("google/gemma-3-1b-pt")  # sliding and global layers
+
+
+@pytest.mark.parametrize("method", ["official", "liger"])
+def test_a_method_the_estimator_cannot_run_is_an_unsupported_row_at_any_depth(method):
+    """A method that cannot run under fake tensors gives an unsupported row with its reason, not a TypeError."""
+    spec = RunSpec(model="tiny/qwen3", method=method, seq_len=256, dtype="bf16", num_layers=8)
+    row = estimate_point_by_depth(spec, gpu_memory_bytes=80 << 30)
+    assert row.status == "unsupported" and row.error and row.num_layers == 8

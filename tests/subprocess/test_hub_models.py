@@ -87,7 +87,7 @@ def test_sbp_estimate_and_plan_take_a_hub_id(tiny_hub_model, tmp_path):
     assert (row["model"], row["status"], row["source"], row["weights"]) == (HUB_ID, "ok", "simulated", "random")
     result = runner.invoke(app, ["plan", *args, "--gpu-memory", "80GiB", "--host-memory", "64GiB"])
     assert result.exit_code == 0, result.output
-    assert "plan: --checkpoints" in result.output
+    assert f"sbp run --model {HUB_ID} --seq 64" in result.output and "--checkpoints" in result.output
 
 
 def test_an_experiment_file_takes_a_hub_id(tiny_hub_model, tmp_path):

@@ -53,7 +53,7 @@ def h100_rates():
     """The rates fitted to the H100 rows committed under results/gpu/: what the plan is priced at."""
     test = st.Selftest("cuda", Path("/nonexistent"), st.GPU_BUDGET_S, H100)
     rates = st.plan_rates(test, REPOSITORY)
-    assert rates.measured and H100 in rates.source
+    assert rates.measured and H100 in rates.describe()
     return rates
 
 
@@ -369,7 +369,10 @@ def test_gpu_selftest_runs_its_plan_and_writes_the_summary(tmp_path, monkeypatch
     assert "| flex | 4096 | 262144 | wrong | 500 | 300 | 3.0e-01 |" in summary
     assert "| host to device | 512 | 50.2 | 0.0106 - 0.0109 | 0.78 |" in summary
     assert "The planner assumes 64 GB/s for both directions together" in summary
-    assert "Rates: matmul 230 TFLOP/s (measured)" in summary
+    assert (
+        "Rates: matmul 230 TFLOP/s, attention forward 700 TFLOP/s, attention backward 444 TFLOP/s: fitted to 4 rows"
+        in summary
+    )
 
 
 # What tests/conftest.py writes of a pytest run killed in its fourth test

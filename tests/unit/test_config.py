@@ -19,7 +19,7 @@ from sbpbench.settings import METHOD_KNOBS, SETTINGS, SettingChanged
 # (an axis added to the point is a deliberate raise of its cap), and a new method knob adds no flag
 # (it comes through --set). Nothing here is a list to edit when a knob is added.
 # run: --trace (30); sweep: --seeds-only (7); plan: --all
-MAX_VISIBLE_FLAGS = {"run": 30, "maxlen": 37, "estimate": 22, "plan": 19, "check": 17, "sweep": 7}
+MAX_VISIBLE_FLAGS = {"run": 30, "maxlen": 37, "estimate": 23, "plan": 19, "check": 17, "sweep": 7}
 KNOB_AXES = {"chunk_size", "logits_chunk_size", "checkpoints"}  # StreamBP's chunk sizes and placement
 
 

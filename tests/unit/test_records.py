@@ -19,6 +19,7 @@ from sbpbench.records import (
     check_writable,
     completed_keys,
     decode_row,
+    keeps_earlier,
     load_results,
     read_rows,
     row_key,
@@ -27,7 +28,9 @@ from sbpbench.records import (
 
 
 def _row(seq_len: int, method: str = "bp", **values) -> ResultRow:
-    return ResultRow(model="tiny/qwen3", method=method, seq_len=seq_len, status="ok", device_name="cpu", **values)
+    return ResultRow(
+        model="tiny/qwen3", method=method, seq_len=seq_len, device_name="cpu", **{"status": "ok", **values}
+    )
 
 
 def test_columns_follow_the_dataclass_and_units_are_in_names(tmp_path):
@@ -71,6 +74,38 @@ def test_rows_of_an_older_schema_read_back(tmp_path):
     assert rows[1]["seq_len"] == "8"
     table = load_results(path)
     assert list(table.columns[: len(COLUMNS)]) == list(COLUMNS) and len(table) == 2
+
+
+@pytest.mark.parametrize("failure", ["oom", "error", "timeout", "skipped", "unsupported"])
+def test_a_failed_rerun_keeps_the_ok_row_and_notes_the_attempt(tmp_path, failure):
+    """A failed rerun of an ok point leaves the ok row (its measurement and time) with the attempt
+    in its error column; a failure replaces a failure; an ok rerun replaces the ok row."""
+    path = tmp_path / "r.csv"
+    stamp = "2025-01-01T00:00:00+00:00"
+    upsert_rows(path, [_row(8, loss=1.0, timestamp_utc=stamp), _row(16, status="error", error="first")])
+    failed = dict(status=failure, error="no result after 0.5 s", timestamp_utc="2025-02-02T00:00:00+00:00")
+    upsert_rows(path, [_row(8, git_commit="b" * 40, **failed), _row(16, **failed)])
+    kept, replaced = read_rows(path)
+    assert (kept["status"], kept["loss"], kept["timestamp_utc"]) == ("ok", "1.0", stamp)
+    note = f"rerun failed at 2025-02-02T00:00:00+00:00 (commit bbbbbbb): {failure}: no result after 0.5 s"
+    assert kept["error"] == note
+    assert (replaced["status"], replaced["error"]) == (failure, "no result after 0.5 s")
+    upsert_rows(path, [_row(8, loss=2.0)])
+    first = read_rows(path)[0]
+    assert (first["status"], first["loss"], first["error"]) == ("ok", "2.0", "")
+    assert keeps_earlier({"status": "ok"}, {"status": failure}) and not keeps_earlier(
+        {"status": failure}, {"status": "ok"}
+    )
+
+
+def test_a_point_in_several_files_is_read_as_its_ok_row(tmp_path):
+    """A folder whose CSVs hold one point ok and, later, timed out: load_results gives one row, the ok one."""
+    upsert_rows(tmp_path / "a.csv", [_row(8, loss=1.0, timestamp_utc="2025-01-01T00:00:00+00:00")])
+    late = _row(8, status="timeout", timestamp_utc="2025-02-02T00:00:00+00:00")
+    upsert_rows(tmp_path / "b.csv", [late, _row(16, status="oom")])
+    table = load_results(tmp_path)
+    assert sorted(zip(table["seq_len"], table["status"])) == [(8, "ok"), (16, "oom")]
+    assert table.loc[table["seq_len"] == 8, "source_file"].item() == str(tmp_path / "a.csv")
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 
-from sbpbench.records import ResultRow, check_writable, load_results, read_rows, upsert_rows
+from sbpbench.records import ResultRow, RowsNotSaved, check_writable, load_results, read_rows, upsert_rows
 from sbpbench.records.store import ResultsFileWarning, lock_path
 from sbpbench.runner.isolated import POINT_DIR_PREFIX, point_directory, remove_stale_point_dirs
 
@@ -27,32 +27,94 @@ def _two_rows(tmp_path):
     return path
 
 
-def test_a_truncated_last_line_is_skipped_with_its_line_number(tmp_path):
-    """A file cut mid-row: the whole rows read, the cut one is named by line and skipped."""
+def _cat(text: str) -> str:
+    return text + text  # `cat a.csv a.csv`: the second header is line 4
+
+
+def _cut_mid_row(text: str) -> str:
+    return text[: len(text) - len(text.splitlines()[-1]) // 2 - 2]
+
+
+def _cut_in_last_field(text: str) -> str:
+    return text.rstrip("\r\n")[:-1]
+
+
+def _cell(column: str, value: str):
+    """A damage: line 2's `column` set to `value`."""
+
+    def damage(text: str) -> str:
+        lines = [line.rstrip("\r\n").split(",") for line in text.splitlines()]
+        lines[1][lines[0].index(column)] = value
+        return "".join(",".join(line) + "\r\n" for line in lines)
+
+    return damage
+
+
+def _extra_field(text: str) -> str:
+    header, first, rest = text.split("\r\n", 2)
+    return "\r\n".join([header, first + ",x", rest])
+
+
+DAMAGES = {
+    "two files joined": (_cat, "header repeated at line 4"),
+    "a key value that is not a number": (
+        _cell("seq_len", "xyz"),
+        "line 2, column seq_len: 'xyz' is not a whole number",
+    ),
+    "a bool that is not one": (_cell("fp32_grad_accumulation", "yes"), "line 2, column fp32_grad_accumulation"),
+    "a status the schema does not know": (_cell("status", "fine"), "line 2, column status: 'fine' is not one of"),
+    "a required value missing": (_cell("status", ""), "line 2, column status: empty"),
+    "a row cut mid-row": (_cut_mid_row, r"line 3 is cut short in column \w+ \(\d+ of \d+ fields\)"),
+    "a row cut in its last field": (_cut_in_last_field, "line 3 has no line end: cut short in column git_dirty"),
+    "a row with an extra field": (_extra_field, r"line 2 has (\d+) fields, the header \d+"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGES, ids=list(DAMAGES))
+def test_a_damaged_file_is_refused_by_line_and_column_and_never_rewritten(tmp_path, damage):
+    """Each damage: reading, checking before a run and upserting each fail with one line naming the
+    file, the line and the column (or the repeated header); the file is left byte for byte."""
+    make, words = DAMAGES[damage]
     path = _two_rows(tmp_path)
-    text = path.read_text()
-    path.write_text(text[: len(text) - len(text.splitlines()[-1]) // 2 - 2])
-    with pytest.warns(ResultsFileWarning, match="line 3 .*cut short"):
-        rows = read_rows(path)
-    assert [r["seq_len"] for r in rows] == ["8"]
+    path.write_bytes(make(path.read_bytes().decode()).encode())
+    before = path.read_bytes()
+    for call in (lambda: read_rows(path), lambda: load_results(path), lambda: check_writable(path)):
+        with pytest.raises(ValueError, match=f"^{path}.*{words}") as error:
+            call()
+        assert "\n" not in str(error.value)
+    with pytest.raises(RowsNotSaved, match=words):
+        upsert_rows(path, [_row(32)])
+    assert path.read_bytes() == before
 
 
-def test_a_row_cut_inside_its_last_field_is_skipped(tmp_path):
-    """The right number of fields but no line end: an interrupted copy, skipped with a warning."""
+@pytest.mark.parametrize(
+    ("data", "words"),
+    [
+        (bytes(range(256)) * 2, "byte 0x80 at offset 128 is not UTF-8 text"),
+        (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", "byte 0x89 at offset 0 is not UTF-8 text"),
+        (b"schema_version,status,model,method\n\x00\x00\n", "it holds NUL bytes"),
+    ],
+    ids=["random bytes", "a PNG", "NUL bytes"],
+)
+def test_a_binary_file_is_refused_in_one_line_naming_it(tmp_path, data, words):
+    """Bytes that are not text (a PNG, random data, NULs): one line naming the file, never rewritten."""
+    path = tmp_path / "r.csv"
+    path.write_bytes(data)
+    for call in (lambda: read_rows(path), lambda: check_writable(path)):
+        with pytest.raises(ValueError, match=f"^{path} is not a results CSV: {words}"):
+            call()
+    with pytest.raises(RowsNotSaved):
+        upsert_rows(path, [_row(32)])
+    assert path.read_bytes() == data
+
+
+def test_a_csv_with_a_byte_order_mark_reads_and_takes_rows(tmp_path):
+    """A UTF-8 BOM before a valid file (a spreadsheet's export) is read past; an upsert keeps its rows."""
     path = _two_rows(tmp_path)
-    path.write_text(path.read_text().rstrip("\r\n")[:-1])
-    with pytest.warns(ResultsFileWarning, match="line 3 has no line end"):
-        assert len(read_rows(path)) == 1
-
-
-def test_a_row_missing_required_fields_is_skipped(tmp_path):
-    """A row without status (or model, method, schema_version) is named and skipped; others read."""
-    path = _two_rows(tmp_path)
-    lines = path.read_text().splitlines(keepends=True)
-    lines[1] = lines[1].replace(",ok,", ",,", 1)
-    path.write_text("".join(lines))
-    with pytest.warns(ResultsFileWarning, match="line 2 lacks the required field.* status"):
-        assert [r["seq_len"] for r in read_rows(path)] == ["16"]
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    assert [r["seq_len"] for r in read_rows(path)] == ["8", "16"]
+    upsert_rows(path, [_row(32)])
+    assert [r["seq_len"] for r in read_rows(path)] == ["8", "16", "32"]
 
 
 def test_a_file_that_is_not_a_results_csv_says_so(tmp_path):

@@ -1,0 +1,42 @@
+"""Every `sbp ...` command quoted in README.md and docs/*.md parses: its argv with --help appended
+runs through the CLI (an unknown command or option fails there)."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from sbpbench.cli import app
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def quoted_commands(text: str) -> list[str]:
+    """`sbp ...` in backticks, and lines of code blocks that start with sbp; placeholders skipped, and
+    a command ending in an option (`sbp run --out`: a flag named, not a command)."""
+    found = re.findall(r"`(sbp [^`]+)`", text)
+    found += [line.strip() for line in text.splitlines() if re.match(r"^\s{2,}sbp \S", line) or line.startswith("sbp ")]
+    commands = [re.split(r"\s+#", c)[0].strip().rstrip("\\").strip() for c in found]
+    commands = [c for c in commands if not re.search(r"<|\.\.\.|\[|\||…|\bN\b|NAME|CSV|DIR", c)]
+    return [c for c in commands if not c.split()[-1].startswith("--") or len(c.split()) < 3]
+
+
+def test_every_quoted_sbp_command_parses():
+    """Each quoted command, with --help appended, exits 0: its command and options exist."""
+    broken = []
+    for page in PAGES:
+        for command in dict.fromkeys(quoted_commands(page.read_text())):
+            result = CliRunner().invoke(app, [*shlex.split(command)[1:], "--help"])
+            if result.exit_code != 0:
+                broken.append(f"{page.name}: {command}: {result.output.strip().splitlines()[-1:]}")
+    assert not broken, "\n".join(broken)
+
+
+def test_a_command_with_an_unknown_option_is_caught():
+    """The check above can fail: an option no command has does not parse."""
+    assert quoted_commands("run `sbp plan --no-such-flag 3`") == ["sbp plan --no-such-flag 3"]
+    assert CliRunner().invoke(app, ["plan", "--no-such-flag", "3", "--help"]).exit_code != 0
