@@ -24,7 +24,7 @@ not context variables, because autograd runs a CUDA backward on a thread of its 
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -70,4 +70,3 @@ class StepHooks:
 
 
 NO_HOOKS = StepHooks()
-NOTHING = nullcontext()
