@@ -32,8 +32,8 @@ _CALLBACKS = ("progress", "on_store", "on_kernel", "on_chunk_call")
 
 
 def _both(outer, inner):
-    if outer is None:
-        return inner
+    if outer is None or inner is None:
+        return inner if outer is None else outer
 
     def call(*args):
         outer(*args)
