@@ -304,13 +304,16 @@ def _prefix_attention(
     seq_len = buffer.seq_len if sized_for is None else sized_for
     group = kv_heads_per_call(batch, heads, kv_heads, head_dim, key.dtype.itemsize, seq_len)
     queries = query.split(group * (query.shape[1] // kv_heads), dim=1)
+    attend = functools.partial(
+        planned_attention, plan=plan, query_start=state.start, scale=scale, sliding_window=sliding_window,
+        attention=buffer.attention,
+    )  # fmt: skip
     outs = []
     for index, (q, k, v) in enumerate(zip(queries, key.split(group, dim=1), value.split(group, dim=1))):
         own = slice(index * group, (index + 1) * group)  # this call's K/V heads
         k = _BufferedPrefix.apply(k, [buffer.keys[:, own]], [state.grad_keys[:, own]], plan.key_start, state.start)
         v = _BufferedPrefix.apply(v, [buffer.values[:, own]], [state.grad_values[:, own]], plan.key_start, state.start)
-        attend = functools.partial(planned_attention, attention=buffer.attention, plan=plan, scale=scale)
-        outs.append(attend(q, k, v, query_start=state.start, sliding_window=sliding_window))
+        outs.append(attend(q, k, v))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 

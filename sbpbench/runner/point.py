@@ -79,6 +79,7 @@ from ..workload.rows import spec_fields
 from ..workload.timeline import resident_kinds
 from . import ranks, timelines
 from .allocator import allocator_setting
+from .traces import trace_step  # sbp run --trace: one step more, profiled, outside the times
 
 _HOST_OOM_MESSAGES = ("can't allocate memory", "out of memory")
 
@@ -324,8 +325,6 @@ def _measure(spec: RunSpec, timeline_dir: Path | None) -> ResultRow:
                         before_each=lambda: prepare(next(timed)),
                     )
                 row.timed_attention_kernel = "+".join(sorted(timed_kernels))
-                from .traces import trace_step  # sbp run --trace: one step more, profiled, outside the times
-
                 with step_hooks(kernel_mode=CACHED):  # the timed steps' kernels, never a timing
                     trace_step(spec, row, device.type, prepare, step.run, synchronize)
         row.optimizer_state_bytes = step.optimizer_state_bytes
