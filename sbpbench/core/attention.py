@@ -265,6 +265,8 @@ def stream_attention(
         raise RuntimeError("StreamBP does not support attention logit softcapping")
     state = kwargs.get(STATE_KWARG)
 
+    if hasattr(state, "attend_chunk"):  # a state that attends itself (sequence parallel: parallel/sequence_layer.py)
+        return state.attend_chunk(query, key, value, scaling, sliding_window)
     if isinstance(state, KVBuffer):
         end = state.store(key, value, sliding_window)
         if not state.attend:

@@ -37,6 +37,7 @@ class Checkpoints:
     seen: set[int] = field(default_factory=set)  # layers the forward called
     layout: SequenceLayout | None = None  # padding and packed documents (layout.py)
     attention: ChunkAttention = DEFAULT_ATTENTION  # the step's chunk-attention kernel and hooks
+    layer_forward: Callable = None  # how a layer runs over its chunks: chunked_layer_forward, or sequence parallel's
 
 
 def forward_checkpoints(
@@ -50,6 +51,7 @@ def forward_checkpoints(
     layout: SequenceLayout | None = None,
     prepare_embedding: Callable[[], None] = lambda: None,
     attention: ChunkAttention = DEFAULT_ATTENTION,
+    layer_forward: Callable | None = None,
 ) -> Checkpoints:
     """store: where the layer inputs go (default: all kept on their device, the gpu placement).
     gathered(layer): a context that holds the layer's parameters gathered while its chunks run (a
@@ -58,11 +60,16 @@ def forward_checkpoints(
     layout: the batch's padding and packed documents (layout.py), None for one sequence per row.
     prepare_embedding: before the embedding runs outside the decoder's call (the stream placement
     computes X_0 chunk by chunk where it reads it; a sharded engine gathers the embedding).
-    attention: the chunks' kernel setting and the step's hooks (attention.py)."""
+    attention: the chunks' kernel setting and the step's hooks (attention.py). layer_forward: what
+    runs a layer over its chunks, `chunked_layer_forward` unless the sequence is split over ranks
+    (parallel/sequence_layer.py)."""
     num_layers = len(parts.layers)
     store = store if store is not None else CheckpointStore(Placement(), num_layers)
     gathered = gathered if gathered is not None else _nothing_to_gather
-    saved = Checkpoints(layer_inputs=store, layer_kwargs=[{}] * num_layers, layout=layout, attention=attention)
+    saved = Checkpoints(
+        layer_inputs=store, layer_kwargs=[{}] * num_layers, layout=layout, attention=attention,
+        layer_forward=layer_forward or chunked_layer_forward,
+    )  # fmt: skip
 
     def norm_hook(module, args):
         saved.last_hidden = args[0]
@@ -142,7 +149,7 @@ def _chunked_forward(forward, index: int, saved: Checkpoints, chunk_size: int, g
         saved.seen.add(index)
 
         def run(source, sink) -> None:
-            chunked_layer_forward(forward, source, sink, kwargs, chunk_size, saved.layout, saved.attention)
+            saved.layer_forward(forward, source, sink, kwargs, chunk_size, saved.layout, saved.attention)
 
         with gathered():
             return saved.layer_inputs.forward_layer(index, hidden_states, run)

@@ -25,8 +25,9 @@ from torch import nn
 
 from .adapters import KeyValueRecipe
 
-# (layer input chunk (B, c, d), the layer's arguments sliced to the chunk) -> (keys, values, sliding window)
-Projection = Callable[[torch.Tensor, dict], tuple[torch.Tensor, torch.Tensor, int | None]]
+# (layer input chunk (B, c, d), the layer's arguments sliced to the chunk) -> (keys, values, sliding window);
+# normed=True: the chunk is input_layernorm's output already (sequence parallel's K/V backward)
+Projection = Callable[..., tuple[torch.Tensor, torch.Tensor, int | None]]
 
 
 def key_value_projection(layer: nn.Module, call, kwargs: dict, recipe: KeyValueRecipe | None) -> Projection | None:
@@ -47,8 +48,8 @@ def key_value_projection(layer: nn.Module, call, kwargs: dict, recipe: KeyValueR
     if not recipe.window_from_config:
         window = getattr(attention, "sliding_window", None)
 
-    def project(hidden: torch.Tensor, chunk_kwargs: dict):
-        hidden = norm(hidden)  # (B, c, d)
+    def project(hidden: torch.Tensor, chunk_kwargs: dict, normed: bool = False):
+        hidden = hidden if normed else norm(hidden)  # (B, c, d); normed: input_layernorm already applied
         shape = (*hidden.shape[:-1], -1, attention.head_dim)  # (B, c, h_kv, hd)
         key = attention.k_proj(hidden).view(shape)
         if recipe.key_norm == "before transpose":

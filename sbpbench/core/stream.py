@@ -14,13 +14,13 @@ order section by section; "Memory per phase" gives what is resident when.
 
 from __future__ import annotations
 
-from contextlib import closing, contextmanager
+from contextlib import closing, contextmanager, nullcontext
 
 import torch
 
 from .adapters import DecoderParts, check_no_attention_dropout, resolve_parts, trainable
 from .attention import ATTENTION_NAME, ChunkAttention
-from .checkpoints import Checkpoints, chunked_layer_forward, forward_checkpoints
+from .checkpoints import Checkpoints, forward_checkpoints
 from .chunking import chunk_bounds
 from .config import StreamConfig
 from .grad_accum import ChunkGradAccumulator
@@ -33,6 +33,8 @@ from .objectives import SFT, Objective
 from .parallel.grad_sync import for_model as grad_sync_for
 from .parallel.grad_sync import unwrap
 from .parallel.grad_sync_base import GradSync
+from .parallel.sequence_group import SequenceParallel
+from .parallel.sequence_step import local_batch, reduce_loss, summed_gradients
 from .phases import CHECKPOINT_PASS, HEAD, REBUILD, timed
 from .placements.placement import CheckpointStore
 from .placements.stream_store import StreamingStore
@@ -51,6 +53,7 @@ def stream_backward(
     config: StreamConfig = DEFAULT_CONFIG,
     hooks: StepHooks | None = None,
     scale_wrt_gas: bool = True,
+    sequence_parallel: SequenceParallel | None = None,
 ) -> torch.Tensor:
     """Forward + backward of a training objective with StreamBP. Returns the loss (0-dim, detached)
     and accumulates into every trainable parameter's .grad what
@@ -64,7 +67,9 @@ def stream_backward(
     documents restarting at 0 (layout.py says what each gives). config: StreamBP's knobs (config.py);
     hooks: what the caller watches of the step (hooks.py). scale_wrt_gas: a DeepSpeedEngine's, as
     `engine.backward(loss, scale_wrt_gas=...)`: False leaves the gradients undivided by its
-    gradient_accumulation_steps (transformers' Trainer scales its loss itself)."""
+    gradient_accumulation_steps (transformers' Trainer scales its loss itself). sequence_parallel:
+    the group of ranks sharing each sequence (parallel/sequence_group.py), each given the same whole
+    batch; the loss returned is the whole sequence's on every rank."""
     hooks = hooks if hooks is not None else NO_HOOKS
     check_chunk_attention(config.chunk_attention, input_ids.device, hooks.chooser)
     if (labels is None) == (objective is None):
@@ -74,22 +79,43 @@ def stream_backward(
     layout = build_layout(attention_mask, position_ids, objective.mask, packing_refused=objective.packing_refused)
     parts = resolve_parts(unwrap(model))  # a DeepSpeedEngine: its module
     check_no_attention_dropout(parts)
-    sync = grad_sync_for(model, parts)  # FSDP2, DeepSpeed or one process; refuses sequence parallelism
+    sync = grad_sync_for(model, parts, sequence_parallel=sequence_parallel is not None)  # FSDP2, DeepSpeed or none
+    layer_passes = None  # one process holds the whole sequence: checkpoints.py and layer_backward.py
+    if sequence_parallel is not None:  # this rank's positions, ids, objective and layer passes
+        local = local_batch(
+            sequence_parallel, parts, input_ids, objective, chunk_size=config.chunk_size,
+            logits_chunk_size=config.logits_chunk_size, sync=sync, attention_mask=attention_mask,
+            position_ids=position_ids,
+        )  # fmt: skip
+        input_ids, position_ids, objective, layer_passes, layout = (
+            local.input_ids,
+            local.position_ids,
+            local.objective,
+            local.step,
+            None,
+        )
     if scale_wrt_gas:
         objective = sync.objective(objective)  # DeepSpeed: each chunk's gradient / accumulation steps
     if hooks.timer is not None:
         hooks.timer.start(input_ids.device)
     store = _store(config, len(parts.layers), hooks)
     attention = ChunkAttention(config.chunk_attention, hooks)
-    with _streaming_mode(parts), sync.step(), closing(store):  # close: frees (and unpins) what an error left
+    summed = (
+        nullcontext()
+        if sequence_parallel is None
+        else summed_gradients(sequence_parallel, trainable(parts.model), sync)
+    )
+    with summed, _streaming_mode(parts), sync.step(), closing(store):  # close: frees what an error left
         with hooks.timed(CHECKPOINT_PASS):
             saved = forward_checkpoints(
                 parts, input_ids, config.chunk_size, store, gathered=sync.gathered, position_ids=position_ids,
                 layout=layout, prepare_embedding=sync.gather_head, attention=attention,
+                layer_forward=layer_passes.layer_forward if layer_passes else None,
             )  # fmt: skip
         store.rebuild_into = lambda index, source, sink: _rebuild(parts, saved, index, source, sink, config, sync)
         loss, grad, head_grads = _head(parts, saved, store, objective, config, hooks, sync)
-        _layers_backward(parts, saved, store, grad, config, attention, sync)
+        backward = layer_passes.layer_backward if layer_passes else layer_backward
+        _layers_backward(parts, saved, store, grad, config, attention, sync, backward)
         if trainable(parts.embed):
             sync.gather_head()
             embedding_grads = ChunkGradAccumulator(trainable(parts.embed), config.fp32_grad_accumulation, hooks.kinds)
@@ -97,7 +123,7 @@ def stream_backward(
         head_grads.finish()  # no-op unless tied
     if hooks.timer is not None:
         hooks.timer.finish()
-    return loss
+    return loss if sequence_parallel is None else reduce_loss(sequence_parallel, loss, objective)
 
 
 def _store(config: StreamConfig, num_layers: int, hooks: StepHooks) -> CheckpointStore:
@@ -133,7 +159,9 @@ def _head(parts: DecoderParts, saved: Checkpoints, store, objective, config: Str
     return loss, grad, head_grads
 
 
-def _layers_backward(parts: DecoderParts, saved: Checkpoints, store, grad, config, attention, sync: GradSync) -> None:
+def _layers_backward(
+    parts: DecoderParts, saved: Checkpoints, store, grad, config, attention, sync: GradSync, backward=layer_backward
+) -> None:
     """Layers L-1 down to 0: each layer's chunked backward, its gradient reduced once, X_l freed."""
     progress, num_layers = attention.hooks.progress, len(parts.layers)
     embed_trainable = bool(trainable(parts.embed))
@@ -142,7 +170,7 @@ def _layers_backward(parts: DecoderParts, saved: Checkpoints, store, grad, confi
     for index in reversed(range(num_layers)):
         layer = parts.layers[index]
         sync.begin(layer)
-        layer_backward(
+        backward(
             layer, store.get(index, grad.device), grad, saved.layer_kwargs[index], config=config, attention=attention,
             need_input_grad=embed_trainable or index > 0, call=sync.call(layer), layout=saved.layout,
             key_values=parts.key_values,
@@ -176,7 +204,7 @@ def _rebuild(
     run hook-free (grad_sync.py)."""
     layer = parts.layers[index]
     with timed(saved.layer_inputs.timer, REBUILD), torch.no_grad(), sync.rebuilding(layer):
-        chunked_layer_forward(
+        saved.layer_forward(
             sync.call(layer), source, sink, saved.layer_kwargs[index], config.chunk_size, saved.layout,
             saved.attention,
         )  # fmt: skip

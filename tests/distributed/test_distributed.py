@@ -307,8 +307,11 @@ def test_sequence_parallel_attention_is_refused():
     from sbpbench.core.parallel.grad_sync import check_no_sequence_parallel
 
     model = torch.nn.Linear(2, 2)
-    with pytest.raises(ValueError, match="sequence/context parallel"):
+    with pytest.raises(ValueError, match="looks sequence parallel"):
         check_no_sequence_parallel(model, SimpleNamespace(_attn_implementation="ulysses"))
+    with pytest.raises(ValueError, match="ring attention"):
+        check_no_sequence_parallel(model, SimpleNamespace(_attn_implementation="ring_flash"), told=True)
+    check_no_sequence_parallel(model, SimpleNamespace(_attn_implementation="ulysses"), told=True)
     check_no_sequence_parallel(model, SimpleNamespace(_attn_implementation="sdpa"))
 
 

@@ -52,13 +52,13 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model.module if is_engine(model) else model
 
 
-def for_model(model: nn.Module, parts: DecoderParts) -> GradSync:
+def for_model(model: nn.Module, parts: DecoderParts, *, sequence_parallel: bool = False) -> GradSync:
     """The adapter for `model`: `DeepSpeedSync` for a DeepSpeedEngine, FSDP2 when any module is an
     FSDPModule, else `NoSync`. FSDP2: each decoder layer must be its own FSDP unit; embedding, final
     norm and lm_head must belong to the root unit or to units holding no decoder layer. A module
-    under ZeRO given without its engine is refused, and so is sequence/context parallelism
-    (check_no_sequence_parallel)."""
-    check_no_sequence_parallel(model, parts.config)
+    under ZeRO given without its engine is refused, and so is sequence/context parallelism that
+    StreamBP is not told of (check_no_sequence_parallel; sequence_parallel: it is, sequence_step.py)."""
+    check_no_sequence_parallel(model, parts.config, told=sequence_parallel)
     if is_engine(model):
         return DeepSpeedSync(model, parts)
     if under_zero(model):
@@ -79,31 +79,49 @@ def for_model(model: nn.Module, parts: DecoderParts) -> GradSync:
 
 
 # Sequence/context parallelism splits T over ranks and exchanges keys/values inside attention
-# (Ulysses all-to-all, ring attention). StreamBP replaces the attention function with its own, which
-# splices a prefix of K/V held on this rank: under a sequence split it would silently attend to a
-# local slice only. Recognised by the attention implementation's name or a device-mesh dimension.
-_SEQUENCE_PARALLEL_ATTENTION = ("ulysses", "ring", "context", "sequence", "usp")
-_SEQUENCE_PARALLEL_MESH_DIMS = {"cp", "sp", "context", "sequence"}
+# (Ulysses all-to-all, ring attention). StreamBP replaces the attention function with its own: not
+# told of the split (`stream_backward(..., sequence_parallel=...)`), it would attend to a local slice
+# only. Recognised by the attention implementation's name or a device-mesh dimension. Told, it does
+# Ulysses' all-to-alls itself (parallel/sequence_layer.py), so Ulysses' attention and an "sp" mesh
+# dimension pass; ring attention and torch's context parallel ("cp") stay refused: their causal path
+# needs equal query and key lengths, and every StreamBP chunk attends over a longer prefix.
+_ULYSSES_ATTENTION = ("ulysses", "sequence", "usp")
+_RING_ATTENTION = ("ring", "context")
+_ULYSSES_MESH_DIMS = {"sp", "sequence"}
+_RING_MESH_DIMS = {"cp", "context"}
+_RING_REASON = (
+    "torch's context parallel and ring attention are refused: their causal attention needs equal query and key "
+    "lengths (NotImplementedError otherwise), and each StreamBP chunk attends over a longer prefix; use "
+    "Ulysses sequence parallelism, stream_backward(..., sequence_parallel=SequenceParallel(group))"
+)
 
 
-def check_no_sequence_parallel(model: nn.Module, config) -> None:
-    """Raise ValueError if the model looks sequence/context parallel (see above)."""
+def check_no_sequence_parallel(model: nn.Module, config, *, told: bool = False) -> None:
+    """Raise ValueError if the model looks sequence/context parallel in a way StreamBP does not run
+    (see above). told: the step was given its sequence-parallel group."""
     attention = str(getattr(config, "_attn_implementation", "") or "").lower()
-    if any(hint in attention for hint in _SEQUENCE_PARALLEL_ATTENTION):
+    if any(hint in attention for hint in _RING_ATTENTION):
+        raise ValueError(f"attention implementation {attention!r} looks like ring attention: {_RING_REASON}")
+    if not told and any(hint in attention for hint in _ULYSSES_ATTENTION):
         raise ValueError(
-            f"attention implementation {attention!r} looks sequence/context parallel (Ulysses, ring attention): "
-            "StreamBP splices each chunk's prefix keys/values on one rank and cannot compose with a sequence "
-            "split; use data parallelism (FSDP2, DeepSpeed ZeRO) and StreamBP's own chunking for long sequences"
+            f"attention implementation {attention!r} looks sequence parallel (Ulysses): pass the group, "
+            "stream_backward(..., sequence_parallel=SequenceParallel.from_deepspeed()), so that StreamBP does "
+            "the all-to-alls itself (docs/distributed.md)"
         )
     for name, param in model.named_parameters():
         mesh = getattr(param, "device_mesh", None)  # DTensor parameters (FSDP2, tensor parallel)
         dims = [] if mesh is None else (getattr(mesh, "mesh_dim_names", None) or [])
-        split = [dim for dim in dims if _SEQUENCE_PARALLEL_MESH_DIMS & set(str(dim).lower().split("_"))]
-        if split:
+        words = {dim: set(str(dim).lower().split("_")) for dim in dims}
+        ring = [dim for dim in dims if _RING_MESH_DIMS & words[dim]]
+        if ring:
             raise ValueError(
-                f"parameter {name} lives on a device mesh with sequence/context-parallel dimension(s) {split}: "
-                "StreamBP cannot compose with a sequence split (its chunks attend to a prefix held on one rank); "
-                "shard over data-parallel dimensions only"
+                f"parameter {name} lives on a device mesh with context-parallel dimension(s) {ring}: {_RING_REASON}"
+            )
+        split = [dim for dim in dims if _ULYSSES_MESH_DIMS & words[dim]]
+        if split and not told:
+            raise ValueError(
+                f"parameter {name} lives on a device mesh with sequence-parallel dimension(s) {split}: pass the group, "
+                "stream_backward(..., sequence_parallel=SequenceParallel.from_mesh(mesh, 'sp')) (docs/distributed.md)"
             )
         if mesh is not None:
             break  # one DTensor parameter tells the mesh of all
