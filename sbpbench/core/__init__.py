@@ -3,7 +3,8 @@
 A training loop calls `stream_backward(model, input_ids, labels, config=StreamConfig(...))`
 instead of `model(..., labels=labels).loss.backward()`: same loss, same gradients, without
 full-sequence logits or a whole layer's intermediates in memory. `StepHooks` is what a caller
-watches of a step (a timer, progress, memory kinds). Imports torch and transformers only.
+watches of a step (a timer, progress, memory kinds); `SequenceParallel` the ranks that share
+each sequence (Ulysses). Imports torch and transformers only.
 core/README.md tells the algorithm as this package implements it, in its order of work.
 This module is the library's face; internal.py is what sbpbench's own packages use besides.
 """
@@ -14,6 +15,7 @@ from .cuda_calls import release_pinned_memory
 from .hooks import LayerProgress, StepHooks
 from .labels import IGNORE_INDEX
 from .objectives import DPO, GRPO, SFT, Objective
+from .parallel.sequence_group import SequenceParallel
 from .phases import PhaseTimer, PhaseTimes
 from .placements.placement import Placement
 from .stream import stream_backward
@@ -31,6 +33,7 @@ __all__ = [
     "PhaseTimer",
     "PhaseTimes",
     "Placement",
+    "SequenceParallel",
     "StepHooks",
     "StreamConfig",
     "UnsupportedModelError",

@@ -45,13 +45,13 @@ def serve_cases(rank: int, cases, queue, run_case: Callable, finish: Callable[[]
         os._exit(0)
 
 
-def run_distributed(cases, target: Callable, timeout_s: float = 240.0) -> dict:
-    """Run `cases` in one spawn of WORLD ranks, `target(rank, port, cases, queue)` each;
+def run_distributed(cases, target: Callable, timeout_s: float = 240.0, world: int = WORLD) -> dict:
+    """Run `cases` in one spawn of `world` ranks, `target(rank, port, cases, queue)` each;
     {name: (full grads, counts)} from rank 0."""
     context = mp.get_context("spawn")
     queue = context.Queue()
     port = free_port()
-    workers = [context.Process(target=target, args=(rank, port, cases, queue)) for rank in range(WORLD)]
+    workers = [context.Process(target=target, args=(rank, port, cases, queue)) for rank in range(world)]
     for worker in workers:
         worker.start()
     results, waited = {}, 0.0

@@ -83,7 +83,21 @@ class SequenceShards:
         if pad:
             tail = tensor.new_full((tensor.shape[0], pad, *tensor.shape[2:]), fill)
             tensor = torch.cat([tensor, tail], dim=1)
-        return tensor.index_select(1, self.positions().to(tensor.device))
+        # slices of the tensor, not an index tensor: no op takes anything but the batch, so the
+        # memory simulator runs them for real and the head can read the cut labels (simulate/sequence_parallel.py)
+        return torch.cat([tensor[:, start:end] for start, end in self.ranges()], dim=1)
+
+    def ranges(self, rank: int | None = None) -> list[tuple[int, int]]:
+        """`rank`'s global [start, end) ranges in local order, adjacent ones merged (contiguous: one)."""
+        rank = self.rank if rank is None else rank
+        merged: list[list[int]] = []
+        for index in range(len(self.chunks)):
+            start, end = self.block(rank, index)
+            if merged and merged[-1][1] == start:
+                merged[-1][1] = end
+            else:
+                merged.append([start, end])
+        return [(start, end) for start, end in merged]
 
 
 def shard_objective(objective, shards: SequenceShards, reduce, grad_scale: float = 1.0):
