@@ -172,6 +172,10 @@ class FSDP2Sync(GradSync):
             if all(owner._get_fsdp_state() is not unit._get_fsdp_state() for unit in self.head_units):
                 self.head_units.append(owner)
 
+    def sequence_parallel_scale(self, world: int) -> float:
+        # FSDP2 averages over its mesh, which holds the sequence ranks (a flattened dp_shard x sp)
+        return float(world)
+
     def begin_step(self) -> None:
         # The root's forward would initialise FSDP lazily; StreamBP never calls it (it would build
         # full logits), so initialise here, before the first layer's hook could claim to be the root.

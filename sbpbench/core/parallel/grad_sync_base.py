@@ -45,6 +45,12 @@ class GradSync:
     def end_step(self) -> None:
         pass
 
+    def sequence_parallel_scale(self, world: int) -> float:
+        """What each rank's loss is multiplied by under sequence parallelism over `world` ranks, so
+        that the engine's reduction leaves the whole sequence's gradient: 1 where it sums over the
+        sequence ranks (here the step itself sums: parallel/sequence_step.py)."""
+        return 1.0
+
     def objective(self, objective):
         """The objective as the engine's backward would see it (DeepSpeed: gradient / accumulation steps)."""
         return objective

@@ -120,6 +120,21 @@ class DeepSpeedSync(GradSync):
         self.divisor = engine.gradient_accumulation_steps()
         self._gathers: dict[int, ExitStack] = {}  # ZeRO-3: id(first module of a unit) -> its gather
 
+    def sequence_parallel_scale(self, world: int) -> float:
+        """DeepSpeed 0.19 with an mpu of sequence-parallel groups: ZeRO-0/1/2 divide each gradient by
+        the data-parallel size alone (world / sp, stage_1_and_2.py), so they sum over the sequence
+        ranks; ZeRO-3's reduce-scatter (`reduce_scatter_coalesced`) divides by every rank, so each
+        rank's loss is scaled by P. ZeRO-3 without reduce_scatter divides by one or the other per
+        bucket (its contiguous path corrects for sp, the other does not): refused."""
+        if not self.zero3:
+            return 1.0
+        if not getattr(self.engine.optimizer, "reduce_scatter", True):
+            raise ValueError(
+                "ZeRO-3 with reduce_scatter false averages gradients over the sequence ranks in some buckets and "
+                "not in others; keep zero_optimization.reduce_scatter true (the default) with sequence parallelism"
+            )
+        return float(world)
+
     def objective(self, objective):
         return objective if self.divisor == 1 else _ScaledGradient(objective, self.divisor)
 

@@ -57,19 +57,18 @@ class SequenceParallel:
         """DeepSpeed's sequence-parallel group, as `deepspeed.runtime.sequence_parallel.parallel_state_sp`
         (ALST's `UlyssesSPAttentionHF.register_with_transformers`) or `deepspeed.utils.groups` made it."""
         group = None
-        try:
+        try:  # ALST's groups (register_with_transformers, or initialize_sequence_parallel itself)
             from deepspeed.runtime.sequence_parallel import parallel_state_sp
 
-            if parallel_state_sp.model_parallel_is_initialized():
-                group = parallel_state_sp.get_sequence_parallel_group()
-        except (ImportError, AttributeError):
+            group = getattr(parallel_state_sp, "_SEQUENCE_PARALLEL_GROUP", None)
+        except ImportError:
             pass
         if group is None:
-            try:
+            try:  # the engine's: an mpu given to deepspeed.initialize, or its device mesh
                 from deepspeed.utils import groups
 
                 group = groups._get_sequence_parallel_group()
-            except (ImportError, AttributeError, AssertionError):
+            except (ImportError, AttributeError, AssertionError, KeyError):
                 group = None
         if group is None:
             raise ValueError(

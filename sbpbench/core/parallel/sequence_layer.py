@@ -153,6 +153,27 @@ class SequenceParallelStep:
 
         return through_layer
 
+    def _keys_from_normed(self, layer, call, kwargs):
+        """(normed (B, c, d), the chunk's input, sliced kwargs) -> (keys, values), in the graph of
+        `normed`: the family's recipe after input_layernorm, or the layer run up to its attention
+        call with input_layernorm's output replaced by `normed`."""
+        project = key_value_projection(layer, call, kwargs, self.recipe)
+        if project is not None:
+            return lambda normed, hidden, sliced: project(normed, sliced, normed=True)[:2]
+
+        def through_layer(normed, hidden, sliced):
+            state = _GraphKeys()
+            handle = layer.input_layernorm.register_forward_hook(lambda module, args, output: normed)
+            try:
+                call(hidden, **sliced, **{STATE_KWARG: state})
+            except KVCaptured:
+                return state.key, state.value
+            finally:
+                handle.remove()
+            raise RuntimeError(f"{type(layer).__name__} never called its attention function")
+
+        return through_layer
+
     def _layer_of(self, call) -> nn.Module:
         layer = getattr(call, "__self__", call)
         return self._layers.get(id(layer), layer)
@@ -197,12 +218,12 @@ class SequenceParallelStep:
         """layer_backward.layer_backward's counterpart (same arguments; layout is None here)."""
         call = layer if call is None else call
         hooks, shards = attention.hooks, self.shards
-        project = key_value_projection(layer, call, kwargs, self.recipe)
-        if project is None:
+        norm = getattr(layer, "input_layernorm", None)
+        if norm is None:
             raise ValueError(
-                f"sequence-parallel StreamBP recomputes keys/values by the family's recipe, and {type(layer).__name__} "
-                "as called here has none (a patched forward or a pre-hook on the layer or its attention)"
+                f"sequence-parallel StreamBP needs the layer's input_layernorm; {type(layer).__name__} has none"
             )
+        keys_of = self._keys_from_normed(layer, call, kwargs)
         with hooks.timed(KV_CAPTURE):
             kv = self.head_space_keys(layer, call, layer_input, kwargs, hooks)
             acc_dtype = torch.promote_types(kv.keys.dtype, torch.float32)
@@ -222,16 +243,19 @@ class SequenceParallelStep:
                 grad_key, grad_value = self._position_grads(kv, index)  # (B, max(h_kv, P), c, hd) fp32
                 chunk_input = chunk.detach().requires_grad_(need_input_grad)
                 with torch.enable_grad():
-                    normed = layer.input_layernorm(chunk_input)  # (B, c, d)
-                    key, value, _ = project(normed, chunk_kwargs(kwargs, start, end), normed=True)
+                    normed = norm(chunk_input)  # (B, c, d)
+                    cut = normed.detach().requires_grad_()  # the keys' and values' share gathers here
+                    key, value = keys_of(cut, chunk.detach(), chunk_kwargs(kwargs, start, end))
                 roots = [
                     (key, self._unreplicated(grad_key, key.shape[1]).to(key.dtype)),
                     (value, self._unreplicated(grad_value, value.shape[1]).to(value.dtype)),
-                    (normed, grad_normed[:, start:end]),
                 ]
                 roots = [(root, g) for root, g in roots if root.requires_grad]
                 if roots:
                     torch.autograd.backward([r for r, _ in roots], [g for _, g in roots])
+                share = grad_normed[:, start:end] if cut.grad is None else grad_normed[:, start:end] + cut.grad
+                if normed.requires_grad:  # the norm's backward (fp32 inside) once, on the whole sum
+                    normed.backward(share)
                 if need_input_grad and chunk_input.grad is not None:
                     (dx,) = grad.chunks([(start, end)])
                     grad.write(start, end, dx + chunk_input.grad)  # the norm's share of dX added

@@ -5,10 +5,10 @@ parameter gradients summed over the group.
 Each rank's chunks give the gradient of its positions' share of the loss; the step's gradient is
 their sum over the group. In one process per rank (no data-parallel engine) the step sums them
 itself, one all-reduce per parameter after the step, the gradients already in `.grad` (gradient
-accumulation) set aside and added back after. Under FSDP2 or DeepSpeed the engine averages the
-gradients over every rank of its mesh, the sequence-parallel ones included (FSDP2 sharded over a
-flattened dp_shard x sp mesh, as torchtitan and ALST do): each rank's loss is then scaled by P, so
-the average is the data ranks' mean of whole-sequence gradients.
+accumulation) set aside and added back after. Under FSDP2 or DeepSpeed the engine reduces them:
+FSDP2 sharded over a flattened dp_shard x sp mesh (as torchtitan does) averages over every rank, so
+each rank's loss is scaled by P and the average is the data ranks' mean of whole-sequence
+gradients; DeepSpeed's divisor depends on its stage (`GradSync.sequence_parallel_scale`).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def local_batch(
         layout=LAYOUTS.index(group.layout), num_layers=len(parts.layers),
     )  # fmt: skip
     shards = SequenceShards(seq_len, group.world, group.rank, chunk_size, group.layout)
-    scale = 1.0 if type(sync) is NoSync else float(group.world)
+    scale = sync.sequence_parallel_scale(group.world)  # 1 where the step or the engine sums over the group
     local = shard_objective(objective, shards, group.all_reduce, grad_scale=scale)
     positions = shards.positions().to(input_ids.device)
     return LocalBatch(
