@@ -1,5 +1,6 @@
-"""README.md and the docs: every relative link resolves, and each generated block (README's results
-tables, the H100 study's report) is what `sbp report` prints from the committed rows.
+"""README.md and the docs: every relative link and quoted repository path resolves, and each
+generated block (README's results tables, the H100 study's report) is what `sbp report` prints from
+the committed rows.
 
 Run `python tests/cli/test_docs.py` to rewrite every block from those rows (then read the diff).
 """
@@ -71,6 +72,37 @@ def _broken_links(page: Path) -> list[str]:
         elif anchor and resolved.suffix == ".md" and anchor not in _anchors(resolved):
             broken.append(f"{page.relative_to(ROOT)}: {target} (no heading #{anchor})")
     return broken
+
+
+# A path in a page's text, code span or command: path characters around a slash. The lookbehind
+# keeps a URL's tail out (a slash or dot before it), and a <placeholder> is skipped by its caller.
+QUOTED_PATH = re.compile(r"(?<![\w./<~:-])\.?[\w-]+(?:/[\w.-]*)+")
+
+
+def _written_by_a_command(path: str, before: str) -> bool:
+    """A path a command writes, not one the repository holds. That is anything directly in results/:
+    results/runs.csv, results/<experiment>.csv and results/cpu-selftest/ are the commands' outputs,
+    and committed rows live one folder down (results/<hardware>/). So is the argument of --out or -o."""
+    parts = Path(path).parts
+    return (parts[0] == "results" and len(parts) == 2) or re.search(r"(--out|-o)[ =]$", before) is not None
+
+
+def _unresolved_paths(page: Path) -> list[str]:
+    """Paths the page quotes that start at a folder of the repository, of the package (`methods/...`
+    means sbpbench/methods/...) or beside the page, and name nothing there."""
+    bases = [ROOT, ROOT / "sbpbench", page.parent]
+    starts = {entry.name for base in bases for entry in base.iterdir()}
+    unresolved = []
+    for number, line in enumerate(page.read_text().splitlines(), 1):
+        for match in QUOTED_PATH.finditer(line):
+            path, after = match.group(0).rstrip("."), line[match.end() : match.end() + 1]
+            if path.split("/")[0] not in starts or after in ("<", "*", "{"):
+                continue  # a model id (`Qwen/Qwen3-8B`), a ratio, a placeholder (`results/gpu/<device>/`)
+            if _written_by_a_command(path, line[: match.start()]):
+                continue
+            if not any((base / path).exists() for base in bases):
+                unresolved.append(f"{page.relative_to(ROOT)}:{number}: {path}")
+    return unresolved
 
 
 def glance_now() -> str:
@@ -148,6 +180,29 @@ def test_link_check_sees_a_broken_link(tmp_path, monkeypatch):
         "page.md: missing.md (no such file in the repository)",
         "page.md: #nowhere (no heading #nowhere)",
     ]
+
+
+def test_quoted_repository_paths_resolve():
+    """Every repository path the pages quote (a code span, prose, a command's argument) names a file
+    or folder that exists; paths a command writes are left out."""
+    unresolved = [line for page in _pages() for line in _unresolved_paths(page)]
+    assert not unresolved, "\n".join(unresolved)
+
+
+def test_path_check_sees_a_moved_file(tmp_path, monkeypatch):
+    """The path check reports a quoted file that is not there and passes one that is, a package-relative
+    one, an output, a placeholder and a URL (so the test above can fail)."""
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    (tmp_path / "sbpbench" / "core" / "placements").mkdir(parents=True)
+    (tmp_path / "sbpbench" / "core" / "placements" / "placement.py").touch()
+    (tmp_path / "tests").mkdir()
+    page = tmp_path / "page.md"
+    page.write_text(
+        "See `sbpbench/core/placement.py` and core/placements/placement.py, tests/test_old.py.\n"
+        "    sbp run --out plots/mine && cat results/runs.csv results/gpu/<device>/runs.csv\n"
+        "[x](https://example.org/tests/gone.py) Qwen/Qwen3-8B, tiny/qwen3.\n"
+    )
+    assert _unresolved_paths(page) == ["page.md:1: sbpbench/core/placement.py", "page.md:1: tests/test_old.py"]
 
 
 @pytest.mark.parametrize("page, name, make", BLOCKS, ids=[name for _, name, _ in BLOCKS])
