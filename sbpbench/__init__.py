@@ -17,7 +17,7 @@ back-edge is in the wrong package. Any module may import this root module (it ru
     methods: the compared methods by name, the training step, exactness checks -> core, data, settings
     config: a point as a value (RunSpec, MaxlenSpec: made, checked and resolved once), experiment files -> settings, methods, models, measure, core, data
     workload: what a spec builds (model, batch, training step) and its row's key and provenance, for runner and simulate -> config, methods, models, data, measure, records
-    runner: points measured in own processes, sweeps, max-T search, timeouts, what a sweep costs -> workload, config, methods, measure, records, models, core, simulate
+    runner: points measured in own processes, sweeps, max-T search, timeouts, what a sweep costs -> workload, config, methods, measure, records, models, core, simulate, settings
     simulate: peak memory predicted under fake tensors -> workload, config, methods, measure, records, models, data, core, settings
     report: the results table beside the paper's numbers, as Markdown -> records, measure
     plot: figures of a results table -> records, measure, settings

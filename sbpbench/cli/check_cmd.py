@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from ..config import RunSpec
 
 # bp is the reference; lora_alpha is 2 x rank (with seeded non-zero B); nothing is timed (nor an SDPA kernel forced)
-UNTIMED = ("warmup", "repeats", "memory_limit", "timeout_s", "threads", "nproc", "sdpa_backend")
+UNTIMED = ("warmup", "repeats", "memory_limit", "timeout_s", "threads", "sdpa_backend")
 CHECK_FIELDS = run_fields_but("lora_alpha", "step", "protocol", *UNTIMED)
 
 EXAMPLES = (  # the end of its help (options.py examples)
@@ -41,6 +41,8 @@ EXAMPLES = (  # the end of its help (options.py examples)
         "chunk_size": f"StreamBP positions per layer chunk (default: {EXACTNESS_DEFAULTS['chunk_size']}).",
         "num_layers": f"Keep only the first N decoder layers (default: {EXACTNESS_DEFAULTS['num_layers']}).",
         "device": f"cpu, cuda or cuda:N (default: {EXACTNESS_DEFAULTS['device']}).",
+        "nproc": "Run the compared methods on N ranks (FSDP2, every rank on the one batch), bp in one process; "
+        "fp64 only (default: 1).",
     },
 )
 def check(settings: dict, methods: tuple[str, ...], out: ExactnessOutOpt = None) -> None:
@@ -80,9 +82,11 @@ def exactness_table(specs: list[RunSpec], results: list) -> Table:
     layers += f", LoRA r{run.lora_rank}" if run.lora_rank else ""
     chunks = f", chunk {streamed.settings.chunk_size}/{streamed.settings.logits_chunk_size}" if streamed else ""
     judged = run.dtype in ("fp32", "bf16")  # against an fp64 step, by bp's own error
+    ranked = specs[-1] if specs[-1].nproc > 1 else None  # the compared methods on ranks, bp in one process
+    where = f"on {ranked.nproc} ranks{f', {ranked.sp} per sequence' if ranked.sp > 1 else ''}, " if ranked else ""
     table = Table(
         title=f"{run.model} ({layers}), {run.objective}, {run.dtype}, B={run.batch_size}, T={run.seq_len}{chunks}: "
-        f"vs {results[0].reference}"
+        f"{where}vs {results[0].reference}" + (" in one process" if ranked else "")
     )
     columns = ("method", "result", "loss err", "grad err", "tolerance", "worst gradient")
     columns += (f"worst vs bp {run.dtype}",) if judged else ()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Annotated
 
 import typer
@@ -10,6 +11,7 @@ from rich.markup import escape
 
 from ..measure.units import parse_bytes
 from ..records import check_writable, upsert_rows
+from ..settings import default_of, ignored_knobs
 from .errors import user_errors
 from .options import (
     DEFAULT_GPU_MEMORY,
@@ -17,10 +19,13 @@ from .options import (
     RUN_FIELDS,
     ExactOpt,
     GpuMemoryOpt,
+    GpusOpt,
     check_sizes,
     out_option,
     point_command,
     predicted_gpu_point_helps,
+    say_ignored,
+    with_gpus,
 )
 from .outcomes import fail_if
 from .progress import Progress
@@ -37,8 +42,9 @@ HostMemoryOpt = Annotated[
     ),
 ]
 
-# a prediction is for a GPU: the GPU defaults (Qwen/Qwen3-4B, T=9000, bf16) unless told. Every point
-# setting parses; one the estimator does not model is refused (the settings table's `estimator`)
+# a prediction is for a GPU: the GPU defaults (Qwen/Qwen3-4B, T=9000, bf16) unless told, but the dtype
+# is the target's (fp32 for --target cpu, as `sbp run --device cpu`). Every point setting parses; one
+# the estimator does not model is refused (the settings table's `estimator`)
 ESTIMATE_FIELDS = RUN_FIELDS
 
 EstimateOutOpt = out_option("none, the table is only printed")
@@ -56,7 +62,13 @@ EXAMPLES = (  # the end of its help (options.py examples)
 )
 
 
-@point_command(ESTIMATE_FIELDS, helps=predicted_gpu_point_helps(), predicted=True)
+def _helps() -> dict[str, str]:
+    helps = predicted_gpu_point_helps()
+    cuda, cpu = default_of("dtype", "cuda"), default_of("dtype", "cpu")
+    return helps | {"dtype": f"Model dtype (default: {cuda}; {cpu} with --target cpu)."}
+
+
+@point_command(ESTIMATE_FIELDS, helps=_helps(), predicted=True)
 def estimate(
     settings: dict,
     methods: tuple[str, ...],
@@ -64,6 +76,7 @@ def estimate(
     host_memory: HostMemoryOpt = None,
     target: TargetOpt = "cuda",
     exact: ExactOpt = False,
+    gpus: GpusOpt = None,
     out: EstimateOutOpt = None,
 ) -> None:
     """Predict each method's peak GPU memory, without a GPU.
@@ -75,54 +88,86 @@ def estimate(
     (length.py), equal to the full run to the byte in tests."""
     check_sizes({"--gpu-memory": gpu_memory, "--host-memory": host_memory})
     from ..config import point_specs
-    from ..simulate import MARGIN_NOTE, TARGETS, check_estimate_host_memory
-    from ..simulate.depth import estimate_point_by_depth
+    from ..simulate import MARGIN_NOTE, TARGETS, check_estimate_host_memory, depth
 
     with user_errors():
         if target not in TARGETS:
             raise ValueError(f"unknown --target {target!r}; choose from {', '.join(TARGETS)}")
         gpu_memory_bytes = parse_bytes(gpu_memory or DEFAULT_GPU_MEMORY)
-        specs = point_specs({**settings, **PREDICTED_POINT}, methods, defaults_for="cuda")
+        settings, methods = with_gpus(settings, methods, gpus)
+        target_dtype = {"dtype": default_of("dtype", target)}  # the device's own, unless --dtype
+        specs = point_specs({**settings, **PREDICTED_POINT}, methods, defaults=target_dtype, defaults_for="cuda")
         check_estimate_host_memory(specs)  # its real batches fit this machine
         if out is not None:
             check_writable(out)
+    say_ignored(ignored_knobs([spec.method for spec in specs], settings))
     console = Console()
-    rows = []
     host_memory_bytes = parse_bytes(host_memory) if host_memory else None  # read by check_sizes
-    with Progress(Console(stderr=True), len(specs)) as progress:  # stdout: the result alone
+    estimate_one = functools.partial(
+        depth.estimate_point_by_depth, target=target, gpu_memory_bytes=gpu_memory_bytes,
+        host_memory_bytes=host_memory_bytes, exact=exact,
+    )  # fmt: skip
+    rows = _estimate_each(specs, estimate_one, out)
+    print_table(console, estimate_table(rows, gpu_memory_bytes, MARGIN_NOTE))
+    _say_failures(console, rows)
+    print_host_side(console, rows, host_memory_bytes)
+    print_collectives(console, specs, rows)
+    _say_written(console, rows, out)
+    fail_if(any(row.status == "error" for row in rows))
+
+
+def _estimate_each(specs: list, estimate_one, out) -> list:
+    """Each spec's estimate row, progress on stderr (stdout: the result alone), each row upserted into out."""
+    rows = []
+    with Progress(Console(stderr=True), len(specs)) as progress:
         for spec in specs:
             progress.start(f"simulating {spec.method} ({spec.model}, T={spec.seq_len})")
             note = lambda line, method=spec.method: progress.note(f"{method}: {line}")
-            row = estimate_point_by_depth(
-                spec, target=target, gpu_memory_bytes=gpu_memory_bytes, host_memory_bytes=host_memory_bytes,
-                exact=exact, note=note,
-            )  # fmt: skip
+            row = estimate_one(spec, note=note)
             progress.advance(f"{spec.method}: {row.status}")
             rows.append(row)
             if out is not None:
                 with user_errors():  # a failed write says where the rows are
                     upsert_rows(out, [row])
-    print_table(console, estimate_table(rows, gpu_memory_bytes, MARGIN_NOTE))
-    _say_failures(console, rows)
-    print_host_side(console, rows, host_memory_bytes)
-    _say_written(console, rows, out)
-    fail_if(any(row.status == "error" for row in rows))
+    return rows
 
 
 def print_host_side(console: Console, rows: list, host_memory_bytes: int | None) -> None:
     """Each placement's host side: what its buffers and the process need, against --host-memory."""
-    from ..simulate.estimate import host_peak_bytes
+    from ..simulate.estimate import host_peak_bytes, ranks_per_node
 
     for row in rows:
         if not row.host_pinned_peak_bytes or row.status in ("error", "unsupported"):
             continue
-        need = f"{row.method}: host needs {host_peak_bytes(row) / GIB:.2f} GiB (pinned checkpoints + process)"
+        ranks = ranks_per_node(row)
+        each = f" of each of {ranks} ranks on the node" if ranks > 1 else ""
+        need = f"{row.method}: host needs {host_peak_bytes(row) / GIB:.2f} GiB (pinned checkpoints + process{each})"
         if host_memory_bytes is None:
             console.print(f"{need}; --host-memory checks it", highlight=False)
         elif row.error.startswith("host"):
             console.print(f"[red]{need}: over --host-memory {host_memory_bytes / GIB:.2f} GiB[/]", highlight=False)
         else:
             console.print(f"{need}: fits --host-memory {host_memory_bytes / GIB:.2f} GiB", highlight=False)
+
+
+def print_collectives(console: Console, specs: list, rows: list) -> None:
+    """Where GPUs share each sequence: what the numbers are per, and what a GPU sends per step."""
+    from ..simulate.plan import meta_model
+    from ..simulate.sequence_parallel import collective_bytes
+    from ..simulate.timing import rebuilt_layers
+
+    for spec, row in zip(specs, rows):
+        if spec.sp == 1 or row.status in ("error", "unsupported"):
+            continue
+        rebuilt = rebuilt_layers(spec.settings.checkpoints, row.num_layers)
+        sent = collective_bytes(spec, meta_model(spec), rebuilt_layers=rebuilt)
+        console.print(
+            f"{row.method}: memory per GPU of {spec.nproc} sharing each sequence (Ulysses, FSDP2 FULL_SHARD over all "
+            f"{spec.nproc}; each holds {-(-spec.seq_len // spec.sp):,} positions); each GPU sends {sent.total / GIB:.1f} "
+            f"GiB per step: {sent.all_to_all / GIB:.1f} in all-to-alls, {sent.fsdp / GIB:.1f} in FSDP2's gathers and "
+            "reduce-scatters (predicted from the shapes)",
+            highlight=False,
+        )
 
 
 def _say_failures(console: Console, rows: list) -> None:

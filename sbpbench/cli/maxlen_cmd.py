@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -12,9 +14,10 @@ from ..measure.host_memory import total_ram_bytes
 from ..measure.units import parse_bytes
 from ..records import ResultRow, check_writable
 from ..runner.outcome import written_line
-from ..settings import SEARCH_SETTINGS, default_of
-from ..settings.table import NOT_ESTIMATED
+from ..settings import SEARCH_SETTINGS, default_of, ignored_knobs
+from ..settings.table import NOT_ESTIMATED, not_estimated
 from .errors import user_errors
+from .flags import FLAGS
 from .options import (
     BudgetOpt,
     ExactOpt,
@@ -25,12 +28,14 @@ from .options import (
     point_command,
     refuse_unestimated,
     run_fields_but,
+    say_ignored,
 )
 from .outcomes import finish
 from .progress import Progress
 from .tables import maxlen_table, print_table
 
 if TYPE_CHECKING:
+    from ..config import MaxlenSpec
     from ..runner.searches import Probing
 
 DEFAULT_OUT = Path("results/maxlen.csv")
@@ -112,6 +117,7 @@ def maxlen(
             check_measurable([search.base for search in searches])
         out = out or (SIMULATED_OUT if simulate else DEFAULT_OUT)
         check_writable(out)
+    searches = _noticed(searches, settings, simulate)
     console = Console()
     with user_errors(), Progress(console, len(searches)) as progress:
         outcome = run_searches(searches, out, probing=probing, resume=resume, steps=progress)
@@ -121,6 +127,36 @@ def maxlen(
         _say_past_context(console, searches[0].base.model, outcome.rows)
         console.print(written_line(outcome, out, "max-length answer(s)"), highlight=False, soft_wrap=True)
     finish(console, outcome)
+
+
+def _noticed(searches: list[MaxlenSpec], settings: dict, simulate: bool) -> list[MaxlenSpec]:
+    """The notices before work: knobs a method ignores; measured searches lose a seed the estimator cannot make."""
+    say_ignored(ignored_knobs([search.method for search in searches], settings))
+    return searches if simulate else without_unmodelled_seeds(searches)
+
+
+def without_unmodelled_seeds(searches: list[MaxlenSpec]) -> list[MaxlenSpec]:
+    """The searches, each given a setting the estimator does not model (runner/simulated_search.py
+    `unmodelled`, what `sbp estimate` refuses) now without its seed, which would predict another
+    point than its probes measure; one notice line on stderr per such setting, naming its flag."""
+    from ..runner.simulated_search import unmodelled
+
+    found: dict[str, list[str]] = {}
+    kept = []
+    for search in searches:
+        setting = unmodelled(search.base) if search.seed_from_estimate else None
+        if setting is not None:
+            found.setdefault(setting[0], []).append(search.method)
+            search = replace(search, seed_from_estimate=False)
+        kept.append(search)
+    for name, methods in found.items():
+        print(
+            f"notice: {FLAGS[name]} is not modelled by the estimator ({not_estimated(name)}): no seed for "
+            f"{', '.join(methods)}; the search grows from T={searches[0].start:,}",
+            file=sys.stderr,
+            flush=True,
+        )
+    return kept
 
 
 def _probing(settings: dict, simulate: bool, gpu_memory, host_memory, exact: bool, budget: str | None) -> Probing:

@@ -15,15 +15,16 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
 from ..measure.units import parse_bytes
-from ..settings import POINT_SETTINGS, SETTINGS, ConfigError, default_of
+from ..settings import POINT_SETTINGS, SETTINGS, ConfigError, IgnoredKnob, default_of
 from ..settings.model_names import check_model_name
 from ..settings.table import NOT_ESTIMATED, has_flag, not_estimated
 from .errors import user_errors
@@ -113,6 +114,22 @@ HostMemoryOpt = Annotated[
 ExactOpt = Annotated[
     bool,
     typer.Option("--exact", help="Predict at the point's own depth and length, not from shorter runs (slow)."),
+]
+# `sbp estimate` and `sbp plan`: P GPUs of one node sharing each sequence (simulate/sequence_parallel.py)
+GpusOpt = Annotated[
+    str | None,
+    typer.Option(
+        metavar="P",
+        help="P GPUs of one node sharing each sequence (Ulysses), FSDP2 FULL_SHARD over all P, as `sbp run "
+        "--nproc P --sp P` runs them: GPU memory per GPU, host memory per node (default: 1, one GPU).",
+    ),
+]
+InterconnectOpt = Annotated[
+    str | None,
+    typer.Option(
+        metavar="RATE",
+        help="GPU-to-GPU bandwidth each way with --gpus, e.g. 450GB/s (default: 450GB/s, NVLink 4 of an H100 SXM).",
+    ),
 ]
 # `sbp check` (here: a point command's own options resolve in this module)
 ExactnessOutOpt = Annotated[
@@ -229,6 +246,45 @@ def refuse_unestimated(settings: dict[str, Any], names: tuple[str, ...]) -> None
         value = settings.get(name)
         if value is not None and value != SETTINGS[name].default:
             raise ValueError(f"{FLAGS[name]} is not modelled by the estimator: {not_estimated(name)}")
+
+
+def say_ignored(found: list[IgnoredKnob], names: Mapping[str, str] = FLAGS, where: str = "") -> None:
+    """One notice line on stderr per knob given that some of the methods to run do not read
+    (settings.ignored_knobs), named as the user wrote it (`names`: flags; an experiment file's keys are
+    its names) after `where`: "notice: --checkpoints is read only by streambp; bp ignores it"."""
+    for knob in found:
+        ignore = "ignores" if len(knob.ignored_by) == 1 else "ignore"
+        print(
+            f"notice: {where}{names.get(knob.knob, knob.knob)} is read only by {', '.join(knob.read_by)}; "
+            f"{', '.join(knob.ignored_by)} {ignore} it",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def with_gpus(settings: dict[str, Any], methods: tuple[str, ...], gpus: str | None):
+    """(settings, methods) for --gpus P: nproc and sp P, StreamBP the method (the estimator models the
+    core's sequence parallelism, not the peers'); unchanged without it or with P = 1. ValueError
+    (one line) for a P that is not a whole number of GPUs, or given with --nproc or another method."""
+    if gpus is None:
+        return settings, methods
+    if not gpus.isdigit() or int(gpus) < 1:
+        raise ValueError(f"--gpus takes a number of GPUs, at least 1, got {gpus!r}")
+    if int(gpus) == 1:
+        return settings, methods
+    if settings.get("nproc") not in (None, int(gpus)):
+        raise ValueError(f"--gpus {gpus} sets the ranks (--nproc {gpus} --sp {gpus}); leave --nproc out")
+    others = [m for m in methods if m != "streambp"]
+    if others:
+        raise ValueError(f"--gpus predicts streambp sharing each sequence; {', '.join(others)} is not modelled so")
+    return {**settings, "nproc": int(gpus), "sp": int(gpus)}, ("streambp",)
+
+
+def interconnect_bytes_s(text: str | None) -> float | None:
+    """--interconnect as bytes per second ("450GB/s"; the "/s" may be left out), None when not given."""
+    if text is None:
+        return None
+    return float(parse_bytes(text.strip().removesuffix("/s"), what="--interconnect"))
 
 
 def check_sizes(sizes: dict[str, str | None]) -> None:

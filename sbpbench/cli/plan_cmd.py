@@ -21,8 +21,12 @@ from .options import (
     PREDICTED_POINT,
     RUN_FIELDS,
     GpuMemoryOpt,
+    GpusOpt,
+    InterconnectOpt,
+    interconnect_bytes_s,
     point_command,
     predicted_gpu_point_helps,
+    with_gpus,
 )
 from .outcomes import fail_if
 from .progress import Progress
@@ -35,7 +39,7 @@ if TYPE_CHECKING:
 
 GIB = 2**30
 # what the planner decides itself: StreamBP on one GPU, its chunk size and checkpoint placement
-PLANNED = ("method", "nproc", "chunk_size", "checkpoints")
+PLANNED = ("method", "nproc", "sp", "chunk_size", "checkpoints")
 # the rest of a point and StreamBP's other knobs; one the estimator does not model is refused, as by
 # `sbp estimate` (the settings table's `estimator`)
 PLAN_FIELDS = tuple(
@@ -55,9 +59,18 @@ PlanHostMemoryOpt = Annotated[
     ),
 ]
 
+RatesGpuOpt = Annotated[
+    str, typer.Option(metavar="NAME", help="The GPU whose measured rows give the rates: its device name contains this.")
+]
+RatesResultsOpt = Annotated[
+    Path, typer.Option(metavar="CSV|DIR", help="Results CSV or folder with those measured rows.")
+]
+AllCandidatesOpt = Annotated[bool, typer.Option("--all", help="Also list every candidate decided, with its reason.")]
+
 EXAMPLES = (  # the end of its help (options.py examples)
     "sbp plan --model Qwen/Qwen3-8B --seq 131072",
     "sbp plan --model Qwen/Qwen3-8B --seq 1048576 --lora-rank 64",
+    "sbp plan --gpus 8 --model Qwen/Qwen3-8B --seq 8388608 --host-memory 1TiB",
 )
 
 
@@ -67,35 +80,31 @@ def plan_command(
     methods: tuple[str, ...],
     gpu_memory: GpuMemoryOpt = None,
     host_memory: PlanHostMemoryOpt = None,
-    gpu: Annotated[
-        str,
-        typer.Option(metavar="NAME", help="The GPU whose measured rows give the rates: its device name contains this."),
-    ] = "H100",
-    results: Annotated[
-        Path, typer.Option(metavar="CSV|DIR", help="Results CSV or folder with those measured rows.")
-    ] = Path("results"),
-    all_candidates: Annotated[
-        bool, typer.Option("--all", help="Also list every candidate decided, with its reason.")
-    ] = False,
+    gpus: GpusOpt = None,
+    interconnect: InterconnectOpt = None,
+    gpu: RatesGpuOpt = "H100",
+    results: RatesResultsOpt = Path("results"),
+    all_candidates: AllCandidatesOpt = False,
 ) -> None:
     """Pick StreamBP's checkpoint placement and chunk size for a GPU.
 
     Candidate --checkpoints placements and layer chunk sizes, in order of predicted step time
-    (matmul and attention rates, chunk overheads, PCIe copies beyond the compute they overlap),
-    are ruled out by bounds or estimated (`sbp estimate`, from short fake runs) until one fits
-    both the GPU and the host. The rates come from measured rows of --gpu in --results when there
-    are any, else assumed from published H100 figures. Prints the fastest candidate of each kind of
-    placement and why it is or is not the plan, then the `sbp run` command that measures the plan.
-    Predictions, not measurements."""
+    (matmul and attention rates, chunk overheads, PCIe copies beyond the compute they overlap; with
+    --gpus a GPU's share and its collectives at --interconnect), are ruled out by bounds or estimated
+    (`sbp estimate`, from short fake runs) until one fits both the GPU and the host. The rates come
+    from measured rows of --gpu in --results when there are any, else assumed from published H100
+    figures. Prints the fastest candidate of each kind of placement and why it is or is not the plan,
+    then the `sbp run` command that measures the plan. --gpus P plans for P GPUs of one node sharing
+    each sequence. Predictions, not measurements."""
     from ..config import point_specs
     from ..simulate.plan import candidates, meta_model, plan, ruled_out_by, summary
-    from ..simulate.timing import fitted_rates
 
     with user_errors():
         gpu_bytes = parse_bytes(gpu_memory or DEFAULT_GPU_MEMORY)
         host_bytes = parse_bytes(host_memory) if host_memory else total_ram_bytes()
+        settings, _ = with_gpus(settings, (), gpus)
         (spec,) = point_specs({**settings, **PREDICTED_POINT}, ["streambp"], defaults_for="cuda")
-        rates = fitted_rates(results, gpu, meta_model)
+        rates = plan_rates(results, gpu, interconnect)
     console = Console()
     print_notices(console, host_memory, host_bytes, results, gpu, rates)
     with Progress(console, None) as progress:
@@ -111,7 +120,43 @@ def plan_command(
         console.print(f"[red]nothing fits[/]: {advice(ruled_out_by(spec, tried, gpu_bytes))}", highlight=False)
     fail_if(chosen is None)
     print_choice(console, spec, chosen, gpu_bytes, host_bytes)
+    print_shared(console, spec, chosen, rates)
     console.print(run_command(settings, spec, chosen), highlight=False, soft_wrap=True)
+
+
+def plan_rates(results: Path, gpu: str, interconnect: str | None) -> Rates:
+    """The time model's rates: fitted to --results' rows of --gpu where there are any, the
+    interconnect's from --interconnect where given."""
+    from dataclasses import replace
+
+    from ..simulate.plan import meta_model
+    from ..simulate.timing import fitted_rates
+
+    rates = fitted_rates(results, gpu, meta_model)
+    given = interconnect_bytes_s(interconnect)
+    return rates if given is None else replace(rates, interconnect_bytes_s=given)
+
+
+def print_shared(console: Console, spec: RunSpec, chosen: PlanOutcome, rates: Rates) -> None:
+    """With --gpus: what the plan's numbers are per, and its step time's communication."""
+    from ..simulate.plan import meta_model, sent_bytes
+    from ..simulate.timing import INTERCONNECT_BYTES_S, rebuilt_layers
+
+    if spec.sp == 1:
+        return
+    time, model = chosen.candidate.time, meta_model(spec)
+    sent = sent_bytes(spec, model, rebuilt_layers(chosen.candidate.placement, model.config.num_hidden_layers))
+    assumed = (
+        "assumed: NVLink 4 of an H100 SXM" if rates.interconnect_bytes_s == INTERCONNECT_BYTES_S else "--interconnect"
+    )
+    console.print(
+        f"per GPU of {spec.nproc} sharing each sequence (Ulysses, FSDP2 FULL_SHARD over all {spec.nproc}; each holds "
+        f"{-(-spec.seq_len // spec.sp):,} positions); host memory per node of {spec.nproc} ranks. The step's "
+        f"{seconds_and_hours(time.total_s)}: {seconds_and_hours(time.compute_s)} of compute, "
+        f"{seconds_and_hours(time.host_copies_s)} of host copies beyond it and {seconds_and_hours(time.communication_s)} "
+        f"for the {sent / GIB:,.0f} GiB each GPU sends at {rates.interconnect_bytes_s / 1e9:,.0f} GB/s each way ({assumed})",
+        highlight=False,
+    )
 
 
 def print_notices(console: Console, host_memory: str | None, host_bytes: int, results: Path, gpu: str, rates: Rates):
@@ -139,8 +184,9 @@ def run_command(settings: dict, spec: RunSpec, chosen: PlanOutcome) -> str:
     from ..simulate.plan import describe
 
     d = describe(chosen, spec.batch_size * spec.seq_len)
+    ranks = {"nproc": spec.nproc, "sp": spec.sp} if spec.sp > 1 else {}
     point = dict(
-        settings, model=spec.model, seq_len=spec.seq_len, device="cuda", method="streambp",
+        settings, model=spec.model, seq_len=spec.seq_len, device="cuda", **ranks, method="streambp",
         checkpoints=d["checkpoints"], chunk_size=d["chunk_size"], logits_chunk_size=d["logits_chunk_size"],
     )  # fmt: skip
     return shlex.join(["sbp", "run", *(word for name, value in point.items() for word in _option_words(name, value))])
@@ -185,7 +231,8 @@ def print_choice(console: Console, spec: RunSpec, chosen: PlanOutcome, gpu_bytes
     d = describe(chosen, spec.batch_size * spec.seq_len)
     pinned = chosen.candidate.counts.max_host_inputs * layer_input_bytes(spec)
     pinning_s = seconds_and_hours(d["first_step_pinning_s"])
-    pinning = f"; the first step pins {pinned / GIB:.0f} GiB of host memory ({pinning_s})"
+    each = " per GPU" if spec.sp > 1 else ""
+    pinning = f"; the first step pins {pinned / GIB:.0f} GiB of host memory{each} ({pinning_s})"
     console.print(
         f"plan: {d['checkpoints']}, chunk {d['chunk_size']}: predicted {seconds_and_hours(d['predicted_time_s'])} per step "
         f"({d['tokens_per_s']:,.0f} tokens/s)" + (pinning if pinned else ""),
@@ -204,11 +251,13 @@ def summary_table(
     """Per kind of placement its fastest candidate (simulate/plan.py `summary`): the plan, why a faster
     one is not, or that it is slower."""
     from ..simulate.depth import layer_input_bytes
-    from ..simulate.estimate import HOST_PROCESS_BYTES
+    from ..simulate.estimate import HOST_PROCESS_BYTES, ranks_per_node
     from ..simulate.plan import Candidate, describe
 
     tokens = spec.batch_size * spec.seq_len
-    title = f"{spec.model}, T={spec.seq_len:,}, B={spec.batch_size}: fastest of each placement (simulated)"
+    title = (
+        f"{spec.model}, T={spec.seq_len:,}, B={spec.batch_size}{on_gpus(spec)}: fastest of each placement (simulated)"
+    )
     caption = (
         f"GiB = 2^30 B. GPU: peak allocated + margin, of {gpu_bytes / GIB:.1f} GiB (> x: ruled out without a "
         f"simulation; -: not simulated, slower or the host too small); host: pinned buffers + process, of {host_bytes / GIB:.1f} GiB. step s: predicted time of "
@@ -220,7 +269,7 @@ def summary_table(
     layer_input = layer_input_bytes(spec)
     for row in rows:
         if isinstance(row, Candidate):
-            host = HOST_PROCESS_BYTES + row.counts.max_host_inputs * layer_input
+            host = ranks_per_node(spec) * (HOST_PROCESS_BYTES + row.counts.max_host_inputs * layer_input)
             table.add_row(
                 row.placement.name,
                 str(row.chunk_size),
@@ -245,6 +294,11 @@ def summary_table(
     return table
 
 
+def on_gpus(spec: RunSpec) -> str:
+    """A title's note where GPUs share each sequence: its GPU figures are per GPU, its host per node."""
+    return f" on {spec.nproc} GPUs sharing it (GPU: per GPU; host: per node)" if spec.sp > 1 else ""
+
+
 def _too_small(outcome: PlanOutcome) -> str:
     return "host too small" if outcome.row.error.startswith("host") else "GPU too small"
 
@@ -259,7 +313,7 @@ def plan_table(spec: RunSpec, tried: list[PlanOutcome], gpu_bytes: int, host_byt
         f"predicted step time; pin s: the first step's page-locking of the host copies, once per process. "
         f"Rates: {rates.describe()}"
     )
-    title = f"{spec.model}, T={spec.seq_len}, B={spec.batch_size}: candidates (simulated)"
+    title = f"{spec.model}, T={spec.seq_len}, B={spec.batch_size}{on_gpus(spec)}: candidates (simulated)"
     table = Table(title=title, caption=caption)
     for column in ("checkpoints", "chunk", "logits", "status", "GPU GiB", "host GiB", "step s", "tokens/s", "pin s"):
         table.add_column(column, justify="left" if column in ("checkpoints", "status") else "right", no_wrap=True)

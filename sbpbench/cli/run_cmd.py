@@ -12,9 +12,9 @@ from rich.console import Console
 from ..measure.threads import busy_warning
 from ..records import ResultRow, check_writable, keeps_earlier, read_rows, row_key
 from ..runner.outcome import point_line
-from ..settings import ConfigError
+from ..settings import ConfigError, ignored_knobs
 from .errors import user_errors
-from .options import RUN_FIELDS, OutOpt, point_command
+from .options import RUN_FIELDS, OutOpt, point_command, say_ignored
 from .outcomes import fail_if, interrupted
 from .progress import Progress
 from .tables import load_warning, point_title, print_table, results_table
@@ -31,7 +31,11 @@ EXAMPLES = (  # the end of its help (options.py examples)
 )
 
 
-PhasesOpt = Annotated[bool, typer.Option("--phases", help="Also show where streambp's step time went.")]
+# the methods whose step times its phases (methods/streambp.py timing_phases); another's row has none
+PHASES_READ_BY = ("streambp",)
+PhasesOpt = Annotated[
+    bool, typer.Option("--phases", help=f"Also show where {' and '.join(PHASES_READ_BY)}'s step time went.")
+]
 TimelineOpt = Annotated[bool, typer.Option("--timeline", help="Also save each step's memory over time.")]
 TraceOpt = Annotated[
     bool,
@@ -68,6 +72,8 @@ def run(
             check_one_process(specs, "--trace")
         check_writable(out)
         earlier = {row_key(row): row for row in read_rows(out)}  # to say what this run replaces
+    given = [*settings, *(["--phases"] if phases else [])]
+    say_ignored(ignored_knobs([spec.method for spec in specs], given, readers={"--phases": PHASES_READ_BY}))
     console = Console()
     warn_if_busy()
     rows = _measure_all(console, specs, out, timeline, trace)
@@ -134,7 +140,7 @@ def print_phases(console: Console, rows: list[ResultRow]) -> None:
 def check_one_process(specs: list[RunSpec], flag: str) -> None:
     """A timeline or a trace records one process's step: refuse several ranks before anything runs."""
     if specs[0].nproc > 1:
-        raise ConfigError("nproc", f"{flag} records one process's step: give --nproc 1")
+        raise ConfigError("nproc", f"{{field}} {specs[0].nproc}: {flag} records one process's step; give --nproc 1")
 
 
 def print_timelines(console: Console, specs: list[RunSpec], rows: list[ResultRow], out: Path) -> None:

@@ -12,7 +12,7 @@ from rich.table import Table
 from ..records import ResultRow
 from ..runner.outcome import written_line
 from .errors import user_errors
-from .options import BudgetOpt, out_option, point_command
+from .options import BudgetOpt, out_option, point_command, say_ignored
 from .outcomes import finish
 from .progress import Progress
 from .run_cmd import warn_if_busy, warn_if_loaded
@@ -72,14 +72,16 @@ def sweep(
     recorded as skipped (certain OOM). A search stopped by a failed probe is recorded as an error
     and the sweep goes on. Under --budget on a GPU, a point the cost model predicts will not finish
     in what is left is not started; the next command runs it."""
-    from ..config.experiment import load_experiment
+    from ..config.experiment import ignored_keys, load_experiment
     from ..measure.units import parse_seconds
-    from ..runner.experiment import plan_experiment, run_experiment
+    from ..runner.experiment import check_seeds_device, plan_experiment, run_experiment
 
     with user_errors():
         if dry_run and seeds_only:
             raise ValueError("--dry-run and --seeds-only: give one of them")
         seconds = parse_seconds(budget) if budget is not None else None
+        check_seeds_device(settings.get("device") if seeds_only else None)  # before the notices: one line
+    say_ignored(ignored_keys(experiment), names={}, where=f"{experiment}: ")  # the file's keys, as written
     if dry_run:
         _dry_run(experiment, out, settings.get("device"))
         return
@@ -92,8 +94,7 @@ def sweep(
     console = Console()
     console.print(sweep.header(), highlight=False)
     warn_if_busy()
-    # user_errors: a write that fails after a point was measured says where its row was kept
-    with user_errors(), Progress(console, len(sweep.todo)) as progress:
+    with user_errors(), Progress(console, len(sweep.todo)) as progress:  # a failed write says where rows are
         outcome = run_experiment(sweep, steps=progress, budget_s=seconds, budget=budget or "")
     if not outcome.interrupted and not outcome.failed:
         _summary(console, loaded.name, sweep.rows())
@@ -119,7 +120,8 @@ def _seeds_only(
 
 
 def _dry_run(experiment: Path, out: Path | None, device: str | None) -> None:
-    """Print what `sbp sweep` would still run, entry by entry, with its predicted device time."""
+    """Print what `sbp sweep` would still run, entry by entry, with its predicted device time (none
+    for an experiment that runs on the CPU)."""
     from ..config.device import device_kind, resolve_device
     from ..measure.environment import capture_environment
     from ..records.reference import load_reference
@@ -138,9 +140,13 @@ def _dry_run(experiment: Path, out: Path | None, device: str | None) -> None:
             gpu=env.device_name if env else None,
             capacity_bytes=env.device_total_memory_bytes if env else None,
             reference=load_reference(),
+            device=device,
         )
     console = Console()
     where = out or results / f"{pricing.name}.csv"
+    if pricing.rates is None:
+        _unpriced(console, pricing, where)
+        return
     table = Table(title=f"{pricing.name}: {len(pricing.costs)} point(s) to run, {pricing.done} already in {where}")
     for column in ("entry", "points", "device min", "host min", "command"):
         table.add_column(column, justify="left" if column == "entry" else "right")
@@ -155,6 +161,24 @@ def _dry_run(experiment: Path, out: Path | None, device: str | None) -> None:
         "starts and steps on the GPU; host min: the seeds' fake-tensor searches on the CPU, none for a seed "
         "stored by --seeds-only. "
         f"Rates: {pricing.rates.describe()}"
+    )
+    print_table(console, table)
+
+
+def _unpriced(console: Console, pricing, where: Path) -> None:
+    """A CPU experiment's entries left, with no predicted time (simulate/cost.py CPU_NOT_PRICED)."""
+    from ..runner.budget import MIN_START_S
+    from ..simulate.cost import CPU_NOT_PRICED, groups
+
+    title = f"{pricing.name}: {len(pricing.costs)} point(s) to run on the CPU, {pricing.done} already in {where}"
+    table = Table(title=title)
+    table.add_column("entry")
+    table.add_column("points", justify="right")
+    for group in groups(pricing):
+        table.add_row(group["title"] or "(untitled)", str(group["points"]))
+    table.caption = (
+        f"No time predicted for the CPU ({pricing.device}): {CPU_NOT_PRICED}. Under --budget each point "
+        f"starts while {MIN_START_S:.0f} s are left."
     )
     print_table(console, table)
 

@@ -130,11 +130,10 @@ def point_title(rows: list[ResultRow], *, seq_len: bool = True) -> tuple[str, li
         "B: rows per batch" + ("; T: tokens per row" if seq_len else ""),
         f"step {row.step}: " + ("forward + backward" if row.step == "bp" else "forward + backward + AdamW"),
     ]
-    if (row.nproc or 1) > 1:  # data-parallel ranks: B is each rank's, a memory or time column the largest rank's
-        title += f", {row.nproc} ranks"
-        notes.append(
-            f"{row.nproc} ranks: data-parallel processes (FSDP2), B rows each; memory and time: the largest rank's"
-        )
+    if (row.nproc or 1) > 1:  # several ranks: a memory or time column the largest rank's
+        ranks, note = ranks_terms(row)
+        title += f", {ranks}"
+        notes.append(note)
     chunked = next((r for r in rows if r.chunk_size is not None), None)  # methods that read chunk sizes
     if chunked is not None:
         title += f", chunks {chunked.chunk_size}/{chunked.logits_chunk_size}"
@@ -142,6 +141,26 @@ def point_title(rows: list[ResultRow], *, seq_len: bool = True) -> tuple[str, li
     title += f", {row.protocol} protocol"
     notes.append(f"{row.protocol} protocol: " + PROTOCOL_MEANING.get(row.protocol, row.protocol))
     return title, notes
+
+
+def ranks_terms(row: ResultRow) -> tuple[str, str]:
+    """A several-rank row's ranks, as its title says them, and what that means for the caption:
+    data-parallel ranks B rows each, or groups of --sp ranks sharing each sequence; on a CPU with
+    more threads than cores, that the times are of shared cores."""
+    sp = row.sp or 1
+    if sp == 1:
+        ranks = f"{row.nproc} ranks"
+        note = f"{ranks}: data-parallel processes (FSDP2), B rows each"
+    else:
+        ranks = f"{row.nproc} ranks, {sp} per sequence"
+        note = (
+            f"{ranks}: {row.nproc // sp} data-parallel group(s) (FSDP2) of {sp} ranks sharing each sequence "
+            "(Ulysses), B rows per group"
+        )
+    note += "; memory and time: the largest rank's"
+    if row.num_cpus and row.nproc * (row.num_threads or 1) > row.num_cpus:
+        note += f"; times of {row.num_cpus} oversubscribed CPU(s)"
+    return ranks, note
 
 
 PROTOCOL_MEANING = {

@@ -29,7 +29,17 @@ from dataclasses import dataclass
 from itertools import product
 from pathlib import Path
 
-from ..settings import SEARCH_SETTINGS, SETTINGS, ConfigError, Setting
+from ..methods import method_names
+from ..settings import (
+    EVERY_METHOD,
+    METHOD_NAMES,
+    SEARCH_SETTINGS,
+    SETTINGS,
+    ConfigError,
+    IgnoredKnob,
+    Setting,
+    ignored_knobs,
+)
 from .device import device_kind, resolve_device
 from .maxlen import SEARCH_DEFAULTS, MaxlenSpec
 from .run import RunSpec, point_specs
@@ -69,6 +79,9 @@ class Experiment:
     reference: str | None
     points: tuple[RunSpec | MaxlenSpec, ...]  # in file order: grid specs, then each search
     titles: tuple[str, ...] = ()  # each point's entry title ("" where the entry has none)
+    # each point's device as its file names it ("auto" where it names none), whatever the override:
+    # what a dry run prices, on a machine that cannot resolve it
+    devices: tuple[str, ...] = ()
 
     @property
     def grid(self) -> list[RunSpec]:
@@ -158,6 +171,30 @@ def _expand(values: dict, kind: str, overrides: dict, defaults_for: str | None =
     ]
 
 
+def ignored_keys(path: str | Path) -> list[IgnoredKnob]:
+    """The knobs an experiment file sets (in [defaults] or an entry) that some of an entry's methods do
+    not read (settings.ignored_knobs), each once with every method that ignores it; [] where the file
+    does not read, and an entry naming a method that is none is passed over (load_experiment says why)."""
+    try:
+        document = tomllib.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return []
+    defaults, entries = document.get("defaults", {}), document.get("points")
+    if not isinstance(defaults, dict) or not isinstance(entries, list):
+        return []
+    found: dict[str, IgnoredKnob] = {}
+    for entry in (entry for entry in entries if isinstance(entry, dict)):
+        values = {**defaults, **entry}
+        named = _as_list(values.get("method", []))
+        if not all(name in METHOD_NAMES or name == EVERY_METHOD for name in named):
+            continue
+        for knob in ignored_knobs(method_names(named), values):
+            earlier = found.get(knob.knob)
+            ignoring = (*earlier.ignored_by, *knob.ignored_by) if earlier else knob.ignored_by
+            found[knob.knob] = knob._replace(ignored_by=tuple(dict.fromkeys(ignoring)))
+    return list(found.values())
+
+
 def load_experiment(
     path: str | Path, *, device: str | None = None, threads: int | None = None, defaults_for: str | None = None
 ) -> Experiment:
@@ -173,6 +210,8 @@ def load_experiment(
         document = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as error:
         raise ExperimentError(f"{path}: not valid TOML: {error}") from None
+    except UnicodeDecodeError as error:  # a binary file given by mistake
+        raise ExperimentError(f"{path}: not valid TOML: byte {error.start} is not UTF-8 text") from None
     for name in document:
         if name not in TOP_KEYS:
             raise ExperimentError(f"{path}: unknown top-level key {name!r}; allowed: {', '.join(sorted(TOP_KEYS))}")
@@ -188,6 +227,7 @@ def load_experiment(
         raise ExperimentError(f"{path}: no [[points]]; add at least one [[points]] table with a model")
     points: list[RunSpec | MaxlenSpec] = []
     titles: list[str] = []
+    devices: list[str] = []
     for number, entry in enumerate(entries, start=1):
         where = f"{path}: [[points]] #{number}"
         values = {**defaults, **_check_table(where, entry)}
@@ -207,6 +247,7 @@ def load_experiment(
             raise ExperimentError(f"{where}: {error}") from None
         points += expanded
         titles += [values.get("title", "")] * len(expanded)
+        devices += [str(values.get("device", "auto")).strip().lower()] * len(expanded)
     return Experiment(
         name=document.get("name", path.stem),
         path=path,
@@ -214,4 +255,5 @@ def load_experiment(
         reference=document.get("reference"),
         points=tuple(points),
         titles=tuple(titles),
+        devices=tuple(devices),
     )

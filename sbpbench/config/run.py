@@ -25,7 +25,14 @@ import torch
 from ..core import SUPPORTED_MODEL_TYPES, Placement, UnsupportedModelError, supported_families
 from ..measure.threads import available_cpus, default_threads
 from ..measure.units import parse_bytes
-from ..methods import METHODS, MethodSettings, method_names
+from ..methods import (
+    METHODS,
+    MethodSettings,
+    method_names,
+    method_unavailable,
+    sequence_parallel_refusal,
+    sequence_parallel_unsupported,
+)
 from ..methods.chunk_sizes import ChunkSizes, auto_chunk_sizes
 from ..settings import (
     AUTO,
@@ -85,6 +92,9 @@ class RunSpec:
     # unit per decoder layer plus the root); each rank its own batch of batch_size rows. On CUDA
     # rank r uses the device's index + r. Part of a row's key: it changes the per-GPU memory.
     nproc: int = default_of("nproc")
+    # of those ranks, how many share each sequence (Ulysses; nproc / sp data ranks, runner/ranks.py):
+    # only the methods that run sequence-parallel take it (methods/registry.py). Part of a row's key.
+    sp: int = default_of("sp")
     # the model's real weights (a local checkpoint's, or a Hub id's from the HF cache) instead of
     # random ones. Not part of a row's key: memory and time do not depend on weight values (the loss
     # does); each row records which it had (weights: real | random).
@@ -110,8 +120,6 @@ class RunSpec:
             raise ConfigError(
                 "batch_size", f"counts chosen + rejected rows for dpo: give an even number, got {self.batch_size}"
             )
-        if self.threads is None:
-            object.__setattr__(self, "threads", default_threads())
         if self.memory_limit is not None and (not is_int(self.memory_limit) or self.memory_limit <= 0):
             raise ConfigError("memory_limit", f"must be a positive number of bytes, got {self.memory_limit!r}")
         timeout = self.timeout_s
@@ -126,6 +134,10 @@ class RunSpec:
                 raise ConfigError("checkpoints", str(error).removeprefix("checkpoints ")) from None
         # one resolution, here: every later torch.cuda call gets an indexed device
         object.__setattr__(self, "device", resolve_device(self.device))
+        if self.threads is None:  # several CPU ranks share the cores
+            per_rank = 1 if self.device.startswith("cuda") else self.nproc
+            object.__setattr__(self, "threads", max(1, default_threads() // per_rank))
+        check_sequence_parallel(self.method, self.nproc, self.sp, self.seq_len)
         check_sdpa_backend(self.sdpa_backend, self.device)
         if self.nproc > 1 and self.device.startswith("cuda"):  # a CPU spec may be a simulation's (check_measurable)
             check_nproc(self.nproc, self.device)
@@ -201,16 +213,20 @@ SPEC_CHECKED = tuple(f.name for f in fields(RunSpec) if f.name in POINT_SETTINGS
 
 
 def check_nproc(nproc: int, device: str) -> None:
-    """Refuse an nproc this machine cannot run: on CUDA each rank needs a GPU of its own; on a CPU
-    each gloo rank a core of its own (more only share the cores: 64 ranks on 2 cores took a load
-    of 60 and two minutes for a tiny point)."""
+    """Refuse an nproc this machine cannot run: on CUDA each rank needs a GPU of its own. On a CPU
+    more gloo ranks than cores run, sharing them (64 ranks on 2 cores took a load of 60 and two
+    minutes for a tiny point): the tracked memory is exact, the times are of oversubscribed cores,
+    which a notice says and each row records (num_cpus beside nproc and num_threads)."""
     if not device.startswith("cuda"):
         usable = len(available_cpus())
         if nproc > usable:
-            raise ConfigError(
-                "nproc",
-                f"{nproc} needs {nproc} CPU cores (one per rank) but this process may use {usable}; give --nproc "
-                f"{usable} or fewer, or run on GPUs (--device cuda)",
+            warnings.warn(
+                SettingChanged(
+                    "nproc",
+                    f"{{field}} {nproc} runs {nproc} ranks on {usable} CPU(s): their memory is exact (the tracker "
+                    "counts tensors), their step times are of oversubscribed cores",
+                ),
+                stacklevel=3,
             )
         return
     first, count = int(device.split(":")[1]), torch.cuda.device_count()
@@ -224,9 +240,24 @@ def check_nproc(nproc: int, device: str) -> None:
 
 def check_measurable(specs: Iterable[RunSpec]) -> None:
     """What measuring the points (not simulating them: `sbp estimate` runs a GPU's ranks as fake
-    CPU tensors) needs of this machine, checked before the first runs: a core or a GPU per rank."""
-    for spec in specs:
-        check_nproc(spec.nproc, spec.device)
+    CPU tensors) needs of this machine, checked before the first runs: a GPU per rank (on a CPU,
+    ranks beyond the cores are said once)."""
+    for point in dict.fromkeys((spec.nproc, spec.device) for spec in specs):
+        check_nproc(*point)
+
+
+def check_sequence_parallel(method: str, nproc: int, sp: int, seq_len: int) -> None:
+    """Refuse an sp that does not divide nproc, a method that cannot share a sequence over ranks
+    (methods/registry.py), and for one that cuts it into equal shares a length they do not divide."""
+    if nproc % sp:
+        fits = [str(d) for d in range(1, nproc + 1) if nproc % d == 0]
+        divisors = " or ".join([", ".join(fits[:-1]), fits[-1]] if len(fits) > 1 else fits)
+        raise ConfigError(
+            "sp", f"{{field}} {sp} does not divide --nproc {nproc}: give --sp {divisors}, or --nproc a multiple of {sp}"
+        )
+    reason = sequence_parallel_unsupported(method, sp, seq_len)
+    if reason is not None:
+        raise ConfigError("method" if not METHODS[method].sequence_parallel else "seq_len", reason)
 
 
 def chunk_size_for(value, seq_len: int, field: str = "chunk_size") -> int | str:
@@ -259,21 +290,25 @@ def point_specs(
     defaults: Mapping[str, Any] | None = None,
     defaults_for: str | None = None,
     search: bool = False,
+    named: Sequence[str] | None = None,
 ) -> list[RunSpec]:
     """One RunSpec per method from the settings someone gave (FIELD_NAMES keys; absent or None
     means "not given"), filled from `defaults`, then the device's defaults (DEVICE_DEFAULTS of
     defaults_for, else of the resolved device), then the objective's batch size. The model is
-    checked here, before any process starts."""
+    checked here, before any process starts. named: the methods the user named (default:
+    `methods`), refused here if they cannot run; others that cannot give rows saying why."""
     from ..models import load_config, weights_source
 
     given = {**(defaults or {}), **{k: v for k, v in values.items() if v is not None}}
     unknown = sorted(set(given) - set(FIELD_NAMES))
     if unknown:
         raise ConfigError(unknown[0], f"is not a setting; settings are {', '.join(FIELD_NAMES)}")
-    names = method_names(methods)
+    sp = given.get("sp") if is_int(given.get("sp")) and given["sp"] >= 1 else default_of("sp")  # RunSpec refuses others
+    names = method_names(methods, sp)
     for name in names:
         if name not in METHODS:
             raise ConfigError("method", f"unknown {{field}} {name!r}; choose from {', '.join(METHODS)}")
+    check_sequence_parallel_methods(names, sp, named=methods if named is None else named)
     device = resolve_device(given.get("device", "auto"))
     for name, value in DEVICE_DEFAULTS[defaults_for or device_kind(device)].items():
         given.setdefault(name, value)
@@ -302,9 +337,32 @@ def point_specs(
 
 def exactness_specs(values: Mapping[str, Any], methods: Sequence[str] | None = None, **options) -> list[RunSpec]:
     """`sbp check`'s points (point_specs, with its options): bp's first, the reference, then one per
-    method named (method_names: the default methods when none is) but bp."""
-    compared = tuple(m for m in method_names(methods) if m != "bp")
-    return point_specs(values, ("bp", *compared), **options)
+    method named (method_names: the default methods when none is) but bp. With nproc above 1 the
+    compared methods run on ranks (runner/rank_gradients.py) against bp in one process, in fp64."""
+    sp = values.get("sp") or 1
+    compared = tuple(m for m in method_names(methods, sp if is_int(sp) else 1) if m != "bp")
+    if (values.get("nproc") or 1) == 1 and sp == 1:
+        return point_specs(values, ("bp", *compared), named=methods or (), **options)
+    reference = point_specs({**values, "nproc": 1, "sp": 1}, ("bp",), **options)
+    ranked = point_specs(values, compared, named=methods or (), **options) if compared else []
+    if reference[0].dtype != "fp64":
+        dtype = reference[0].dtype
+        raise ConfigError("dtype", f"{{field}} {dtype}: a check on several ranks compares in fp64; give fp64")
+    return [*reference, *ranked]
+
+
+def check_sequence_parallel_methods(names: Sequence[str], sp: int, *, named: Sequence[str] | None) -> None:
+    """Before any spec is made: the methods to run that cannot share a sequence over sp ranks, in
+    one line; a method the user named (not through the defaults or `all`, where it gives a row
+    saying why) that cannot run here: sequence-parallel only without --sp over 1, or its library
+    not installed."""
+    refused = [name for name in names if sp > 1 and not METHODS[name].sequence_parallel]
+    if refused:
+        raise ConfigError("method", sequence_parallel_refusal(refused, sp))
+    for name in (n for n in names if n in (named or ())):
+        reason = method_unavailable(name, sp)
+        if reason:
+            raise ConfigError("method", reason)
 
 
 def say_changed_values(spec: RunSpec, values: Mapping[str, Any], *, search: bool = False) -> None:
@@ -344,10 +402,32 @@ def check_model_sizes(spec: RunSpec, config) -> None:
         raise ConfigError(
             "num_layers", f"{spec.num_layers} is more than {spec.model}'s {depth} layers; give {depth} or fewer"
         )
+    if spec.sp > 1:
+        check_heads_split(spec, config)
     hidden = getattr(config, "hidden_size", None)
     if spec.lora_rank and isinstance(hidden, int) and spec.lora_rank > hidden:
         raise ConfigError(
             "lora_rank", f"{spec.lora_rank} is over {spec.model}'s hidden size {hidden}; give {hidden} or less"
+        )
+
+
+def check_heads_split(spec: RunSpec, config) -> None:
+    """Ulysses gives each of sp ranks H/sp query heads and h_kv/sp key/value heads (each repeated
+    on sp/h_kv ranks where sp is above h_kv): refuse an sp the model's heads cannot split over."""
+    heads = getattr(config, "num_attention_heads", None)
+    if not isinstance(heads, int):
+        return
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+
+    def splits(p: int) -> bool:
+        return heads % p == 0 and (kv_heads % p == 0 or p % kv_heads == 0)
+
+    if not splits(spec.sp):
+        fit = ", ".join(str(p) for p in range(1, spec.nproc + 1) if spec.nproc % p == 0 and splits(p))
+        raise ConfigError(
+            "sp",
+            f"{{field}} {spec.sp} cannot split {spec.model}'s {heads} query and {kv_heads} key/value heads over its "
+            f"ranks (Ulysses shares heads out); give one of {fit}",
         )
 
 

@@ -10,7 +10,8 @@ entropy, logits, token accuracy) from the per-token outputs recorded from the st
 those reference log-probs (token_outputs.py).
 
 Refused: `ld_alpha` (length-desensitised sums), `use_weighting` (WPO weights from the whole
-next-token distribution), f_divergence_type "alpha_divergence" and the MoE auxiliary loss. TRL 1.16
+next-token distribution), f_divergence_type "alpha_divergence", the MoE auxiliary loss and sequence
+parallelism (DeepSpeed's data adapter cuts causal-LM batches, not preference pairs). TRL 1.16
 itself turns `padding_free=True` back into padding (with a warning), so that needs nothing here.
 """
 
@@ -20,6 +21,7 @@ import torch
 from trl import DPOTrainer
 
 from ..core import DPO
+from .sequence_parallel import deepspeed_sequence_parallel
 from .token_outputs import replay_model
 from .trainer import StreamBPInit, StreamBPStep, StreamedBatch, check_batch_keys, refuse
 
@@ -43,6 +45,10 @@ class StreamBPDPOTrainer(StreamBPInit, DPOTrainer, StreamBPStep):
                 "js_divergence": self.f_divergence_type == "alpha_divergence",
                 "the MoE load-balancing loss needs the router logits of a full forward: set router_aux_loss_coef=0": (
                     self.aux_loss_enabled
+                ),
+                "sequence parallelism is not supported: DeepSpeed's Ulysses data adapter cuts causal-LM batches "
+                "(labels, position_ids), not DPO's chosen and rejected rows; set sp_size=1": (
+                    deepspeed_sequence_parallel(self.accelerator)
                 ),
             },
         )

@@ -12,7 +12,8 @@ from the streamed head (token_outputs.py).
 
 Refused: loss types other than grpo, bnpo, dr_grpo and dapo; `top_entropy_quantile` < 1 and
 `off_policy_mask_threshold` (token and sequence masks from the current policy's statistics), vLLM's
-importance-sampling correction, the entropy bonus, the MoE auxiliary loss; per batch, advantages
+importance-sampling correction, the entropy bonus, the MoE auxiliary loss, sequence parallelism
+(TRL's GRPOConfig refuses it too: the batch is generated after the data adapter); per batch, advantages
 given per token (B, T) and multimodal inputs.
 """
 
@@ -23,6 +24,7 @@ from trl import GRPOTrainer
 
 from ..core import GRPO, IGNORE_INDEX
 from ..core.internal import GRPO_LOSS_TYPES
+from .sequence_parallel import deepspeed_sequence_parallel
 from .trainer import StreamBPInit, StreamBPStep, StreamedBatch, check_batch_keys, refuse
 
 GRPO_KEYS = (
@@ -64,6 +66,10 @@ class StreamBPGRPOTrainer(StreamBPInit, GRPOTrainer, StreamBPStep):
                 ),
                 "the MoE load-balancing loss needs the router logits of a full forward: set router_aux_loss_coef=0": (
                     self.aux_loss_enabled
+                ),
+                "sequence parallelism is not supported: GRPO builds its batch by generation inside the trainer, "
+                "after DeepSpeed's Ulysses data adapter would cut it; set sp_size=1": (
+                    deepspeed_sequence_parallel(self.accelerator)
                 ),
             },
         )

@@ -17,8 +17,11 @@ engaged in their logs. The keys are flat scalars and strings, which every loggin
 
 Under DeepSpeed the step takes Accelerate's engine, as `accelerator.backward` does (the accumulation
 boundary set, `engine.step()` at it, gradients not divided again by the accumulation steps); under
-FSDP2 the model Accelerate prepared. What the core cannot do is refused at construction
-(`refuse_unsupported`), one line each, with what to do instead.
+FSDP2 the model Accelerate prepared. Under Accelerate's DeepSpeed sequence parallelism
+(`ParallelismConfig(sp_backend="deepspeed", sp_size=P)`) each rank's slices are gathered back into
+the group's whole batch and streamed with `sequence_parallel=SequenceParallel.from_deepspeed()`
+(sequence_parallel.py). What the core cannot do is refused at construction (`refuse_unsupported`),
+one line each, with what to do instead.
 """
 
 from __future__ import annotations
@@ -36,8 +39,9 @@ from accelerate.utils.memory import clear_device_cache
 from transformers import Trainer
 from transformers.training_args import OptimizerNames
 
-from ..core import SFT, Objective, StepHooks, StreamConfig, stream_backward
+from ..core import SFT, Objective, SequenceParallel, StepHooks, StreamConfig, stream_backward
 from ..core.internal import check_no_attention_dropout, resolve_parts
+from .sequence_parallel import SHARDED_KEYS, count_targets, deepspeed_sequence_parallel, whole_batch
 from .token_outputs import TokenRecorder
 
 # What a batch of a causal-LM trainer may hold: the inputs StreamBP reads, and the FlashAttention
@@ -81,8 +85,15 @@ class StreamBPStep(Trainer):
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()
         inputs = self._prepare_inputs(inputs)
+        group = self.sequence_parallel()
+        if group is not None:  # this rank's slices -> the group's whole batch (sequence_parallel.py)
+            check_batch_keys(inputs, SHARDED_KEYS)
+            inputs = whole_batch(inputs, group)
         batch = self.streamed_batch(inputs, num_items_in_batch)
-        recorder = TokenRecorder(batch.objective, self.recorded_outputs) if self.recorded_outputs else None
+        # TRL's metrics are recorded per position of the whole batch; the core cuts the objective to
+        # this rank's positions, which a recorder is not made for: no metrics under sequence parallelism
+        recording = self.recorded_outputs and group is None
+        recorder = TokenRecorder(batch.objective, self.recorded_outputs) if recording else None
         with self.compute_loss_context_manager():
             loss = self._stream(model, batch, recorder or batch.objective)
         if recorder is not None:
@@ -116,11 +127,31 @@ class StreamBPStep(Trainer):
                 config=config,
                 hooks=StepHooks(on_kernel=kernels.add),
                 scale_wrt_gas=False,
+                sequence_parallel=self.sequence_parallel(),
             )
         if engine is not None and self.accelerator.sync_gradients:
             engine.step()
         self._note_what_ran(device, kernels)
         return loss
+
+    def sequence_parallel(self) -> SequenceParallel | None:
+        """DeepSpeed's sequence-parallel group under Accelerate's DeepSpeed sequence parallelism, else
+        None. Read at the first step: Accelerate makes the group when it prepares the engine."""
+        if not deepspeed_sequence_parallel(self.accelerator):
+            return None
+        if getattr(self, "_streambp_group", None) is None:
+            self._streambp_group = SequenceParallel.from_deepspeed()
+        return self._streambp_group
+
+    def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
+        """The stock accumulation window; under sequence parallelism with num_items_in_batch counted
+        from its shift labels (sequence_parallel.py), where the Trainer counts none."""
+        batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
+        group = self.sequence_parallel()
+        if group is not None:
+            every_process = self.args.average_tokens_across_devices
+            num_items_in_batch = count_targets(batch_samples, group, every_process, device)
+        return batch_samples, num_items_in_batch
 
     def _note_what_ran(self, device: torch.device, kernels: set[str]) -> None:
         """What the step ran, for the next log (`log`): the peak is the highest since the last log."""
@@ -164,8 +195,11 @@ class StreamBPStep(Trainer):
 
     def accumulation_divisor(self, num_items_in_batch) -> int:
         """Trainer.training_step's rule: 1 where the loss is already scaled for gradient accumulation
-        (normalised by num_items_in_batch), else the accumulation steps it divides a per-batch mean by."""
+        (normalised by num_items_in_batch), else the accumulation steps it divides a per-batch mean by.
+        Under sequence parallelism num_items_in_batch is ours (get_batch_samples): 1 where it is given."""
         scaled = getattr(self, "loss_is_scaled_for_ga", None)  # transformers >= 5.19; TRL sets it per trainer
+        if self.sequence_parallel() is not None:
+            scaled = num_items_in_batch is not None
         if scaled is None:
             scaled = self.model_accepts_loss_kwargs and num_items_in_batch is not None
         return 1 if scaled else self.current_gradient_accumulation_steps
@@ -173,10 +207,14 @@ class StreamBPStep(Trainer):
     def _items_per_process(self, num_items_in_batch):
         """num_items_in_batch counts the target tokens of every process; with
         average_tokens_across_devices the stock loss is multiplied by the number of processes
-        (data-parallel engines average gradients), here folded into the count."""
+        (data-parallel engines average gradients), here folded into the count. Under sequence
+        parallelism by the number of sequence groups: the core undoes the average over a group."""
         if num_items_in_batch is None or not self.args.average_tokens_across_devices:
             return num_items_in_batch
-        return num_items_in_batch / self.accelerator.num_processes
+        group = self.sequence_parallel()
+        if group is None:
+            return num_items_in_batch / self.accelerator.num_processes
+        return num_items_in_batch / (torch.distributed.get_world_size() // group.world)
 
     def log_streamed(self, inputs: Mapping[str, Any], num_items_in_batch, outputs) -> None:
         """Run the stock trainer's metric code on the recorded per-token outputs (TRL trainers)."""
@@ -196,10 +234,12 @@ class StreamBPStep(Trainer):
             and not accelerator.is_fsdp2,
             "fp16 loss scaling is not supported: train in bf16 (bf16=True) or fp32": args.fp16
             or accelerator.mixed_precision == "fp16",
-            "sequence, context or tensor parallelism splits what one StreamBP chunk needs across ranks: use "
-            "data parallelism (FSDP2, DeepSpeed ZeRO) and StreamBP's own chunking for long sequences": _splits_model(
-                accelerator
-            ),
+            "context or tensor parallelism splits what one StreamBP chunk needs across ranks: use data "
+            "parallelism (FSDP2, DeepSpeed ZeRO), sequence parallelism (sp_backend='deepspeed') and StreamBP's "
+            "own chunking for long sequences": _splits_model(accelerator),
+            "sequence parallelism runs under DeepSpeed: give TrainingArguments a DeepSpeed config (deepspeed=...) "
+            "with parallelism_config's sp_size": deepspeed_sequence_parallel(accelerator)
+            and accelerator.distributed_type != DistributedType.DEEPSPEED,
             "torch_compile compiles the model's whole forward, which StreamBP does not run: set torch_compile=False": (
                 args.torch_compile
             ),
@@ -214,6 +254,13 @@ class StreamBPStep(Trainer):
         }
         refuse(self, refusals)
         check_no_attention_dropout(resolve_parts(self.model))  # an unsupported model family raises here too
+        if deepspeed_sequence_parallel(accelerator) and self.recorded_outputs:
+            warnings.warn(
+                f"{type(self).__name__}: under sequence parallelism the loss is logged, the trainer's per-token "
+                "metrics (entropy, token accuracy, token count) are not",
+                UserWarning,
+                stacklevel=3,
+            )
         if getattr(args, "activation_checkpointing", None) or getattr(args, "gradient_checkpointing", False):
             warnings.warn(
                 f"{type(self).__name__}: gradient checkpointing has no effect on the StreamBP step (it keeps its "
@@ -239,10 +286,12 @@ def refuse(trainer, refusals: dict[str, bool]) -> None:
 
 
 def _splits_model(accelerator) -> bool:
+    """Context or tensor parallelism, or sequence parallelism other than DeepSpeed's (Ulysses)."""
     config = getattr(accelerator, "parallelism_config", None)
     if config is None:
         return False
-    return any(getattr(config, name, False) for name in ("cp_enabled", "sp_enabled", "tp_enabled"))
+    other_sp = getattr(config, "sp_enabled", False) and not deepspeed_sequence_parallel(accelerator)
+    return other_sp or any(getattr(config, name, False) for name in ("cp_enabled", "tp_enabled"))
 
 
 def check_batch_keys(inputs: Mapping[str, Any], allowed: tuple[str, ...]) -> None:

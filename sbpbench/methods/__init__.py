@@ -7,12 +7,16 @@ from ..settings import STEPS
 from .registry import (
     DEFAULT_METHODS,
     METHODS,
+    SEQUENCE_PARALLEL_METHODS,
     Method,
     MethodFn,
     data_parallel_unsupported,
     get_method,
     method_names,
+    method_unavailable,
     run_method,
+    sequence_parallel_refusal,
+    sequence_parallel_unsupported,
 )
 from .settings import MethodSettings
 from .training import make_optimizer, run_step
@@ -21,6 +25,7 @@ from .unsupported import MethodUnsupported
 __all__ = [
     "DEFAULT_METHODS",
     "METHODS",
+    "SEQUENCE_PARALLEL_METHODS",
     "STEPS",
     "Method",
     "MethodFn",
@@ -30,6 +35,9 @@ __all__ = [
     "get_method",
     "make_optimizer",
     "method_names",
+    "method_unavailable",
     "run_method",
     "run_step",
+    "sequence_parallel_refusal",
+    "sequence_parallel_unsupported",
 ]

@@ -20,9 +20,14 @@ from ..core.internal import resolve_parts
 
 
 class PhaseLabels:
-    def __init__(self, counter, *, chunked_head: bool):
+    def __init__(self, counter, *, chunked_head: bool, at_norm: bool = False):
+        """at_norm: label a decoder layer from hooks on its input_layernorm, the first module its
+        forward calls, not on the layer: under FSDP2 StreamBP runs a layer's hook-free forward, and
+        a sequence-parallel step keeps its K/V recipe only where nothing wraps or pre-hooks the layer
+        (core/kv_capture.py)."""
         self.counter = counter  # anything with a writable `phase`
         self.chunked_head = chunked_head
+        self.at_norm = at_norm
         self.head_calls = 0
         self._sums_calls = 0  # StreamBP's no-grad head pass (DPO's sequence sums)
         self._embedding_chunks = 0  # StreamBP's embedding backward, chunk by chunk
@@ -55,8 +60,9 @@ class PhaseLabels:
             if name == "embedding" and not self.head_calls:
                 self._set("forward")
 
-        stack.callback(module.register_forward_pre_hook(before).remove)
-        stack.callback(module.register_forward_hook(after).remove)
+        hooked = module.input_layernorm if self.at_norm and name.startswith("layer") else module
+        stack.callback(hooked.register_forward_pre_hook(before).remove)
+        stack.callback(hooked.register_forward_hook(after).remove)
 
     def _head(self, module, stack: ExitStack) -> None:
         def before(module, args):

@@ -51,16 +51,18 @@ class TrainingStep:
         protocol: str,
         foreach_optimizer: bool | None = None,
         allocation: AbstractContextManager | None = None,
+        sequence_parallel=None,
     ):
         """foreach_optimizer: force AdamW's multi-tensor implementation on or off (None: PyTorch's
         choice, foreach for CUDA parameters). allocation: the context resident buffers are made in
-        (the estimator's fake-tensor mode)."""
+        (the estimator's fake-tensor mode). sequence_parallel: the ranks sharing each sequence (a
+        core SequenceParallel; the method must take it, methods/registry.py)."""
         self.model = model.train()
         self.batch = batch
         # checked and filled once, not per step: the batch has something to predict, the knobs are
         # what the method reads (a spec's already are; a library caller's may not be)
         self.method, self.protocol = method, protocol
-        self._step = prepared_method(method, batch, settings)
+        self._step = prepared_method(method, batch, settings, sequence_parallel)
         self.settings = self._step.keywords["settings"]
         self.trainable = trainable_parameters(self.model)
         self.optimizer = make_optimizer(self.model) if step == "train" else None

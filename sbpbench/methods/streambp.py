@@ -84,16 +84,32 @@ def stream_config(settings) -> StreamConfig:
     return StreamConfig(**{f.name: getattr(settings, f.name) for f in fields(StreamConfig)})
 
 
-def streambp(model, batch: Batch, settings) -> torch.Tensor:
+def streambp(model, batch: Batch, settings, sequence_parallel=None) -> torch.Tensor:
+    """sequence_parallel: the ranks sharing each sequence (core SequenceParallel), which take
+    unpadded rows; the benchmark's right-padded rows run unmasked there (`unpadded_mask`)."""
     hooks, timers = current_hooks(), _TIMERS.get()
     if timers is not None:
         timers.append(PhaseTimer(on_phase=_ON_PHASE.get()))
         hooks = replace(hooks, timer=timers[-1])
+    mask = batch.attention_mask if sequence_parallel is None else unpadded_mask(batch.attention_mask)
     return stream_backward(
         model,
         batch.input_ids,
         objective=batch.objective(),
-        attention_mask=batch.attention_mask,
+        attention_mask=mask,
         config=stream_config(settings),
         hooks=hooks,
+        sequence_parallel=sequence_parallel,
     )
+
+
+def unpadded_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """None for rows whose padding is all at their end: pads come after every real token and predict
+    nothing (their labels are -100), so causal attention without the mask gives the real tokens what
+    the mask gives, and the same gradient. Any other padding is kept, for the step to refuse."""
+    if attention_mask is None:
+        return None
+    real = attention_mask.bool()
+    # real tokens first: no real token after a pad (ops on the mask alone, so the memory simulator's
+    # fake-tensor step runs them for real and can read the answer; an arange would be fake there)
+    return None if bool((real[:, 1:] <= real[:, :-1]).all()) else attention_mask

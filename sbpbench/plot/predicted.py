@@ -33,7 +33,7 @@ from .common import (
 )
 
 # Measured and predicted rows of one figure share these; the device and its cap are where they differ.
-SHARED = ("model", "objective", "lora_rank", "step", "dtype", "batch_size", "protocol", "nproc")
+SHARED = ("model", "objective", "lora_rank", "step", "dtype", "batch_size", "protocol", "nproc", "sp")
 
 
 def measured_on_predicted(table, out_dir: Path, reference=None, formats: Sequence[str] = FORMATS) -> list[Path]:

@@ -73,6 +73,11 @@ read back with the new columns empty):
      kind seed (no new column): a max-length search's predicted max T stored before its probes run
      (runner/seeds.py; source simulated, seed_seq_len the seed, memory_limit_bytes the memory it was
      predicted for); a sweep's input, never a result: plots and the report read RESULT_KINDS only.
+  15 sp (ranks sharing each sequence, Ulysses: nproc / sp data ranks of sp ranks each; part of the
+     key) and num_cpus (the logical CPUs the point's processes could run on: nproc x num_threads
+     above it means oversubscribed cores, whose times are slowed while the tracked memory is exact).
+     Not a key column. Older rows read back with sp 1 (every rank held whole sequences, the only way
+     they ran) and num_cpus empty (not recorded).
 """
 
 from __future__ import annotations
@@ -83,7 +88,7 @@ from typing import Any
 
 from ..settings import METHOD_KNOBS, SETTINGS
 
-SCHEMA_VERSION = 14
+SCHEMA_VERSION = 15
 
 # skipped: not run because a point of the same settings with no longer sequence and no larger batch
 # already ran out of memory (certain OOM: plots and reports draw it as an OOM) or timed out (certain
@@ -127,6 +132,7 @@ class _PointColumns:
     dtype: str = ""
     device: str = ""  # cpu | cuda | cuda:N (several ranks: rank 0's; rank r runs on cuda:N+r)
     nproc: int | None = None  # data-parallel ranks (FSDP2 FULL_SHARD); 1: one process
+    sp: int | None = None  # of the nproc ranks, how many share each sequence (Ulysses); 1: whole sequences
     protocol: str = ""  # steady (gradient buffers resident before the step) | first (allocated in it)
 
 
@@ -214,6 +220,7 @@ class ResultRow(_MethodSettingColumns):
     phase_copy_waits_s: float | None = None  # the compute stream waiting for a copy back
     phase_other_s: float | None = None  # the rest of stream_backward (embedding backward, gradient rounding, gaps)
     num_threads: int | None = None  # torch intra-op threads the worker ran with (RunSpec.threads)
+    num_cpus: int | None = None  # logical CPUs the point's processes could use (below nproc x num_threads: shared)
     load_avg_1m: float | None = None  # the machine's 1-minute load average as the point started
     # max-length search (kind maxlen): the longest seq_len that ran and the shortest that did not
     max_seq_len: int | None = None  # the answer: the longest ok probe (None if even the first OOMed)
@@ -271,6 +278,7 @@ KEY_COLUMNS: tuple[str, ...] = (
     "seq_len",
     "batch_size",
     "nproc",
+    "sp",
     "dtype",
     "device_name",
     "protocol",
@@ -336,6 +344,8 @@ def upgrade(row: dict[str, str]) -> dict[str, str]:
         row["checkpoints"] = "gpu"  # schema 5: the placement every earlier streambp row used
     if version in ("1", "2", "3", "4", "5") and not row.get("nproc"):
         row["nproc"] = "1"  # schema 6: every earlier row ran in one process
+    if version in [str(v) for v in range(1, 15)] and not row.get("sp"):
+        row["sp"] = "1"  # schema 15: every earlier row's ranks held whole sequences
     if version in ("1", "2", "3", "4", "5", "6", "7", "8") and not row.get("sdpa_backend"):
         row["sdpa_backend"] = "auto"  # schema 9: every earlier row left the kernel to torch
     if version in ("1", "2", "3", "4", "5", "6", "7", "8", "9", "10") and row.get("method") == "streambp":

@@ -31,7 +31,7 @@ from .placements import placement
 
 # What a line of the first table shares with the others of its table: everything but model,
 # method, placement and length.
-SETTING = ("device_name", "objective", "lora_rank", "step", "dtype", "batch_size", "protocol", "nproc")
+SETTING = ("device_name", "objective", "lora_rank", "step", "dtype", "batch_size", "protocol", "nproc", "sp")
 POINT_HEADERS = ("model", "method", "T", "peak GiB", "predicted GiB", "error", "step s", "the paper")
 ROUGH_NOTE = "\\* a rough time: fewer warm-up or timed steps than a ranking needs (the row says how many)."
 MAXLEN_HEADERS = ("model", "method", f"paper max T ({PAPER_DEVICE})", "predicted max T", "longest measured ok", "first measured OOM")  # fmt: skip
@@ -86,7 +86,8 @@ def _setting_title(row) -> str:
     parts = [device, row["objective"], f"LoRA r{rank}" if rank else "full", f"step {row['step']}", row["dtype"]]
     parts += [f"B={cell(row['batch_size'])}", f"{row['protocol']} protocol"]
     if (number(row["nproc"]) or 1) > 1:
-        parts.append(f"{cell(row['nproc'])} ranks")
+        shared = number(row.get("sp")) or 1
+        parts.append(f"{cell(row['nproc'])} ranks" + (f", {cell(row['sp'])} per sequence" if shared > 1 else ""))
     return ", ".join(parts)
 
 

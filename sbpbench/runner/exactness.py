@@ -89,6 +89,8 @@ def compare_all(spec: ExactnessSpec) -> list[MethodComparison]:
         }
     )
     methods = [s.method for s in spec.specs[1:]]
+    if any(s.nproc > 1 for s in spec.specs[1:]):  # on ranks, in fp64 (config/run.py exactness_specs)
+        return ranked_comparisons(spec, model, batch, settings)
     if run.dtype == "fp32":
         results = judge_against_fp64(model, batch, methods, settings, baseline=run.method)
     elif run.dtype in LOW_PRECISION:
@@ -109,6 +111,32 @@ def compare_all(spec: ExactnessSpec) -> list[MethodComparison]:
                     continue
                 results[i] = compare_step(result.method, run.method, model, ours, reference)
     return results
+
+
+def ranked_comparisons(spec: ExactnessSpec, model, batch, settings: MethodSettings) -> list[MethodComparison]:
+    """Each compared method on its spec's ranks (runner/rank_gradients.py: FSDP2, --sp ranks sharing
+    each sequence, every data rank on this batch) against the reference's step in this process."""
+    from .rank_gradients import RankedStepUnsupported, ranked_step
+
+    run = spec.reference
+    reference = step_gradients(run.method, model, batch, settings)
+    results = []
+    for ranked in spec.specs[1:]:
+        try:
+            ours = ranked_step(ranked)
+        except RankedStepUnsupported as error:
+            results.append(MethodComparison(ranked.method, run.method, None, [], unsupported=str(error)))
+            continue
+        results.append(compare_step(ranked.method, run.method, model, ours, reference))
+    return results
+
+
+def ranks_note(spec: RunSpec) -> str:
+    """How a compared method ran when on several ranks ("" in one process)."""
+    if spec.nproc == 1:
+        return ""
+    shared = f", {spec.sp} sharing each sequence (Ulysses)" if spec.sp > 1 else ""
+    return f"on {spec.nproc} ranks (FSDP2{shared}), every data rank on this batch"
 
 
 def float32_note(run: RunSpec, results) -> str:
@@ -153,7 +181,7 @@ def exactness_row(spec: RunSpec, result: MethodComparison, env: Environment) -> 
         grad_rel_error=None if worst is None else worst.rel_error,
         worst_tensor="" if worst is None else worst.name,
         tolerance=None if worst is None else worst.tolerance,
-        note=result.unsupported or (EXTERNAL_NOTE if METHODS[result.method].external else ""),
+        note=result.unsupported or (EXTERNAL_NOTE if METHODS[result.method].external else ranks_note(spec)),
         model=spec.model,
         num_layers=spec.num_layers,
         objective=spec.objective,

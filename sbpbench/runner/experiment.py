@@ -155,6 +155,14 @@ class SeedPlan:
         )
 
 
+def check_seeds_device(device: str | None) -> None:
+    """--seeds-only predicts a GPU's seeds: on this machine's GPU, or with no device given (any machine)."""
+    from ..config.device import device_kind, resolve_device
+
+    if device is not None and device_kind(resolve_device(device)) != "cuda":
+        raise ValueError(f"--seeds-only predicts a GPU sweep's seeds: leave out --device {device}")
+
+
 def plan_seeds(path: Path, out: Path | None, *, results: Path, device: str | None, resume: bool) -> SeedPlan:
     """The seeds `sbp sweep --seeds-only` would store: for this machine's GPU, else the GPU with
     most measured rows under `results` (as --dry-run prices), else each search's memory limit. A
@@ -171,7 +179,7 @@ def plan_seeds(path: Path, out: Path | None, *, results: Path, device: str | Non
         gpu, capacity = env.device_name, env.device_total_memory_bytes
         loaded = load_experiment(path, device=device)
     elif device is not None:
-        raise ValueError(f"--seeds-only predicts a GPU sweep's seeds: leave out --device {device}")
+        check_seeds_device(device)
     else:
         gpu = measured_gpu(results) or ""
         capacity = measured_capacity(results, gpu) if gpu else None

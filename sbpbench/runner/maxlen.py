@@ -158,8 +158,9 @@ def find_max_len(
     still_open = not answered(answers(), **bounds, multiple_of=search.multiple_of)
     seed_seq_len = seed(search) if seed is not None and search.seed_from_estimate and still_open else None
     try:
+        first = None
         if first_multiple is not None and first_multiple > search.multiple_of:
-            search_max_len(probe, start=search.start, cached=answers(), multiple_of=first_multiple, **bounds)
+            first = search_max_len(probe, start=search.start, cached=answers(), multiple_of=first_multiple, **bounds)
         result = search_max_len(
             probe,
             start=search.start,
@@ -168,6 +169,8 @@ def find_max_len(
             seed=seed_seq_len,
             **bounds,
         )
+        if first is not None:  # the second pass read the first's answers: the search used both passes'
+            result.probes = first.probes + [p for p in result.probes if p.ran]
     except _Unsupported as refused:  # the answer row says so, with the reason
         answer = ResultRow(**{**refused.row.as_dict(), "kind": "maxlen", "seq_len": None, "num_probes": 1})
         answer.search_resolution = str(search.resolution)

@@ -64,7 +64,7 @@ from ..measure.memory_cap import memory_cap
 from ..measure.progress import StepProgress
 from ..measure.sdpa import RecordingSdpaBackends, forcing_sdpa_backend, is_no_kernel_error
 from ..measure.tensor_tracker import LiveTensorTracker, TrackedOutOfMemoryError, counting_fsdp_resizes
-from ..measure.threads import load_average_1m, set_intra_op_threads
+from ..measure.threads import available_cpus, load_average_1m, set_intra_op_threads
 from ..measure.timeline.cuda import CUDA_MEMORY, CudaMemoryCalls, CudaTimeline
 from ..measure.timeline.cuda import ROUNDING as CUDA_ROUNDING
 from ..measure.timeline.tracked import TrackedTimeline
@@ -275,6 +275,7 @@ def _measure(spec: RunSpec, timeline_dir: Path | None) -> ResultRow:
     row = ResultRow(**spec_fields(spec))
     row.load_avg_1m = load_average_1m()  # before this point adds its own threads to it
     row.num_threads = set_intra_op_threads(spec.threads)
+    row.num_cpus = len(available_cpus())  # with nproc x num_threads above it, the times are of shared cores
     device = torch.device(spec.device)
     rank = ranks.rank_from_env() if spec.nproc > 1 else None
     try:

@@ -4,6 +4,14 @@
 its own batch (seed + rank) as one-process points are measured (runner/point.py); the parent
 (runner/isolated.py) merges the ranks' rows into one (`merge_rank_rows`).
 
+With --sp P the N ranks form a (N / P, P) mesh ("dp_shard", "sp"), as torchtitan and ALST lay
+them out: the P ranks of an "sp" row (consecutive ranks, as DeepSpeed's sequence-parallel groups
+are too) share one sequence, each holding the same batch (seed + data rank, rank // P), and the step
+gets them as a core SequenceParallel (`SequenceParallel.from_mesh(mesh, "sp")`). FSDP2 shards over
+the mesh flattened: a 1-D mesh "dp_shard_sp" of every rank in the same order (DeviceMesh's own
+`_flatten` is private), so it averages each gradient over all N ranks and the step scales each
+rank's part by P (core/parallel/sequence_step.py).
+
 Ranks are found as torchrun sets them (RANK, LOCAL_RANK, WORLD_SIZE), the rendezvous is
 SBP_INIT_METHOD (the parent passes a file:// store in the point's directory: no port to race for)
 or torchrun's env://. gloo on the CPU; nccl on CUDA with rank r on cuda:<index + local rank>.
@@ -62,14 +70,34 @@ def leave() -> None:
         dist.destroy_process_group()
 
 
-def build_sharded_step(spec: RunSpec, device: torch.device, rank: Rank) -> tuple[TrainingStep, torch.nn.Module]:
+def build_sharded_step(
+    spec: RunSpec, device: torch.device, rank: Rank, *, same_batch: bool = False, **build
+) -> tuple[TrainingStep, torch.nn.Module]:
     """The same seeded model on every rank, sharded with FSDP2 before the step allocates its
-    gradients and moments (so they are sharded too); this rank's own batch (seed + rank)."""
+    gradients and moments (so they are sharded too); this data rank's own batch (seed + data rank;
+    same_batch: spec.seed's on every rank, as `sbp check` compares one batch). build: what
+    build_model_and_batch takes besides (a check's LoRA options)."""
     from ..models.sharding import shard_model
 
-    model, batch = build_model_and_batch(spec, device=str(device), batch_seed=spec.seed + rank.rank)
-    shard_model(model)
-    return training_step(spec, model, batch), model
+    data_rank = 0 if same_batch else rank.rank // spec.sp
+    model, batch = build_model_and_batch(spec, device=str(device), batch_seed=spec.seed + data_rank, **build)
+    flat, sequence_parallel = sequence_mesh(spec, device)
+    shard_model(model, flat)
+    return training_step(spec, model, batch, sequence_parallel=sequence_parallel), model
+
+
+def sequence_mesh(spec: RunSpec, device: torch.device):
+    """(the mesh FSDP2 shards over, the SequenceParallel of this rank's "sp" row): (None, None)
+    without --sp, FSDP2 then sharding over the default group (module docstring)."""
+    if spec.sp == 1:
+        return None, None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ..core import SequenceParallel
+
+    mesh = init_device_mesh(device.type, (spec.nproc // spec.sp, spec.sp), mesh_dim_names=("dp_shard", "sp"))
+    flat = init_device_mesh(device.type, (spec.nproc,), mesh_dim_names=("dp_shard_sp",))
+    return flat, SequenceParallel.from_mesh(mesh, "sp")
 
 
 # Memory columns a several-rank row takes as the max over ranks (the per-GPU figure a user sizes a

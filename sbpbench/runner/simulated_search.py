@@ -13,6 +13,8 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from ..measure.units import duration
+from ..settings import SETTINGS
+from ..settings.table import NOT_ESTIMATED, UNTIMED, not_estimated
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -23,6 +25,8 @@ if TYPE_CHECKING:
     from .maxlen import Seed
 
 Note = Callable[[str], None]
+# A seed's probe point: the search's own on fake CPU tensors, whose memory does not depend on weights' values
+SEED_POINT = {"device": "cpu", "weights": False}
 
 
 def simulated_probing(
@@ -128,8 +132,8 @@ def _predicted_seed(search: MaxlenSpec, *, memory_bytes: int | None, target: str
     )
     if budget is not None:
         probing["measure"] = started_within(probing["measure"], budget, what="a predicted probe of the seed")
-    # the probes' own point on fake CPU tensors; weights and forced kernels were ruled out above
-    predicted = replace(search, base=replace(spec, device="cpu", weights=False), seed_from_estimate=False)
+    # the probes' own point on fake CPU tensors; what the estimator does not model was ruled out above
+    predicted = replace(search, base=replace(spec, **SEED_POINT), seed_from_estimate=False)
     try:
         answer = simulated_max_len(predicted, None, probing=probing, resume=False)
     except ProbeFailed as error:
@@ -158,15 +162,34 @@ def is_seeded(search: MaxlenSpec) -> bool:
     return search.seed_from_estimate and not _unseeded(search.base, EXTRAPOLATED_METHODS)
 
 
+def seed_sets_itself(name: str) -> bool:
+    """Whether a setting `sbp estimate` refuses leaves a seed right: the seed sets it (SEED_POINT),
+    predicts against the search's own cap (memory_limit) in this process (timeout_s), or the setting
+    only times steps (the settings table's UNTIMED)."""
+    return name in SEED_POINT or name in ("memory_limit", "timeout_s") or SETTINGS[name].estimator == UNTIMED
+
+
+def unmodelled(spec) -> tuple[str, str] | None:
+    """The first setting of a search's probe point (a RunSpec) that the estimator does not model and
+    `sbp estimate` refuses (the settings table's `estimator`), given at a value but its default, as
+    (name, value as written); None where a seed predicts the point (or `seed_sets_itself`)."""
+    for name in NOT_ESTIMATED:
+        if seed_sets_itself(name):
+            continue
+        value = getattr(spec.settings, name) if SETTINGS[name].read_by else getattr(spec, name)
+        if value is not None and value != SETTINGS[name].default:  # a knob the method does not read is None
+            return name, str(value).lower() if isinstance(value, bool) else str(value)
+    return None
+
+
 def _unseeded(spec, extrapolated: tuple[str, ...]) -> str:
     """Why the estimator gives this point no seed ("": it does)."""
     if spec.method not in extrapolated:
         # the estimator runs these in full at each length: minutes per probe at long T, a seed
         # costing more than the probes it saves
         return f"the estimator runs {spec.method} in full at each length"
-    if spec.sdpa_backend != "auto":
-        return f"the estimator models torch's own kernel choice, not --sdpa-backend {spec.sdpa_backend}"
-    kernel = spec.settings.chunk_attention
-    if kernel not in (None, "auto", "lower-right"):  # simulate/estimate.py refuses it
-        return f"the estimator models the lower-right chunk kernel only, not --set chunk_attention={kernel}"
+    found = unmodelled(spec)
+    if found is not None:
+        name, value = found
+        return f"the estimator does not model {name} {value}: {not_estimated(name)}"
     return ""

@@ -12,10 +12,12 @@ from .table import (
     POINT_SETTINGS,
     SEARCH_SETTINGS,
     SETTINGS,
+    IgnoredKnob,
     Setting,
     check,
     default_of,
     device_defaults,
+    ignored_knobs,
     knobs_read_by,
 )
 
@@ -34,10 +36,12 @@ __all__ = [
     "SETTINGS",
     "STEPS",
     "ConfigError",
+    "IgnoredKnob",
     "Setting",
     "SettingChanged",
     "check",
     "default_of",
     "device_defaults",
+    "ignored_knobs",
     "knobs_read_by",
 ]

@@ -13,6 +13,7 @@ METHOD_NAMES = (
     "ckpt-offload",
     "ckpt-chunked-ce",
     "tiled",
+    "ulysses",
     "liger",
     "trl-default",
     "official",

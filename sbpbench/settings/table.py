@@ -7,7 +7,8 @@ in the table's order: the point, how it is measured, the methods' knobs, a searc
 `sbp estimate` and `sbp plan` refuse, the keys of experiment files (config/experiment.py), the
 generic checks and the defaults of the specs (config/run.py RunSpec, config/maxlen.py MaxlenSpec),
 MethodSettings' fields and which knobs each method reads (methods/settings.py,
-methods/registry.py), and the method-setting columns of the results (records/schema.py). Adding a
+methods/registry.py), the method-setting columns of the results (records/schema.py), and the notice
+for a knob given to methods that do not read it (`ignored_knobs`, said by the CLI). Adding a
 method's knob is one entry here plus the code that reads it and its test (docs/settings.md walks
 through one); a setting the runner reads, not a method, also has its typed field on RunSpec (or
 MaxlenSpec) defaulting to `default_of(name)`. tests/unit/test_settings.py checks that the names agree
@@ -16,9 +17,9 @@ and that no module outside this package writes a list of setting names by hand.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from .choices import (
     CHUNK_ATTENTION,
@@ -74,7 +75,7 @@ SETTINGS: dict[str, Setting] = {
     # the point
     "method": Setting(
         str,
-        "Methods, several allowed (default: bp ckpt streambp).",
+        "Methods, several allowed (default: bp ckpt streambp; with --sp: streambp ulysses).",
         (*METHOD_NAMES, EVERY_METHOD),
         default=("bp", "ckpt", "streambp"),  # the paper's comparison; peers by name or `all`
         may_list=True,
@@ -166,7 +167,7 @@ SETTINGS: dict[str, Setting] = {
     "seed": Setting(int, "Seed for weights and batch (default: 0).", default=0, minimum=0),
     "threads": Setting(
         int,
-        "torch threads per point (default: OMP_NUM_THREADS, else the physical cores).",
+        "torch threads per rank (default: OMP_NUM_THREADS, else the cores / CPU ranks).",
         minimum=1,
         estimator=UNTIMED,
     ),
@@ -175,6 +176,14 @@ SETTINGS: dict[str, Setting] = {
         "Data-parallel ranks (FSDP2): gloo on cpu, a GPU each on cuda (default: 1).",
         default=1,
         minimum=1,
+    ),
+    # ranks sharing each sequence (Ulysses): nproc / sp data ranks of sp ranks each (runner/ranks.py)
+    "sp": Setting(
+        int,
+        "Ranks sharing each sequence (default: 1).",
+        default=1,
+        minimum=1,
+        estimator="give --gpus P instead: P GPUs sharing each sequence, --nproc P --sp P",
     ),
     # one SDPA kernel forced for every method (config/sdpa.py); a wrong name's error lists the choices
     "sdpa_backend": Setting(
@@ -229,9 +238,9 @@ SETTINGS: dict[str, Setting] = {
     ),
     "offload_checkpoints": Setting(
         bool,
-        "tiled: layer checkpoints in host memory (default: on).",
+        "tiled, ulysses: layer checkpoints in host memory (default: on).",
         default=True,  # as ALST does
-        read_by=("tiled",),
+        read_by=("tiled", "ulysses"),
         # the fake step's host copies are fake CPU tensors like the rest, counted in the one memory
         estimator="it counts tiled's layer checkpoints in GPU memory either way; leave the knob out",
     ),
@@ -345,6 +354,28 @@ def has_flag(name: str) -> bool:
 def knobs_read_by(method: str) -> tuple[str, ...]:
     """The method knobs `method` reads (its MethodSettings fields that are set; the rest stay None)."""
     return tuple(name for name in METHOD_KNOBS if method in SETTINGS[name].read_by)
+
+
+class IgnoredKnob(NamedTuple):
+    knob: str  # a method's knob, or a command's own flag that only some methods answer (`sbp run --phases`)
+    read_by: tuple[str, ...]  # every method that reads it
+    ignored_by: tuple[str, ...]  # the methods to run that do not
+
+
+def ignored_knobs(
+    methods: Iterable[str], given: Iterable[str], readers: Mapping[str, tuple[str, ...]] | None = None
+) -> list[IgnoredKnob]:
+    """The knobs in `given` (the names a user set) that some of `methods` (those a command will run)
+    do not read, each with its readers and the methods that ignore it. A knob's readers are its
+    `read_by`, or its entry in `readers` (a command's own flag); any other name is read by every method."""
+    read_by = {**{name: SETTINGS[name].read_by for name in METHOD_KNOBS}, **(readers or {})}
+    methods, given = tuple(dict.fromkeys(methods)), set(given)
+    found = []
+    for knob in (name for name in read_by if name in given):  # the table's order, then `readers`'
+        ignoring = tuple(method for method in methods if method not in read_by[knob])
+        if ignoring:
+            found.append(IgnoredKnob(knob, read_by[knob], ignoring))
+    return found
 
 
 def is_int(value) -> bool:

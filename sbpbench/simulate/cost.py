@@ -12,7 +12,7 @@ A seeded max-length search (runner/length_search.py) probes about SEEDED_PROBES 
 around its seed, each a memory-only point near the predicted max T. Its seed is a fake-tensor search
 on the host's CPU: wall time, not device time, priced apart (SEED_S), and nothing where the seed is
 stored in the results file already (`sbp sweep --seeds-only`). These are predictions for planning a
-session, never results.
+session, never results. A point on the CPU is listed without a price (CPU_NOT_PRICED says why).
 """
 
 from __future__ import annotations
@@ -38,6 +38,11 @@ SEEDED_PROBES = 3  # just below and just above the seed, and one more where the 
 SEED_S = 60.0  # a fake-tensor search of one method on a 16-core host (selftest: 15-23 s per estimate)
 COMMAND_S = 540.0  # the --dry-run's command length, as under `--budget 9m`
 TIMED_METHODS = ("bp", "ckpt", "streambp")  # the time model's; other methods are priced as ckpt
+# why a point on the CPU gets no predicted time
+CPU_NOT_PRICED = (
+    "the time model (timing.py) is a GPU's, its rates fitted to measured GPU rows or taken from published "
+    "H100 figures, and it does not model a CPU's step (bp's attention takes a T x T mask path there)"
+)
 
 
 @dataclass(frozen=True)
@@ -98,10 +103,7 @@ def point_cost(spec: RunSpec, rates: Rates) -> Cost:
 def search_cost(search: MaxlenSpec, rates: Rates, max_t: int | None, why: str = "", host_s: float = SEED_S) -> Cost:
     """A seeded search: SEEDED_PROBES memory-only points at about `max_t` (the predicted max T, None
     when unknown: no device time can be given), after host_s of host time for its seed."""
-    base = search.base
-    label = f"{base.model} {base.method} max T" + (
-        "" if _default_placement(base) else f" ({base.settings.checkpoints})"
-    )
+    label = _search_label(search)
     if max_t is None:
         return Cost(label, 0, float("nan"), host_s, note="max T unknown: predict it with `sbp maxlen --simulate`")
     probe = search.probe(max(1, min(max_t, search.seq_len_ceiling)))
@@ -109,6 +111,13 @@ def search_cost(search: MaxlenSpec, rates: Rates, max_t: int | None, why: str = 
     probes = SEEDED_PROBES * (probe.warmup + 1)
     device = SEEDED_PROBES * (start_s(probe) + pinning) + probes * seconds
     return Cost(label, probes, device, host_s, note=", ".join(n for n in (f"at max T {max_t:,}{why}", note) if n))
+
+
+def unpriced(point: RunSpec | MaxlenSpec) -> Cost:
+    """A point or search listed without a price: one that runs on the CPU (CPU_NOT_PRICED)."""
+    if isinstance(point, MaxlenSpec):
+        return Cost(_search_label(point), 0, math.nan, note="on the CPU: not priced")
+    return Cost(_label(point), point.warmup + 1 + point.repeats, math.nan, note="on the CPU: not priced")
 
 
 # How a search is seeded, for its price: the host seconds its seed takes, and the seed's max T
@@ -172,6 +181,11 @@ def _default_placement(spec: RunSpec) -> bool:
     return spec.method != "streambp" or spec.settings.checkpoints in (None, Placement())
 
 
+def _search_label(search: MaxlenSpec) -> str:
+    base = search.base
+    return f"{base.model} {base.method} max T" + ("" if _default_placement(base) else f" ({base.settings.checkpoints})")
+
+
 def _label(spec: RunSpec) -> str:
     batch = f" B={spec.batch_size}" if spec.batch_size != 1 else ""
     place = "" if _default_placement(spec) else f" ({spec.settings.checkpoints})"
@@ -180,10 +194,11 @@ def _label(spec: RunSpec) -> str:
 
 @dataclass(frozen=True)
 class Pricing:
-    """An experiment's points not yet measured, each with its predicted cost on one GPU."""
+    """An experiment's points not yet measured, each with its predicted cost on one GPU, or listed
+    unpriced where the experiment runs on the CPU."""
 
-    device: str  # the GPU priced: its rows gave the rates (or "H100": the default rates)
-    rates: Rates
+    device: str  # the GPU priced: its rows gave the rates (or "H100": the default rates); or the CPU's name
+    rates: Rates | None  # None: not priced, the experiment runs on the CPU (CPU_NOT_PRICED)
     costs: list[Cost]
     done: int  # points already in the results CSV (resume): no cost
     name: str = ""  # the experiment's
@@ -296,7 +311,10 @@ def pricing_markdown(pricing: Pricing, budget_s: float = COMMAND_S) -> str:
     count = max(commands(pricing.costs, budget_s), default=0)
     total = ["all", str(len(pricing.costs)), _minutes(pricing.device_s), _minutes(pricing.host_s), f"{count} commands"]
     lines += ["| " + " | ".join(total) + " |", ""]
-    lines.append(f"Predicted for {pricing.device}, not measured. Rates: {pricing.rates.describe()}.")
+    if pricing.rates is None:
+        lines.append(f"Runs on the CPU ({pricing.device}): no time predicted, as {CPU_NOT_PRICED}.")
+    else:
+        lines.append(f"Predicted for {pricing.device}, not measured. Rates: {pricing.rates.describe()}.")
     return "\n".join(lines) + "\n"
 
 

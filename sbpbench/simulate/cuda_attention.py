@@ -53,7 +53,7 @@ from typing import Self
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import CausalBias, CausalVariant, causal_lower_right
+from torch.nn.attention.bias import CausalBias, CausalVariant
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..methods.streambp import step_hooks
@@ -210,9 +210,14 @@ class CudaAttention:
 
 
 def _causal_lower_right_outside_fake_mode(num_queries: int, num_keys: int) -> CausalBias:
-    """A CausalBias is a tensor subclass: made inside a FakeTensorMode it would be a FakeTensor."""
+    """A CausalBias is a tensor subclass: made inside a FakeTensorMode it would be a FakeTensor. Its
+    constructor (torch 2.13) also allocates an uninitialised tensor of about num_queries x num_keys
+    elements that nothing reads (34 GB for the 32k queries of a sequence-parallel chunk over 1M keys),
+    so it is made empty with the three fields causal_lower_right sets."""
     with _disable_current_modes():
-        return causal_lower_right(num_queries, num_keys)
+        bias = torch.empty(0).as_subclass(CausalBias)
+    bias.variant, bias.seq_len_q, bias.seq_len_kv = CausalVariant.LOWER_RIGHT, num_queries, num_keys
+    return bias
 
 
 def streambp_cuda_branch():

@@ -43,7 +43,7 @@ from ..methods import MethodFn
 from ..models import load_config
 from ..records import ResultRow
 from .estimate import Estimate, StepMemory, assemble_unrun, estimate_point, granularity_bytes, judge, margin_bytes
-from .length import Note, predict
+from .length import Note, predict, predict_by_phase
 
 AFFINE_COLUMNS = (
     "num_params",
@@ -110,7 +110,8 @@ def estimate_point_by_depth(
             estimator=estimator,
         )
     low, high = depths
-    if not exact and spec.method in LIFTED_METHODS and spec.nproc == 1:
+    # one GPU, or ranks sharing the sequence (whose FSDP2 terms at the peak are one layer's and the root's)
+    if not exact and spec.method in LIFTED_METHODS and (spec.nproc == 1 or spec.sp > 1):
         lift = _lifted_streamed if Placement.parse(spec.settings.checkpoints or "gpu").stream else _lifted
         lifted = lift(spec, low, target=target, method=method, note=note)
         if lifted is not None:
@@ -171,7 +172,14 @@ def store_counts(placement: Placement, num_layers: int, *, embedding_trains: boo
     return StoreCounts(store.max_host_bytes, store.transfer_bytes, top, store.max_device_inputs)
 
 
-def stream_transfers(num_layers: int, num_buffers: int, *, embedding_trains: bool = True, head_reads: int = 1) -> int:
+def stream_transfers(
+    num_layers: int,
+    num_buffers: int,
+    *,
+    embedding_trains: bool = True,
+    head_reads: int = 1,
+    sequence_parallel: bool = False,
+) -> int:
     """Layer inputs' worth of host <-> device copies in one step of a stream placement (core/
     stream_store.py), every chunk of the head counted (head_reads: 2 for an objective of sequence
     sums, which reads Z_L twice). X_0 is computed on the device, so layer 0 reads nothing.
@@ -179,11 +187,16 @@ def stream_transfers(num_layers: int, num_buffers: int, *, embedding_trains: boo
     head:      Z_L read, dZ_L written
     layer l:   X_l read twice (K/V capture, chunks) but for l = 0; dZ read; dX written (layer 0: if
                the embedding trains, which then reads dX_0 back whole)
-    rebuilds:  each forward reads its input (unless X_0) and writes its output"""
+    rebuilds:  each forward reads its input (unless X_0) and writes its output
+    sequence_parallel (core/parallel/sequence_layer.py): a forward reads its input twice (keys/values
+    to head space first, then the chunks); a backward reads X_l once more (the keys/values' backward)
+    and reads dX back and writes it again (the norm's share added)."""
     plan = schedule(num_layers, num_buffers)
-    passing = 2 * num_layers - 1
-    layers = 4 * (num_layers - 1) + 1 + embedding_trains
-    rebuilds = 2 * plan.rebuilt - plan.rebuilt_from_embedding
+    reads = 2 if sequence_parallel else 1  # of a forward's input
+    passing = num_layers + reads * (num_layers - 1)
+    backward = 7 if sequence_parallel else 4  # X_l reads, dZ read, dX written (and read and written again)
+    layers = backward * (num_layers - 1) + 1 + embedding_trains * (3 if sequence_parallel else 1)
+    rebuilds = (reads + 1) * plan.rebuilt - reads * plan.rebuilt_from_embedding
     return passing + head_reads + 1 + layers + rebuilds + embedding_trains
 
 
@@ -194,8 +207,10 @@ def _copy_one(index: int, source, sink) -> None:
 
 
 def layer_input_bytes(spec: RunSpec) -> int:
-    """One layer input X_l of the point: B x T x d in the model dtype."""
-    return spec.batch_size * spec.seq_len * load_config(spec.model).hidden_size * spec.torch_dtype.itemsize
+    """One layer input X_l of the point (of one rank: T_loc = ceil(T / P) positions where P ranks
+    share the sequence): B x T x d in the model dtype."""
+    positions = -(-spec.seq_len // spec.sp)
+    return spec.batch_size * positions * load_config(spec.model).hidden_size * spec.torch_dtype.itemsize
 
 
 def _lifted(spec: RunSpec, low: int, *, target: str, method: MethodFn | None, note: Note | None) -> Estimate | None:
@@ -207,7 +222,7 @@ def _lifted(spec: RunSpec, low: int, *, target: str, method: MethodFn | None, no
         return None
     placement = spec.settings.checkpoints
     depth = spec.num_layers or load_config(spec.model).num_hidden_layers
-    shallow = predict(replace(spec, num_layers=low), target=target, method=method, note=note)
+    shallow, phases = predict_by_phase(replace(spec, num_layers=low), target=target, method=method, note=note)
     layer_input = layer_input_bytes(spec)
     counts, full = store_counts(placement, low), store_counts(placement, depth)
     if (shallow.host_pinned_bytes, shallow.transfer_bytes) != (
@@ -216,14 +231,20 @@ def _lifted(spec: RunSpec, low: int, *, target: str, method: MethodFn | None, no
     ):
         return None
     every = placement.recompute_every
-    if depth % every or not _from_top_segment(shallow.peak_phase, low - every):
-        return None
     kept = 0 if placement.offload else (depth - low) // every  # more kept inputs on the device
     granularity = granularity_bytes(target)
+    more = kept * -(-layer_input // granularity) * granularity
+    if depth % every:
+        return None
+    peak, phase = shallow.activation_peak_bytes + more, shallow.peak_phase
+    if not _from_top_segment(phase, low - every):
+        if spec.sp == 1:  # one GPU: both depths run instead (estimate_point_by_depth)
+            return None
+        peak, phase = _peak_by_phase(phases, low - every, more)
     memory = StepMemory(
-        activation_peak_bytes=shallow.activation_peak_bytes + kept * -(-layer_input // granularity) * granularity,
+        activation_peak_bytes=peak,
         # a layer counted from the top of the shallow model is the same layer from the top of the full one
-        peak_phase=re.sub(r"layer (\d+)", lambda m: f"layer {int(m.group(1)) + depth - low}", shallow.peak_phase),
+        peak_phase=re.sub(r"layer (\d+)", lambda m: f"layer {int(m.group(1)) + depth - low}", phase),
         attention_kernel=shallow.attention_kernel,
         host_pinned_bytes=full.max_host_inputs * layer_input,
         transfer_bytes=full.transfers * layer_input,
@@ -249,10 +270,10 @@ def _lifted_streamed(
     layer_input = layer_input_bytes(spec)
     if shallow.host_pinned_bytes != placement.buffers(low) * layer_input:
         return None
-    trains = not spec.lora_rank
-    more = stream_transfers(depth, placement.buffers(depth), embedding_trains=trains) - stream_transfers(
-        low, placement.buffers(low), embedding_trains=trains
-    )
+    trains, shared = not spec.lora_rank, spec.sp > 1
+    more = stream_transfers(
+        depth, placement.buffers(depth), embedding_trains=trains, sequence_parallel=shared
+    ) - stream_transfers(low, placement.buffers(low), embedding_trains=trains, sequence_parallel=shared)
     memory = StepMemory(
         activation_peak_bytes=shallow.activation_peak_bytes,
         peak_phase=re.sub(r"layer (\d+)", lambda m: f"layer {int(m.group(1)) + depth - low}", shallow.peak_phase),
@@ -261,6 +282,18 @@ def _lifted_streamed(
         transfer_bytes=shallow.transfer_bytes + more * layer_input,
     )
     return assemble_unrun(spec, memory, target)
+
+
+def _peak_by_phase(phases: dict[str, int], top_segment: int, more: int) -> tuple[int, str]:
+    """The full model's activation peak and its phase from the shallow model's peak per phase
+    (`phases`, length.predict_by_phase): the
+    phases where every kept input below the top segment is live gain `more` (the full model's kept
+    inputs beyond the shallow one's); the others (the bottom layers, the embedding, the optimizer)
+    hold what the shallow model's do, and a layer between holds less than the top one. Where ranks
+    share the sequence, FSDP2's unsharded root gradients can put the shallow peak in the embedding's
+    backward while the full model's is in its head."""
+    found = [(value + more * _from_top_segment(label, top_segment), label) for label, value in phases.items()]
+    return max(found, key=lambda pair: pair[0])  # the first phase to reach it, as a run reports its peak's
 
 
 def _from_top_segment(phase: str, top_segment: int) -> bool:

@@ -22,8 +22,8 @@ itself; a point fits when both the device and the host side fit.
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, replace
+from contextlib import ExitStack, contextmanager, nullcontext
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from functools import lru_cache
 
@@ -31,6 +31,7 @@ from ..config import RunSpec
 from ..measure.environment import capture_environment
 from ..measure.flops import training_flops
 from ..measure.host_memory import available_ram_bytes
+from ..measure.tensor_tracker import counting_fsdp_resizes
 from ..methods import MethodFn, MethodSettings, MethodUnsupported
 from ..methods.phase_labels import PhaseLabels
 from ..methods.step import storage_bytes
@@ -41,6 +42,7 @@ from ..workload.rows import spec_fields
 from .cuda_attention import CudaAttention, hidden_buffers, streambp_cuda_branch
 from .fake_mode import build_fake_step
 from .memory_counter import CUDA_ALLOCATOR_ROUNDING, SimulatedMemory
+from .sequence_parallel import fake_ranks, local_bounds
 from .sharded import check_sharded_spec, per_rank, sharded_terms
 
 TARGETS = ("cuda", "cpu")
@@ -154,6 +156,7 @@ class StepMemory:
     attention_kernel: str
     host_pinned_bytes: int
     transfer_bytes: int
+    phase_peaks: dict[str, int] = field(default_factory=dict)  # the activation peak within each phase label
 
 
 def simulate(
@@ -163,18 +166,27 @@ def simulate(
     more, length.py), for callers that read more of the step than its peak."""
     if target not in TARGETS:
         raise ValueError(f"unknown target {target!r}; choose from {', '.join(TARGETS)}")
-    cuda = target == "cuda"
     check_sharded_spec(spec)
     if spec.settings.chunk_attention not in (None, "auto", "lower-right"):  # auto is lower-right on fake tensors
         raise ConfigError(
             "chunk_attention", f"{spec.settings.chunk_attention}: the estimator models the lower-right kernel only"
         )
+    with ranks_of(spec):  # the fake process group a sequence-parallel rank's step runs in
+        return _simulate(spec, target, method, counter_type)
+
+
+def _simulate(spec: RunSpec, target: str, method: MethodFn | None, counter_type) -> tuple[Estimate, SimulatedMemory]:
+    cuda, shared = target == "cuda", spec.sp > 1
     fake = build_fake_step(spec, foreach_optimizer=cuda)
     step = fake.step
     baseline = storage_bytes(step.resident_tensors(), granularity_bytes(target))
     counter = counter_type(granularity_bytes(target), hidden=hidden_buffers if cuda else None)
-    phases = PhaseLabels(counter, chunked_head=spec.method == "streambp")
+    if shared and hasattr(counter, "sequence_bounds"):
+        counter.sequence_bounds = local_bounds(spec)
+    phases = PhaseLabels(counter, chunked_head=spec.method == "streambp", at_norm=shared)
     with ExitStack() as stack:
+        if shared:
+            stack.enter_context(counting_fsdp_resizes(counter))  # FSDP2's gathered parameters
         attention = stack.enter_context(_cuda_attention()) if cuda else None
         stack.enter_context(phases.attached(step.model, step.optimizer))
         # On a GPU the host copies are another memory; on the CPU they are in the same one, as the
@@ -196,6 +208,7 @@ def simulate(
         attention_kernel=attention.kernel_names() if attention is not None else "",
         host_pinned_bytes=max((s.max_host_bytes for s in stores), default=0),
         transfer_bytes=sum(s.transfer_bytes for s in stores),
+        phase_peaks=dict(counter.phase_peaks),
     )
     return assemble(spec, step, memory, target, baseline=baseline), counter
 
@@ -206,7 +219,13 @@ def granularity_bytes(target: str) -> int:
 
 @lru_cache(maxsize=4)
 def _unrun(spec: RunSpec, cuda: bool):
-    return build_fake_step(spec, foreach_optimizer=cuda).step
+    with ranks_of(spec):
+        return build_fake_step(spec, foreach_optimizer=cuda).step
+
+
+def ranks_of(spec: RunSpec):
+    """The fake process group of a point whose ranks share each sequence (sequence_parallel.py); else nothing."""
+    return fake_ranks(spec.nproc) if spec.sp > 1 else nullcontext()
 
 
 def unrun_step(spec: RunSpec, target: str):
@@ -247,7 +266,7 @@ def assemble(spec: RunSpec, step, memory: StepMemory, target: str, *, baseline: 
         host_pinned_bytes=memory.host_pinned_bytes,
         transfer_bytes=memory.transfer_bytes,
     )
-    if spec.nproc > 1:
+    if spec.nproc > 1 and spec.sp == 1:  # data-parallel: FSDP2's terms added to the one-GPU step's
         result = per_rank(result, sharded_terms(step, spec.nproc, granularity))
     return replace(result, margin_bytes=margin_bytes(result.activation_peak_bytes) if target == "cuda" else 0)
 
@@ -306,8 +325,15 @@ def estimate_point(
 
 
 def host_peak_bytes(row: ResultRow) -> int:
-    """The host side of a simulated row: the process and the pinned checkpoint copies."""
-    return HOST_PROCESS_BYTES + (row.host_pinned_peak_bytes or 0)
+    """The host side of a simulated row: the process and the pinned checkpoint copies, of each rank
+    on the node where ranks share each sequence (P GPUs of one node: `ranks_per_node`)."""
+    return ranks_per_node(row) * (HOST_PROCESS_BYTES + (row.host_pinned_peak_bytes or 0))
+
+
+def ranks_per_node(point) -> int:
+    """Processes on the GPU machine whose host buffers add up: nproc where ranks share each sequence
+    (a spec's or a row's; every rank holds as much), else 1 (one GPU; data-parallel rows stay per rank)."""
+    return point.nproc if (point.sp or 1) > 1 else 1
 
 
 def judge(row: ResultRow, gpu_memory_bytes: int | None, host_memory_bytes: int | None) -> ResultRow:

@@ -124,11 +124,17 @@ def build_fake_step(spec: RunSpec, *, foreach_optimizer: bool = False) -> FakeSt
     """The point's model (fake), batch (real) and optimizer, gradients per spec.protocol.
 
     foreach_optimizer: AdamW's multi-tensor implementation, PyTorch's default for CUDA
-    parameters (CPU parameters get the per-tensor loop); it allocates whole-group temporaries."""
+    parameters (CPU parameters get the per-tensor loop); it allocates whole-group temporaries.
+    With spec.sp > 1: rank 0's step of P ranks sharing each sequence, sharded (sequence_parallel.py),
+    built and run inside `fake_ranks`."""
     if spec.device != "cpu":
         raise ValueError(f"a simulated point is built on fake CPU tensors; give device 'cpu', got {spec.device!r}")
     mode = CheaperKeyFakeTensorMode(allow_non_fake_inputs=True)
     model = _fake_model(spec, mode)
+    if spec.sp > 1:  # one rank of P sharing the sequence, in sequence_parallel.fake_ranks
+        from .sequence_parallel import sharded_sequence_step
+
+        return FakeStep(mode, sharded_sequence_step(spec, model, mode, foreach_optimizer=foreach_optimizer))
     batch = make_spec_batch(spec, model.config)
     step = training_step(spec, model, batch, foreach_optimizer=foreach_optimizer, allocation=mode)
     return FakeStep(mode=mode, step=step)

@@ -4,7 +4,8 @@
 - its instant key (label, chunk, episode, ordinal): the phase label (methods/phase_labels.py); the StreamBP
   chunk the op belongs to, read from the state a decoder layer is called with (core/attention.py:
   its kind, capture / attend / grad, and its start, named "first" for the chunk at 0 and by its
-  distance from the end of the sequence otherwise); the episode (how many
+  distance from the end of the sequence otherwise; a sequence-parallel step's from its layers'
+  input_layernorm and its phases, sequence_parallel.py `SequenceChunks`); the episode (how many
   times this (label, chunk) pair began before) and the op's ordinal within it. The same key
   names the same op at every length whose chunks end alike (lengths of one remainder by the chunk
   sizes): the first chunk, and the last ones counted from the end. Chunks in between get keys
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from ..core import UnsupportedModelError
 from ..core.internal import STATE_KWARG, ChunkState, KVBuffer, forwards_wrapped, resolve_parts
 from .memory_counter import SimulatedMemory
+from .sequence_parallel import SequenceChunks
 
 FIRST = "first"
 
@@ -61,6 +63,8 @@ class InstantRecorder(SimulatedMemory):
         self.values: list[int] = []  # per op: live bytes (rounded) during it
         self.blocks: list[Block] = []
         self._live: dict[int, int] = {}  # storage id -> its index in blocks
+        # a sequence-parallel step's local chunks (sequence_parallel.py), whose layers are not wrapped
+        self.sequence_bounds: list[tuple[int, int]] | None = None
         super().__init__(granularity_bytes, hidden)
 
     @property
@@ -86,6 +90,11 @@ class InstantRecorder(SimulatedMemory):
         """Learn each StreamBP chunk as a decoder layer is called on it: each layer's forward is
         wrapped on the instance for the duration (the checkpoint pass, which calls the layers'
         forward chunk by chunk, wraps whatever is there and puts it back)."""
+        if self.sequence_bounds is not None:  # a wrapped forward would cost the layers their K/V recipe
+            chunks = SequenceChunks(self.sequence_bounds, self.set_chunk, lambda: self._label)
+            with chunks.attached(step.model):
+                yield self
+            return
         try:
             layers = resolve_parts(step.model).layers
         except UnsupportedModelError:
@@ -93,12 +102,17 @@ class InstantRecorder(SimulatedMemory):
         with forwards_wrapped(layers, lambda index, forward: self._watching(forward)):
             yield self
 
+    def set_chunk(self, chunk: tuple) -> None:
+        """The chunk the next ops belong to (a new episode where it changes)."""
+        if chunk != self._chunk:
+            self._chunk = chunk
+            self._begin()
+
     def _watching(self, forward):
         def watched(*args, **kwargs):
             chunk = chunk_of(kwargs.get(STATE_KWARG))
-            if chunk is not None and chunk != self._chunk:
-                self._chunk = chunk
-                self._begin()
+            if chunk is not None:
+                self.set_chunk(chunk)
             return forward(*args, **kwargs)
 
         return watched

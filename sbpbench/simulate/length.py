@@ -86,11 +86,15 @@ def sample_lengths(spec: RunSpec) -> list[int] | None:
     # one layer chunk and one head chunk more, as `_alike` compares one chunk fewer of each
     streamed = _streamed(spec)
     shortest = max((3 + streamed) * chunk + 1, math.ceil((2.5 + streamed) * logits) + 3 + prompt, 2 * prompt + 1, step)
-    if spec.seq_len < shortest:
+    # P ranks sharing the sequence: the rule holds for each rank's T_loc = ceil(T / P); the samples
+    # keep T's padding to a multiple of P, so their T_loc differ by whole periods (sequence_parallel.py)
+    ranks = spec.sp
+    local, pad = -(-spec.seq_len // ranks), -spec.seq_len % ranks
+    if local < shortest:
         return None
-    first = spec.seq_len - (spec.seq_len - shortest) // step * step
+    first = local - (local - shortest) // step * step
     count = 2 if spec.method in LINEAR_METHODS else 3
-    lengths = [first + i * step for i in range(count)]
+    lengths = [(first + i * step) * ranks - pad for i in range(count)]
     return lengths if lengths[-1] < spec.seq_len else None
 
 
@@ -166,6 +170,18 @@ def predict(
     )
 
 
+def predict_by_phase(
+    spec: RunSpec, *, target: str = "cuda", method: MethodFn | None = None, note: Note | None = None
+) -> tuple[Estimate, dict[str, int]]:
+    """`predict`'s Estimate and the activation peak within each phase label, in the order the step
+    enters them (depth.py lifts a shallow model by phase)."""
+    found = _by_length(spec, target=target, method=method, note=note)
+    if found is not None:
+        return found
+    result, counter = simulate(spec, target=target, method=method)
+    return result, dict(counter.phase_peaks)
+
+
 def _unrounded(record: InstantRecorder, granularity: int) -> list[int]:
     """Per op, the live bytes without the allocator's rounding of each block."""
     overhead = np.zeros(len(record.values) + 1, dtype=np.int64)
@@ -194,6 +210,14 @@ def estimate_by_length(
     """The Estimate of spec at its seq_len, from fake runs at `sample_lengths(spec)`; None when
     there are no shorter samples or the extrapolation is refused (note says why). Chunk sizes left
     to the rule ("auto") are the ones it gives at spec.seq_len, at every sample length too."""
+    found = _by_length(spec, target=target, method=method, note=note)
+    return None if found is None else found[0]
+
+
+def _by_length(
+    spec: RunSpec, *, target: str, method: MethodFn | None, note: Note | None
+) -> tuple[Estimate, dict[str, int]] | None:
+    """estimate_by_length's Estimate and its peak per phase label, or None."""
     if spec.method not in EXTRAPOLATED_METHODS:
         return None
     fixed = spec  # replace(spec, seq_len=...) keeps its chunk sizes
@@ -210,7 +234,8 @@ def estimate_by_length(
     last = samples[-1].estimate
     result = assemble_unrun(spec, memory, target)
     # the optimizer's state is counted after the step (under protocol first, made in it), as estimate() does
-    return result if spec.nproc > 1 else replace(result, optimizer_state_bytes=last.optimizer_state_bytes)
+    result = result if spec.nproc > 1 else replace(result, optimizer_state_bytes=last.optimizer_state_bytes)
+    return result, memory.phase_peaks
 
 
 def _fit(
@@ -235,11 +260,13 @@ def _fit(
     step = samples[1].seq_len - samples[0].seq_len
     k = (seq_len - samples[0].seq_len) // step
     overhead = _rounding_at(samples, k, granularity, alike)
-    best, best_key = -1, None
+    best, best_key, peaks = -1, None, {}
     for key in shared:
         value = _extrapolate([s.unrounded[s.index[key]] for s in samples], k) + int(overhead[last.index[key]])
         if value > best:
             best, best_key = value, key
+        if value > peaks.get(key[0], -1):
+            peaks[key[0]] = value
 
     def fitted(column: str) -> int:
         return _extrapolate([getattr(s.estimate, column) for s in samples], k)
@@ -250,6 +277,7 @@ def _fit(
         attention_kernel=last.estimate.attention_kernel,
         host_pinned_bytes=fitted("host_pinned_bytes"),
         transfer_bytes=fitted("transfer_bytes"),
+        phase_peaks=peaks,
     ), ""
 
 

@@ -52,6 +52,7 @@ class SimulatedMemory(LiveTensorTracker):
         self.hidden = hidden
         self.phase = "forward"
         self.peak_phase = ""
+        self.phase_peaks: dict[str, int] = {}  # label -> the live bytes' peak within it (depth.py lifts by phase)
 
     def _is_meta(self, t: torch.Tensor) -> bool:
         # a FakeTensor's `is_meta` dispatches prim.device through the fake mode (~20 us a call, a few
@@ -84,8 +85,17 @@ class SimulatedMemory(LiveTensorTracker):
             )  # a kernel's own buffers: the op's intermediates
         if self.peak_bytes > peak:
             self.peak_phase = self.phase
+        if now > self.phase_peaks.get(self.phase, -1):
+            self.phase_peaks[self.phase] = now
         self.observe(func, now, inside)
         return out
+
+    def resized(self, storage) -> None:
+        """A storage resized in place (FSDP2's gathered parameters): a peak it sets is the phase's."""
+        peak = self.peak_bytes
+        super().resized(storage)
+        if self.peak_bytes > peak:
+            self.peak_phase = self.phase
 
     def attached(self, step):
         """A context the step (methods/step.py) runs in besides this mode (nothing here; the

@@ -37,10 +37,12 @@ from .estimate import (
     granularity_bytes,
     host_peak_bytes,
     margin_bytes,
+    ranks_per_node,
     unrun_step,
 )
 from .length import Note
-from .timing import Rates, StepTime, step_time, stream_copies_s, work
+from .sequence_parallel import collective_bytes
+from .timing import Rates, StepTime, rebuilt_layers, step_time, stream_copies_s, work
 
 RECOMPUTE_EVERY = (2, 3, 4, 6, 9, 12)  # K candidates
 CHUNK_SIZES = (500, 1000, 2000, 4096)  # layer chunks tried (the paper's 500 the smallest; 4096 the rule's largest)
@@ -94,7 +96,8 @@ def stream_buffers(spec: RunSpec, host_memory_bytes: int | None) -> int:
     the fewest it runs with, then refused by the host bound where they do not fit)."""
     if host_memory_bytes is None:
         return 2
-    return max(2, (host_memory_bytes - HOST_PROCESS_BYTES) // layer_input_bytes(spec))
+    per_rank = host_memory_bytes // ranks_per_node(spec)  # each rank of the node its own buffers
+    return max(2, (per_rank - HOST_PROCESS_BYTES) // layer_input_bytes(spec))
 
 
 def candidates(
@@ -108,8 +111,9 @@ def candidates(
     for placement in placements(num_layers, stream_buffers(spec, host_memory_bytes)):
         counts = store_counts(placement, num_layers, embedding_trains=trains)
         kept = -(-num_layers // placement.recompute_every)  # copied out in the checkpoint pass when offloaded
+        sent = sent_bytes(spec, model, rebuilt_layers(placement, num_layers))
         for chunk in CHUNK_SIZES:
-            if chunk > spec.seq_len and chunk != CHUNK_SIZES[0]:
+            if chunk > -(-spec.seq_len // spec.sp) and chunk != CHUNK_SIZES[0]:
                 continue
             step = work(
                 model,
@@ -119,13 +123,14 @@ def candidates(
                 placement=placement,
                 chunk_size=chunk,
                 logits_chunk_size=spec.settings.logits_chunk_size,
+                ranks=spec.sp,
             )
             copies_out = kept if placement.offload else 0
             streamed = 0.0
             if placement.stream:
                 copies_out, streamed = 0, stream_copies_s(
                     step, rates, placement=placement, num_layers=num_layers, layer_input_bytes=layer_input,
-                    embedding_trains=trains,
+                    embedding_trains=trains, sequence_parallel=spec.sp > 1,
                 )  # fmt: skip
             time = step_time(
                 step,
@@ -135,9 +140,15 @@ def candidates(
                 copies_back=0 if placement.stream else counts.transfers - copies_out,
                 pinned_bytes=counts.max_host_inputs * layer_input,
                 streamed_s=streamed,
+                sent_bytes=sent,
             )
             found.append(Candidate(placement, chunk, time, counts))
     return sorted(found, key=lambda c: (c.predicted_time_s, -c.chunk_size))
+
+
+def sent_bytes(spec: RunSpec, model: torch.nn.Module, rebuilt: int) -> float:
+    """What one rank sends per step to the ranks sharing its sequence (none on one GPU); model: meta_model(spec)."""
+    return collective_bytes(spec, model, rebuilt_layers=rebuilt).total if spec.sp > 1 else 0.0
 
 
 def plan(
@@ -285,9 +296,11 @@ class _Bounds:
         """Why no chunk size of the candidate's placement fits, from the store's counts and what the
         top layer's backward certainly holds (module docstring)."""
         counts = candidate.counts
-        host = HOST_PROCESS_BYTES + counts.max_host_inputs * self.layer_input
+        ranks = ranks_per_node(self.spec)
+        host = ranks * (HOST_PROCESS_BYTES + counts.max_host_inputs * self.layer_input)
         if host > self.host:
-            return f"host: needs {host / GIB:.1f} GiB ({counts.max_host_inputs} layer inputs), of {self.host / GIB:.1f}"
+            inputs = f"{counts.max_host_inputs} layer inputs" + (f" x {ranks} ranks" if ranks > 1 else "")
+            return f"host: needs {host / GIB:.1f} GiB ({inputs}), of {self.host / GIB:.1f}"
         held = counts.max_device_inputs * self.device_input  # at some instant
         top = counts.top_device_inputs * self.device_input + self.layer_bytes
         top += 0 if candidate.placement.stream else self.device_input  # dZ
@@ -326,7 +339,9 @@ class _Bounds:
         return ""
 
     def row(self, candidate: Candidate, why: str) -> ResultRow:
-        row = ResultRow(model=self.spec.model, method="streambp", seq_len=self.spec.seq_len, source="simulated")
+        spec = self.spec
+        row = ResultRow(model=spec.model, method="streambp", seq_len=spec.seq_len, source="simulated")
+        row.nproc, row.sp = spec.nproc, spec.sp  # the host side is per node where ranks share the sequence
         row.checkpoints, row.chunk_size = candidate.placement.name, candidate.chunk_size
         row.logits_chunk_size = self.spec.settings.logits_chunk_size
         row.status, row.error = "oom", why
@@ -335,7 +350,8 @@ class _Bounds:
 
 
 def _layer_backward_bytes(spec: RunSpec) -> int:
-    """What any placement's top layer backward holds at its first chunk's attention backward: the
+    """What any placement's top layer backward certainly holds (a lower bound of its peak). One GPU,
+    at its first chunk's attention backward: the
     K/V buffers (model dtype) and their fp32 gradient sums over all T positions, and one attention
     call's gradients of its T keys (core/attention.py ATTENTION_BACKWARD_BYTES) unless a sliding
     window bounds the keys. Each allocator block rounded up to 512 B (whole T: negligible)."""
@@ -344,6 +360,10 @@ def _layer_backward_bytes(spec: RunSpec) -> int:
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     itemsize, tokens = spec.torch_dtype.itemsize, spec.batch_size * spec.seq_len
+    if spec.sp > 1:  # a rank's K/V heads (each up to once per rank) over T padded, and dZ's query share (B, T_loc, d)
+        padded = spec.batch_size * -(-spec.seq_len // spec.sp) * spec.sp
+        heads_here = max(kv_heads, spec.sp) // spec.sp
+        return 2 * heads_here * head_dim * (itemsize + max(itemsize, 4)) * padded + layer_input_bytes(spec)
     buffers = 2 * kv_heads * head_dim * (itemsize + max(itemsize, 4)) * tokens
     layer_types = getattr(config, "layer_types", None) or []
     sliding = getattr(config, "use_sliding_window", True) and getattr(config, "sliding_window", None)

@@ -25,7 +25,12 @@ multiply-add, causal attention below the diagonal only), divided by a rate per k
   writes dX, the head and the embedding's backward copy theirs beside no compute counted here. One
   side stream carries both directions, so the copy rate is for both together;
 - first-step pinning: registering the host copies' pages with CUDA (cudaHostRegister), once per
-  buffer: reported apart from the step, since a pinned-buffer pool pays it once per process.
+  buffer: reported apart from the step, since a pinned-buffer pool pays it once per process;
+- P ranks sharing each sequence (Ulysses, `ranks`): one rank's share of the work, its T_loc =
+  ceil(T / P) positions through the weights and H / P heads of attention over all T, in chunks of
+  T_loc; plus its collectives (sequence_parallel.collective_bytes) at the interconnect rate, not
+  overlapped with compute (the all-to-alls sit inside each chunk's attention; FSDP2's gathers
+  are issued when a layer begins): an upper bound on their cost.
 
 Rates come from measured GPU rows of the same device when the results hold any (`fitted_rates`),
 else the defaults below, from published figures. A ranking and a forecast, not a measurement.
@@ -59,7 +64,12 @@ from ..records import decode_row, read_rows
 # - a kernel launch from PyTorch eager: 5 us, an assumption of the order NVIDIA's and PyTorch's CUDA
 #   graphs posts give for the host's cost per launched kernel ("a few microseconds"); it matters only
 #   where a chunk's kernels run shorter than their launches;
-# - page-locking host memory (cudaHostRegister of fresh pages, faulted in and pinned): HOST_REGISTER_BYTES_S.
+# - page-locking host memory (cudaHostRegister of fresh pages, faulted in and pinned): HOST_REGISTER_BYTES_S;
+# - GPU to GPU within a node: NVLink 4 on an H100 SXM, "900 gigabytes per second (GB/s) bidirectional per
+#   GPU" (NVIDIA's H100 product page), 450 GB/s each way; a rank of an all-to-all sends and receives at once,
+#   so its bytes sent go at 450 GB/s. NCCL reaches less in practice (its all-to-all bus bandwidth on 8 H100s
+#   is commonly quoted near 350 GB/s); `sbp plan --interconnect` replaces the rate.
+INTERCONNECT_BYTES_S = 450e9
 DEFAULT_RATES_NOTE = "H100 SXM figures: 794.5 TFLOP/s matmul, FlashAttention-2 335/322 TFLOP/s"
 
 
@@ -78,6 +88,7 @@ class Rates:
     host_copy_bytes_s: float = 64e9
     launch_s: float = 5e-6
     pinning_bytes_s: float = HOST_REGISTER_BYTES_S
+    interconnect_bytes_s: float = INTERCONNECT_BYTES_S  # GPU to GPU, each way (ranks sharing a sequence)
     # where each rate not assumed came from: (rate, "fitted to 4 rows of NVIDIA H100 80GB HBM3"); the
     # others are the defaults above, assumed from published figures
     fitted: tuple[tuple[str, str], ...] = ()
@@ -138,10 +149,15 @@ class StepTime:
     chunks_s: float  # gradient sums and launches beyond the chunks' GPU time
     host_copies_s: float  # copies beyond the compute they overlap
     first_step_pinning_s: float  # once per buffer, not in total_s
+    communication_s: float = 0.0  # collectives between ranks sharing a sequence, not overlapped
+
+    @property
+    def compute_s(self) -> float:
+        return self.matmul_s + self.attention_forward_s + self.attention_backward_s + self.chunks_s
 
     @property
     def total_s(self) -> float:
-        return self.matmul_s + self.attention_forward_s + self.attention_backward_s + self.chunks_s + self.host_copies_s
+        return self.compute_s + self.host_copies_s + self.communication_s
 
 
 def _layer_shapes(model: torch.nn.Module):
@@ -159,19 +175,23 @@ def work(
     placement: Placement | None = None,
     chunk_size: int | None = None,
     logits_chunk_size: int | None = None,
+    ranks: int = 1,
 ) -> Work:
-    """The work of one SFT step of `method` (bp, ckpt, streambp) on `model` (meta, LoRA applied)."""
+    """The work of one SFT step of `method` (bp, ckpt, streambp) on `model` (meta, LoRA applied).
+    ranks: P ranks sharing each sequence (streambp): one rank's work (module docstring)."""
     layers, head = _layer_shapes(model)
     config = model.config
-    tokens = batch_size * seq_len
+    local = math.ceil(seq_len / ranks)  # positions per rank
+    tokens = batch_size * local
     num_layers = len(layers)
     layer = matmul_parameters(layers[0])
     layer_trainable = matmul_parameters(layers[0], trainable_only=True)
     heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_weights = 2 * config.hidden_size * kv * head_dim
-    attention = [
-        4 * heads * head_dim * mean_attended_keys(seq_len, w) * tokens for w in attention_layer_windows(config)
+    attention = [  # each rank: H / P heads over every position
+        4 * heads * head_dim * mean_attended_keys(seq_len, w) * batch_size * seq_len / ranks
+        for w in attention_layer_windows(config)
     ]
     head_weights = head.weight.numel()
     head_trainable = head_weights if head.weight.requires_grad else 0
@@ -194,8 +214,8 @@ def work(
         raise ValueError(f"no time model for method {method!r}; it has bp, ckpt and streambp")
     placement = placement or Placement()
     rebuilt = rebuilt_layers(placement, num_layers)
-    chunk_layers = math.ceil(seq_len / chunk_size) * num_layers
-    head_chunks = math.ceil(seq_len / logits_chunk_size)
+    chunk_layers = math.ceil(local / chunk_size) * num_layers
+    head_chunks = math.ceil(local / logits_chunk_size)
     bf16_trainable = sum(p.numel() for p in layers[0].parameters() if p.requires_grad and p.dtype == torch.bfloat16)
     lora_linears = sum(1 for name, _ in layers[0].named_modules() if name.endswith("lora_A"))
     return Work(
@@ -225,20 +245,28 @@ def rebuilt_layers(placement: Placement, num_layers: int) -> int:
 
 
 def stream_copies_s(
-    step: Work, rates: Rates, *, placement: Placement, num_layers: int, layer_input_bytes: int, embedding_trains: bool
+    step: Work,
+    rates: Rates,
+    *,
+    placement: Placement,
+    num_layers: int,
+    layer_input_bytes: int,
+    embedding_trains: bool,
+    sequence_parallel: bool = False,
 ) -> float:
     """Seconds of a stream placement's chunk copies beyond the compute they run beside (module
     docstring), per phase: a layer forward (the checkpoint pass's, a rebuild's) beside one layer
-    forward of compute, a layer backward beside three."""
+    forward of compute, a layer backward beside three. sequence_parallel: a rank's copies
+    (depth.stream_transfers: a forward reads its input twice, a backward moves seven layer inputs)."""
     copy = layer_input_bytes / rates.host_copy_bytes_s
     forward = step.layer_forward_flops / rates.matmul_flop_s
     plan = schedule(num_layers, placement.buffers(num_layers))
     from_host = plan.rebuilt - plan.rebuilt_from_embedding
-    forwards = (num_layers - 1 + from_host) * max(0.0, 2 * copy - forward)  # read X_l, write X_{l+1}
+    reads, moved = (2, 7) if sequence_parallel else (1, 4)  # a forward's reads of its input, a backward's copies
+    forwards = (num_layers - 1 + from_host) * max(0.0, (reads + 1) * copy - forward)  # read X_l, write X_{l+1}
     forwards += (1 + plan.rebuilt_from_embedding) * max(0.0, copy - forward)  # from X_0: write only
-    backwards = (num_layers - 1) * max(0.0, 4 * copy - 3 * forward) + max(
-        0.0, (1 + embedding_trains) * copy - 3 * forward
-    )
+    first = 1 + embedding_trains * (3 if sequence_parallel else 1)  # layer 0: dZ in, dX out (and in, out)
+    backwards = (num_layers - 1) * max(0.0, moved * copy - 3 * forward) + max(0.0, first * copy - 3 * forward)
     return forwards + backwards + (2 + embedding_trains) * copy  # head: Z_L in, dZ_L out; dX_0 in
 
 
@@ -251,10 +279,12 @@ def step_time(
     copies_back: int = 0,
     pinned_bytes: int = 0,
     streamed_s: float = 0.0,
+    sent_bytes: float = 0.0,
 ) -> StepTime:
     """Seconds by phase; copies_out / copies_back: the store's copies of layer inputs (each
     layer_input_bytes) in the checkpoint pass and in the backward (depth.store_counts); streamed_s:
-    a stream placement's copies beyond their compute (`stream_copies_s`)."""
+    a stream placement's copies beyond their compute (`stream_copies_s`); sent_bytes: what a rank
+    sends to the ranks sharing its sequence (sequence_parallel.collective_bytes)."""
     matmul = step.matmul_flops / rates.matmul_flop_s
     forward = step.attention_forward_flops / rates.attention_forward_flop_s
     backward = step.attention_backward_flops / rates.attention_backward_flop_s
@@ -272,7 +302,10 @@ def step_time(
             0.0, copy - 3 * layer_forward
         )
         copies += copy  # the first copy back overlaps nothing
-    return StepTime(matmul, forward, backward, chunks, copies + streamed_s, pinned_bytes / rates.pinning_bytes_s)
+    return StepTime(
+        matmul, forward, backward, chunks, copies + streamed_s, pinned_bytes / rates.pinning_bytes_s,
+        sent_bytes / rates.interconnect_bytes_s,
+    )  # fmt: skip
 
 
 def fitted_rates(results: str | Path, device: str, model_of) -> Rates:

@@ -40,6 +40,7 @@ def spec_fields(spec: RunSpec) -> dict:
         "seq_len": spec.seq_len,
         "batch_size": spec.batch_size,
         "nproc": spec.nproc,
+        "sp": spec.sp,
         "dtype": spec.dtype,
         "device": spec.device,
         "protocol": spec.protocol,

@@ -40,3 +40,47 @@ def test_a_command_with_an_unknown_option_is_caught():
     """The check above can fail: an option no command has does not parse."""
     assert quoted_commands("run `sbp plan --no-such-flag 3`") == ["sbp plan --no-such-flag 3"]
     assert CliRunner().invoke(app, ["plan", "--no-such-flag", "3", "--help"]).exit_code != 0
+
+
+def named_options(text: str) -> list[tuple[str, str]]:
+    """(command, option) for each option a quoted `sbp ...` names, in backticks or a code line, also
+    where the command is quoted only to name an option (`sbp run --out`) or holds a placeholder."""
+    found = re.findall(r"`(sbp [^`]+)`", text)
+    found += [line.strip().removeprefix("$ ") for line in text.splitlines() if re.match(r"^\s*(\$ )?sbp \S", line)]
+    pairs = []
+    for quoted in found:
+        for part in re.split(r"&&|\|", re.split(r"\s+#", quoted)[0]):
+            words = part.split()
+            if len(words) < 2 or words[0] != "sbp" or words[1].startswith("-"):
+                continue
+            command = " ".join(words[1:3]) if words[1:3] == ["peers", "setup"] else words[1]
+            pairs += [
+                (command, option) for word in words[2:] for option in re.findall(r"(?<![\w-])--[a-z][\w-]*", word)
+            ]
+    return pairs
+
+
+def test_every_option_a_page_names_exists():
+    """Each option a quoted command names is in that command's help: a page that says `sbp estimate
+    --host-memory` is right only while estimate takes --host-memory."""
+    helps: dict[str, str] = {}
+    missing = []
+    for page in PAGES:
+        for command, option in dict.fromkeys(named_options(page.read_text())):
+            if command not in helps:
+                helps[command] = CliRunner().invoke(app, [*command.split(), "--help"], env={"COLUMNS": "200"}).output
+            if not re.search(rf"(?<![\w-]){re.escape(option)}(?![\w-])", helps[command]):
+                missing.append(f"{page.name}: sbp {command} has no {option}")
+    assert not missing, "\n".join(missing)
+
+
+def test_an_option_named_without_a_value_is_checked():
+    """The check above sees options in a command quoted only to name them, and in a placeholder form."""
+    text = "`sbp run --out`, `sbp sweep FILE [--out results/NAME.csv] [--resume/--no-resume]`\n    sbp peers setup official --force\n"
+    assert named_options(text) == [
+        ("run", "--out"),
+        ("sweep", "--out"),
+        ("sweep", "--resume"),
+        ("sweep", "--no-resume"),
+        ("peers setup", "--force"),
+    ]

@@ -8,6 +8,7 @@ import importlib
 import tempfile
 
 import pytest
+import typer
 from typer.testing import CliRunner
 
 from sbpbench.cli import app
@@ -112,10 +113,17 @@ def test_bf16_check_judges_by_bps_own_error_against_fp64(monkeypatch, scale):
 
 TINY = ["--model", "tiny/qwen3", "--seq", "16"]
 SIM = ["maxlen", "--simulate", *TINY]
+RUN = ["run", "--device", "cpu", *TINY]
+MEASURED = ["maxlen", "--device", "cpu", *TINY]
+PLAN = ["plan", *TINY]
+SMOKE = "experiments/smoke_cpu.toml"
+SP2 = [*RUN, "--nproc", "2", "--sp", "2"]  # 2 ranks sharing each sequence
+CHECK_SP2 = ["check", *TINY, "--nproc", "2", "--sp", "2"]
+SP4_T18 = ["run", "--device", "cpu", "--model", "tiny/qwen3", "--seq", "18", "--nproc", "4", "--sp", "4"]
 POINT_COMMANDS = {  # each command that takes a point, as it is given one
-    "run": ["run", "--device", "cpu", *TINY],
+    "run": RUN,
     "estimate": ["estimate", *TINY],
-    "maxlen": ["maxlen", "--device", "cpu", *TINY],
+    "maxlen": MEASURED,
     "maxlen-simulate": SIM,
     "check": ["check", *TINY],
 }
@@ -149,7 +157,6 @@ CASES = [
     pytest.param([*command, *flags], says, id=f"{name}{' '.join(flags)}")
     for name, command in POINT_COMMANDS.items()
     for flags, says in BAD_VALUES
-    if not (name == "check" and flags[0] == "--nproc")  # sbp check runs one process: no --nproc
 ] + [
     pytest.param([*SIM, "--device", "cpu"], "--device does not apply to --simulate", id="simulate-device"),
     pytest.param([*SIM, "--memory-limit", "80GiB", "--gpu-memory", "40GiB"], "give one of them", id="two-budgets"),
@@ -164,20 +171,204 @@ CASES = [
     pytest.param(["plot", "no/such/dir"], "error:", id="plot-missing"),
     pytest.param(["report", PEERS_CSV, "--glance", "--points"], "give one", id="report-two-summaries"),
     pytest.param(["sweep", "no/such.toml"], "error:", id="sweep-missing"),
+    # a point's odd combinations and values beyond the shared table's
+    pytest.param([*RUN, "--timeline", "--nproc", "2"], "--timeline records one process's step", id="timeline-ranks"),
+    # ranks sharing each sequence (--sp): a divisor of --nproc, methods that can, a T and heads they split
+    pytest.param([*RUN, "--sp", "0"], "--sp must be at least 1", id="run-sp-zero"),
+    pytest.param([*RUN, "--nproc", "4", "--sp", "3"], "does not divide --nproc 4: give --sp 1, 2 or 4", id="sp-3"),
+    pytest.param([*SP2, "--method", "bp", "ckpt"], "--method bp, ckpt cannot share a sequence", id="sp-bp-ckpt"),
+    pytest.param([*RUN, "--method", "ulysses"], "ulysses runs only on ranks sharing each sequence", id="ulysses-sp-1"),
+    pytest.param([*RUN, "--nproc", "8", "--sp", "8"], "--sp 8 cannot split tiny/qwen3's 4 query", id="sp-heads"),
+    pytest.param([*SP4_T18, "--method", "ulysses"], "--seq 18 is not a multiple of --sp 4", id="ulysses-seq"),
+    pytest.param([*CHECK_SP2, "--dtype", "fp32"], "a check on several ranks compares in fp64", id="check-sp-fp32"),
+    pytest.param(["estimate", *TINY, "--nproc", "2", "--sp", "2"], "--sp is not modelled", id="estimate-sp"),
+    pytest.param([*RUN, "--protocol", "later"], "unknown --protocol 'later'", id="run-protocol"),
+    pytest.param([*RUN, "--step", "adam"], "unknown --step 'adam'", id="run-step"),
+    pytest.param([*RUN, "--sdpa-backend", "cudnn"], "cudnn has no CPU kernel", id="run-cpu-sdpa"),
+    pytest.param([*RUN, "--set", "chunk_attention=fa3"], "fa3 has no CPU kernel", id="run-cpu-chunk-kernel"),
+    pytest.param([*RUN, "--checkpoints", "recompute:0"], "--checkpoints must be one of", id="run-placement"),
+    pytest.param([*RUN, "--set", "mlp_tile_size=0"], "--set mlp_tile_size must be an integer >= 1", id="run-tile"),
+    pytest.param(["estimate", *TINY, "--host-memory", "12"], "'12' has no unit", id="estimate-host-no-unit"),
+    # a search's own settings and the options that apply to one kind of search only
+    pytest.param([*MEASURED, "--resolution", "abc"], "--resolution 'abc'", id="maxlen-resolution"),
+    pytest.param([*MEASURED, "--multiple-of", "0"], "--multiple-of must be at least 1", id="maxlen-multiple"),
+    pytest.param([*MEASURED, "--max-seq", "8"], "--max-seq must be at least the first probe", id="maxlen-ceiling"),
+    pytest.param([*SIM, "--budget", "5m"], "drop it with --simulate", id="simulate-budget"),
+    pytest.param([*MEASURED, "--exact"], "--exact is how --simulate predicts", id="maxlen-exact"),
+    # sbp plan, sbp check, sbp selftest, sbp peers, sbp env
+    pytest.param([*PLAN, "--gpu-memory", "40"], "'40' has no unit", id="plan-gpu-memory"),
+    pytest.param([*PLAN, "--host-memory", "lots"], "cannot read the size 'lots'", id="plan-host-memory"),
+    pytest.param([*PLAN, "--seq", "abc"], "--seq must be an integer", id="plan-seq"),
+    pytest.param(["plan", "--model", "nope/none-such"], "unknown model 'nope/none-such'", id="plan-model"),
+    pytest.param(["check", *TINY, "--out", "{tmp}"], "is a directory", id="check-out-folder"),
+    pytest.param(["selftest", "--budget", "10s"], "under 30 s", id="selftest-short-budget"),
+    pytest.param(["selftest", "--budget", "soon"], "cannot read the duration 'soon'", id="selftest-budget"),
+    pytest.param(["peers", "setup", "official", "--wheels", "{tmp}/none"], "is not a directory", id="peers-wheels"),
+    pytest.param(["env", "--device", "tpu"], "unknown device 'tpu'", id="env-device"),
+    # damaged or mistaken experiment files, and the sweep's own options
+    pytest.param(["sweep", "{tmp}/broken.toml"], "not valid TOML", id="sweep-not-toml"),
+    pytest.param(["sweep", "{tmp}/broken.toml", "--dry-run"], "not valid TOML", id="sweep-dry-run-not-toml"),
+    pytest.param(["sweep", "{tmp}/binary.toml"], "binary.toml: not valid TOML: byte 0", id="sweep-binary"),
+    pytest.param(["sweep", "{tmp}/renamed.toml"], "it is now called 'method'", id="sweep-old-key"),
+    pytest.param(["sweep", "{tmp}/no_seq.toml", "--seeds-only"], "needed by a grid point", id="sweep-seeds-no-seq"),
+    pytest.param(["sweep", "{tmp}/no_unit.toml"], "80 has no unit", id="sweep-size-no-unit"),
+    pytest.param(["sweep", SMOKE, "--dry-run", "--seeds-only"], "give one of them", id="sweep-two-modes"),
+    pytest.param(["sweep", "{tmp}/knobs.toml", "--device", "tpu"], "unknown device 'tpu'", id="sweep-device"),
+    # damaged results files given to the readers
+    pytest.param(["report", "{tmp}/empty.csv"], "no result rows in", id="report-empty"),
+    pytest.param(["report", "{tmp}/binary.csv"], "is not UTF-8 text", id="report-binary"),
+    pytest.param(["report", PEERS_CSV, "--reference", "{tmp}/other.csv"], "not a paper reference CSV", id="report-ref"),
+    pytest.param(["plot", "{tmp}/header.csv"], "lacks the column(s) schema_version", id="plot-header-only"),
+    pytest.param(["plot", "{tmp}/no_csv"], "no results CSV at", id="plot-empty-folder"),
 ]
+
+
+# damaged and mistaken files, written into the test's folder: a case names one as {tmp}/NAME
+KNOBS_TOML = """
+name = "knobs"
+description = "knobs given to methods that do not read them"
+[defaults]
+model = "tiny/qwen3"
+device = "cpu"
+[[points]]
+method = ["bp", "streambp"]
+seq_len = 16
+chunk_size = 8
+[[points]]
+method = "ckpt"
+seq_len = 16
+mlp_tile_size = 512
+"""
+POINT = 'name = "odd"\ndescription = "odd"\n[[points]]\nmodel = "tiny/qwen3"\n'
+ODD_FILES: dict[str, str | bytes] = {
+    "broken.toml": "name = [\n",
+    "binary.toml": b"\xff\xfe\x00binary",
+    "renamed.toml": POINT + 'seq_len = 16\nmethods = ["bp"]\n',  # the first format's key
+    "no_seq.toml": POINT + 'method = "bp"\n',
+    "no_unit.toml": POINT + "seq_len = 16\nmemory_limit = 80\n",
+    "knobs.toml": KNOBS_TOML,
+    "empty.csv": "",
+    "binary.csv": b"\xff\xfe\x00\x01",
+    "header.csv": "status,method\n",
+    "other.csv": "a,b\n1,2\n",
+}
+
+
+def _odd_files(folder) -> None:
+    """ODD_FILES in `folder`, and an empty folder no_csv/."""
+    for name, content in ODD_FILES.items():
+        (folder / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+    (folder / "no_csv").mkdir()
+
+
+def _kept_row(out) -> None:
+    """A results file holding one ok row, which every case must leave as it was."""
+    from sbpbench.records import ResultRow, upsert_rows
+
+    upsert_rows(out, [ResultRow(status="ok", model="tiny/qwen3", method="bp", seq_len=16)])
+
+
+def _writes(args: list[str]) -> bool:
+    return args[0] in ("run", "estimate", "maxlen", "sweep")
 
 
 @pytest.mark.parametrize(("args", "says"), CASES)
 def test_bad_input_is_one_error_line_and_an_ok_row_survives(tmp_path, args, says):
     """Each bad input: exit 2, no traceback, one `error:` line saying what is wrong; a results file given as --out keeps its ok row."""
-    from sbpbench.records import ResultRow, read_rows, upsert_rows
+    from sbpbench.records import read_rows
 
+    _odd_files(tmp_path)
+    args = [arg.format(tmp=tmp_path) for arg in args]
     out = tmp_path / "kept.csv"
-    upsert_rows(out, [ResultRow(status="ok", model="tiny/qwen3", method="bp", seq_len=16)])
-    writes = args[0] in ("run", "estimate", "maxlen", "sweep")
-    result = runner.invoke(app, [*args, *(["--out", str(out)] if writes else [])])
+    _kept_row(out)
+    result = runner.invoke(app, [*args, *(["--out", str(out)] if _writes(args) else [])])
     assert result.exit_code == 2, result.output
     assert "Traceback" not in result.output and isinstance(result.exception, SystemExit), result.exception
     errors = [line for line in result.output.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and says in _line(result), result.output
+    assert [r["status"] for r in read_rows(out)] == ["ok"]
+
+
+USAGE_CASES = [  # what Typer refuses before the command: an option or argument a command does not take
+    pytest.param(["models", "extra"], "unexpected extra argument", id="models-argument"),
+    pytest.param(["peers", "setup", "nope"], "'nope' is not one of 'official'", id="peers-name"),
+    pytest.param(["plan", *TINY, "--method", "bp"], "No such option: --method", id="plan-method"),
+    pytest.param(["plan", *TINY, "--sp", "2"], "No such option: --sp", id="plan-sp"),
+]
+
+
+@pytest.mark.parametrize(("args", "says"), USAGE_CASES)
+def test_an_option_a_command_does_not_take_is_one_usage_error(args, says):
+    """Exit 2, no traceback, and Typer's one `Error:` line after its usage line."""
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and says in errors[0] and "Traceback" not in result.output, result.output
+
+
+NOTICE_CASES = [  # (args, the notice lines): a knob no method to run reads is said, and the command goes on
+    pytest.param(
+        [*RUN, "--method", "bp", "--checkpoints", "stream:2"],
+        ["--checkpoints is read only by streambp; bp ignores it"],
+        id="run-placement-for-bp",
+    ),
+    pytest.param(
+        [*RUN, "--method", "ckpt", "--set", "mlp_tile_size=512", "--phases"],
+        [
+            "--set mlp_tile_size is read only by tiled; ckpt ignores it",
+            "--phases is read only by streambp; ckpt ignores it",
+        ],
+        id="run-tile-and-phases-for-ckpt",
+    ),
+    pytest.param(
+        ["estimate", *TINY, "--method", "bp", "--chunk-size", "8"],
+        ["--chunk-size is read only by streambp, official; bp ignores it"],
+        id="estimate-chunk-for-bp",
+    ),
+    pytest.param(
+        [*SIM, "--method", "bp", "ckpt", "--set", "fp32_grad_accumulation=off"],
+        ["--set fp32_grad_accumulation is read only by streambp; bp, ckpt ignore it"],
+        id="maxlen-accumulation-for-bp-ckpt",
+    ),
+    pytest.param(
+        ["sweep", "{tmp}/knobs.toml", "--dry-run"],
+        [
+            "{tmp}/knobs.toml: chunk_size is read only by streambp, official; bp ignores it",
+            "{tmp}/knobs.toml: mlp_tile_size is read only by tiled; ckpt ignores it",
+        ],
+        id="sweep-file-knobs",
+    ),
+]
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Each command's work (measuring, predicting, searching, pricing) replaced by a clean exit."""
+    import sbpbench.runner.searches
+    import sbpbench.simulate.depth
+    from sbpbench.cli import run_cmd, sweep_cmd
+
+    def work(*args, **kwargs):
+        raise typer.Exit(0)
+
+    monkeypatch.setattr(run_cmd, "_measure_all", work)
+    monkeypatch.setattr(sbpbench.simulate.depth, "estimate_point_by_depth", work)
+    monkeypatch.setattr(sbpbench.runner.searches, "run_searches", work)
+    monkeypatch.setattr(sweep_cmd, "_dry_run", work)
+
+
+@pytest.mark.parametrize(("args", "notices"), NOTICE_CASES)
+def test_a_knob_no_method_reads_is_a_notice_not_an_error(no_work, tmp_path, args, notices):
+    """Exit 0, no traceback, one `notice:` line per ignored knob (none an error); --out keeps its ok row."""
+    from sbpbench.records import read_rows
+
+    _odd_files(tmp_path)
+    args = [arg.format(tmp=tmp_path) for arg in args]
+    out = tmp_path / "kept.csv"
+    _kept_row(out)
+    result = runner.invoke(app, [*args, "--out", str(out)])
+    assert result.exit_code == 0 and isinstance(result.exception, (SystemExit, type(None))), result.output
+    assert "Traceback" not in result.output and "error:" not in result.output, result.output
+    said = [line for line in result.output.splitlines() if line.startswith("notice:")]
+    assert said == [f"notice: {notice.format(tmp=tmp_path)}" for notice in notices], result.output
     assert [r["status"] for r in read_rows(out)] == ["ok"]

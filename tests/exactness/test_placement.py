@@ -262,7 +262,7 @@ def test_a_sharded_rebuild_gathers_each_layer_once_and_runs_it_hook_free(monkeyp
     batch = make_batch("sft", batch_size=1, seq_len=16, vocab_size=model.config.vocab_size)
     _step(model, batch, "gpu")
     expected = {name: p.grad.clone() for name, p in model.named_parameters()}
-    monkeypatch.setattr(stream_module, "grad_sync_for", lambda model, parts: ShardedSync())
+    monkeypatch.setattr(stream_module, "grad_sync_for", lambda model, parts, **kwargs: ShardedSync())
     layers = model.model.layers
     for layer in layers:
         layer.register_forward_pre_hook(lambda module, args: hooked.append(module))

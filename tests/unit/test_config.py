@@ -18,8 +18,9 @@ from sbpbench.settings import METHOD_KNOBS, SETTINGS, SettingChanged
 # The command line stays small on purpose: a cap on each command's visible flags stops it growing
 # (an axis added to the point is a deliberate raise of its cap), and a new method knob adds no flag
 # (it comes through --set). Nothing here is a list to edit when a knob is added.
-# run: --trace (30); sweep: --seeds-only (7); plan: --all
-MAX_VISIBLE_FLAGS = {"run": 30, "maxlen": 37, "estimate": 23, "plan": 19, "check": 17, "sweep": 7}
+# run: --trace (30), --sp (31); maxlen: --sp (38); check: --nproc and --sp (19); sweep: --seeds-only (7); plan: --all;
+# estimate: --gpus (24); plan: --gpus and --interconnect (21)
+MAX_VISIBLE_FLAGS = {"run": 31, "maxlen": 38, "estimate": 24, "plan": 21, "check": 19, "sweep": 7}
 KNOB_AXES = {"chunk_size", "logits_chunk_size", "checkpoints"}  # StreamBP's chunk sizes and placement
 
 

@@ -213,7 +213,7 @@ def test_schema_3_rows_migrate_to_keys_without_unread_settings(tmp_path):
     new = decode_row({**migrated[0], "schema_version": str(SCHEMA_VERSION), "peak_allocated_bytes": "300"})
     upsert_rows(path, [new])
     assert [(r["method"], r["peak_allocated_bytes"]) for r in read_rows(path)] == [("bp", "300"), ("streambp", "50")]
-    assert SCHEMA_VERSION == 14
+    assert SCHEMA_VERSION == 15
     assert SCHEMA_VERSION >= 4
 
 
@@ -248,6 +248,25 @@ def test_rows_before_schema_6_read_back_as_one_process(tmp_path):
     two = decode_row({**migrated, "schema_version": str(SCHEMA_VERSION), "nproc": "2", "rank_peak_bytes": "5;6"})
     upsert_rows(path, [two])
     assert sorted((r["nproc"], r["rank_peak_bytes"]) for r in read_rows(path)) == [("1", ""), ("2", "5;6")]
+
+
+def test_rows_before_schema_15_read_back_with_whole_sequences_per_rank(tmp_path):
+    """Schema 15: a row written before --sp existed held whole sequences on every rank, so it reads
+    back with sp 1 (and num_cpus empty) and keys as the same point's new sp-1 row, which replaces it;
+    a row of the same point with --sp 2 is another point."""
+    path = tmp_path / "old.csv"
+    old = {**_v3_row("streambp", "128", "2026-01-01T00:00:00+00:00", "9"), "schema_version": "14", "nproc": "2"}
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(old))
+        writer.writeheader()
+        writer.writerow(old)
+    (migrated,) = read_rows(path)
+    assert (migrated["sp"], migrated["num_cpus"]) == ("1", "")
+    upsert_rows(path, [decode_row({**migrated, "schema_version": str(SCHEMA_VERSION), "peak_allocated_bytes": "7"})])
+    assert [(r["sp"], r["peak_allocated_bytes"]) for r in read_rows(path)] == [("1", "7")]
+    shared = decode_row({**migrated, "schema_version": str(SCHEMA_VERSION), "sp": "2", "rank_peak_bytes": "5;6"})
+    upsert_rows(path, [shared])
+    assert sorted((r["sp"], r["peak_allocated_bytes"]) for r in read_rows(path)) == [("1", "7"), ("2", "9")]
 
 
 def test_rows_before_schema_9_read_back_with_torchs_own_sdpa_choice(tmp_path):

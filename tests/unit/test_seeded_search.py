@@ -266,7 +266,8 @@ def test_sbp_maxlen_seeds_each_search_and_says_what_the_seed_cost(tmp_path, fake
     split = ["--method", "streambp", "--chunk-attention", "split"]
     forced = runner.invoke(app, [*args[:-1], str(tmp_path / "f.csv"), *split])
     assert forced.exit_code == 0, forced.output
-    assert "streambp: no seed (the estimator models the lower-right chunk kernel only" in forced.output
+    assert "notice: --set chunk_attention is not modelled by the estimator" in forced.output
+    assert "no seed for streambp" in forced.output and len(fake_seeding) == 1
     fresh = tmp_path / "blind.csv"
     blind = runner.invoke(app, [*args[:-1], str(fresh), "--method", "bp", "--no-seed"])
     assert blind.exit_code == 0 and "seed:" not in blind.output and len(fake_seeding) == 1

@@ -73,8 +73,9 @@ class SequenceShards:
 
     def positions(self, rank: int | None = None) -> torch.Tensor:
         """(T_loc,) int64: the global position of each of `rank`'s local positions (default: this rank's)."""
-        rank = self.rank if rank is None else rank
-        ranges = [torch.arange(*self.block(rank, index)) for index in range(len(self.chunks))]
+        # one arange per merged range (contiguous: one, whatever T), so the ops that build them do not
+        # grow with the chunk count: the memory simulator's short runs name them alike at every T
+        ranges = [torch.arange(start, end) for start, end in self.ranges(rank)]
         return torch.cat(ranges) if ranges else torch.zeros(0, dtype=torch.int64)
 
     def shard(self, tensor: torch.Tensor, fill) -> torch.Tensor:

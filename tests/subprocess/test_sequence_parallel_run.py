@@ -1,0 +1,159 @@
+"""`sbp run --sp P` and `sbp check --nproc N --sp P`: ranks sharing each sequence (Ulysses), for
+streambp and the ulysses peer (methods/ulysses.py: DeepSpeed's ALST parts). The spawning tests are
+slow-tier, one command each; the rest run in-process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from sbpbench.cli import app
+from sbpbench.cli.tables import ranks_terms
+from sbpbench.config import ConfigError, point_specs
+from sbpbench.data import make_sft_batch
+from sbpbench.methods import SEQUENCE_PARALLEL_METHODS, method_names
+from sbpbench.methods.streambp import unpadded_mask
+from sbpbench.methods.ulysses import _replaced, local_shard
+from sbpbench.records import ResultRow, read_rows
+from sbpbench.records.exactness import read_exactness
+
+runner = CliRunner()
+POINT = {"device": "cpu", "model": "tiny/qwen3", "seq_len": 64}
+
+
+def test_ranks_sharing_a_sequence_default_to_the_methods_that_can():
+    """With --sp over 1 no method named means streambp and ulysses, and `all` the same; each spec keeps sp."""
+    assert SEQUENCE_PARALLEL_METHODS == ("streambp", "ulysses")
+    specs = point_specs({**POINT, "nproc": 4, "sp": 2})
+    assert [(s.method, s.nproc, s.sp) for s in specs] == [("streambp", 4, 2), ("ulysses", 4, 2)]
+    assert method_names(["all"], 2) == SEQUENCE_PARALLEL_METHODS
+    assert method_names(None) == ("bp", "ckpt", "streambp")  # --sp 1: the paper's comparison, as before
+
+
+def test_ulysses_without_deepspeed_is_one_line_where_named_and_a_row_where_defaulted(monkeypatch):
+    """DeepSpeed is an optional extra: `--method ulysses` without it is refused before work, saying to
+    install it; as one of the defaults of --sp it is kept (its row says unsupported, streambp still runs)."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
+    with pytest.raises(ConfigError) as error:
+        point_specs({**POINT, "nproc": 2, "sp": 2}, ["ulysses"])
+    assert "pip install -e '.[deepspeed]'" in error.value.naming("--method")
+    assert [s.method for s in point_specs({**POINT, "nproc": 2, "sp": 2})] == ["streambp", "ulysses"]
+
+
+def test_right_padding_runs_unmasked_and_other_padding_is_kept():
+    """Rows padded at their end only need no mask under sequence parallelism; a left-padded row keeps
+    its mask (the step then refuses it)."""
+    batch = make_sft_batch(batch_size=3, seq_len=40, vocab_size=50, seed=1)
+    assert not bool(batch.attention_mask.all()) and unpadded_mask(batch.attention_mask) is None
+    left = batch.attention_mask.flip(1)
+    assert unpadded_mask(left) is left and unpadded_mask(None) is None
+
+
+def test_labels_are_shifted_over_the_whole_row_before_the_cut():
+    """As UlyssesSPDataLoaderAdapter: each rank's targets are the row's shifted labels cut in P equal
+    shares (rank 0's last target is rank 1's first label), with the positions they hold."""
+    batch = make_sft_batch(batch_size=2, seq_len=12, vocab_size=50, seed=0, padding=False)
+    shares = [local_shard(batch, rank, 3) for rank in range(3)]
+    assert torch.equal(torch.cat([ids for ids, _, _ in shares], dim=1), batch.input_ids)
+    targets = torch.cat([t for _, _, t in shares], dim=1)
+    assert torch.equal(targets[:, :-1], batch.labels[:, 1:]) and bool((targets[:, -1] == -100).all())
+    assert shares[1][1][0].tolist() == [4, 5, 6, 7]
+
+
+def test_a_replaced_transformers_function_is_put_back():
+    """ulysses installs DeepSpeed's attention and a no-mask function for the step only: the registry
+    reads as before after, whether the function was the global one or a local override."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    before = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    with _replaced(ALL_ATTENTION_FUNCTIONS, "sdpa", len):
+        assert ALL_ATTENTION_FUNCTIONS["sdpa"] is len
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is before and "sdpa" not in ALL_ATTENTION_FUNCTIONS._local_mapping
+
+
+def test_deepspeeds_tiled_loss_drops_a_scale_applied_after_it(monkeypatch):
+    """Why ulysses normalises inside the tiled loss: DeepSpeed's TiledFusedLogitsLoss runs its
+    parameters' backward in its forward with a gradient of 1, so a scale after it (ArcticTraining
+    divides by the counted tokens) reaches the input's gradient but not lm_head's."""
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    ulysses_sp = pytest.importorskip("deepspeed.runtime.sequence_parallel.ulysses_sp")
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 20, bias=False).double()
+    hidden = torch.randn(1, 12, 8, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 20, (1, 12))
+
+    def summed(module, x, y):
+        return torch.nn.functional.cross_entropy(module(x), y, reduction="sum")
+
+    (ulysses_sp.TiledFusedLogitsLoss.apply(summed, head, hidden, targets, None, 3, [], "sum") * 0.25).backward()
+    tiled = (head.weight.grad.clone(), hidden.grad.clone())
+    head.weight.grad, hidden.grad = None, None
+    (summed(head, hidden.view(-1, 8), targets.view(-1)) * 0.25).backward()
+    assert torch.allclose(tiled[1], hidden.grad)
+    assert torch.allclose(tiled[0] * 0.25, head.weight.grad)  # unscaled
+
+
+def test_a_sequence_parallel_row_says_its_groups_and_shared_cores():
+    """The run table's title and caption: ranks per sequence, data groups, and oversubscribed CPUs."""
+    row = ResultRow(method="streambp", nproc=4, sp=2, num_threads=1, num_cpus=2)
+    ranks, note = ranks_terms(row)
+    assert ranks == "4 ranks, 2 per sequence"
+    assert "2 data-parallel group(s) (FSDP2) of 2 ranks sharing each sequence" in note
+    assert note.endswith("times of 2 oversubscribed CPU(s)")
+    assert "oversubscribed" not in ranks_terms(ResultRow(method="bp", nproc=2, sp=1, num_threads=1, num_cpus=2))[1]
+
+
+@pytest.mark.slow
+def test_sbp_run_on_two_ranks_sharing_each_sequence(tmp_path):
+    """`sbp run --device cpu --nproc 2 --sp 2 --model tiny/qwen3 --seq 256`: streambp and ulysses, ok
+    rows with sp 2 and both ranks' peaks, the same loss (fp32)."""
+    pytest.importorskip("deepspeed", reason="ulysses is an optional extra: pip install -e '.[deepspeed]'")
+    out = tmp_path / "runs.csv"
+    args = ["run", "--device", "cpu", "--nproc", "2", "--sp", "2", "--model", "tiny/qwen3", "--seq", "256"]
+    result = runner.invoke(app, [*args, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "2 ranks, 2 per sequence" in " ".join(result.output.split())
+    rows = read_rows(out)
+    assert [(r["method"], r["status"], r["nproc"], r["sp"]) for r in rows] == [
+        ("streambp", "ok", "2", "2"),
+        ("ulysses", "ok", "2", "2"),
+    ]
+    for row in rows:
+        peaks = [int(p) for p in row["rank_peak_bytes"].split(";")]
+        assert len(peaks) == 2 and max(peaks) == int(row["peak_allocated_bytes"]) and row["num_cpus"]
+    losses = [float(r["loss"]) for r in rows]
+    assert abs(losses[0] - losses[1]) <= 1e-5 * abs(losses[0]), losses
+
+
+@pytest.mark.slow
+def test_sbp_check_judges_ranks_sharing_a_sequence_against_one_process(tmp_path):
+    """`sbp check --nproc 2 --sp 2`: streambp and ulysses on 2 ranks give one-process bp's loss and
+    every gradient to the fp64 tolerance (1e-10); the rows say how they ran."""
+    pytest.importorskip("deepspeed", reason="ulysses is an optional extra: pip install -e '.[deepspeed]'")
+    out = tmp_path / "exactness.csv"
+    args = ["check", "--nproc", "2", "--sp", "2", "--model", "tiny/qwen3", "--seq", "64", "--out", str(out)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "on 2 ranks, 2 per sequence, vs bp in one process" in " ".join(result.output.split())
+    rows = read_exactness(out)
+    assert [(r["method"], r["result"]) for r in rows] == [("streambp", "exact"), ("ulysses", "exact")]
+    assert all(float(r["tolerance"]) == 1e-10 and "2 sharing each sequence" in r["note"] for r in rows)
+
+
+@pytest.mark.slow
+def test_the_ulysses_peer_is_exact_across_heads_ranks_and_adapters():
+    """ulysses in fp64 against one-process bp, to 1e-10: an untied lm_head on 2 data x 2 sequence ranks
+    (gloo subgroups; DeepSpeed's tiled loss would get the head's gradient wrong, see above), and LoRA on
+    a model with one key/value head over 2 ranks (DeepSpeed repeats it)."""
+    pytest.importorskip("deepspeed", reason="ulysses is an optional extra: pip install -e '.[deepspeed]'")
+    cases = [
+        ["--model", "tiny/qwen2", "--nproc", "4", "--sp", "2"],
+        ["--model", "tiny/llama", "--nproc", "2", "--sp", "2", "--lora-rank", "4"],
+    ]
+    for case in cases:
+        result = runner.invoke(app, ["check", "--method", "ulysses", "--seq", "64", *case])
+        assert result.exit_code == 0 and "exact" in result.output and "DIFFERS" not in result.output, result.output
