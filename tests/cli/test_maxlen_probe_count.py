@@ -22,6 +22,7 @@ runner = CliRunner()
 MEASURED = ["maxlen", "--device", "cpu", "--model", "tiny/qwen3", "--seq", "64", "--memory-limit", "1MB"]
 
 
+@pytest.mark.slow  # a whole simulated search: about 4 s alone, 14 s beside the slow tier
 def test_a_simulated_searchs_probe_count_is_the_estimates_it_made(tmp_path, monkeypatch):
     """`sbp maxlen --simulate` makes its first pass over the shared lengths, then bisects: the probes
     it reports (progress line, table, answer row) are every estimate made, in order, none cached."""
