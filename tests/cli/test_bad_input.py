@@ -1,4 +1,4 @@
-"""Bad input a newcomer gave (issue 25): each a one-line error (or warning) before any work, with
+"""Bad input a newcomer gives: each a one-line error (or warning) before any work, with
 advice that works, and nothing measured is lost."""
 
 from __future__ import annotations
