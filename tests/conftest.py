@@ -241,3 +241,30 @@ def pytest_runtest_logreport(report):
             "message": message,
         }
     )
+
+
+@pytest.fixture
+def fake_seeding(monkeypatch):
+    """`sbp maxlen` with fake isolated points (ok up to T=300) and a fake simulated search that
+    answers 296; the seed's own rules (runner/simulated_search.py) run as they are."""
+    import sbpbench.runner.isolated as isolated_module
+    import sbpbench.runner.simulated_search as simulated_search
+    from sbpbench.records import ResultRow
+    from sbpbench.workload.rows import spec_fields
+
+    asked: list = []  # the MaxlenSpecs the seed was asked for
+
+    def measure(spec, env) -> ResultRow:
+        row = ResultRow(**spec_fields(spec))
+        row.device_name, row.status = env.device_name, "ok" if spec.seq_len <= 300 else "oom"
+        return row
+
+    def simulated_max_len(search, out, *, probing, **options) -> ResultRow:
+        asked.append(search)
+        row = ResultRow(**spec_fields(search.base))
+        row.status, row.max_seq_len, row.oom_seq_len = "ok", 296, 304
+        return row
+
+    monkeypatch.setattr(isolated_module, "run_isolated", measure)
+    monkeypatch.setattr(simulated_search, "simulated_max_len", simulated_max_len)
+    return asked

@@ -7,16 +7,14 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
-import sbpbench.runner.isolated as isolated_module
 import sbpbench.runner.simulated_search as simulated_search
 import sbpbench.simulate.depth as depth
 from sbpbench.cli import app
 from sbpbench.cli.options import refuse_unestimated
 from sbpbench.config import RunSpec
-from sbpbench.records import ResultRow, read_rows
+from sbpbench.records import read_rows
 from sbpbench.settings import SETTINGS
 from sbpbench.settings.table import NOT_ESTIMATED
-from sbpbench.workload.rows import spec_fields
 
 runner = CliRunner()
 MEASURED = ["maxlen", "--device", "cpu", "--model", "tiny/qwen3", "--seq", "64", "--memory-limit", "1MB"]
@@ -45,28 +43,6 @@ def test_a_simulated_searchs_probe_count_is_the_estimates_it_made(tmp_path, monk
     assert f"({len(calls)} probes)" in result.output
 
 
-@pytest.fixture
-def seeding(monkeypatch):
-    """Measured probes stood in (ok up to T=300) and a stand-in seed prediction (296); returns the
-    searches the seed was asked for."""
-    asked: list = []
-
-    def measure(spec, env) -> ResultRow:
-        row = ResultRow(**spec_fields(spec))
-        row.device_name, row.status = env.device_name, "ok" if spec.seq_len <= 300 else "oom"
-        return row
-
-    def simulated_max_len(search, out, *, probing, **options) -> ResultRow:
-        asked.append(search)
-        row = ResultRow(**spec_fields(search.base))
-        row.status, row.max_seq_len, row.oom_seq_len = "ok", 296, 304
-        return row
-
-    monkeypatch.setattr(isolated_module, "run_isolated", measure)
-    monkeypatch.setattr(simulated_search, "simulated_max_len", simulated_max_len)
-    return asked
-
-
 @pytest.mark.parametrize(
     ("given", "flag", "unseeded"),
     [
@@ -75,7 +51,7 @@ def seeding(monkeypatch):
     ],
 )
 def test_a_setting_the_estimator_does_not_model_skips_the_seed_with_one_notice(
-    tmp_path, seeding, given, flag, unseeded
+    tmp_path, fake_seeding, given, flag, unseeded
 ):
     """The searches of the methods it changes run and answer unseeded, said in one notice naming the
     flag before the first probe; their seed is never predicted, a method it does not change is seeded."""
@@ -86,16 +62,16 @@ def test_a_setting_the_estimator_does_not_model_skips_the_seed_with_one_notice(
     assert len(notices) == 1 and notices[0].startswith(f"notice: {flag} is not modelled by the estimator (")
     assert notices[0].endswith(f"no seed for {', '.join(unseeded)}; the search grows from T=64")
     assert result.output.index(notices[0]) < result.output.index("probe")
-    assert [search.method for search in seeding] == [m for m in ("bp", "streambp") if m not in unseeded]
+    assert [search.method for search in fake_seeding] == [m for m in ("bp", "streambp") if m not in unseeded]
     answers = {row["method"]: row for row in read_rows(out) if row["kind"] == "maxlen"}
     assert all(answers[method]["seed_seq_len"] == "" and answers[method]["status"] == "ok" for method in unseeded)
 
 
-def test_without_such_a_setting_the_search_is_seeded_and_no_notice_is_said(tmp_path, seeding):
+def test_without_such_a_setting_the_search_is_seeded_and_no_notice_is_said(tmp_path, fake_seeding):
     """The same search at the estimator's settings: seeded, no notice."""
     result = runner.invoke(app, [*MEASURED, "--method", "bp", "--out", str(tmp_path / "maxlen.csv")])
     assert result.exit_code == 0, result.output
-    assert "notice:" not in result.output and len(seeding) == 1
+    assert "notice:" not in result.output and len(fake_seeding) == 1
 
 
 def test_the_seed_skips_every_setting_sbp_estimate_refuses_but_those_it_sets_itself():

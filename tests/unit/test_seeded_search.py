@@ -12,7 +12,6 @@ from dataclasses import replace
 import pytest
 from typer.testing import CliRunner
 
-import sbpbench.runner.isolated as isolated_module
 import sbpbench.runner.simulated_search as simulated_search
 from sbpbench.cli import app
 from sbpbench.config import MaxlenSpec, Resolution
@@ -224,28 +223,6 @@ def test_an_experiment_files_searches_are_seeded_unless_it_says_otherwise(tmp_pa
     jobs = plan([search], out, device_name=env.device_name)
     (row,) = run_sweep(jobs, out, measure=_fake_measure(300, calls), env=env, seed=lambda s: 296)
     assert calls == [296, 304] and (row.max_seq_len, row.seed_seq_len) == (296, 296)
-
-
-@pytest.fixture
-def fake_seeding(monkeypatch):
-    """`sbp maxlen` with fake isolated points (ok up to T=300) and a fake simulated search that
-    answers 296; the seed's own rules (runner/simulated_search.py) run as they are."""
-    asked: list[MaxlenSpec] = []
-
-    def measure(spec, env) -> ResultRow:
-        row = ResultRow(**spec_fields(spec))
-        row.device_name, row.status = env.device_name, "ok" if spec.seq_len <= 300 else "oom"
-        return row
-
-    def simulated_max_len(search, out, *, probing, **options) -> ResultRow:
-        asked.append(search)
-        row = ResultRow(**spec_fields(search.base))
-        row.status, row.max_seq_len, row.oom_seq_len = "ok", 296, 304
-        return row
-
-    monkeypatch.setattr(isolated_module, "run_isolated", measure)
-    monkeypatch.setattr(simulated_search, "simulated_max_len", simulated_max_len)
-    return asked
 
 
 def test_sbp_maxlen_seeds_each_search_and_says_what_the_seed_cost(tmp_path, fake_seeding):

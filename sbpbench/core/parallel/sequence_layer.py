@@ -118,6 +118,23 @@ class _GraphKeys:
         raise KVCaptured
 
 
+def _keys_through_layer(layer, call, hidden, sliced: dict, normed: torch.Tensor | None = None):
+    """(keys, values, window) the layer hands its attention function for hidden (B, c, d), the layer
+    run up to that call (`_GraphKeys` stops it); normed: input_layernorm's output replaced by it."""
+    state = _GraphKeys()
+    handle = None
+    if normed is not None:
+        handle = layer.input_layernorm.register_forward_hook(lambda module, args, output: normed)
+    try:
+        call(hidden, **sliced, **{STATE_KWARG: state})
+    except KVCaptured:
+        return state.key, state.value, state.window
+    finally:
+        if handle is not None:
+            handle.remove()
+    raise RuntimeError(f"{type(layer).__name__} never called its attention function")
+
+
 class SequenceParallelStep:
     """The layer passes of one step under sequence parallelism (module docstring)."""
 
@@ -142,16 +159,7 @@ class SequenceParallelStep:
         project = key_value_projection(layer, call, kwargs, self.recipe)
         if project is not None:
             return project
-
-        def through_layer(hidden, sliced):
-            state = _GraphKeys()
-            try:
-                call(hidden, **sliced, **{STATE_KWARG: state})
-            except KVCaptured:
-                return state.key, state.value, state.window
-            raise RuntimeError(f"{type(layer).__name__} never called its attention function")
-
-        return through_layer
+        return lambda hidden, sliced: _keys_through_layer(layer, call, hidden, sliced)
 
     def _keys_from_normed(self, layer, call, kwargs):
         """(normed (B, c, d), the chunk's input, sliced kwargs) -> (keys, values), in the graph of
@@ -160,19 +168,7 @@ class SequenceParallelStep:
         project = key_value_projection(layer, call, kwargs, self.recipe)
         if project is not None:
             return lambda normed, hidden, sliced: project(normed, sliced, normed=True)[:2]
-
-        def through_layer(normed, hidden, sliced):
-            state = _GraphKeys()
-            handle = layer.input_layernorm.register_forward_hook(lambda module, args, output: normed)
-            try:
-                call(hidden, **sliced, **{STATE_KWARG: state})
-            except KVCaptured:
-                return state.key, state.value
-            finally:
-                handle.remove()
-            raise RuntimeError(f"{type(layer).__name__} never called its attention function")
-
-        return through_layer
+        return lambda normed, hidden, sliced: _keys_through_layer(layer, call, hidden, sliced, normed)[:2]
 
     def _layer_of(self, call) -> nn.Module:
         layer = getattr(call, "__self__", call)

@@ -62,14 +62,7 @@ class SequenceShards:
     def runs(self, index: int) -> list[tuple[int, int]]:
         """The global ranges of chunk step `index` over all ranks, in rank order, adjacent ones
         merged: P ranges (contiguous) or one (interleaved). Each is one attention call."""
-        runs: list[list[int]] = []
-        for rank in range(self.world):
-            start, end = self.block(rank, index)
-            if runs and runs[-1][1] == start:
-                runs[-1][1] = end
-            else:
-                runs.append([start, end])
-        return [(start, end) for start, end in runs]
+        return _merged(self.block(rank, index) for rank in range(self.world))
 
     def positions(self, rank: int | None = None) -> torch.Tensor:
         """(T_loc,) int64: the global position of each of `rank`'s local positions (default: this rank's)."""
@@ -91,14 +84,18 @@ class SequenceShards:
     def ranges(self, rank: int | None = None) -> list[tuple[int, int]]:
         """`rank`'s global [start, end) ranges in local order, adjacent ones merged (contiguous: one)."""
         rank = self.rank if rank is None else rank
-        merged: list[list[int]] = []
-        for index in range(len(self.chunks)):
-            start, end = self.block(rank, index)
-            if merged and merged[-1][1] == start:
-                merged[-1][1] = end
-            else:
-                merged.append([start, end])
-        return [(start, end) for start, end in merged]
+        return _merged(self.block(rank, index) for index in range(len(self.chunks)))
+
+
+def _merged(ranges) -> list[tuple[int, int]]:
+    """[start, end) ranges in order, each one that starts where the previous ends joined to it."""
+    merged: list[list[int]] = []
+    for start, end in ranges:
+        if merged and merged[-1][1] == start:
+            merged[-1][1] = end
+        else:
+            merged.append([start, end])
+    return [(start, end) for start, end in merged]
 
 
 def shard_objective(objective, shards: SequenceShards, reduce, grad_scale: float = 1.0):
