@@ -15,6 +15,14 @@ it is made, or the kind a `note` gives it later (measure/timeline/data.py names 
 memory timeline sets them from the step's phase and StreamBP's own seam, core/memory_kinds.py, whose
 listener the tracker is: `begin`, `end`, `note`). Left alone, everything is "intermediates".
 
+A collective (a `c10d` op: gloo's all-to-all, all-gather, reduce-scatter) runs on copies of its
+tensors made below the mode, is waited on at once, and its results are copied back. The process
+group's worker thread keeps a finished collective's tensors until it gets round to dropping them,
+after the caller has moved on; a storage whose last holder is that thread would be uncounted at a
+time set by thread scheduling, and a rank's peak would differ from run to run by a buffer or two.
+On copies, every counted storage is freed in program order, as the estimator frees it. The
+memory step is not the timed one, so the copies and waits cost no measured time.
+
 A storage resized in place (`untyped_storage().resize_()`, which FSDP2 uses to free and re-allocate
 an unsharded parameter between uses) bypasses the dispatcher; `resized(storage)` counts its new size,
 and `counting_fsdp_resizes(tracker)` reports FSDP2's resizes to the tracker while it is active.
@@ -29,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from .timeline.data import INTERMEDIATES
 
@@ -57,6 +65,26 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     """The tensor whose storage holds the bytes: a DTensor's (FSDP2's sharded parameters and
     gradients) local shard; any other tensor itself."""
     return getattr(t, "_local_tensor", t)
+
+
+def _collective_on_copies(func, args, kwargs):
+    """Run the c10d op `func` on copies of its tensors (below the mode, so never counted), wait for
+    it, write every copy back into its tensor, and return what the op returned with the copies
+    replaced by the caller's tensors (its Work already finished: the caller's wait returns at once)."""
+    copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(copy) -> (caller's tensor, copy)
+
+    def private(tensor: torch.Tensor) -> torch.Tensor:
+        copy = tensor.clone()
+        copies[id(copy)] = (tensor, copy)
+        return copy
+
+    out = func(*tree_map_only(torch.Tensor, private, args), **tree_map_only(torch.Tensor, private, kwargs))
+    for work in tree_leaves(out):
+        if isinstance(work, torch.ScriptObject) and hasattr(work, "wait"):
+            work.wait()
+    for tensor, copy in copies.values():  # inputs come back unchanged; outputs with the result
+        tensor.copy_(copy)
+    return tree_map_only(torch.Tensor, lambda t: copies.get(id(t), (t,))[0], out)
 
 
 class TrackedOutOfMemoryError(RuntimeError):
@@ -177,6 +205,8 @@ class LiveTensorTracker(TorchDispatchMode):
     def _run(self, func, args, kwargs):
         """Run one op. A subclass may run it elsewhere (the simulator runs ops on real tensors
         outside its fake-tensor mode); what it returns is counted the same way."""
+        if func.namespace == "c10d":
+            return _collective_on_copies(func, args, kwargs)
         return func(*args, **kwargs)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

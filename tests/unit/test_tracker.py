@@ -57,3 +57,24 @@ def test_tensors_of_op_values_are_the_tree_leaves():
     for values in [(a, 2, [b, None, c]), ((a, b), {"x": c}), ([a, [b, (c,)]],), (), (1.0, "s", None)]:
         expected = [t for t in tree_leaves(values) if isinstance(t, torch.Tensor)]
         assert [id(t) for t in _tensors(values)] == [id(t) for t in expected], values
+
+
+def test_a_collective_holds_no_counted_storage():
+    """A process group keeps a collective's tensors while its Work lives (gloo's worker thread drops
+    them when it gets round to it). The tracker runs collectives on uncounted copies: a tensor the
+    program lets go of is uncounted at once, and the results still arrive in the caller's tensors."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with LiveTensorTracker() as tracker:
+            sent, received, gathered = torch.arange(1000.0), torch.zeros(1000), [torch.zeros(1000)]
+            work = dist.all_to_all_single(received, sent, async_op=True)
+            work.wait()
+            dist.all_gather(gathered, received)
+            assert tracker.live_bytes == 3 * 4000
+            del sent  # the Work is still alive: it must not hold this storage
+            assert tracker.live_bytes == 2 * 4000
+        assert torch.equal(received, torch.arange(1000.0)) and torch.equal(gathered[0], received)
+    finally:
+        dist.destroy_process_group()
