@@ -4,13 +4,11 @@
 its own batch (seed + rank) as one-process points are measured (runner/point.py); the parent
 (runner/isolated.py) merges the ranks' rows into one (`merge_rank_rows`).
 
-With --sp P the N ranks form a (N / P, P) mesh ("dp_shard", "sp"), as torchtitan and ALST lay
-them out: the P ranks of an "sp" row (consecutive ranks, as DeepSpeed's sequence-parallel groups
-are too) share one sequence, each holding the same batch (seed + data rank, rank // P), and the step
+With --sp P the N ranks form a (N / P, P) mesh (workload/rank_mesh.py): the P ranks of an "sp"
+row share one sequence, each holding the same batch (seed + data rank, rank // P), and the step
 gets them as a core SequenceParallel (`SequenceParallel.from_mesh(mesh, "sp")`). FSDP2 shards over
-the mesh flattened: a 1-D mesh "dp_shard_sp" of every rank in the same order (DeviceMesh's own
-`_flatten` is private), so it averages each gradient over all N ranks and the step scales each
-rank's part by P (core/parallel/sequence_step.py).
+all N ranks, so it averages each gradient over them and the step scales each rank's part by P
+(core/parallel/sequence_step.py).
 
 Ranks are found as torchrun sets them (RANK, LOCAL_RANK, WORLD_SIZE), the rendezvous is
 SBP_INIT_METHOD (the parent passes a file:// store in the point's directory: no port to race for)
@@ -28,6 +26,7 @@ from ..config import RunSpec
 from ..methods.step import TrainingStep
 from ..records import ResultRow
 from ..workload.build import build_model_and_batch, training_step
+from ..workload.rank_mesh import SEQUENCE_DIM, rank_meshes
 
 INIT_METHOD_ENV = "SBP_INIT_METHOD"
 
@@ -88,16 +87,13 @@ def build_sharded_step(
 
 def sequence_mesh(spec: RunSpec, device: torch.device):
     """(the mesh FSDP2 shards over, the SequenceParallel of this rank's "sp" row): (None, None)
-    without --sp, FSDP2 then sharding over the default group (module docstring)."""
+    without --sp, FSDP2 then sharding over the default group (workload/rank_mesh.py: the layout)."""
     if spec.sp == 1:
         return None, None
-    from torch.distributed.device_mesh import init_device_mesh
-
     from ..core import SequenceParallel
 
-    mesh = init_device_mesh(device.type, (spec.nproc // spec.sp, spec.sp), mesh_dim_names=("dp_shard", "sp"))
-    flat = init_device_mesh(device.type, (spec.nproc,), mesh_dim_names=("dp_shard_sp",))
-    return flat, SequenceParallel.from_mesh(mesh, "sp")
+    flat, mesh = rank_meshes(spec.nproc, spec.sp, device.type)
+    return flat, SequenceParallel.from_mesh(mesh, SEQUENCE_DIM)
 
 
 # Memory columns a several-rank row takes as the max over ranks (the per-GPU figure a user sizes a
