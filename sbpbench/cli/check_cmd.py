@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from ..settings import EXACTNESS_DEFAULTS
@@ -41,8 +42,8 @@ EXAMPLES = (  # the end of its help (options.py examples)
         "chunk_size": f"StreamBP positions per layer chunk (default: {EXACTNESS_DEFAULTS['chunk_size']}).",
         "num_layers": f"Keep only the first N decoder layers (default: {EXACTNESS_DEFAULTS['num_layers']}).",
         "device": f"cpu, cuda or cuda:N (default: {EXACTNESS_DEFAULTS['device']}).",
-        "nproc": "Run the compared methods on N ranks (FSDP2, every rank on the one batch), bp in one process; "
-        "fp64 only (default: 1).",
+        "nproc": "Run the compared methods on N ranks (FSDP2, every rank on the one batch), bp in one process, "
+        "judged as --dtype says (default: 1).",
     },
 )
 def check(settings: dict, methods: tuple[str, ...], out: ExactnessOutOpt = None) -> None:
@@ -65,7 +66,10 @@ def check(settings: dict, methods: tuple[str, ...], out: ExactnessOutOpt = None)
         with user_errors():  # a failed write says where the rows are
             raise checked.not_saved
     if out is not None:
-        console.print(f"{checked.appended} comparison(s) appended to {out}", highlight=False)
+        # one line, never folded: a long path stays pasteable
+        console.print(
+            f"{checked.appended} comparison(s) appended to {escape(str(out))}", highlight=False, soft_wrap=True
+        )
     failed = [d for r in results for d in r.failures()]
     for diff in failed:
         console.print(f"[red]{diff.describe()}[/]", highlight=False)

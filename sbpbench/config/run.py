@@ -338,16 +338,14 @@ def point_specs(
 def exactness_specs(values: Mapping[str, Any], methods: Sequence[str] | None = None, **options) -> list[RunSpec]:
     """`sbp check`'s points (point_specs, with its options): bp's first, the reference, then one per
     method named (method_names: the default methods when none is) but bp. With nproc above 1 the
-    compared methods run on ranks (runner/rank_gradients.py) against bp in one process, in fp64."""
+    compared methods run on ranks (runner/rank_gradients.py) against bp in one process, judged by
+    the rules of the dtype (runner/exactness.py)."""
     sp = values.get("sp") or 1
     compared = tuple(m for m in method_names(methods, sp if is_int(sp) else 1) if m != "bp")
     if (values.get("nproc") or 1) == 1 and sp == 1:
         return point_specs(values, ("bp", *compared), named=methods or (), **options)
     reference = point_specs({**values, "nproc": 1, "sp": 1}, ("bp",), **options)
     ranked = point_specs(values, compared, named=methods or (), **options) if compared else []
-    if reference[0].dtype != "fp64":
-        dtype = reference[0].dtype
-        raise ConfigError("dtype", f"{{field}} {dtype}: a check on several ranks compares in fp64; give fp64")
     return [*reference, *ranked]
 
 

@@ -25,6 +25,7 @@ the model's largest reference gradient: noise of the model's own scale, never a 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -197,6 +198,12 @@ def _same_precision_diffs(grads: dict, ref_grads: dict) -> float:
 
 
 Step = tuple  # (loss, {parameter name: gradient}) of one step, as step_gradients returns it
+StepOf = Callable[[str], Step]  # a method's step by name, on the judged model's weights
+
+
+def _steps_on(model, batch: SFTBatch, settings: MethodSettings) -> StepOf:
+    """Each method's step in this process, on `model` as it is now."""
+    return lambda method: step_gradients(method, model, batch, settings)
 
 
 def judge_baseline(baseline: str, reference: str, ours: Step, ref: Step) -> MethodComparison:
@@ -251,6 +258,7 @@ def judge_against_fp64(
     baseline: str = "bp",
     reference_method: str | None = None,
     reference: Step | None = None,
+    steps: StepOf | None = None,
 ) -> list[MethodComparison]:
     """fp32 exactness judged against float64 (module docstring): run `baseline` and each method on
     the fp32 model, then `reference_method` (default: the baseline) on the same weights upcast to
@@ -260,7 +268,9 @@ def judge_against_fp64(
     reference_method: a cheaper exact method for the fp64 step where the baseline's fp64 step
     does not fit (standard BP keeps T x T attention probabilities per layer in fp64 on CUDA, where
     no fused kernel takes fp64); BASELINE_SANITY still checks it against the baseline's fp32 step.
-    reference: that fp64 step, already run on these weights (several judgements share one)."""
+    reference: that fp64 step, already run on these weights (several judgements share one).
+    steps: each method's fp32 step by name, run elsewhere on the same weights (runner/exactness.py:
+    on ranks); by default step_gradients on this model."""
     if model.dtype != torch.float32:
         raise ValueError(f"judge_against_fp64 judges float32 models; got {model.dtype}")
     # the fp64 reference first, then each fp32 step judged and dropped: at most the reference,
@@ -268,9 +278,10 @@ def judge_against_fp64(
     ref = reference if reference is not None else fp64_step(reference_method or baseline, model, batch, settings)
     base_step = step_gradients(baseline, model, batch, settings)
     results = [judge_baseline(baseline, f"{reference_method or baseline} fp64", base_step, ref)]
+    steps = steps or _steps_on(model, batch, settings)
     for name in dict.fromkeys(m for m in methods if m != baseline):
         try:
-            step = step_gradients(name, model, batch, settings)
+            step = steps(name)
         except MethodUnsupported as error:  # reported, not a failure (as in compare_methods)
             results.append(MethodComparison(name, results[0].reference, None, [], unsupported=str(error)))
             continue
@@ -299,11 +310,18 @@ def _parameters_step(method: str, model, batch: SFTBatch, settings: MethodSettin
 
 
 def judge_low_precision(
-    model, batch: SFTBatch, methods: list[str], settings: MethodSettings, *, baseline: str = "bp"
+    model,
+    batch: SFTBatch,
+    methods: list[str],
+    settings: MethodSettings,
+    *,
+    baseline: str = "bp",
+    steps: StepOf | None = None,
 ) -> list[MethodComparison]:
     """bf16 exactness as the paper's Table 6 judges it: every step against `baseline`'s float64 step
     on the same weights; the baseline's own comparison first (reported, the yardstick), then each
-    method's, within LOW_PRECISION_ERROR_FACTOR x the baseline's error on each tensor and the loss."""
+    method's, within LOW_PRECISION_ERROR_FACTOR x the baseline's error on each tensor and the loss.
+    steps: as judge_against_fp64's (each method's step run elsewhere, on the same weights)."""
     ref_loss, ref_grads = _parameters_step(baseline, model, batch, settings, torch.float64)
     base_loss, base_grads = step_gradients(baseline, model, batch, settings)
     base = MethodComparison(
@@ -315,9 +333,10 @@ def judge_low_precision(
     errors = {d.name: d.rel_error for d in base.grads}
     floor = torch.finfo(torch.float32).eps  # a bound above zero where the baseline's error is zero
     results = [base]
+    steps = steps or _steps_on(model, batch, settings)
     for name in dict.fromkeys(m for m in methods if m != baseline):
         try:
-            loss, grads = step_gradients(name, model, batch, settings)
+            loss, grads = steps(name)
         except MethodUnsupported as error:
             results.append(MethodComparison(name, base.reference, None, [], unsupported=str(error)))
             continue

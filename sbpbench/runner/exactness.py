@@ -1,11 +1,12 @@
 """`sbp check`: does each method give standard BP's loss and gradients on this model, here?
 
-Builds the spec's model (random weights, seeded) in fp64 or fp32, one synthetic batch with the
-paper's random right padding, and compares every method with `bp` (see methods/exactness.py):
+Builds the spec's model (random weights, seeded) in fp64, fp32 or bf16, one synthetic batch with
+the paper's random right padding, and compares every method with `bp` (see methods/exactness.py):
 in fp64 directly (1e-10); in fp32 against a float64 step on the same weights, each method within a
 small factor of bp's own fp32 error (`judge_against_fp64`); in bf16 likewise, within a few times
-bp's own bf16 error (`judge_low_precision`). With an `out` file, each comparison is
-appended to it as an ExactnessRow (records/exactness.py).
+bp's own bf16 error (`judge_low_precision`). With --nproc over 1 the compared methods run on ranks
+(runner/rank_gradients.py) and the same rules judge them against bp's steps in this process. With
+an `out` file, each comparison is appended to it as an ExactnessRow (records/exactness.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from ..methods.exactness import (
     FLOAT32_COMPUTE_NOTE,
     TOLERANCE,
     MethodComparison,
+    StepOf,
     compare_methods,
     compare_step,
     judge_against_fp64,
@@ -89,16 +91,18 @@ def compare_all(spec: ExactnessSpec) -> list[MethodComparison]:
         }
     )
     methods = [s.method for s in spec.specs[1:]]
-    if any(s.nproc > 1 for s in spec.specs[1:]):  # on ranks, in fp64 (config/run.py exactness_specs)
+    ranked = any(s.nproc > 1 for s in spec.specs[1:])  # the compared methods on ranks, bp here
+    if ranked and run.dtype == "fp64":
         return ranked_comparisons(spec, model, batch, settings)
+    steps = ranked_steps(spec) if ranked else None  # else each method's step on this model
     if run.dtype == "fp32":
-        results = judge_against_fp64(model, batch, methods, settings, baseline=run.method)
+        results = judge_against_fp64(model, batch, methods, settings, baseline=run.method, steps=steps)
     elif run.dtype in LOW_PRECISION:
-        results = judge_low_precision(model, batch, methods, settings, baseline=run.method)
+        results = judge_low_precision(model, batch, methods, settings, baseline=run.method, steps=steps)
     else:
         results = compare_methods(model, batch, methods, settings, reference=run.method)
     external = {s.method: s for s in spec.specs[1:] if METHODS[s.method].external}
-    if external:  # official: the same weights and batch through its own environment
+    if external and not ranked:  # official: the same weights and batch through its own environment
         from .official import official_gradients
 
         reference = step_gradients(run.method, model, batch, settings)
@@ -114,8 +118,8 @@ def compare_all(spec: ExactnessSpec) -> list[MethodComparison]:
 
 
 def ranked_comparisons(spec: ExactnessSpec, model, batch, settings: MethodSettings) -> list[MethodComparison]:
-    """Each compared method on its spec's ranks (runner/rank_gradients.py: FSDP2, --sp ranks sharing
-    each sequence, every data rank on this batch) against the reference's step in this process."""
+    """fp64: each compared method on its spec's ranks (runner/rank_gradients.py: FSDP2, --sp ranks
+    sharing each sequence, every data rank on this batch) against the reference's step in this process."""
     from .rank_gradients import RankedStepUnsupported, ranked_step
 
     run = spec.reference
@@ -129,6 +133,17 @@ def ranked_comparisons(spec: ExactnessSpec, model, batch, settings: MethodSettin
             continue
         results.append(compare_step(ranked.method, run.method, model, ours, reference))
     return results
+
+
+def ranked_steps(spec: ExactnessSpec) -> StepOf:
+    """Each compared method's step on its spec's ranks (as ranked_comparisons runs it), by name, for
+    the fp32 and bf16 judges: they hold the fp64 reference and bp's own step, run in this process on
+    the same seeded weights (the ranks build them alike). A method that cannot run there is
+    MethodUnsupported (RankedStepUnsupported), reported as in one process."""
+    from .rank_gradients import ranked_step
+
+    by_method = {s.method: s for s in spec.specs[1:]}
+    return lambda method: ranked_step(by_method[method])
 
 
 def ranks_note(spec: RunSpec) -> str:

@@ -1,6 +1,7 @@
 """`sbp check` on several ranks: one step of a method on spec.nproc ranks, as `sbp run` shards it
 (FSDP2, --sp ranks sharing each sequence: runner/ranks.py), every data rank on the check's one
-batch, and the loss and the full gradients back from rank 0, to compare with one process's bp.
+batch, and the loss and the full gradients back from rank 0, to compare with one process's bp
+(in the spec's dtype: fp64, or fp32 and bf16 judged against bp's fp64 step, runner/exactness.py).
 
 The parent (`ranked_step`) starts the ranks as `python -m sbpbench.runner.rank_gradients OUT.pt`,
 the spec's JSON on stdin and the rank in the environment, as runner/isolated.py starts a point's
@@ -29,8 +30,9 @@ from .timeout import point_timeout_s
 from .worker import die_with_parent
 
 
-class RankedStepUnsupported(RuntimeError):
-    """The method cannot run this check's point on ranks; the message says why."""
+class RankedStepUnsupported(MethodUnsupported):
+    """The method cannot run this check's point on ranks; the message says why (a MethodUnsupported,
+    so the fp32 and bf16 judges report it as they report one in one process)."""
 
 
 def ranked_step(spec: RunSpec) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -1,6 +1,7 @@
 """`sbp run --sp P` and `sbp check --nproc N --sp P`: ranks sharing each sequence (Ulysses), for
 streambp and the ulysses peer (methods/ulysses.py: DeepSpeed's ALST parts). The spawning tests are
-slow-tier, one command each; the rest run in-process."""
+slow-tier, one command each; the rest run in-process (a check's ranks played by a stand-in that
+runs the method's step here on the same seeded weights)."""
 
 from __future__ import annotations
 
@@ -13,13 +14,50 @@ from sbpbench.cli.tables import ranks_terms
 from sbpbench.config import ConfigError, point_specs
 from sbpbench.data import make_sft_batch
 from sbpbench.methods import SEQUENCE_PARALLEL_METHODS, method_names
+from sbpbench.methods.exactness import step_gradients
 from sbpbench.methods.streambp import unpadded_mask
 from sbpbench.methods.ulysses import _replaced, local_shard
 from sbpbench.records import ResultRow, read_rows
 from sbpbench.records.exactness import read_exactness
+from sbpbench.runner import rank_gradients
+from sbpbench.workload.build import build_model_and_batch
 
 runner = CliRunner()
 POINT = {"device": "cpu", "model": "tiny/qwen3", "seq_len": 64}
+CHECK_SP2 = ["check", "--nproc", "2", "--sp", "2", "--model", "tiny/qwen3"]
+PERTURBED = "model.layers.1.self_attn.k_norm.weight"  # a small tensor, as tests/exactness/test_exactness_fp32.py
+# one element of PERTURBED off by this fraction of the tensor's largest gradient: far beyond rounding
+# in each dtype (bp's own error on it: ~1e-6 in fp32, ~1e-2 in bf16 at T=64)
+WRONG_BY = {"fp32": 1e-4, "bf16": 0.1}
+
+
+def _one_wrong_element(step, relative: float):
+    """(loss, grads) with one element of PERTURBED off by `relative` of its tensor's largest gradient."""
+    loss, grads = step
+    grads = dict(grads)
+    wrong = grads[PERTURBED].clone()
+    wrong.view(-1)[3] += relative * wrong.abs().max()
+    grads[PERTURBED] = wrong
+    return loss, grads
+
+
+def _in_process_ranks(relative: float = 0.0):
+    """A stand-in for ranked_step: the spec's method run here on the weights the ranks would build
+    (the same seed, dtype and LoRA options), one element wrong when `relative` is not 0."""
+
+    def ranked_step(spec):
+        model, batch = build_model_and_batch(spec, lora_alpha=2 * spec.lora_rank, lora_init_seed=spec.seed)
+        step = step_gradients(spec.method, model, batch, spec.settings)
+        return _one_wrong_element(step, relative) if relative else step
+
+    return ranked_step
+
+
+def _judged(result) -> dict[str, str]:
+    """{method: the result cell} of a check's table, as printed."""
+    cells = ("exact", "DIFFERS", "reference ok", "REFERENCE?")
+    rows = [line.split("│") for line in result.output.splitlines() if line.count("│") > 3]
+    return {row[1].strip(): row[2].strip() for row in rows if row[2].strip() in cells}
 
 
 def test_ranks_sharing_a_sequence_default_to_the_methods_that_can():
@@ -107,6 +145,23 @@ def test_a_sequence_parallel_row_says_its_groups_and_shared_cores():
     assert "oversubscribed" not in ranks_terms(ResultRow(method="bp", nproc=2, sp=1, num_threads=1, num_cpus=2))[1]
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_check_on_ranks_judges_fp32_and_bf16_by_bps_own_error(monkeypatch, dtype):
+    """--dtype fp32 and bf16 on ranks: the ranks' step is judged against bp's fp64 step by bp's own
+    error in that dtype, as in one process (stand-in ranks); one element of a small tensor off fails."""
+    monkeypatch.setenv("COLUMNS", "160")
+    args = [*CHECK_SP2, "--seq", "32", "--method", "streambp", "--dtype", dtype]
+    monkeypatch.setattr(rank_gradients, "ranked_step", _in_process_ranks())
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert _judged(result) == {"bp": "reference ok", "streambp": "exact"}, result.output
+    assert "on 2 ranks, 2 per sequence, vs bp fp64 in one process" in result.output
+    monkeypatch.setattr(rank_gradients, "ranked_step", _in_process_ranks(WRONG_BY[dtype]))
+    result = runner.invoke(app, args)
+    assert result.exit_code == 1 and _judged(result) == {"bp": "reference ok", "streambp": "DIFFERS"}, result.output
+    assert f"{PERTURBED}: rel error" in result.output, result.output
+
+
 @pytest.mark.slow
 def test_sbp_run_on_two_ranks_sharing_each_sequence(tmp_path):
     """`sbp run --device cpu --nproc 2 --sp 2 --model tiny/qwen3 --seq 256`: streambp and ulysses, ok
@@ -157,3 +212,46 @@ def test_the_ulysses_peer_is_exact_across_heads_ranks_and_adapters():
     for case in cases:
         result = runner.invoke(app, ["check", "--method", "ulysses", "--seq", "64", *case])
         assert result.exit_code == 0 and "exact" in result.output and "DIFFERS" not in result.output, result.output
+
+
+@pytest.mark.slow
+def test_sbp_check_on_ranks_in_fp32_is_judged_by_bps_own_fp32_error(tmp_path, monkeypatch):
+    """`sbp check --nproc 2 --sp 2 --dtype fp32`: streambp and ulysses in fp32 on 2 ranks are within a
+    small factor of one-process bp's own fp32 error from bp's fp64 step; the same rank gradients with
+    one element of a small tensor 1e-4 off fail (replayed, no second spawn)."""
+    pytest.importorskip("deepspeed", reason="ulysses is an optional extra: pip install -e '.[deepspeed]'")
+    monkeypatch.setenv("COLUMNS", "160")
+    real, seen = rank_gradients.ranked_step, {}
+
+    def recorded(spec):
+        seen[spec.method] = real(spec)
+        return seen[spec.method]
+
+    monkeypatch.setattr(rank_gradients, "ranked_step", recorded)
+    out = tmp_path / "exactness.csv"
+    args = [*CHECK_SP2, "--seq", "64", "--dtype", "fp32"]
+    result = runner.invoke(app, [*args, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert _judged(result) == {"bp": "reference ok", "streambp": "exact", "ulysses": "exact"}, result.output
+    assert "ulysses: error / bp's error over" in result.output
+    rows = read_exactness(out)
+    assert [(r["method"], r["result"], r["dtype"], r["reference"]) for r in rows] == [
+        ("streambp", "exact", "fp32", "bp fp64"),
+        ("ulysses", "exact", "fp32", "bp fp64"),
+    ]
+    assert all(float(r["tolerance"]) > 1e-10 and "2 sharing each sequence" in r["note"] for r in rows)
+    wrong = {method: _one_wrong_element(step, WRONG_BY["fp32"]) for method, step in seen.items()}
+    monkeypatch.setattr(rank_gradients, "ranked_step", lambda spec: wrong[spec.method])
+    result = runner.invoke(app, args)
+    assert result.exit_code == 1, result.output
+    assert _judged(result) == {"bp": "reference ok", "streambp": "DIFFERS", "ulysses": "DIFFERS"}, result.output
+
+
+@pytest.mark.slow
+def test_sbp_check_on_ranks_in_bf16_is_judged_by_bps_own_bf16_error(monkeypatch):
+    """`sbp check --nproc 2 --sp 2 --dtype bf16 --method streambp`: bf16 on gloo ranks (FSDP2 reducing in
+    bf16) stays within a few times one-process bp's own bf16 error from bp's fp64 step."""
+    monkeypatch.setenv("COLUMNS", "160")
+    result = runner.invoke(app, [*CHECK_SP2, "--seq", "64", "--dtype", "bf16", "--method", "streambp"])
+    assert result.exit_code == 0, result.output
+    assert _judged(result) == {"bp": "reference ok", "streambp": "exact"}, result.output
