@@ -29,7 +29,7 @@ from .options import (
 )
 from .outcomes import fail_if
 from .progress import Progress
-from .tables import estimate_table, print_table
+from .tables import estimate_table, print_table, shared_by
 
 GIB = 2**30
 # The host side is checked only when given: this machine's RAM says nothing of the GPU machine's.
@@ -162,8 +162,7 @@ def print_collectives(console: Console, specs: list, rows: list) -> None:
         rebuilt = rebuilt_layers(spec.settings.checkpoints, row.num_layers)
         sent = collective_bytes(spec, meta_model(spec), rebuilt_layers=rebuilt)
         console.print(
-            f"{row.method}: memory per GPU of {spec.nproc} sharing each sequence (Ulysses, FSDP2 FULL_SHARD over all "
-            f"{spec.nproc}; each holds {-(-spec.seq_len // spec.sp):,} positions); each GPU sends {sent.total / GIB:.1f} "
+            f"{row.method}: memory per GPU {shared_by(spec)}; each GPU sends {sent.total / GIB:.1f} "
             f"GiB per step: {sent.all_to_all / GIB:.1f} in all-to-alls, {sent.fsdp / GIB:.1f} in FSDP2's gathers and "
             "reduce-scatters (predicted from the shapes)",
             highlight=False,

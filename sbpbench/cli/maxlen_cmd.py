@@ -22,6 +22,7 @@ from .options import (
     BudgetOpt,
     ExactOpt,
     GpuMemoryOpt,
+    GpusOpt,
     HostMemoryOpt,
     check_sizes,
     out_option,
@@ -29,6 +30,7 @@ from .options import (
     refuse_unestimated,
     run_fields_but,
     say_ignored,
+    with_gpus,
 )
 from .outcomes import finish
 from .progress import Progress
@@ -71,6 +73,10 @@ EXAMPLES = (  # the end of its help (options.py examples)
         "seq_len": f"First probe length without a seed (default: {_search_default('seq_len', 'cuda')} cuda, "
         f"{_search_default('seq_len', 'cpu')} cpu).",
         "warmup": "Discarded steps before each probe's memory step (default: 0; its peak needs none).",
+        "sp": "Ranks sharing each sequence (default: 1; all --gpus P with --simulate).",
+        "seq_len_ceiling": f"Longest length tried (default: {_search_default('seq_len_ceiling', 'cuda')} cuda, "
+        f"{_search_default('seq_len_ceiling', 'cpu')} cpu; P times the cuda one with --simulate on --gpus "
+        "sharing each sequence over P).",
         "memory_limit": f"The memory budget, e.g. 80GiB (default: {_search_default('memory_limit', 'cuda')} on cuda, "
         "capping the process so a smaller card is emulated on a larger one; "
         f"{_search_default('memory_limit', 'cpu')} of tracked tensors on cpu).",
@@ -85,6 +91,7 @@ def maxlen(
     gpu_memory: GpuMemoryOpt = None,
     host_memory: HostMemoryOpt = None,
     exact: ExactOpt = False,
+    gpus: GpusOpt = None,
     out: MaxlenOutOpt = None,
     budget: BudgetOpt = None,
 ) -> None:
@@ -102,19 +109,16 @@ def maxlen(
     With --simulate each probe is a prediction for a GPU of --gpu-memory instead (never seeded),
     extrapolated from short fake runs (simulate/length.py): the search first probes lengths that
     share those runs (multiples of the layer chunk), then bisects what is left to --resolution.
+    With --gpus P it predicts P GPUs sharing each sequence, as `sbp estimate --gpus P` does.
 
     A seed takes seconds to a minute of this machine's CPU; a probe is a new process. Without a
     seed a search at the defaults runs about 25 probes; --resolution 10% is a quicker look."""
     check_sizes({"--gpu-memory": gpu_memory, "--host-memory": host_memory})
-    from ..config.maxlen import search_specs
-    from ..config.run import check_measurable
     from ..runner.searches import run_searches
 
     with user_errors():
         probing = _probing(settings, simulate, gpu_memory, host_memory, exact, budget)
-        searches = search_specs(settings, methods, simulate=simulate, gpu_memory=gpu_memory)
-        if not simulate:
-            check_measurable([search.base for search in searches])
+        settings, searches = _searches(settings, methods, simulate, gpu_memory, gpus)
         out = out or (SIMULATED_OUT if simulate else DEFAULT_OUT)
         check_writable(out)
     searches = _noticed(searches, settings, simulate)
@@ -127,6 +131,29 @@ def maxlen(
         _say_past_context(console, searches[0].base.model, outcome.rows)
         console.print(written_line(outcome, out, "max-length answer(s)"), highlight=False, soft_wrap=True)
     finish(console, outcome)
+
+
+def _searches(
+    settings: dict, methods: tuple[str, ...], simulate: bool, gpu_memory: str | None, gpus: str | None
+) -> tuple[dict, list[MaxlenSpec]]:
+    """(settings, the searches): a simulated search on --gpus (options.with_gpus) gets a default
+    ceiling P times one GPU's where P GPUs share each sequence (--max-seq's help says so); a measured
+    one is checked against this machine, and refuses --gpus (its ranks are --nproc and --sp)."""
+    from ..config.maxlen import search_specs
+    from ..config.run import check_measurable
+
+    if simulate:
+        settings, methods = with_gpus(settings, methods, gpus)
+        if settings.get("sp", 1) > 1 and "seq_len_ceiling" not in settings:
+            settings = {**settings, "seq_len_ceiling": _search_default("seq_len_ceiling", "cuda") * settings["sp"]}
+    elif gpus is not None:
+        raise ValueError(
+            f"--gpus {gpus} is how many GPUs --simulate predicts: add --simulate, or measure --nproc N --sp P"
+        )
+    searches = search_specs(settings, methods, simulate=simulate, gpu_memory=gpu_memory)
+    if not simulate:
+        check_measurable([search.base for search in searches])
+    return settings, searches
 
 
 def _noticed(searches: list[MaxlenSpec], settings: dict, simulate: bool) -> list[MaxlenSpec]:

@@ -120,8 +120,8 @@ GpusOpt = Annotated[
     str | None,
     typer.Option(
         metavar="P",
-        help="P GPUs of one node sharing each sequence (Ulysses), FSDP2 FULL_SHARD over all P, as `sbp run "
-        "--nproc P --sp P` runs them: GPU memory per GPU, host memory per node (default: 1, one GPU).",
+        help="P GPUs of one node (`sbp run --nproc P`), all sharing each sequence (Ulysses) unless --sp says how "
+        "many do, FSDP2 FULL_SHARD over all P: GPU memory per GPU, host memory per node (default: 1, one GPU).",
     ),
 ]
 InterconnectOpt = Annotated[
@@ -183,6 +183,7 @@ def predicted_gpu_point_helps() -> dict[str, str]:
         f"default: {default_of('model', 'cuda')}).",
         "seq_len": f"Tokens per row, prompt included (default: {default_of('seq_len', 'cuda')}).",
         "dtype": f"Model dtype (default: {default_of('dtype', 'cuda')}).",
+        "sp": "Of the --gpus P GPUs, how many share each sequence (default: all P).",
     }
 
 
@@ -263,21 +264,31 @@ def say_ignored(found: list[IgnoredKnob], names: Mapping[str, str] = FLAGS, wher
 
 
 def with_gpus(settings: dict[str, Any], methods: tuple[str, ...], gpus: str | None):
-    """(settings, methods) for --gpus P: nproc and sp P, StreamBP the method (the estimator models the
-    core's sequence parallelism, not the peers'); unchanged without it or with P = 1. ValueError
-    (one line) for a P that is not a whole number of GPUs, or given with --nproc or another method."""
-    if gpus is None:
+    """(settings, methods) of a predicted point on several GPUs: --gpus N sets N ranks (--nproc N),
+    all of them sharing each sequence unless --sp S says how many do; `--nproc N --sp S` is the same.
+    Where ranks share a sequence StreamBP is the method (the estimator models the core's sequence
+    parallelism, not the peers'). ValueError (one line) for a count that is not a whole number of
+    GPUs, --gpus with a different --nproc, an --sp that does not divide them, or another method."""
+    if gpus is not None:
+        if not gpus.isdigit() or int(gpus) < 1:
+            raise ValueError(f"--gpus takes a number of GPUs, at least 1, got {gpus!r}")
+        if settings.get("nproc") not in (None, int(gpus)):
+            raise ValueError(f"--gpus {gpus} sets the ranks (--nproc {gpus}); leave --nproc out")
+        settings = {**settings, "nproc": int(gpus), "sp": settings.get("sp", int(gpus))}
+    nproc, sp = settings.get("nproc", 1), settings.get("sp", 1)
+    if sp == 1:
         return settings, methods
-    if not gpus.isdigit() or int(gpus) < 1:
-        raise ValueError(f"--gpus takes a number of GPUs, at least 1, got {gpus!r}")
-    if int(gpus) == 1:
-        return settings, methods
-    if settings.get("nproc") not in (None, int(gpus)):
-        raise ValueError(f"--gpus {gpus} sets the ranks (--nproc {gpus} --sp {gpus}); leave --nproc out")
+    if nproc == 1:
+        raise ValueError(f"--sp {sp} shares each sequence over GPUs: give --gpus N too, N a multiple of {sp}")
+    if nproc % sp:
+        given = f"--gpus {gpus}" if gpus is not None else f"--nproc {nproc}"
+        raise ValueError(f"--sp {sp} does not divide {given}: each sequence is shared by --sp of the GPUs")
     others = [m for m in methods if m != "streambp"]
     if others:
-        raise ValueError(f"--gpus predicts streambp sharing each sequence; {', '.join(others)} is not modelled so")
-    return {**settings, "nproc": int(gpus), "sp": int(gpus)}, ("streambp",)
+        raise ValueError(
+            f"GPUs sharing each sequence are predicted for streambp; {', '.join(others)} is not modelled so"
+        )
+    return settings, ("streambp",)
 
 
 def interconnect_bytes_s(text: str | None) -> float | None:

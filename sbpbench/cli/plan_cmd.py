@@ -30,7 +30,7 @@ from .options import (
 )
 from .outcomes import fail_if
 from .progress import Progress
-from .tables import print_table
+from .tables import print_table, shared_by
 
 if TYPE_CHECKING:
     from ..config import RunSpec
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 GIB = 2**30
 # what the planner decides itself: StreamBP on one GPU, its chunk size and checkpoint placement
-PLANNED = ("method", "nproc", "sp", "chunk_size", "checkpoints")
+PLANNED = ("method", "nproc", "chunk_size", "checkpoints")
 # the rest of a point and StreamBP's other knobs; one the estimator does not model is refused, as by
 # `sbp estimate` (the settings table's `estimator`)
 PLAN_FIELDS = tuple(
@@ -95,14 +95,14 @@ def plan_command(
     from measured rows of --gpu in --results when there are any, else assumed from published H100
     figures. Prints the fastest candidate of each kind of placement and why it is or is not the plan,
     then the `sbp run` command that measures the plan. --gpus P plans for P GPUs of one node sharing
-    each sequence. Predictions, not measurements."""
+    each sequence (--sp of them, default all). Predictions, not measurements."""
     from ..config import point_specs
     from ..simulate.plan import candidates, meta_model, plan, ruled_out_by, summary
 
     with user_errors():
         gpu_bytes = parse_bytes(gpu_memory or DEFAULT_GPU_MEMORY)
         host_bytes = parse_bytes(host_memory) if host_memory else total_ram_bytes()
-        settings, _ = with_gpus(settings, (), gpus)
+        settings = _on_gpus(settings, gpus)
         (spec,) = point_specs({**settings, **PREDICTED_POINT}, ["streambp"], defaults_for="cuda")
         rates = plan_rates(results, gpu, interconnect)
     console = Console()
@@ -122,6 +122,16 @@ def plan_command(
     print_choice(console, spec, chosen, gpu_bytes, host_bytes)
     print_shared(console, spec, chosen, rates)
     console.print(run_command(settings, spec, chosen), highlight=False, soft_wrap=True)
+
+
+def _on_gpus(settings: dict, gpus: str | None) -> dict:
+    """The settings on --gpus (options.with_gpus); GPUs that share no sequence are refused in one line."""
+    settings, _ = with_gpus(settings, (), gpus)
+    if settings.get("nproc", 1) > 1 and settings["sp"] == 1:
+        raise ValueError(
+            "--gpus plans GPUs sharing each sequence: give --sp 2 or more, or leave --gpus out to plan one GPU"
+        )
+    return settings
 
 
 def plan_rates(results: Path, gpu: str, interconnect: str | None) -> Rates:
@@ -150,8 +160,7 @@ def print_shared(console: Console, spec: RunSpec, chosen: PlanOutcome, rates: Ra
         "assumed: NVLink 4 of an H100 SXM" if rates.interconnect_bytes_s == INTERCONNECT_BYTES_S else "--interconnect"
     )
     console.print(
-        f"per GPU of {spec.nproc} sharing each sequence (Ulysses, FSDP2 FULL_SHARD over all {spec.nproc}; each holds "
-        f"{-(-spec.seq_len // spec.sp):,} positions); host memory per node of {spec.nproc} ranks. The step's "
+        f"per GPU {shared_by(spec)}; host memory per node of {spec.nproc} ranks. The step's "
         f"{seconds_and_hours(time.total_s)}: {seconds_and_hours(time.compute_s)} of compute, "
         f"{seconds_and_hours(time.host_copies_s)} of host copies beyond it and {seconds_and_hours(time.communication_s)} "
         f"for the {sent / GIB:,.0f} GiB each GPU sends at {rates.interconnect_bytes_s / 1e9:,.0f} GB/s each way ({assumed})",
@@ -296,7 +305,10 @@ def summary_table(
 
 def on_gpus(spec: RunSpec) -> str:
     """A title's note where GPUs share each sequence: its GPU figures are per GPU, its host per node."""
-    return f" on {spec.nproc} GPUs sharing it (GPU: per GPU; host: per node)" if spec.sp > 1 else ""
+    if spec.sp == 1:
+        return ""
+    sharing = "sharing it" if spec.nproc == spec.sp else f"{spec.sp} sharing each row"
+    return f" on {spec.nproc} GPUs {sharing} (GPU: per GPU; host: per node)"
 
 
 def _too_small(outcome: PlanOutcome) -> str:

@@ -163,6 +163,18 @@ def ranks_terms(row: ResultRow) -> tuple[str, str]:
     return ranks, note
 
 
+def shared_by(spec) -> str:
+    """How a point's GPUs share its sequences, as `sbp estimate` and `sbp plan` say what a number is
+    per: "of 8 sharing each sequence (...)" or "of 8, in 2 groups of 4 sharing each sequence (...)"."""
+    positions = f"each holds {-(-spec.seq_len // spec.sp):,} positions"
+    if spec.nproc == spec.sp:
+        return f"of {spec.nproc} sharing each sequence (Ulysses, FSDP2 FULL_SHARD over all {spec.nproc}; {positions})"
+    return (
+        f"of {spec.nproc}, in {spec.nproc // spec.sp} groups of {spec.sp} sharing each sequence (Ulysses in a group, "
+        f"B rows per group; FSDP2 FULL_SHARD over all {spec.nproc}; {positions})"
+    )
+
+
 PROTOCOL_MEANING = {
     "steady": "gradients resident before the step, as in every step after a run's first",
     "first": "gradients allocated in the step, as in a run's first",
@@ -366,7 +378,7 @@ def paper_max_len(row: ResultRow) -> str | None:
     backpropagation step, Table 3 for a training step), by the rule `sbp report` uses; None where
     the paper has none."""
     reference = _reference()
-    if reference is None or row.step not in MAXLEN_TABLE:
+    if reference is None or row.step not in MAXLEN_TABLE or (row.nproc or 1) > 1:
         return None
     match = paper_rows(reference, table=MAXLEN_TABLE[row.step], metric="max_seq_len", like=row.as_dict())
     if match.empty:

@@ -183,7 +183,6 @@ SETTINGS: dict[str, Setting] = {
         "Ranks sharing each sequence (default: 1).",
         default=1,
         minimum=1,
-        estimator="give --gpus P instead: P GPUs sharing each sequence, --nproc P --sp P",
     ),
     # one SDPA kernel forced for every method (config/sdpa.py); a wrong name's error lists the choices
     "sdpa_backend": Setting(

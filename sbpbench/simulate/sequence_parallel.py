@@ -1,13 +1,14 @@
-"""One rank of P GPUs sharing each sequence, predicted on this CPU: the step `sbp run --nproc P --sp P`
-measures (runner/ranks.py: Ulysses over all P ranks, FSDP2 FULL_SHARD over all P), on fake tensors.
+"""One rank of N GPUs, P of them sharing each sequence, predicted on this CPU: the step `sbp run
+--nproc N --sp P` measures (runner/ranks.py: Ulysses over each P ranks, FSDP2 FULL_SHARD over all N),
+on fake tensors.
 
-No second process runs. This process joins torch's fake process group of P ranks as rank 0
+No second process runs. This process joins torch's fake process group of N ranks as rank 0
 (torch/testing/_internal/distributed/fake_pg.py: "You can run a single rank with a fake process
 group without needing multiple processes (simulates per-rank behavior)"): its collectives move no
 data and keep every shape (all_to_all_single and all-gathers copy the input into the output,
 all_reduce and reduce_scatter leave it), so the core's `SequenceParallel` and FSDP2 run unchanged
 and every buffer the rank allocates has the shape a GPU rank's has. The step is runner/ranks.py's:
-the model sharded over the P ranks (models/sharding.py), the same batch on every rank, each rank
+the model sharded over the N ranks (models/sharding.py), one batch per P ranks, each rank
 cutting its T_loc = ceil(T / P) positions; FSDP2's gathered parameters and gradient buffers are
 counted as they are resized (measure/tensor_tracker.py `counting_fsdp_resizes`). Full fine-tuning
 and LoRA are both sharded so (LoRA's frozen weights too), as `--nproc` shards them.
@@ -38,6 +39,7 @@ from ..methods.streambp import timing_phases
 from ..models import load_config
 from ..models.sharding import shard_model
 from ..workload.build import make_spec_batch, training_step
+from ..workload.rank_mesh import SEQUENCE_DIM, rank_meshes
 
 RANK = 0  # the rank predicted (module docstring)
 CHECKPOINT_PASS, HEAD, KV_CAPTURE = "checkpoint pass", "head", "K/V capture"  # core/phases.py's names
@@ -80,15 +82,11 @@ def fake_ranks(world: int):
 def sharded_sequence_step(spec: RunSpec, model: torch.nn.Module, mode, *, foreach_optimizer: bool):
     """runner/ranks.py build_sharded_step on a fake model (inside `fake_ranks`): FSDP2 over the flat
     mesh of every rank, the core's SequenceParallel of the "sp" dimension, the same batch on every rank."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    # meshes made outside the fake mode: a mesh reads its rank table's values
-    mesh = init_device_mesh("cpu", (spec.nproc // spec.sp, spec.sp), mesh_dim_names=("dp_shard", "sp"))
-    flat = init_device_mesh("cpu", (spec.nproc,), mesh_dim_names=("dp_shard_sp",))
+    flat, mesh = rank_meshes(spec.nproc, spec.sp, "cpu")  # outside the fake mode (rank_meshes says why)
     with mode:
         shard_model(model, flat)
     batch = make_spec_batch(spec, model.config)
-    group = SequenceParallel.from_mesh(mesh, "sp")
+    group = SequenceParallel.from_mesh(mesh, SEQUENCE_DIM)
     return training_step(
         spec, model, batch, foreach_optimizer=foreach_optimizer, allocation=mode, sequence_parallel=group
     )
@@ -187,10 +185,10 @@ class CollectiveBytes:
 
 
 def collective_bytes(spec: RunSpec, model: torch.nn.Module, *, rebuilt_layers: int = 0) -> CollectiveBytes:
-    """What one rank of P sends per step (core/parallel/sequence_layer.py, grad_sync.py), counted
-    from the shapes: an all-to-all of a (P, ...) tensor keeps 1/P and sends (P - 1)/P of it; an
-    all-gather of a unit's parameters receives (P - 1)/P of their bytes and sends as much, a
-    reduce-scatter of its gradients sends (P - 1)/P. model: the point's, on the meta device
+    """What one rank sends per step (core/parallel/sequence_layer.py, grad_sync.py), P ranks sharing
+    its sequence and FSDP2 over all N ranks, counted from the shapes: an all-to-all of a (P, ...)
+    tensor keeps 1/P and sends (P - 1)/P of it; an all-gather of a unit's parameters receives
+    (N - 1)/N of their bytes and sends as much, a reduce-scatter of its gradients sends (N - 1)/N. model: the point's, on the meta device
     (plan.meta_model: its parameters, LoRA's trainable ones). Per layer and local chunk of c positions, B
     rows, H query heads, h = max(h_kv, P) K/V heads (each repeated up to one per rank), hd, in the
     model dtype s (the K/V gradients in fp32):
@@ -212,12 +210,11 @@ def collective_bytes(spec: RunSpec, model: torch.nn.Module, *, rebuilt_layers: i
     q = 2 * batch * heads * positions * head_dim
     forward = (kv + q) * size  # one layer forward (the checkpoint pass's, a rebuild's)
     backward = (kv + 2 * q) * size + kv * 4
-    share = (world - 1) / world
-    all_to_all = share * (forward * (layers + rebuilt_layers) + backward * layers)
+    all_to_all = (world - 1) / world * (forward * (layers + rebuilt_layers) + backward * layers)
     layer_params, root_params, layer_trainable, root_trainable = _parameter_bytes(model)
     gathers = layer_params * (2 * layers + rebuilt_layers) + root_params
     reduces = layer_trainable * layers + root_trainable
-    return CollectiveBytes(all_to_all=all_to_all, fsdp=share * (gathers + reduces))
+    return CollectiveBytes(all_to_all=all_to_all, fsdp=(spec.nproc - 1) / spec.nproc * (gathers + reduces))
 
 
 def _parameter_bytes(model: torch.nn.Module) -> tuple[int, int, int, int]:

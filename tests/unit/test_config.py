@@ -20,7 +20,7 @@ from sbpbench.settings import METHOD_KNOBS, SETTINGS, SettingChanged
 # (it comes through --set). Nothing here is a list to edit when a knob is added.
 # run: --trace (30), --sp (31); maxlen: --sp (38); check: --nproc and --sp (19); sweep: --seeds-only (7); plan: --all;
 # estimate: --gpus (24); plan: --gpus and --interconnect (21)
-MAX_VISIBLE_FLAGS = {"run": 31, "maxlen": 38, "estimate": 24, "plan": 21, "check": 19, "sweep": 7}
+MAX_VISIBLE_FLAGS = {"run": 31, "maxlen": 39, "estimate": 25, "plan": 22, "check": 19, "sweep": 7}
 KNOB_AXES = {"chunk_size", "logits_chunk_size", "checkpoints"}  # StreamBP's chunk sizes and placement
 
 
