@@ -11,6 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..measure.units import GIB
+from ..settings import ConfigError
 from .errors import user_errors
 
 EXAMPLES = (  # the end of its help (options.py examples)
@@ -38,11 +39,21 @@ def env(
     from ..measure.environment import capture_environment
 
     with user_errors():
+        _check_visible(device)
         values = capture_environment(device).as_dict()
     if json_output:
         typer.echo(json.dumps(values, indent=2))
         return
     Console().print(env_table(values))
+
+
+def _check_visible(device: str) -> None:
+    """Refuse a CUDA device when none is visible, as config/device.py `resolve_device` does for
+    `sbp run`, but through NVML: the parent of a GPU measurement must not initialise CUDA."""
+    from ..measure.environment import auto_device, gpu_index
+
+    if device != "auto" and gpu_index(device) is not None and auto_device() == "cpu":
+        raise ConfigError("device", f"{device!r} was asked for but no CUDA GPU is visible; use cpu")
 
 
 def env_table(values: dict) -> Table:

@@ -60,12 +60,12 @@ def report(
     estimates beside measurements."""
     from ..models import full_depth
     from ..report import glance_markdown, markdown_report, points_markdown
-    from ..report.inputs import load_paper, load_table
+    from ..report.inputs import load_table
 
     with user_errors():
         table = load_table(results)
-        paper, note = load_paper(reference)
-        checked = read_exactness(exactness) if exactness is not None else None
+        paper, note = _paper(reference)
+        checked = _exactness_rows(exactness) if exactness is not None else None
         if glance and points:
             raise ValueError("--glance and --points are two summaries: give one")
         if glance:
@@ -86,3 +86,30 @@ def report(
         typer.echo(text, nl=False)
     else:
         typer.echo(f"report written to {out}")
+
+
+def _paper(reference: Path | None):
+    """report/inputs.py `load_paper`, with a file that is not text said as one line naming it."""
+    from ..report.inputs import load_paper
+
+    try:
+        return load_paper(reference)
+    except UnicodeDecodeError as error:
+        raise ValueError(
+            f"{reference} is not a paper reference CSV: byte {error.start} is not UTF-8 text; "
+            "pass --reference PATH/streambp_paper.csv"
+        ) from None
+
+
+def _exactness_rows(path: Path) -> list[dict[str, str]]:
+    """read_exactness(path), with a missing file, a folder or a file that is not text said as one line naming it."""
+    if path.is_dir():
+        raise ValueError(f"{path} is a folder, not an exactness CSV; give the file `sbp check --out FILE` wrote")
+    if not path.is_file():
+        raise FileNotFoundError(f"no exactness CSV at {path}; write one with `sbp check --out {path}`")
+    try:
+        return read_exactness(path)
+    except UnicodeDecodeError as error:
+        raise ValueError(
+            f"{path} is not an exactness CSV: byte {error.start} is not UTF-8 text; give one written by `sbp check --out`"
+        ) from None

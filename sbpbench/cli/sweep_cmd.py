@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Annotated
 
@@ -74,13 +75,13 @@ def sweep(
     in what is left is not started; the next command runs it."""
     from ..config.experiment import ignored_keys, load_experiment
     from ..measure.units import parse_seconds
-    from ..runner.experiment import check_seeds_device, plan_experiment, run_experiment
+    from ..runner.experiment import plan_experiment, run_experiment
 
     with user_errors():
         if dry_run and seeds_only:
             raise ValueError("--dry-run and --seeds-only: give one of them")
         seconds = parse_seconds(budget) if budget is not None else None
-        check_seeds_device(settings.get("device") if seeds_only else None)  # before the notices: one line
+        _check_seeds_wanted(experiment, settings.get("device"), seeds_only)  # before the notices: one line
     say_ignored(ignored_keys(experiment), names={}, where=f"{experiment}: ")  # the file's keys, as written
     if dry_run:
         _dry_run(experiment, out, settings.get("device"))
@@ -100,6 +101,29 @@ def sweep(
         _summary(console, loaded.name, sweep.rows())
         console.print(written_line(outcome, sweep.out), highlight=False, soft_wrap=True)
     finish(console, outcome)
+
+
+def _check_seeds_wanted(experiment: Path, device: str | None, seeds_only: bool) -> None:
+    """--seeds-only's checks: a --device that predicts GPU seeds (runner/experiment.py), and without
+    one, a file whose searches all run on the CPU refused: it would store GPU seeds that no run of
+    the file reads, since a CPU sweep predicts its own seeds as it runs (runner/seeds.py)."""
+    from ..config import MaxlenSpec
+    from ..config.experiment import load_experiment
+    from ..runner.experiment import check_seeds_device
+
+    check_seeds_device(device if seeds_only else None)
+    if not seeds_only or device is not None:
+        return
+
+    with warnings.catch_warnings():  # plan_seeds loads the file again and says its warnings once
+        warnings.simplefilter("ignore")
+        loaded = load_experiment(experiment, device="cpu", defaults_for="cuda")  # any machine: devices as named
+    named = [device for point, device in zip(loaded.points, loaded.devices) if isinstance(point, MaxlenSpec)]
+    if named and all(device == "cpu" for device in named):
+        raise ValueError(
+            f"{experiment} runs its searches on the CPU, and a CPU sweep predicts their seeds as it runs: "
+            "--seeds-only predicts a GPU sweep's; give --device cuda on a GPU to predict them"
+        )
 
 
 def _seeds_only(

@@ -12,9 +12,11 @@ import typer
 from typer.testing import CliRunner
 
 from sbpbench.cli import app
+from sbpbench.measure import environment
 
 runner = CliRunner()
 PEERS_CSV = "results/cpu/peers_cpu.csv"  # a measured results file in the repository
+NO_GPU = pytest.mark.skipif(environment.auto_device() != "cpu", reason="NVML sees a GPU here")
 
 
 def _line(result) -> str:
@@ -118,7 +120,6 @@ MEASURED = ["maxlen", "--device", "cpu", *TINY]
 PLAN = ["plan", *TINY]
 SMOKE = "experiments/smoke_cpu.toml"
 SP2 = [*RUN, "--nproc", "2", "--sp", "2"]  # 2 ranks sharing each sequence
-CHECK_SP2 = ["check", *TINY, "--nproc", "2", "--sp", "2"]
 SP4_T18 = ["run", "--device", "cpu", "--model", "tiny/qwen3", "--seq", "18", "--nproc", "4", "--sp", "4"]
 POINT_COMMANDS = {  # each command that takes a point, as it is given one
     "run": RUN,
@@ -180,8 +181,9 @@ CASES = [
     pytest.param([*RUN, "--method", "ulysses"], "ulysses runs only on ranks sharing each sequence", id="ulysses-sp-1"),
     pytest.param([*RUN, "--nproc", "8", "--sp", "8"], "--sp 8 cannot split tiny/qwen3's 4 query", id="sp-heads"),
     pytest.param([*SP4_T18, "--method", "ulysses"], "--seq 18 is not a multiple of --sp 4", id="ulysses-seq"),
-    pytest.param([*CHECK_SP2, "--dtype", "fp32"], "a check on several ranks compares in fp64", id="check-sp-fp32"),
-    pytest.param(["estimate", *TINY, "--nproc", "2", "--sp", "2"], "--sp is not modelled", id="estimate-sp"),
+    pytest.param(["estimate", *TINY, "--nproc", "3", "--sp", "2"], "--sp 2 does not divide --nproc 3", id="estimate-sp"),
+    pytest.param(["estimate", *TINY, "--sp", "2"], "give --gpus N too, N a multiple of 2", id="estimate-sp-alone"),
+    pytest.param(["plan", *TINY, "--gpus", "4", "--sp", "1"], "give --sp 2 or more", id="plan-gpus-sp1"),
     pytest.param([*RUN, "--protocol", "later"], "unknown --protocol 'later'", id="run-protocol"),
     pytest.param([*RUN, "--step", "adam"], "unknown --step 'adam'", id="run-step"),
     pytest.param([*RUN, "--sdpa-backend", "cudnn"], "cudnn has no CPU kernel", id="run-cpu-sdpa"),
@@ -205,6 +207,7 @@ CASES = [
     pytest.param(["selftest", "--budget", "soon"], "cannot read the duration 'soon'", id="selftest-budget"),
     pytest.param(["peers", "setup", "official", "--wheels", "{tmp}/none"], "is not a directory", id="peers-wheels"),
     pytest.param(["env", "--device", "tpu"], "unknown device 'tpu'", id="env-device"),
+    pytest.param(["env", "--device", "cuda:7"], "'cuda:7' was asked for but no CUDA GPU", id="env-cuda", marks=NO_GPU),
     # damaged or mistaken experiment files, and the sweep's own options
     pytest.param(["sweep", "{tmp}/broken.toml"], "not valid TOML", id="sweep-not-toml"),
     pytest.param(["sweep", "{tmp}/broken.toml", "--dry-run"], "not valid TOML", id="sweep-dry-run-not-toml"),
@@ -214,10 +217,15 @@ CASES = [
     pytest.param(["sweep", "{tmp}/no_unit.toml"], "80 has no unit", id="sweep-size-no-unit"),
     pytest.param(["sweep", SMOKE, "--dry-run", "--seeds-only"], "give one of them", id="sweep-two-modes"),
     pytest.param(["sweep", "{tmp}/knobs.toml", "--device", "tpu"], "unknown device 'tpu'", id="sweep-device"),
+    pytest.param(["sweep", "{tmp}/cpu.toml", "--seeds-only"], "cpu.toml runs its searches on the CPU", id="seeds-cpu"),
     # damaged results files given to the readers
     pytest.param(["report", "{tmp}/empty.csv"], "no result rows in", id="report-empty"),
     pytest.param(["report", "{tmp}/binary.csv"], "is not UTF-8 text", id="report-binary"),
     pytest.param(["report", PEERS_CSV, "--reference", "{tmp}/other.csv"], "not a paper reference CSV", id="report-ref"),
+    pytest.param(["report", PEERS_CSV, "--exactness", "{tmp}/none.csv"], "no exactness CSV at", id="report-ex-missing"),
+    pytest.param(["report", PEERS_CSV, "--exactness", "{tmp}/no_csv"], "is a folder", id="report-ex-folder"),
+    pytest.param(["report", PEERS_CSV, "--exactness", "{tmp}/binary.csv"], "not UTF-8 text", id="report-ex-binary"),
+    pytest.param(["report", PEERS_CSV, "--reference", "{tmp}/binary.csv"], "not UTF-8 text", id="report-ref-binary"),
     pytest.param(["plot", "{tmp}/header.csv"], "lacks the column(s) schema_version", id="plot-header-only"),
     pytest.param(["plot", "{tmp}/no_csv"], "no results CSV at", id="plot-empty-folder"),
 ]
@@ -247,6 +255,7 @@ ODD_FILES: dict[str, str | bytes] = {
     "no_seq.toml": POINT + 'method = "bp"\n',
     "no_unit.toml": POINT + "seq_len = 16\nmemory_limit = 80\n",
     "knobs.toml": KNOBS_TOML,
+    "cpu.toml": POINT + 'kind = "maxlen"\nmethod = "bp"\ndevice = "cpu"\nmemory_limit = "1GiB"\n',
     "empty.csv": "",
     "binary.csv": b"\xff\xfe\x00\x01",
     "header.csv": "status,method\n",
@@ -293,7 +302,7 @@ USAGE_CASES = [  # what Typer refuses before the command: an option or argument 
     pytest.param(["models", "extra"], "unexpected extra argument", id="models-argument"),
     pytest.param(["peers", "setup", "nope"], "'nope' is not one of 'official'", id="peers-name"),
     pytest.param(["plan", *TINY, "--method", "bp"], "No such option: --method", id="plan-method"),
-    pytest.param(["plan", *TINY, "--sp", "2"], "No such option: --sp", id="plan-sp"),
+    pytest.param(["plan", *TINY, "--nproc", "2"], "No such option: --nproc", id="plan-nproc"),
 ]
 
 
@@ -372,3 +381,35 @@ def test_a_knob_no_method_reads_is_a_notice_not_an_error(no_work, tmp_path, args
     said = [line for line in result.output.splitlines() if line.startswith("notice:")]
     assert said == [f"notice: {notice.format(tmp=tmp_path)}" for notice in notices], result.output
     assert [r["status"] for r in read_rows(out)] == ["ok"]
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:7"])
+def test_env_refuses_a_cuda_device_when_no_gpu_is_visible(monkeypatch, device):
+    """`sbp env --device cuda[:N]` where NVML sees no GPU: one line, exit 2, and torch.cuda never touched."""
+    import torch
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("torch.cuda was touched: sbp env reads the GPU through NVML only")
+
+    monkeypatch.setattr(environment, "pynvml", None)  # no NVML library: no GPU visible, on any machine
+    monkeypatch.setattr(torch.cuda, "is_available", forbidden)
+    monkeypatch.setattr(torch.cuda, "device_count", forbidden)
+    result = runner.invoke(app, ["env", "--device", device])
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    said = f"error: invalid input: --device {device!r} was asked for but no CUDA GPU is visible; use cpu"
+    assert result.output.strip() == said, result.output
+
+
+def test_seeds_only_goes_on_for_a_file_with_a_gpu_search(monkeypatch, tmp_path):
+    """A file with one search on the CPU and one on the machine's device (a GPU's, for seeds) is seeded, not refused."""
+    from sbpbench.cli import sweep_cmd
+
+    def work(*args, **kwargs):
+        raise typer.Exit(0)
+
+    monkeypatch.setattr(sweep_cmd, "_seeds_only", work)
+    path = tmp_path / "mixed.toml"
+    search = 'kind = "maxlen"\nmodel = "tiny/qwen3"\nmethod = "bp"\nmemory_limit = "1GiB"\n'
+    path.write_text(f'name = "mixed"\n[[points]]\n{search}device = "cpu"\n[[points]]\n{search}')
+    result = runner.invoke(app, ["sweep", str(path), "--seeds-only"])
+    assert result.exit_code == 0 and "error:" not in result.output, result.output
