@@ -148,6 +148,10 @@ class RunSpec:
             settings = replace(settings, **{name: getattr(sizes, name) for name in chosen})
         object.__setattr__(self, "settings", settings)
         check_chunk_attention(settings.chunk_attention, self.device, self.sdpa_backend)
+        if self.sp == 1 and settings.sp_layout not in (None, default_of("sp_layout")):
+            raise ConfigError(
+                "sp_layout", f"{{field}} {settings.sp_layout} lays a sequence over ranks: add --sp 2 or more"
+            )
         kept = [name for name in self.auto_settings if isinstance(getattr(settings, name), int)]
         object.__setattr__(self, "auto_settings", tuple(n for n in CHUNK_SETTINGS if n in chosen or n in kept))
 

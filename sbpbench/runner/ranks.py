@@ -93,7 +93,7 @@ def sequence_mesh(spec: RunSpec, device: torch.device):
     from ..core import SequenceParallel
 
     flat, mesh = rank_meshes(spec.nproc, spec.sp, device.type)
-    return flat, SequenceParallel.from_mesh(mesh, SEQUENCE_DIM)
+    return flat, SequenceParallel.from_mesh(mesh, SEQUENCE_DIM, layout=spec.settings.sp_layout or "contiguous")
 
 
 # Memory columns a several-rank row takes as the max over ranks (the per-GPU figure a user sizes a

@@ -38,3 +38,7 @@ CPU_SDPA_BACKENDS = ("auto", "flash", "math")
 # FlashAttention-3 / -4 where installed. Off a GPU only auto, lower-right and split run.
 CHUNK_ATTENTION = ("auto", "lower-right", "split", "flex", "fa3", "fa4")
 CPU_CHUNK_ATTENTION = ("auto", "lower-right", "split")
+# `--set sp_layout=` (core/parallel/sequence_group.py LAYOUTS, which a test checks equal): how ranks
+# sharing a sequence hold it. contiguous: rank r the r-th T/P positions (Ulysses' data adapter);
+# interleaved: each chunk step's P chunks one per rank (FPDT), one attention call per step.
+SP_LAYOUTS = ("contiguous", "interleaved")

@@ -29,6 +29,7 @@ from .choices import (
     OBJECTIVES,
     PROTOCOLS,
     SDPA_BACKENDS,
+    SP_LAYOUTS,
     STEPS,
 )
 from .errors import ConfigError
@@ -263,6 +264,15 @@ SETTINGS: dict[str, Setting] = {
         # simulate/estimate.py: auto is the lower-right path on fake tensors; split, flex, fa3, fa4 are refused there
         estimator="it predicts the lower-right kernel, auto's on fake tensors; leave the knob out, or measure "
         "a kernel with `sbp run`",
+    ),  # the choices' meanings: settings/choices.py
+    "sp_layout": Setting(
+        str,
+        "StreamBP across --sp ranks: contiguous (default) or interleaved chunks.",
+        SP_LAYOUTS,
+        default="contiguous",
+        read_by=("streambp",),
+        metavar="LAYOUT",
+        estimator="it predicts the contiguous layout; measure interleaved with `sbp run`",
     ),  # the choices' meanings: settings/choices.py
     # a max-length search's own (its first probe is seq_len)
     "seq_len_ceiling": Setting(

@@ -86,7 +86,7 @@ def sharded_sequence_step(spec: RunSpec, model: torch.nn.Module, mode, *, foreac
     with mode:
         shard_model(model, flat)
     batch = make_spec_batch(spec, model.config)
-    group = SequenceParallel.from_mesh(mesh, SEQUENCE_DIM)
+    group = SequenceParallel.from_mesh(mesh, SEQUENCE_DIM, layout=spec.settings.sp_layout or "contiguous")
     return training_step(
         spec, model, batch, foreach_optimizer=foreach_optimizer, allocation=mode, sequence_parallel=group
     )

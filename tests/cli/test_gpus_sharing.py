@@ -8,12 +8,10 @@ import re
 import pytest
 from typer.testing import CliRunner
 
-import sbpbench.runner.simulated_search as simulated_search
 from sbpbench.cli import app
 from sbpbench.cli.options import with_gpus
 from sbpbench.records import ResultRow
 from sbpbench.settings import default_of
-from sbpbench.workload.rows import spec_fields
 
 runner = CliRunner()
 
@@ -49,18 +47,10 @@ def test_a_layout_that_cannot_be_is_one_line(given, gpus, methods, error):
         with_gpus(given, methods, gpus)
 
 
-def test_a_simulated_search_on_gpus_probes_their_layout_up_to_p_times_the_ceiling(tmp_path, monkeypatch):
+def test_a_simulated_search_on_gpus_probes_their_layout_up_to_p_times_the_ceiling(tmp_path, fake_seeding):
     """`sbp maxlen --simulate --gpus 4 --sp 2`: the search's point is 4 ranks, 2 per sequence, and its
     default ceiling twice one GPU's; --max-seq given is kept; without --simulate, --gpus is refused."""
-    searched = []
-
-    def answered(search, out, *, probing, **options) -> ResultRow:
-        searched.append(search)
-        row = ResultRow(**spec_fields(search.base))
-        row.status, row.max_seq_len, row.oom_seq_len = "ok", 2048, 2056
-        return row
-
-    monkeypatch.setattr(simulated_search, "simulated_max_len", answered)
+    searched = fake_seeding  # the searches the (fake) simulated search was asked for
     args = ["maxlen", "--simulate", "--model", "tiny/qwen3", "--gpus", "4", "--sp", "2", "--out"]
     result = runner.invoke(app, [*args, str(tmp_path / "a.csv")])
     assert result.exit_code == 0, result.output

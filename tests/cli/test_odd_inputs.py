@@ -183,6 +183,13 @@ CASES = [
     pytest.param([*SP4_T18, "--method", "ulysses"], "--seq 18 is not a multiple of --sp 4", id="ulysses-seq"),
     pytest.param(["estimate", *TINY, "--nproc", "3", "--sp", "2"], "--sp 2 does not divide --nproc 3", id="estimate-sp"),
     pytest.param(["estimate", *TINY, "--sp", "2"], "give --gpus N too, N a multiple of 2", id="estimate-sp-alone"),
+    pytest.param([*RUN, "--set", "sp_layout=interleaved"], "add --sp 2 or more", id="run-layout-alone"),
+    pytest.param([*RUN, "--set", "sp_layout=diagonal"], "choose from contiguous, interleaved", id="run-layout"),
+    pytest.param(
+        ["estimate", *TINY, "--gpus", "2", "--set", "sp_layout=interleaved"],
+        "it predicts the contiguous layout",
+        id="estimate-layout",
+    ),
     pytest.param(["plan", *TINY, "--gpus", "4", "--sp", "1"], "give --sp 2 or more", id="plan-gpus-sp1"),
     pytest.param([*RUN, "--protocol", "later"], "unknown --protocol 'later'", id="run-protocol"),
     pytest.param([*RUN, "--step", "adam"], "unknown --step 'adam'", id="run-step"),

@@ -1,5 +1,6 @@
-"""The CUDA branch of a rank's set-up (runner/ranks.py), on a CPU stand-in: rank r of a point on
-cuda:i joins with nccl on cuda:<i + local rank>, and its meshes are CUDA meshes."""
+"""A rank's set-up (runner/ranks.py) on CPU stand-ins: rank r of a point on cuda:i joins with nccl
+on cuda:<i + local rank>, its meshes are CUDA meshes, and its ranks sharing a sequence lay it out
+as --set sp_layout says (one list of layouts, the core's)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,16 @@ def test_a_cuda_rank_shares_its_sequence_over_a_cuda_mesh(monkeypatch):
         return "flat", "mesh"
 
     monkeypatch.setattr(ranks, "rank_meshes", meshes)
-    monkeypatch.setattr("sbpbench.core.SequenceParallel.from_mesh", classmethod(lambda cls, mesh, dim: (mesh, dim)))
-    flat, group = ranks.sequence_mesh(SimpleNamespace(nproc=8, sp=4), torch.device("cuda", 5))
-    assert made == [(8, 4, "cuda")] and (flat, group) == ("flat", ("mesh", "sp"))
+    from_mesh = classmethod(lambda cls, mesh, dim, layout: (mesh, dim, layout))
+    monkeypatch.setattr("sbpbench.core.SequenceParallel.from_mesh", from_mesh)
+    laid = SimpleNamespace(sp_layout="interleaved")
+    flat, group = ranks.sequence_mesh(SimpleNamespace(nproc=8, sp=4, settings=laid), torch.device("cuda", 5))
+    assert made == [(8, 4, "cuda")] and (flat, group) == ("flat", ("mesh", "sp", "interleaved"))
     assert ranks.sequence_mesh(SimpleNamespace(nproc=8, sp=1), torch.device("cuda", 5)) == (None, None)
+
+
+def test_the_layouts_a_user_gives_are_the_cores():
+    from sbpbench.core.parallel.sequence_group import LAYOUTS
+    from sbpbench.settings.choices import SP_LAYOUTS
+
+    assert SP_LAYOUTS == LAYOUTS
