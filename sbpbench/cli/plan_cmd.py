@@ -192,7 +192,7 @@ def run_command(settings: dict, spec: RunSpec, chosen: PlanOutcome) -> str:
     then the plan's method, placement and chunk sizes (a shell quotes nothing else)."""
     from ..simulate.plan import describe
 
-    d = describe(chosen, spec.batch_size * spec.seq_len)
+    d = describe(chosen, step_tokens(spec))
     ranks = {"nproc": spec.nproc, "sp": spec.sp} if spec.sp > 1 else {}
     point = dict(
         settings, model=spec.model, seq_len=spec.seq_len, device="cuda", **ranks, method="streambp",
@@ -237,14 +237,14 @@ def print_choice(console: Console, spec: RunSpec, chosen: PlanOutcome, gpu_bytes
     from ..simulate.depth import layer_input_bytes
     from ..simulate.plan import describe
 
-    d = describe(chosen, spec.batch_size * spec.seq_len)
+    d = describe(chosen, step_tokens(spec))
     pinned = chosen.candidate.counts.max_host_inputs * layer_input_bytes(spec)
     pinning_s = seconds_and_hours(d["first_step_pinning_s"])
     each = " per GPU" if spec.sp > 1 else ""
     pinning = f"; the first step pins {pinned / GIB:.0f} GiB of host memory{each} ({pinning_s})"
     console.print(
         f"plan: {d['checkpoints']}, chunk {d['chunk_size']}: predicted {seconds_and_hours(d['predicted_time_s'])} per step "
-        f"({d['tokens_per_s']:,.0f} tokens/s)" + (pinning if pinned else ""),
+        f"({d['tokens_per_s']:,.0f} tokens/s{over_groups(spec)})" + (pinning if pinned else ""),
         highlight=False,
     )
     console.print(
@@ -263,7 +263,7 @@ def summary_table(
     from ..simulate.estimate import HOST_PROCESS_BYTES, ranks_per_node
     from ..simulate.plan import Candidate, describe
 
-    tokens = spec.batch_size * spec.seq_len
+    tokens = step_tokens(spec)
     title = (
         f"{spec.model}, T={spec.seq_len:,}, B={spec.batch_size}{on_gpus(spec)}: fastest of each placement (simulated)"
     )
@@ -303,11 +303,22 @@ def summary_table(
     return table
 
 
+def step_tokens(spec: RunSpec) -> int:
+    """The tokens one step trains on every GPU of the plan: B x T per group of --sp GPUs sharing it."""
+    return spec.batch_size * spec.seq_len * (spec.nproc // spec.sp)
+
+
+def over_groups(spec: RunSpec) -> str:
+    """What a plan's tokens/s counts where several groups share their own sequences ("" for one)."""
+    groups = spec.nproc // spec.sp
+    return f" over the {groups} groups" if groups > 1 and spec.sp > 1 else ""
+
+
 def on_gpus(spec: RunSpec) -> str:
     """A title's note where GPUs share each sequence: its GPU figures are per GPU, its host per node."""
     if spec.sp == 1:
         return ""
-    sharing = "sharing it" if spec.nproc == spec.sp else f"{spec.sp} sharing each row"
+    sharing = "sharing it" if spec.nproc == spec.sp else f"in groups of {spec.sp} sharing each row"
     return f" on {spec.nproc} GPUs {sharing} (GPU: per GPU; host: per node)"
 
 
@@ -330,7 +341,7 @@ def plan_table(spec: RunSpec, tried: list[PlanOutcome], gpu_bytes: int, host_byt
     for column in ("checkpoints", "chunk", "logits", "status", "GPU GiB", "host GiB", "step s", "tokens/s", "pin s"):
         table.add_column(column, justify="left" if column in ("checkpoints", "status") else "right", no_wrap=True)
     for outcome in tried:
-        d = describe(outcome, spec.batch_size * spec.seq_len)
+        d = describe(outcome, step_tokens(spec))
         device = "bound" if d["device_bytes"] is None else f"{d['device_bytes'] / GIB:.2f}"
         chunk = "any" if outcome.any_chunk else str(d["chunk_size"])
         table.add_row(

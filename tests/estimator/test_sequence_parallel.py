@@ -5,6 +5,7 @@ in this process on torch's fake process group (simulate/sequence_parallel.py). T
 from __future__ import annotations
 
 import collections
+import re
 from dataclasses import replace
 
 import pytest
@@ -128,27 +129,47 @@ def test_each_rank_sharing_a_sequence_peaks_at_the_prediction_to_the_byte(ranks,
 
 
 @pytest.mark.filterwarnings("ignore::sbpbench.config.run.BeyondContextWarning")  # T past Qwen3-8B's 40,960
-def test_sbp_plan_on_eight_gpus_ends_with_their_sbp_run_line(monkeypatch):
-    """`sbp plan --gpus 8`: per-GPU memory and per-node host named, the step's communication at the
-    interconnect given, and the pasteable `sbp run` line with --nproc 8 --sp 8."""
+@pytest.mark.parametrize(
+    ("sp", "said", "ranks"),
+    [
+        ([], "on 8 GPUs sharing it (GPU: per GPU; host: per node)", "--nproc 8 --sp 8"),
+        (["--sp", "4"], "on 8 GPUs in groups of 4 sharing each row (GPU: per GPU; host: per node)", "--sp 4 --nproc 8"),
+    ],
+)
+def test_sbp_plan_on_eight_gpus_ends_with_their_sbp_run_line(monkeypatch, sp, said, ranks):
+    """`sbp plan --gpus 8 [--sp 4]`: per-GPU memory and per-node host named, the step's communication
+    at the interconnect given, tokens/s of every group, and the pasteable `sbp run` line with the ranks."""
     from typer.testing import CliRunner
 
     from sbpbench.cli import app
 
     def fits(spec, **_):
-        row = planner.ResultRow(model=spec.model, method="streambp", seq_len=spec.seq_len, nproc=8, sp=8)
+        row = planner.ResultRow(model=spec.model, method="streambp", seq_len=spec.seq_len, nproc=8, sp=spec.sp)
         row.status, row.error, row.num_layers = "ok", "", 36
         row.peak_allocated_bytes, row.margin_bytes, row.host_pinned_peak_bytes = 50 * 2**30, 2**30, 0
         row.logits_chunk_size = spec.settings.logits_chunk_size
         return row
 
     monkeypatch.setattr(planner, "estimate_point_by_depth", fits)
-    args = ["plan", "--gpus", "8", "--model", "Qwen/Qwen3-8B", "--seq", "1048576", "--host-memory", "1TiB"]
+    args = ["plan", "--gpus", "8", *sp, "--model", "Qwen/Qwen3-8B", "--seq", "1048576", "--host-memory", "1TiB"]
     result = CliRunner().invoke(app, [*args, "--interconnect", "300GB/s"], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
     command = result.output.splitlines()[-1]
-    assert "on 8 GPUs sharing it (GPU: per GPU; host: per node)" in result.output
-    assert "at 300 GB/s each way (--interconnect)" in result.output
-    assert command.startswith("sbp run --model Qwen/Qwen3-8B --seq 1048576 --nproc 8 --sp 8 --device cuda"), command
+    assert said in result.output and "at 300 GB/s each way (--interconnect)" in result.output
+    assert command.startswith(f"sbp run --model Qwen/Qwen3-8B --seq 1048576 {ranks} --device cuda"), command
+    plan = next(line for line in result.output.splitlines() if line.startswith("plan: "))
+    seconds, tokens_per_s = (
+        int(n.replace(",", "")) for n in re.search(r"predicted ([\d,]+) s .*\(([\d,]+) tokens/s", plan).groups()
+    )
+    assert tokens_per_s == pytest.approx((2 if sp else 1) * 1048576 / seconds, rel=0.01)
+    assert ("over the 2 groups" in plan) == bool(sp)
+
+
+def test_estimate_on_gpus_sharing_a_sequence_is_streambp_only():
+    """`sbp estimate --gpus 2 --method bp`: one line saying what is modelled on GPUs sharing a sequence."""
+    from typer.testing import CliRunner
+
+    from sbpbench.cli import app
+
     refused = CliRunner().invoke(app, ["estimate", "--gpus", "2", "--method", "bp", "--model", "tiny/qwen3"])
     assert refused.exit_code == 2 and "bp is not modelled so" in refused.output
