@@ -181,7 +181,9 @@ CASES = [
     pytest.param([*RUN, "--method", "ulysses"], "ulysses runs only on ranks sharing each sequence", id="ulysses-sp-1"),
     pytest.param([*RUN, "--nproc", "8", "--sp", "8"], "--sp 8 cannot split tiny/qwen3's 4 query", id="sp-heads"),
     pytest.param([*SP4_T18, "--method", "ulysses"], "--seq 18 is not a multiple of --sp 4", id="ulysses-seq"),
-    pytest.param(["estimate", *TINY, "--nproc", "3", "--sp", "2"], "--sp 2 does not divide --nproc 3", id="estimate-sp"),
+    pytest.param(
+        ["estimate", *TINY, "--nproc", "3", "--sp", "2"], "--sp 2 does not divide --nproc 3", id="estimate-sp"
+    ),
     pytest.param(["estimate", *TINY, "--sp", "2"], "give --gpus N too, N a multiple of 2", id="estimate-sp-alone"),
     pytest.param([*RUN, "--set", "sp_layout=interleaved"], "add --sp 2 or more", id="run-layout-alone"),
     pytest.param([*RUN, "--set", "sp_layout=diagonal"], "choose from contiguous, interleaved", id="run-layout"),

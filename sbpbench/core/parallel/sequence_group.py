@@ -109,11 +109,12 @@ class SequenceParallel:
         dist.all_reduce(tensor, group=self.group)
         return tensor
 
-    def agree(self, **values: int) -> None:
+    def agree(self, *, device: torch.device | str, **values: int) -> None:
         """Raise ValueError on every rank unless all ranks give the same values (the sequence
         length, the chunk size, the batch): a rank that ran a different number of chunks would wait
-        forever on a collective the others never make."""
-        mine = torch.tensor([int(v) for v in values.values()], dtype=torch.int64)
+        forever on a collective the others never make. device: the step's, where the group's
+        backend takes tensors (nccl: CUDA tensors only; gloo: CPU ones)."""
+        mine = torch.tensor([int(v) for v in values.values()], dtype=torch.int64, device=device)
         every = [torch.empty_like(mine) for _ in range(self.world)]
         dist.all_gather(every, mine, group=self.group)
         differ = [name for i, name in enumerate(values) if len({int(t[i]) for t in every}) > 1]

@@ -70,7 +70,7 @@ def local_batch(
     check_heads(parts.config, group.world)
     batch, seq_len = input_ids.shape
     group.agree(
-        batch=batch, seq_len=seq_len, chunk_size=chunk_size, logits_chunk_size=logits_chunk_size,
+        device=input_ids.device, batch=batch, seq_len=seq_len, chunk_size=chunk_size, logits_chunk_size=logits_chunk_size,
         layout=LAYOUTS.index(group.layout), num_layers=len(parts.layers),
     )  # fmt: skip
     shards = SequenceShards(seq_len, group.world, group.rank, chunk_size, group.layout)
