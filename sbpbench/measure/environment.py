@@ -98,12 +98,16 @@ def auto_device() -> str:
     """Return "cuda" when NVML sees a visible GPU and torch was built with CUDA, else "cpu"."""
     if torch.version.cuda is None:
         return "cpu"
+    return "cuda" if visible_gpu_count() > 0 else "cpu"
+
+
+def visible_gpu_count() -> int:
+    """The GPUs a CUDA process here would see: NVML's count, capped by CUDA_VISIBLE_DEVICES (counted as
+    CUDA reads it); 0 without NVML or a driver. Creates no CUDA context."""
     with _nvml() as ok:
         count = (_nvml_or_none(pynvml.nvmlDeviceGetCount) or 0) if ok else 0
     visible = _visible_devices()
-    if visible is not None:
-        count = min(count, len(visible))
-    return "cuda" if count > 0 else "cpu"
+    return count if visible is None else min(count, len(visible))
 
 
 def gpu_index(device: str) -> int | None:

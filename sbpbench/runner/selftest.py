@@ -16,6 +16,8 @@ On a GPU (GPU_BUDGET_S, 8 minutes on one H100), in this order:
      layers, one layer rebuilt), one memory step and one timed step;
   5. Qwen3-8B StreamBP at T=65,536 with the checkpoints on the GPU, one memory step and one timed;
   6. the page-locked host copy rate each way (measure/copy_rate.py), beside the planner's assumption.
+With 2 GPUs or more visible, StreamBP sharing each sequence over 2 of them (Ulysses over nccl, one
+GPU per rank) comes right after step 3: `sbp check` of it in fp32 (SP_CHECK), then SP_POINT run.
 `sbp estimate` of each measured point runs beside them on the host CPU (fake tensors, no GPU).
 Everything goes to OUT/gpu/<device name>/, caches included: every step's process gets SBP_CACHE_DIR
 (the attention-kernel choices, attention-kernels.json, committed: the next run skips their timing)
@@ -58,11 +60,20 @@ from ..config.run import BeyondContextWarning, point_specs
 from ..measure.environment import Environment
 from ..models import load_config
 from ..records import read_rows
+from ..settings import SettingChanged
 from ..simulate.cost import point_cost
 from ..simulate.plan import meta_model
 from ..simulate.timing import Rates, fitted_rates
 from .budget import MIN_START_S
-from .selftest_summary import KERNEL_FAILURES, NOT_RUN, TEST_REPORT_ENV, SummaryInputs, first_line, summary_markdown
+from .selftest_summary import (
+    KERNEL_FAILURES,
+    NOT_RUN,
+    TEST_REPORT_ENV,
+    SummaryInputs,
+    first_line,
+    ranks_label,
+    summary_markdown,
+)
 
 GPU_BUDGET_S = 480.0  # 8 minutes on one H100
 # The CPU subset's own work is about 40 CPU-seconds (three commands and three workers, each
@@ -80,7 +91,7 @@ GITIGNORE = (
     "# rebuilt by the next run. attention-kernels.json, the measured kernel choices, is committed.\n"
     f"{COMPILE_CACHE}/\n"
 )
-BENCHMARK_CSV, COPY_RATE_CSV = "attention-benchmark.csv", "copy-rate.csv"
+BENCHMARK_CSV, COPY_RATE_CSV, EXACTNESS_CSV = "attention-benchmark.csv", "copy-rate.csv", "exactness.csv"
 # The benchmark's shapes: a 4096-query chunk (the long points' chunk) over these keys (its own
 # included): the prefixes of a chunk at 16k, 64k and 256k
 BENCHMARK_QUERIES, BENCHMARK_KEYS = 4096, (16_384, 65_536, 262_144)
@@ -99,6 +110,11 @@ PREDICTED_S = {
     # CUDA's context; page-locking 512 MiB (0.2 s at the H100's measured 2.82 GB/s); 12 copies of it
     # (0.1 s at 64 GB/s); rounded up
     "copy rate": 15.0,
+    # `sbp check` of SP_CHECK: CUDA's context and bp's fp64 and fp32 reference steps in the parent
+    # (10 s: a 2-layer Qwen3-0.6B, 5 TFLOP in fp64); 2 ranks' imports and nccl's rendezvous (10 s);
+    # the ranks' attention-kernel tuning (20 s, as EXTRA_S's); the step, the full gradients gathered
+    # to the host and compared (5 s)
+    "sp check": 50.0,
 }
 # Added to an `sbp run` step's price, predictions too:
 EXTRA_S = {
@@ -127,6 +143,8 @@ class Point:
     chunk_size: int | None = None  # None: auto
     warmup: int | None = None  # None: the point's default
     repeats: int | None = None
+    nproc: int = 1  # ranks, one GPU each
+    sp: int = 1  # of the ranks, how many share each sequence (Ulysses)
 
     def flags(self) -> tuple[str, ...]:
         """The options the run and the estimate share."""
@@ -134,6 +152,7 @@ class Point:
         argv += ("--checkpoints", self.checkpoints) if self.checkpoints else ()
         argv += ("--num-layers", str(self.num_layers)) if self.num_layers else ()
         argv += ("--chunk-size", str(self.chunk_size)) if self.chunk_size else ()
+        argv += ("--nproc", str(self.nproc), "--sp", str(self.sp)) if self.nproc > 1 else ()
         return argv
 
     def run_flags(self) -> tuple[str, ...]:
@@ -146,19 +165,26 @@ class Point:
         """One RunSpec per method with a GPU's defaults, made on any machine (to price it)."""
         given = dict(model=self.model, seq_len=self.seq_len, checkpoints=self.checkpoints or None)
         given.update(num_layers=self.num_layers, chunk_size=self.chunk_size, warmup=self.warmup, repeats=self.repeats)
-        with warnings.catch_warnings():  # a price needs no word on lengths past a model's context
+        given.update(nproc=self.nproc, sp=self.sp)
+        # a price needs no word on lengths past a model's context, nor on ranks past this host's
+        # cores (its specs are made on the CPU for a GPU run)
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore", BeyondContextWarning)
+            warnings.simplefilter("ignore", SettingChanged)
             return point_specs({**given, "device": "cpu"}, self.methods, defaults_for="cuda")
 
     def keys(self) -> list[tuple]:
-        """(model, seq_len, method, checkpoints, num_layers) of each method: its rows' key here."""
-        return [(self.model, self.seq_len, m, self.checkpoints, self.num_layers) for m in self.methods]
+        """(model, seq_len, method, checkpoints, num_layers) of each method, then (nproc, sp) on
+        several ranks: its rows' key here."""
+        ranks = (self.nproc, self.sp) if self.nproc > 1 else ()
+        return [(self.model, self.seq_len, m, self.checkpoints, self.num_layers, *ranks) for m in self.methods]
 
     @property
     def label(self) -> str:
         parts = [self.model, f"T={self.seq_len}", " ".join(self.methods)]
         parts += [f"--checkpoints {self.checkpoints}"] if self.checkpoints else []
         parts += [f"{self.num_layers} layers"] if self.num_layers else []
+        parts += [f"on {ranks_label(self.nproc, self.sp)}"] if self.nproc > 1 else []
         return " ".join(parts)
 
 
@@ -169,6 +195,13 @@ SHORT_POINT = Point("Qwen/Qwen3-4B", 9000, ("ckpt", "streambp"))  # the paper's 
 LONG_POINT = Point("Qwen/Qwen3-8B", 262_144, ("streambp",), "stream:2", 3, 4096, warmup=0, repeats=1)
 GPU_64K_POINT = Point("Qwen/Qwen3-8B", 65_536, ("streambp",), warmup=0, repeats=1)  # the default placement
 GPU_POINTS = (SHORT_POINT, LONG_POINT, GPU_64K_POINT)
+# With 2 GPUs or more: StreamBP sharing each sequence over 2 of them, 32,768 positions each, one
+# memory step and one timed; and its exactness first, on a 2-layer Qwen3-0.6B in fp32 against bp's
+# fp64 step in one process (`sbp check`), 1,024 positions per rank in 8 chunks of 128 (its default).
+# bp's fp64 step holds its memory on the first GPU, beside rank 0: 25 GiB at T=2048 (B=2, `sbp
+# estimate --exact`), so the check fits 40 GB GPUs; 52 GiB at T=4096 would not
+SP_POINT = Point("Qwen/Qwen3-4B", 65_536, ("streambp",), warmup=0, repeats=1, nproc=2, sp=2)
+SP_CHECK = Point("Qwen/Qwen3-0.6B", 2048, ("streambp",), num_layers=2, nproc=2, sp=2)
 
 
 @dataclass(frozen=True)
@@ -179,8 +212,8 @@ class Step:
     background: bool = False  # host-only work (an estimate) that runs beside the GPU steps
     predicted_s: float = 0.0  # its expected wall time (its price, or this device's earlier log)
     env: tuple[tuple[str, str], ...] = ()  # set for its process, beside the inherited environment
-    kind: str = ""  # tests | benchmark | run | copy rate | estimate: how its output is judged
-    point: Point | None = None  # a run's point, whose rows it must leave ok
+    kind: str = ""  # tests | benchmark | run | check | copy rate | estimate: how its output is judged
+    point: Point | None = None  # a run's point, whose rows it must leave ok; a check's, exact
 
 
 @dataclass
@@ -206,6 +239,14 @@ class Selftest:
     device_name: str = ""
     outcomes: list[Outcome] = field(default_factory=list)
     rates: Rates | None = None  # what the run steps were priced at
+    num_gpus: int = 1  # visible (measure/environment.py visible_gpu_count): 2 or more add SP_POINT
+
+    @property
+    def points(self) -> tuple[Point, ...]:
+        """The GPU points in order of value: SP_POINT after the short one where it has its GPUs."""
+        if self.num_gpus < SP_POINT.nproc:
+            return GPU_POINTS
+        return (SHORT_POINT, SP_POINT, LONG_POINT, GPU_64K_POINT)
 
     @property
     def log(self) -> Path:
@@ -218,6 +259,10 @@ class Selftest:
     @property
     def estimates_csv(self) -> Path:
         return self.out_dir / "estimates.csv"
+
+    @property
+    def exactness_csv(self) -> Path:
+        return self.out_dir / EXACTNESS_CSV
 
     @property
     def tests_report(self) -> Path:
@@ -287,7 +332,11 @@ def plan_rates(test: Selftest, repository: Path | None) -> Rates:
 def run_price_s(point: Point, rates: Rates, *, timeline: bool = False) -> float:
     """An `sbp run` of the point: each method's process (simulate/cost.py: start, steps at `rates`,
     first-step page-locking), EXTRA_S's kernel tuning per streambp process and its timeline's
-    prediction per method."""
+    prediction per method. A point on several ranks is priced as one process (its ranks run side by
+    side): cost.py's time model has no sequence parallelism, so each rank's 1/sp of the step is
+    priced as the whole step, an over-estimate a limit can take (about 10 s a step at SP_POINT),
+    while nccl's start and the collectives are not priced (`sbp estimate`: 47 GiB sent per GPU a
+    step at SP_POINT, about 0.1 s at NVLink's 450 GB/s; seconds over PCIe)."""
     seconds = 0.0
     for spec in point.specs():
         seconds += point_cost(spec, rates).device_s
@@ -313,6 +362,21 @@ def _run(test: Selftest, point: Point, rates: Rates, *, timeline: bool = False) 
         own_limit_s(predicted) + GRACE_S,
         predicted_s=predicted,
         kind="run",
+        point=point,
+    )
+
+
+def _sp_check(test: Selftest, point: Point) -> Step:
+    """`sbp check` of the point's methods on its GPUs in fp32, judged against bp's fp64 step in one
+    process; exit 1 when one differs, each comparison appended to exactness.csv."""
+    argv = ("check", "--device", "cuda", *point.flags(), "--dtype", "fp32", "--method", *point.methods)
+    predicted = PREDICTED_S["sp check"]
+    return Step(
+        f"check {point.label}, fp32",
+        _sbp(*argv, "--out", str(test.exactness_csv)),
+        own_limit_s(predicted),
+        predicted_s=predicted,
+        kind="check",
         point=point,
     )
 
@@ -365,14 +429,13 @@ def _copy_rate(test: Selftest) -> Step:
 def gpu_plan(test: Selftest, repository: Path | None, rates: Rates) -> list[Step]:
     """The GPU steps in order of value, each point's estimate submitted beside them first; runs priced
     at `rates`. Without a checkout (a wheel) the tests and the benchmark are left out."""
-    steps = [_estimate(test, point) for point in GPU_POINTS]
+    steps = [_estimate(test, point) for point in test.points]
     if repository is not None:
         steps += [_tests(test, repository), _benchmark(test, repository)]
-    steps += [
-        _run(test, SHORT_POINT, rates, timeline=True),
-        _run(test, LONG_POINT, rates),
-        _run(test, GPU_64K_POINT, rates),
-    ]
+    steps.append(_run(test, SHORT_POINT, rates, timeline=True))
+    if SP_POINT in test.points:  # new code first among the runs: no GPU has run it yet
+        steps += [_sp_check(test, SP_CHECK), _run(test, SP_POINT, rates)]
+    steps += [_run(test, LONG_POINT, rates), _run(test, GPU_64K_POINT, rates)]
     steps.append(_copy_rate(test))
     return [replace(step, env=test.env() + step.env) for step in steps]
 
@@ -485,14 +548,15 @@ def verdict(test: Selftest, outcome: Outcome) -> str | None:
     """Why a step that exited 0 failed all the same, from what it wrote; None when it did not."""
     step = outcome.step
     if step.kind == "run":
-        rows = {_key(r): r for r in _rows(test.runs_csv) if r.get("timestamp_utc", "") >= outcome.started_utc}
-        problems = []
-        for key in step.point.keys():
-            row = rows.get(key)
-            if row is None:
-                problems.append(f"{key[2]}: no row")
-            elif row["status"] != "ok":
-                problems.append(f"{key[2]}: {row['status']} ({first_line(row.get('error'))})")
+        return _run_verdict(test, outcome)
+    if step.kind == "check":
+        written = _csv_rows(test.exactness_csv) or []
+        rows = {r["method"]: r for r in written if r.get("timestamp_utc", "") >= outcome.started_utc}
+        problems = [
+            f"{m}: no comparison" if m not in rows else f"{m}: {rows[m]['result']} ({first_line(rows[m]['note'])})"
+            for m in step.point.methods
+            if rows.get(m, {}).get("result") != "exact"
+        ]  # an unsupported method exits 0
         return "; ".join(problems) or None
     if step.kind == "benchmark":
         rows = _csv_rows(test.out_dir / BENCHMARK_CSV)
@@ -506,17 +570,42 @@ def verdict(test: Selftest, outcome: Outcome) -> str | None:
     return None
 
 
+def _run_verdict(test: Selftest, outcome: Outcome) -> str | None:
+    """Each of the point's rows this step wrote must be ok; on several ranks, with each rank's peak."""
+    point = outcome.step.point
+    rows = {_key(r): r for r in _rows(test.runs_csv) if r.get("timestamp_utc", "") >= outcome.started_utc}
+    problems = []
+    for key in point.keys():
+        row = rows.get(key)
+        if row is None:
+            problems.append(f"{key[2]}: no row")
+        elif row["status"] != "ok":
+            problems.append(f"{key[2]}: {row['status']} ({first_line(row.get('error'))})")
+        elif point.nproc > 1 and not _has_rank_peaks(row, point.nproc):
+            problems.append(f"{key[2]}: rank_peak_bytes {row.get('rank_peak_bytes') or ''!r}, not {point.nproc} peaks")
+    return "; ".join(problems) or None
+
+
+def _has_rank_peaks(row: dict, nproc: int) -> bool:
+    """rank_peak_bytes holds a peak for each of the nproc ranks (runner/ranks.py merge_rank_rows)."""
+    peaks = (row.get("rank_peak_bytes") or "").split(";")
+    return len(peaks) == nproc and all(p.strip() for p in peaks)
+
+
 def _key(row: dict) -> tuple:
-    """A row's key as Point.keys() spells it: a full-depth row has no num_layers, gpu no placement."""
+    """A row's key as Point.keys() spells it: a full-depth row has no num_layers, gpu no placement,
+    one process (nproc 1 or empty: rows older than the column) no (nproc, sp)."""
     placement = row.get("checkpoints") or ""
     num_layers = int(row["num_layers"]) if row.get("num_layers") else None
     full = meta_depth(row["model"])
+    nproc, sp = int(row.get("nproc") or 1), int(row.get("sp") or 1)
     return (
         row["model"],
         int(row["seq_len"]),
         row["method"],
         "" if placement == "gpu" else placement,
         None if num_layers == full else num_layers,
+        *((nproc, sp) if nproc > 1 else ()),
     )
 
 
@@ -600,7 +689,7 @@ def write_summary(test: Selftest, env: Environment) -> Path:
     """summary.md in test.out_dir, from the outcomes, the CSVs, the timelines and the log."""
     cuda = test.kind == "cuda"
     if cuda:
-        points = [key for point in GPU_POINTS for key in point.keys()]
+        points = [key for point in test.points for key in point.keys()]
         title = f"sbp selftest on {env.device_name}"
     else:
         points = [(CPU_POINT["model"], CPU_POINT["seq_len"], m, "", None) for m in ("bp", "ckpt", "streambp")]

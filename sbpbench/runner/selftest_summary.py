@@ -23,7 +23,16 @@ MESSAGE_LINES = 8  # of a failed test's message, or a failed step's output, in t
 NOT_RUN = "not run (budget)"  # a step the budget left no time for: not a failure
 KERNEL_FAILURES = ("wrong", "error", "oom")  # a benchmark row's statuses that are failures
 
-Key = tuple  # (model, seq_len, method, checkpoints ("" = gpu), num_layers (None = all))
+# (model, seq_len, method, checkpoints ("" = gpu), num_layers (None = all)), then (nproc, sp) for a
+# point on several ranks
+Key = tuple
+
+
+def ranks_label(nproc: int, sp: int) -> str:
+    """How a point's ranks hold it: "2 GPUs, 2 per sequence"; "" in one process."""
+    if nproc <= 1:
+        return ""
+    return f"{nproc} GPUs" + (f", {sp} per sequence" if sp > 1 else "")
 
 
 @dataclass(frozen=True)
@@ -38,11 +47,14 @@ class PointError:
     estimated_bytes: int | None
     checkpoints: str = ""  # streambp's placement when not the default gpu
     num_layers: int | None = None  # the first N layers; None: all
+    nproc: int = 1  # ranks, one GPU each; the peaks are the largest rank's
+    sp: int = 1  # of them, sharing each sequence
 
     @property
     def label(self) -> str:
         label = f"{self.method} ({self.checkpoints})" if self.checkpoints else self.method
-        return label + (f", {self.num_layers} layers" if self.num_layers else "")
+        label += f", {self.num_layers} layers" if self.num_layers else ""
+        return label + (f", {ranks_label(self.nproc, self.sp)}" if self.nproc > 1 else "")
 
     @property
     def error(self) -> float | None:
@@ -72,12 +84,13 @@ def estimate_errors(measured: list[dict], simulated: list[dict], points: list[Ke
     theirs = {key(r): r for r in simulated if r.get("seq_len")}
     errors = []
     for point in points:
-        model, seq_len, method, checkpoints, num_layers = point
+        model, seq_len, method, checkpoints, num_layers, *ranks = point
         m, s = ours.get(point, {}), theirs.get(point, {})
+        nproc, sp = ranks or (1, 1)
         errors.append(
             PointError(
                 model, seq_len, method,
-                checkpoints=checkpoints, num_layers=num_layers,
+                checkpoints=checkpoints, num_layers=num_layers, nproc=nproc, sp=sp,
                 chunk_size=m.get("chunk_size") or s.get("chunk_size") or "",
                 measured_status=m.get("status", "missing"), measured_bytes=_int(m.get("peak_allocated_bytes")),
                 estimated_status=s.get("status", "missing"), estimated_bytes=_int(s.get("peak_allocated_bytes")),
@@ -114,7 +127,9 @@ def estimate_table(errors: list[PointError]) -> list[str]:
 def _label(row: dict) -> str:
     placement = row.get("checkpoints") or ""
     label = f"{row['model']} T={row['seq_len']} {row['method']}"
-    return label + (f" ({placement})" if placement and placement != "gpu" else "")
+    label += f" ({placement})" if placement and placement != "gpu" else ""
+    ranks = ranks_label(_int(row.get("nproc")) or 1, _int(row.get("sp")) or 1)
+    return label + (f", {ranks}" if ranks else "")
 
 
 def _cell(value, digits: str = ".2f") -> str:
@@ -138,6 +153,16 @@ def points_table(rows: list[dict]) -> list[str]:
             f"| {row.get('attention_kernel') or '-'} / {row.get('timed_attention_kernel') or '-'} "
             f"| {first_line(row.get('error'), 120)} |"
         )
+    return lines
+
+
+def rank_peak_lines(rows: list[dict]) -> list[str]:
+    """Each rank's peak of the rows measured on several ranks (their table's peak is the largest)."""
+    lines = []
+    for row in (r for r in rows if (_int(r.get("nproc")) or 1) > 1):
+        peaks = [_int(p) for p in (row.get("rank_peak_bytes") or "").split(";")]
+        shown = f"{', '.join(map(_gib, peaks))} GiB" if any(p is not None for p in peaks) else "none recorded"
+        lines.append(f"- {_label(row)}: peak per rank {shown}.")
     return lines
 
 
@@ -380,6 +405,8 @@ def summary_markdown(
             "",
             *points_table(inputs.measured),
         ]
+        ranked = rank_peak_lines(inputs.measured)
+        lines += ["", *ranked] if ranked else []
     phases = phases_table(inputs.measured)
     if phases:
         lines += ["", "## Where StreamBP's step time went (s)", "", *phases]

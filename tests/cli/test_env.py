@@ -174,3 +174,16 @@ def test_no_nvidia_driver(monkeypatch):
     monkeypatch.setattr(environment, "pynvml", None)
     env_ = capture_environment("cuda")
     assert env_.driver_version == "n/a (no NVIDIA driver)" and env_.device_name.startswith("unknown")
+
+
+@pytest.mark.parametrize(("visible", "expected"), [(None, 3), ("2,0", 2), ("0,-1,2", 1), ("", 0), ("0,1,2,3", 3)])
+def test_visible_gpu_count_follows_cuda_visible_devices(monkeypatch, no_cuda_init, visible, expected):
+    """NVML's GPU count, capped by CUDA_VISIBLE_DEVICES as CUDA reads it, without touching torch.cuda."""
+    monkeypatch.setattr(environment, "pynvml", fake_pynvml({}))
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert environment.visible_gpu_count() == expected
+    monkeypatch.setattr(environment, "pynvml", None)  # no NVML library: none visible
+    assert environment.visible_gpu_count() == 0

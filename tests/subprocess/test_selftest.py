@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from sbpbench.measure.copy_rate import DEVICE_TO_HOST, HOST_TO_DEVICE, CopyRate,
 from sbpbench.measure.environment import capture_environment
 from sbpbench.measure.timeline.data import Peak, Timeline
 from sbpbench.records import ResultRow, upsert_rows
+from sbpbench.records.exactness import ExactnessRow, write_exactness
 from sbpbench.runner import selftest as st
 from sbpbench.runner.selftest_summary import (
     TEST_REPORT_ENV,
@@ -125,6 +127,49 @@ def test_gpu_plan_runs_in_order_of_value(tmp_path, h100_rates):
         assert env["TRITON_CACHE_DIR"].startswith(str(tmp_path / st.COMPILE_CACHE))
 
 
+def test_on_2_gpus_streambp_sharing_each_sequence_is_checked_and_run_after_the_short_point(tmp_path, h100_rates):
+    """With 2 GPUs or more visible, right after Qwen3-4B T=9000: `sbp check` of StreamBP on 2 GPUs
+    sharing each sequence in fp32 (its comparison appended to exactness.csv), then Qwen3-4B at
+    T=65,536 on 2 GPUs sharing each sequence, whose estimate, submitted second, is of the same point
+    (--nproc 2 --sp 2); every other step as on one GPU."""
+    one_gpu = st.gpu_plan(st.Selftest("cuda", tmp_path, st.GPU_BUDGET_S, H100), REPOSITORY, h100_rates)
+    for num_gpus in (2, 8):
+        test = st.Selftest("cuda", tmp_path, st.GPU_BUDGET_S, H100, num_gpus=num_gpus)
+        steps = st.gpu_plan(test, REPOSITORY, h100_rates)
+        kinds = ["estimate"] * 4 + ["tests", "benchmark", "run", "check", "run", "run", "run", "copy rate"]
+        assert [s.kind for s in steps] == kinds
+        short, check, sp_run = _foreground(steps)[2:5]
+        assert short.point == st.SHORT_POINT and sp_run.point == st.SP_POINT
+        assert check.argv == (
+            "-m", "sbpbench", "check", "--device", "cuda", "--model", "Qwen/Qwen3-0.6B", "--seq", "2048",
+            "--num-layers", "2", "--nproc", "2", "--sp", "2", "--dtype", "fp32", "--method", "streambp",
+            "--out", str(test.exactness_csv),
+        )  # fmt: skip
+        assert check.predicted_s == st.PREDICTED_S["sp check"] < check.timeout_s
+        flags = ("--model", "--seq", "--nproc", "--sp", "--warmup", "--repeats", "--method", "--out")
+        assert [_value(sp_run.argv, f) for f in flags] == [
+            "Qwen/Qwen3-4B", "65536", "2", "2", "0", "1", "streambp", str(test.runs_csv)
+        ]  # fmt: skip
+        estimate = [s for s in steps if s.background][1]
+        point = estimate.argv[3 : estimate.argv.index("--method")]
+        assert {"--nproc", "--sp"} <= set(point) and sp_run.argv[3 : 3 + len(point)] == point
+        added = {check.name, sp_run.name, estimate.name}
+        assert [s for s in steps if s.name not in added] == one_gpu
+
+
+def test_on_2_gpus_the_plan_at_its_prices_runs_the_new_steps_within_the_budget(tmp_path, monkeypatch, h100_rates):
+    """On 2 GPUs, every step taking its price: the check and the run on 2 GPUs run and pass their
+    verdicts; any later step the budget can no longer hold is not run (budget), not a failure; the
+    whole ends within the budget."""
+    monkeypatch.setattr(st, "plan_rates", lambda test, repository: h100_rates)
+    test, end = _on_a_clock(tmp_path, monkeypatch, lambda step: step.predicted_s, num_gpus=2)
+    status = {o.step.name: o.status for o in _foreground_outcomes(test)}
+    print(status, {o.step.name: round(o.step.predicted_s) for o in _foreground_outcomes(test)})
+    new = [o for o in _foreground_outcomes(test) if o.step.point in (st.SP_CHECK, st.SP_POINT)]
+    assert [(o.step.kind, o.status) for o in new] == [("check", "ok"), ("run", "ok")]
+    assert not any(o.failed for o in test.outcomes) and end <= st.GPU_BUDGET_S
+
+
 def test_the_plan_priced_with_the_h100_rows_fits_the_budget(tmp_path, monkeypatch, h100_rates):
     """Every run step priced by simulate/cost.py at the rates of the H100 rows measured so far (plus
     kernel tuning and timeline predictions), the others at their predictions: the foreground sums to
@@ -147,12 +192,12 @@ def _foreground_outcomes(test):
     return [o for o in test.outcomes if not o.step.background]
 
 
-def _on_a_clock(tmp_path, monkeypatch, seconds_of, budget_s=st.GPU_BUDGET_S):
+def _on_a_clock(tmp_path, monkeypatch, seconds_of, budget_s=st.GPU_BUDGET_S, num_gpus=1):
     """run_selftest on a clock that each foreground step advances by seconds_of(step), each step
     writing what it promises (stand_in_step). Returns the selftest and the clock's end."""
     clock = [0.0]
     monkeypatch.setattr(st.time, "perf_counter", lambda: clock[0])
-    test = st.Selftest("cuda", tmp_path, budget_s, H100)
+    test = st.Selftest("cuda", tmp_path, budget_s, H100, num_gpus=num_gpus)
 
     def on_the_clock(step, log, env=None):
         if step.background:
@@ -252,6 +297,41 @@ def test_a_run_step_that_exits_0_fails_on_a_row_not_ok(tmp_path):
     assert st.verdict(test, outcome) == "streambp: oom (OutOfMemoryError: CUDA out of memory.)"
 
 
+def test_a_run_on_2_gpus_fails_without_an_ok_row_holding_each_ranks_peak(tmp_path):
+    """verdict on the run of SP_POINT: its row is keyed by its ranks (a one-process row of the same
+    model and length is another point's), must be ok and must hold both ranks' peaks (rank_peak_bytes
+    "a;b")."""
+    test = st.Selftest("cuda", tmp_path, st.GPU_BUDGET_S, H100, num_gpus=2)
+    outcome = st.Outcome(st.Step("run", (), 10.0, kind="run", point=st.SP_POINT), "ok", started_utc="2026-06-01")
+    at = {"timestamp_utc": "2026-06-01T00:01:00+00:00"}
+    upsert_rows(test.runs_csv, [_row("Qwen/Qwen3-4B", 65536, "streambp", peak=50 * GIB, **at)])  # one process
+    assert st.verdict(test, outcome) == "streambp: no row"
+    ranked = {"nproc": 2, "sp": 2, **at}
+    oom = _row("Qwen/Qwen3-4B", 65536, "streambp", status="oom", error="rank 1: OutOfMemoryError: CUDA out of memory.",
+               rank_peak_bytes=f"{49 * GIB};", **ranked)  # fmt: skip
+    upsert_rows(test.runs_csv, [oom])
+    assert st.verdict(test, outcome) == "streambp: oom (rank 1: OutOfMemoryError: CUDA out of memory.)"
+    for peaks in ("", f"{49 * GIB};", f"{GIB}"):  # ok rows (each replaces the one before)
+        upsert_rows(test.runs_csv, [_row("Qwen/Qwen3-4B", 65536, "streambp", rank_peak_bytes=peaks, **ranked)])
+        assert st.verdict(test, outcome) == f"streambp: rank_peak_bytes {peaks!r}, not 2 peaks"
+    upsert_rows(test.runs_csv, [_row("Qwen/Qwen3-4B", 65536, "streambp", rank_peak_bytes=f"{49 * GIB};{50 * GIB}",
+                                     **ranked)])  # fmt: skip
+    assert st.verdict(test, outcome) is None
+
+
+def test_a_check_on_2_gpus_fails_unless_its_comparison_says_exact(tmp_path):
+    """verdict on the check (which exits 1 itself when StreamBP differs): no comparison written since
+    the step started, or StreamBP unsupported there (which exits 0), fails the step with the reason."""
+    test = st.Selftest("cuda", tmp_path, st.GPU_BUDGET_S, H100, num_gpus=2)
+    outcome = st.Outcome(st.Step("check", (), 10.0, kind="check", point=st.SP_CHECK), "ok", started_utc="2026-06-01")
+    assert st.verdict(test, outcome) == "streambp: no comparison"
+    _exactness_csv(test, "unsupported", note="streambp cannot share a sequence here\nmore")
+    assert st.verdict(test, outcome) == "streambp: unsupported (streambp cannot share a sequence here)"
+    _exactness_csv(test, "exact")
+    assert st.verdict(test, outcome) is None
+    assert st.verdict(test, replace(outcome, started_utc="2026-07-01")) == "streambp: no comparison"  # older
+
+
 def test_a_benchmark_or_copy_rate_step_fails_on_what_it_wrote(tmp_path):
     """A kernel row wrong or in error fails the benchmark step, named with its reason (unavailable
     kernels do not); a copy rate without both directions fails its step."""
@@ -289,17 +369,22 @@ def _copy_rate_csv(folder: Path) -> None:
 def stand_in_step(test, step, faults: bool = True) -> st.Outcome:
     """What each step of the GPU plan writes, made up: rows at the points (the 4B ones with phases
     and a timeline), estimates 1% above them, the benchmark's rows and the copy rates; with `faults`
-    a test report with a failure, a skip and a test cut short, and a kernel wrong."""
+    a test report with a failure, a skip and a test cut short, and a kernel wrong. A point on several
+    ranks gets each rank's peak (49 and 50 GiB), a check an exact comparison."""
     argv = step.argv
     if step.kind in ("run", "estimate"):
         source = "simulated" if step.kind == "estimate" else "measured"
         model, seq = _value(argv, "--model"), int(_value(argv, "--seq"))
         placement = _value(argv, "--checkpoints") or "gpu"
         layers = int(_value(argv, "--num-layers") or st.meta_depth(model))
+        nproc, sp = int(_value(argv, "--nproc") or 1), int(_value(argv, "--sp") or 1)
         rows = []
         for method in step.point.methods if step.point else argv[argv.index("--method") + 1 : argv.index("--out")]:
             peak = int((50 if source == "measured" else 50.5) * GIB)
             values = {"checkpoints": placement if method == "streambp" else "", "num_layers": layers}
+            if nproc > 1:
+                values |= {"nproc": nproc, "sp": sp}
+                values |= {"rank_peak_bytes": f"{49 * GIB};{50 * GIB}"} if source == "measured" else {}
             if source == "measured" and "--timeline" in argv:
                 values["timeline_file"] = _timeline(test, method)
             if source == "measured" and method == "streambp":
@@ -314,7 +399,15 @@ def stand_in_step(test, step, faults: bool = True) -> st.Outcome:
         _benchmark_csv(test.out_dir, wrong=faults)
     elif step.kind == "copy rate":
         _copy_rate_csv(test.out_dir)
+    elif step.kind == "check":
+        _exactness_csv(test, "exact")
     return st.Outcome(step, "ok", 1.0)
+
+
+def _exactness_csv(test, result: str, note: str = "on 2 ranks (FSDP2, 2 sharing each sequence (Ulysses))") -> None:
+    row = ExactnessRow(timestamp_utc="2026-06-01T00:01:00+00:00", method="streambp", reference="bp fp64",
+                       result=result, note=note, model="Qwen/Qwen3-0.6B", dtype="fp32", seq_len=2048)  # fmt: skip
+    write_exactness(test.exactness_csv, [row])
 
 
 def _timeline(test, method) -> str:
@@ -373,6 +466,26 @@ def test_gpu_selftest_runs_its_plan_and_writes_the_summary(tmp_path, monkeypatch
         "Rates: matmul 230 TFLOP/s, attention forward 700 TFLOP/s, attention backward 444 TFLOP/s: fitted to 4 rows"
         in summary
     )
+
+
+def test_on_2_gpus_the_summary_lists_the_point_shared_over_them_apart(tmp_path, monkeypatch, h100_rates):
+    """On 2 GPUs with stand-in steps: the check and the run on 2 GPUs pass their verdicts; summary.md
+    lists that point apart from the one-process points (its label names its GPUs), with each rank's
+    peak, and beside its estimate."""
+    monkeypatch.setattr(st, "plan_rates", lambda test, repository: h100_rates)
+    test = st.Selftest("cuda", tmp_path, st.GPU_BUDGET_S, H100, num_gpus=2)
+    monkeypatch.setattr(st, "run_step", lambda step, log, env=None: stand_in_step(test, step, faults=False))
+    st.run_selftest(test, repository=REPOSITORY, echo=lambda line: None)
+    assert not any(o.failed for o in test.outcomes) and sum(o.step.background for o in test.outcomes) == 4
+    summary = st.write_summary(test, capture_environment("cpu")).read_text()
+    print(summary)
+    check = next(o for o in test.outcomes if o.step.kind == "check")
+    assert f"| {check.step.name} | ok |" in summary
+    assert "check Qwen/Qwen3-0.6B T=2048 streambp 2 layers on 2 GPUs, 2 per sequence, fp32" == check.step.name
+    assert "| Qwen/Qwen3-4B T=65536 streambp, 2 GPUs, 2 per sequence | 36 | ok | 50.00 | 1.35 |" in summary
+    assert "- Qwen/Qwen3-4B T=65536 streambp, 2 GPUs, 2 per sequence: peak per rank 49.00, 50.00 GiB." in summary
+    assert "| Qwen/Qwen3-4B | 65536 | streambp, 2 GPUs, 2 per sequence | - | 50.00 | 50.50 | +1.0% |  |" in summary
+    assert "| Qwen/Qwen3-4B | 9000 | streambp | - | 50.00 | 50.50 | +1.0% |  |" in summary  # one process, apart
 
 
 # What tests/conftest.py writes of a pytest run killed in its fourth test
