@@ -20,8 +20,12 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
 def shard_model(model: torch.nn.Module, mesh=None) -> torch.nn.Module:
     """`fully_shard` every decoder layer, then the whole model, over `mesh` (default: every rank of
     the default process group, on the model's device type). The model is sharded in place."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    if mesh is None:  # FSDP2's own default is the accelerator's: on a GPU machine CUDA, whatever the model's device
+        mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)

@@ -280,12 +280,16 @@ def _measure(spec: RunSpec, timeline_dir: Path | None) -> ResultRow:
     rank = ranks.rank_from_env() if spec.nproc > 1 else None
     try:
         if rank is not None:
-            device = ranks.join(spec, rank)
+            device = ranks.rank_device(spec, rank)
             row.device = str(device)
         chooser = current_hooks().chooser
         if device.type == "cuda":
+            # before a rank joins: join's set_device makes the CUDA context (CUDA 12's cudaSetDevice does,
+            # on any GPU but the current one), which NVML's idle reading must not hold
             start_cuda_point(spec, row, device)
             chooser = KernelChooser(cache=JsonChoiceCache())  # StreamBP's measured chunk kernels, across points
+        if rank is not None:
+            ranks.join(spec, rank)
         step = build_step(spec, row, device, rank)
         row.optimizer_state_bytes = step.optimizer_state_bytes
         progress = StepProgress(

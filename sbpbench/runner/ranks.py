@@ -45,18 +45,23 @@ def rank_from_env() -> Rank:
     )
 
 
+def rank_device(spec: RunSpec, rank: Rank) -> torch.device:
+    """This rank's device: cuda:<the spec's index + local rank> on CUDA, else the CPU."""
+    if spec.device.startswith("cuda"):
+        return torch.device("cuda", int(spec.device.split(":")[1]) + rank.local_rank)
+    return torch.device("cpu")
+
+
 def join(spec: RunSpec, rank: Rank) -> torch.device:
-    """Join the process group of spec.nproc ranks; this rank's device."""
+    """Join the process group of spec.nproc ranks; this rank's device (`rank_device`), made current."""
     import torch.distributed as dist
 
     if rank.world_size != spec.nproc:
         raise RuntimeError(f"WORLD_SIZE {rank.world_size} differs from the spec's nproc {spec.nproc}")
-    if spec.device.startswith("cuda"):
-        device = torch.device("cuda", int(spec.device.split(":")[1]) + rank.local_rank)
+    device = rank_device(spec, rank)
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-        backend = "nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
+    backend = "nccl" if device.type == "cuda" else "gloo"
     init = os.environ.get(INIT_METHOD_ENV, "env://")
     dist.init_process_group(backend, init_method=init, rank=rank.rank, world_size=rank.world_size)
     return device

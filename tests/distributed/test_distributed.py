@@ -138,13 +138,23 @@ def _step(case, model, batch):
 
 
 def _wrap(case, model):
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    import functools
 
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import fully_shard as fsdp_fully_shard
+
+    # a CPU mesh, as the models are: FSDP2's default mesh is the machine's accelerator's, CUDA on a GPU machine
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    fully_shard = functools.partial(fsdp_fully_shard, mesh=mesh)
     policy = MixedPrecisionPolicy()
     if case["bf16"] is not None:
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if case["wrap"] == "replicate":
-        from torch.distributed._composable.replicate_with_fsdp import replicate as shard
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        shard = functools.partial(replicate, mesh=mesh)
     else:
         reshard = case["wrap"] in ("full", "accelerate")
 
