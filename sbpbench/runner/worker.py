@@ -71,7 +71,10 @@ def run_point(spec_json: str, result_path: Path) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         try:
-            ranks.leave()
+            # a rank whose step failed may leave its peers waiting in a collective: nccl's
+            # destroy_process_group could wait with them, and this process exits now anyway
+            if row.status == "ok":
+                ranks.leave()
         finally:
             os._exit(0)  # gloo can abort at interpreter exit ("terminate called without an active exception")
     return 0
