@@ -48,12 +48,21 @@ def env(
 
 
 def _check_visible(device: str) -> None:
-    """Refuse a CUDA device when none is visible, as config/device.py `resolve_device` does for
-    `sbp run`, but through NVML: the parent of a GPU measurement must not initialise CUDA."""
-    from ..measure.environment import auto_device, gpu_index
+    """Refuse a CUDA device when none is visible, or past the visible ones, as config/device.py
+    `resolve_device` does for `sbp run`, but through NVML: the parent of a GPU measurement must not
+    initialise CUDA."""
+    from ..measure.environment import auto_device, gpu_index, visible_gpu_count
 
-    if device != "auto" and gpu_index(device) is not None and auto_device() == "cpu":
+    index = None if device == "auto" else gpu_index(device)
+    if index is None:
+        return
+    if auto_device() == "cpu":
         raise ConfigError("device", f"{device!r} was asked for but no CUDA GPU is visible; use cpu")
+    count = visible_gpu_count()
+    if index >= count:
+        raise ConfigError(
+            "device", f"cuda:{index} does not exist: {count} CUDA device(s) visible (cuda:0..cuda:{count - 1})"
+        )
 
 
 def env_table(values: dict) -> Table:

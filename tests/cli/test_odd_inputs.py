@@ -409,6 +409,32 @@ def test_env_refuses_a_cuda_device_when_no_gpu_is_visible(monkeypatch, device):
     assert result.output.strip() == said, result.output
 
 
+def test_env_refuses_a_cuda_device_past_the_visible_ones(monkeypatch):
+    """`sbp env --device cuda:7` where NVML sees 2 GPUs: one line naming the visible ones, exit 2;
+    cuda:1 goes on to the table (its capture stubbed), and torch.cuda is never touched."""
+    import torch
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("torch.cuda was touched: sbp env reads the GPU through NVML only")
+
+    monkeypatch.setattr(torch.cuda, "is_available", forbidden)
+    monkeypatch.setattr(torch.cuda, "device_count", forbidden)
+    monkeypatch.setattr(environment, "auto_device", lambda: "cuda")
+    monkeypatch.setattr(environment, "visible_gpu_count", lambda: 2)
+    result = runner.invoke(app, ["env", "--device", "cuda:7"])
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    said = "error: invalid input: --device cuda:7 does not exist: 2 CUDA device(s) visible (cuda:0..cuda:1)"
+    assert result.output.strip() == said, result.output
+    captured = []
+
+    def capture(device):  # what follows the check: past it, the device was accepted
+        captured.append(device)
+        raise typer.Exit(0)
+
+    monkeypatch.setattr(environment, "capture_environment", capture)
+    assert runner.invoke(app, ["env", "--device", "cuda:1"]).exit_code == 0 and captured == ["cuda:1"]
+
+
 def test_seeds_only_goes_on_for_a_file_with_a_gpu_search(monkeypatch, tmp_path):
     """A file with one search on the CPU and one on the machine's device (a GPU's, for seeds) is seeded, not refused."""
     from sbpbench.cli import sweep_cmd
