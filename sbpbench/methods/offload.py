@@ -20,12 +20,28 @@ from __future__ import annotations
 import functools
 import inspect
 from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 from torch.autograd.graph import save_on_cpu
 
 from ..data import Batch
 from .hf_baseline import hf_forward_backward, hf_gradient_checkpointing
+
+# The saved-tensor hooks (pack, unpack) an offloaded checkpoint runs under: None, torch's
+# save_on_cpu; the memory simulator's (simulate/host_copies.py), which keep a fake copy on a host it
+# counts apart, as a GPU run's device memory does not hold it
+_HOST_HOOKS: ContextVar[tuple | None] = ContextVar("host_hooks", default=None)
+
+
+@contextmanager
+def host_copies_by(pack, unpack):
+    """Offloaded checkpoints made in the block pack and unpack with these hooks, not save_on_cpu."""
+    token = _HOST_HOOKS.set((pack, unpack))
+    try:
+        yield
+    finally:
+        _HOST_HOOKS.reset(token)
 
 
 def _on_accelerator(model) -> bool:
@@ -62,6 +78,10 @@ def offloaded_checkpointing(model):
 def _offloaded(function, pin_memory: bool, device_type: str):
     @functools.wraps(function)
     def checkpoint(*args, **kwargs):
+        hooks = _HOST_HOOKS.get()
+        if hooks is not None:
+            with torch.autograd.graph.saved_tensors_hooks(*hooks):
+                return function(*args, **kwargs)
         with save_on_cpu(pin_memory=pin_memory, device_type=device_type):
             return function(*args, **kwargs)
 

@@ -241,8 +241,8 @@ SETTINGS: dict[str, Setting] = {
         "tiled, ulysses: layer checkpoints in host memory (default: on).",
         default=True,  # as ALST does
         read_by=("tiled", "ulysses"),
-        # the fake step's host copies are fake CPU tensors like the rest, counted in the one memory
-        estimator="it counts tiled's layer checkpoints in GPU memory either way; leave the knob out",
+        # a GPU prediction counts the offloaded checkpoints as host bytes (simulate/host_copies.py)
+        estimator=True,
     ),
     "checkpoints": Setting(
         str,

@@ -42,11 +42,7 @@ def made(monkeypatch) -> list:
     [
         (["estimate", "--set", "chunk_attention=split"], "chunk_attention", "--set chunk_attention"),
         (["estimate", "--set", "chunk_attention=lower-right"], "chunk_attention", "--set chunk_attention"),
-        (
-            ["estimate", "--method", "tiled", "--set", "offload_checkpoints=false"],
-            "offload_checkpoints",
-            "--set offload_checkpoints",
-        ),
+        (["estimate", "--gpus", "2", "--set", "sp_layout=interleaved"], "sp_layout", "--set sp_layout"),
         (["estimate", "--sdpa-backend", "math"], "sdpa_backend", "--sdpa-backend"),
         (["estimate", "--memory-limit", "80GiB"], "memory_limit", "--memory-limit"),
         (["plan", "--set", "chunk_attention=flex"], "chunk_attention", "--set chunk_attention"),
@@ -77,6 +73,8 @@ def test_a_modelled_knob_and_an_unmodelled_one_at_its_default_reach_the_spec(mad
     ]
     result = runner.invoke(app, ["estimate", "--method", "tiled", "--set", "mlp_tile_size=16", *TINY])
     assert isinstance(result.exception, SpecsMade) and made[-1].settings.mlp_tile_size == 16
+    result = runner.invoke(app, ["estimate", "--method", "tiled", "--set", "offload_checkpoints=off", *TINY])
+    assert isinstance(result.exception, SpecsMade) and made[-1].settings.offload_checkpoints is False
 
 
 def test_what_is_refused_stays_out_of_the_help():
@@ -89,4 +87,4 @@ def test_what_is_refused_stays_out_of_the_help():
         lines = runner.invoke(app, [command, "--set", "help"]).output.splitlines()
         marked = {line.split("=")[0] for line in lines if "Not modelled by the estimator" in line}
         assert marked == {line.split("=")[0] for line in lines} & set(NOT_ESTIMATED), command
-    assert {"chunk_attention", "offload_checkpoints"} <= set(NOT_ESTIMATED) and SETTINGS["chunk_size"].estimator
+    assert {"chunk_attention", "sp_layout"} <= set(NOT_ESTIMATED) and SETTINGS["chunk_size"].estimator
