@@ -35,6 +35,9 @@ Where it differs, and why:
   first: its backward scatters from global rank numbers). Each rank's part is scaled by P, as an
   engine that averages over the P ranks of a sequence needs (FSDP2 here; without one the step
   averages the gradients over the group itself), as core/parallel/sequence_step.py does;
+- TiledFusedLogitsLoss's backward scales its saved input gradient only `if grads[0] != 1.0`, a
+  branch on the incoming gradient's value, which fake tensors (the estimator) do not have; the step
+  runs a subclass that multiplies unconditionally: the same product, exact where it is 1;
 - a float64 model's cross-entropy is computed in float64 (transformers' loss function upcasts to
   float32; methods/hf_baseline.py does the same for bp), so a float64 check is exact.
 The benchmark's right-padded rows run unmasked, as Ulysses runs every row: pads come after all real
@@ -84,7 +87,7 @@ def ulysses(model, batch: Batch, settings, sequence_parallel=None) -> torch.Tens
         stack.enter_context(tiled_mlps(model, ulysses_sp.TiledMLP))
         stack.enter_context(checkpointing(model))
         hidden = decoder_output(model, ids, positions)  # (B, T/P, d)
-        part = scaled_loss(unwrap_model(model), hidden, targets, group, world, ulysses_sp.TiledFusedLogitsLoss)
+        part = scaled_loss(unwrap_model(model), hidden, targets, group, world, branch_free(ulysses_sp))
         if not _sharded(model):  # no engine to average over the group: do it here
             stack.enter_context(_averaged_gradients(model, group, world))
         part.backward()
@@ -283,6 +286,25 @@ def scaled_loss(causal_lm, hidden: torch.Tensor, targets: torch.Tensor, group, w
     torch.distributed.all_reduce(counted, group=group)
     shard_loss = partial(_shard_loss, scale=world / max(int(counted), 1))
     return tiled_loss.apply(shard_loss, causal_lm, hidden, targets, None, shards, [], "sum")
+
+
+_BRANCH_FREE: dict[type, type] = {}  # DeepSpeed's TiledFusedLogitsLoss -> its branch-free subclass
+
+
+def branch_free(ulysses_sp) -> type:
+    """DeepSpeed's TiledFusedLogitsLoss with a backward that scales the gradient its forward saved by
+    the incoming one always, where DeepSpeed's does `if grads[0] != 1.0` (module docstring): the same
+    gradients, and no branch on a value. Its other outputs (None, one per other input) are DeepSpeed's."""
+    tiled_loss = ulysses_sp.TiledFusedLogitsLoss
+    if tiled_loss not in _BRANCH_FREE:
+
+        def backward(ctx, *grads):
+            (x_grad,) = ctx.saved_tensors
+            x_grad.mul_(grads[0])  # in place, as DeepSpeed's `x_grad *= grads[0]`; x * 1 is x exactly
+            return (None, None, x_grad, None, None, None, None, None, None)
+
+        _BRANCH_FREE[tiled_loss] = type("BranchFreeTiledLoss", (tiled_loss,), {"backward": staticmethod(backward)})
+    return _BRANCH_FREE[tiled_loss]
 
 
 def _sharded(model) -> bool:

@@ -135,6 +135,32 @@ def test_deepspeeds_tiled_loss_drops_a_scale_applied_after_it(monkeypatch):
     assert torch.allclose(tiled[0] * 0.25, head.weight.grad)  # unscaled
 
 
+@pytest.mark.parametrize("scale", [1.0, 0.25])
+def test_the_branch_free_tiled_loss_gives_deepspeeds_gradients(monkeypatch, scale):
+    """ulysses' TiledFusedLogitsLoss subclass (no branch on the incoming gradient, so fake tensors run
+    it) gives DeepSpeed's loss and gradients bit for bit, at an incoming gradient of 1 and of another."""
+    from sbpbench.methods.ulysses import branch_free
+
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    ulysses_sp = pytest.importorskip("deepspeed.runtime.sequence_parallel.ulysses_sp")
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 20, bias=False).double()
+    hidden = torch.randn(1, 12, 8, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 20, (1, 12))
+
+    def summed(module, x, y):
+        return torch.nn.functional.cross_entropy(module(x), y, reduction="sum")
+
+    results = []
+    for tiled in (ulysses_sp.TiledFusedLogitsLoss, branch_free(ulysses_sp)):
+        head.weight.grad, hidden.grad = None, None
+        loss = tiled.apply(summed, head, hidden, targets, None, 3, [], "sum")
+        (loss * scale).backward()
+        results.append((loss.detach(), head.weight.grad.clone(), hidden.grad.clone()))
+    assert all(torch.equal(ours, theirs) for ours, theirs in zip(*results))
+    assert branch_free(ulysses_sp) is branch_free(ulysses_sp)  # one subclass per process
+
+
 def test_a_sequence_parallel_row_says_its_groups_and_shared_cores():
     """The run table's title and caption: ranks per sequence, data groups, and oversubscribed CPUs."""
     row = ResultRow(method="streambp", nproc=4, sp=2, num_threads=1, num_cpus=2)
