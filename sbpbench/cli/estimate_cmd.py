@@ -159,6 +159,9 @@ def print_collectives(console: Console, specs: list, rows: list) -> None:
     for spec, row in zip(specs, rows):
         if spec.sp == 1 or row.status in ("error", "unsupported"):
             continue
+        if spec.method != "streambp":  # the bytes are counted for StreamBP's collectives
+            console.print(f"{row.method}: memory per GPU {shared_by(spec)}", highlight=False)
+            continue
         rebuilt = rebuilt_layers(spec.settings.checkpoints, row.num_layers)
         sent = collective_bytes(spec, meta_model(spec), rebuilt_layers=rebuilt)
         console.print(

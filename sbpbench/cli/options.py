@@ -263,11 +263,15 @@ def say_ignored(found: list[IgnoredKnob], names: Mapping[str, str] = FLAGS, wher
         )
 
 
+# the methods a prediction on GPUs sharing each sequence runs (the others cannot share one)
+SHARING_PREDICTED = ("streambp", "ulysses")
+
+
 def with_gpus(settings: dict[str, Any], methods: tuple[str, ...], gpus: str | None):
     """(settings, methods) of a predicted point on several GPUs: --gpus N sets N ranks (--nproc N),
     all of them sharing each sequence unless --sp S says how many do; `--nproc N --sp S` is the same.
-    Where ranks share a sequence StreamBP is the method (the estimator models the core's sequence
-    parallelism, not the peers'). ValueError (one line) for a count that is not a whole number of
+    Where ranks share a sequence the methods are streambp (the default) and ulysses, which the
+    estimator models. ValueError (one line) for a count that is not a whole number of
     GPUs, --gpus with a different --nproc, an --sp that does not divide them, or another method."""
     if gpus is not None:
         if not gpus.isdigit() or int(gpus) < 1:
@@ -283,12 +287,13 @@ def with_gpus(settings: dict[str, Any], methods: tuple[str, ...], gpus: str | No
     if nproc % sp:
         given = f"--gpus {gpus}" if gpus is not None else f"--nproc {nproc}"
         raise ValueError(f"--sp {sp} does not divide {given}: each sequence is shared by --sp of the GPUs")
-    others = [m for m in methods if m != "streambp"]
+    others = [m for m in methods if m not in SHARING_PREDICTED]
     if others:
+        predicted = " and ".join(SHARING_PREDICTED)
         raise ValueError(
-            f"GPUs sharing each sequence are predicted for streambp; {', '.join(others)} is not modelled so"
+            f"GPUs sharing each sequence are predicted for {predicted}; {', '.join(others)} is not modelled so"
         )
-    return settings, ("streambp",)
+    return settings, methods or ("streambp",)
 
 
 def interconnect_bytes_s(text: str | None) -> float | None:

@@ -164,6 +164,17 @@ def _registered(model, batch_size: int, world: int):
     return _REGISTERED[key]
 
 
+def forget_registration() -> None:
+    """Release DeepSpeed's sequence-parallel groups and this process's registration, so that a step
+    in another process group registers afresh (the memory simulator makes a fake group per step)."""
+    if not _REGISTERED:
+        return
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+
+    parallel_state_sp._release_sequence_parallel_groups()
+    _REGISTERED.clear()
+
+
 def _init_deepspeed_comm(device_type: str) -> None:
     """deepspeed.comm over the process group already made (the ranks' gloo or nccl). On a CPU its
     accelerator would JIT-compile a shared-memory all-reduce kernel for inference first (a minute of

@@ -37,6 +37,7 @@ from ..methods.offload import host_copies_by
 from ..methods.phase_labels import PhaseLabels
 from ..methods.step import storage_bytes
 from ..methods.streambp import step_hooks
+from ..methods.ulysses import forget_registration
 from ..records import ResultRow, one_line
 from ..settings import ConfigError
 from ..workload.rows import spec_fields
@@ -174,7 +175,11 @@ def simulate(
             "chunk_attention", f"{spec.settings.chunk_attention}: the estimator models the lower-right kernel only"
         )
     with ranks_of(spec):  # the fake process group a sequence-parallel rank's step runs in
-        return _simulate(spec, target, method, counter_type)
+        try:
+            return _simulate(spec, target, method, counter_type)
+        finally:
+            if spec.method == "ulysses":  # DeepSpeed's groups were made in this fake group: let go of them
+                forget_registration()
 
 
 def _simulate(spec: RunSpec, target: str, method: MethodFn | None, counter_type) -> tuple[Estimate, SimulatedMemory]:

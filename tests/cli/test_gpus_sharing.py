@@ -21,6 +21,7 @@ runner = CliRunner()
     [
         ({}, "8", (), ({"nproc": 8, "sp": 8}, ("streambp",))),  # every GPU shares each sequence
         ({"sp": 4}, "8", ("streambp",), ({"nproc": 8, "sp": 4}, ("streambp",))),  # 2 groups of 4
+        ({}, "4", ("streambp", "ulysses"), ({"nproc": 4, "sp": 4}, ("streambp", "ulysses"))),  # the ALST peer beside
         ({"sp": 1}, "8", ("bp", "ckpt"), ({"nproc": 8, "sp": 1}, ("bp", "ckpt"))),  # data parallel: any method
         ({"nproc": 4, "sp": 2}, None, (), ({"nproc": 4, "sp": 2}, ("streambp",))),  # `sbp run`'s spelling
         ({}, "1", ("bp",), ({"nproc": 1, "sp": 1}, ("bp",))),
@@ -38,7 +39,7 @@ def test_gpus_and_sp_make_the_ranks(given, gpus, methods, expected):
         ({"sp": 4}, "6", (), "--sp 4 does not divide --gpus 6"),
         ({"nproc": 6, "sp": 4}, None, (), "--sp 4 does not divide --nproc 6"),
         ({"nproc": 4}, "2", (), "--gpus 2 sets the ranks (--nproc 2); leave --nproc out"),
-        ({"sp": 2}, "4", ("streambp", "bp"), "predicted for streambp; bp is not modelled so"),
+        ({"sp": 2}, "4", ("streambp", "bp"), "predicted for streambp and ulysses; bp is not modelled so"),
         ({}, "two", (), "--gpus takes a number of GPUs, at least 1, got 'two'"),
     ],
 )

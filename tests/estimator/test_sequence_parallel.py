@@ -24,8 +24,8 @@ POINT = {"device": "cpu", "model": "tiny/qwen3", "repeats": 0, "warmup": 0, "thr
 POINT |= {"chunk_size": 64, "logits_chunk_size": 100, "step": "train"}  # 2 layers, 4 heads, 2 K/V heads
 
 
-def _spec(ranks: int, seq_len: int = 1000, **values):
-    (spec,) = point_specs({**POINT, "seq_len": seq_len, "nproc": ranks, "sp": ranks, **values}, ["streambp"])
+def _spec(ranks: int, seq_len: int = 1000, method: str = "streambp", **values):
+    (spec,) = point_specs({**POINT, "seq_len": seq_len, "nproc": ranks, "sp": ranks, **values}, [method])
     return spec
 
 
@@ -104,22 +104,25 @@ def test_a_long_rank_is_extrapolated_to_the_full_runs_byte(ranks, seq_len, place
     assert (fitted.host_pinned_bytes, fitted.transfer_bytes) == (full.host_pinned_bytes, full.transfer_bytes)
 
 
-@pytest.mark.slow  # three spawns of gloo ranks (10-15 s each on 2 cores)
+@pytest.mark.slow  # four spawns of gloo ranks (10-15 s each on 2 cores)
 @pytest.mark.parametrize(
     ("ranks", "seq_len", "values"),
     [
         (2, 1001, {"checkpoints": "stream"}),  # T not a multiple of 2, the layer inputs on the host
         (4, 4096, {"chunk_size": None, "logits_chunk_size": None}),  # the default point of --nproc 4 --sp 4
         (4, 1001, {"sp": 2, "checkpoints": "recompute:1"}),  # 2 data-parallel groups of 2
+        (2, 1000, {"method": "ulysses"}),  # the ALST peer: DeepSpeed's attention, tiled MLP and loss, offload
     ],
 )
 def test_each_rank_sharing_a_sequence_peaks_at_the_prediction_to_the_byte(ranks, seq_len, values):
     """`sbp run --nproc N --sp P` on gloo ranks (FSDP2 over all N, Ulysses over each P), measured by the
     tensor tracker, against `sbp estimate --gpus N --sp P --target cpu` of the same point: the resident
-    bytes and every rank's peak equal. The tracker runs collectives on copies, so gloo's worker threads
+    bytes and every rank's peak equal, StreamBP's and the ulysses peer's. The tracker runs collectives on copies, so gloo's worker threads
     never free a counted buffer late (measure/tensor_tracker.py)."""
     from sbpbench.runner.isolated import run_isolated
 
+    if values.get("method") == "ulysses":
+        pytest.importorskip("deepspeed")  # the peer's optional extra
     spec = _spec(ranks, seq_len=seq_len, **values)
     row = run_isolated(spec)
     assert (row.status, row.error) == ("ok", ""), row.error
@@ -165,11 +168,22 @@ def test_sbp_plan_on_eight_gpus_ends_with_their_sbp_run_line(monkeypatch, sp, sa
     assert ("over the 2 groups" in plan) == bool(sp)
 
 
-def test_estimate_on_gpus_sharing_a_sequence_is_streambp_only():
-    """`sbp estimate --gpus 2 --method bp`: one line saying what is modelled on GPUs sharing a sequence."""
+def test_estimate_on_gpus_sharing_a_sequence_predicts_streambp_and_ulysses(tmp_path):
+    """`sbp estimate --gpus 2 --method streambp ulysses`: a row each, for two model shapes in one process
+    (DeepSpeed's groups, made in each step's fake process group, are let go after it, so the next
+    shape registers afresh); bp is refused in one line."""
     from typer.testing import CliRunner
 
     from sbpbench.cli import app
+    from sbpbench.records import read_rows
 
+    pytest.importorskip("deepspeed")
+    args = ["estimate", "--gpus", "2", "--method", "streambp", "ulysses", "--model", "tiny/qwen3", "--seq", "256"]
+    for out, depth in ((tmp_path / "a.csv", []), (tmp_path / "b.csv", ["--num-layers", "1"])):  # two shapes
+        result = CliRunner().invoke(app, [*args, *depth, "--target", "cpu", "--out", str(out)])
+        assert result.exit_code == 0, result.output
+        rows = read_rows(out)
+        assert [(r["method"], r["status"], r["sp"]) for r in rows] == [("streambp", "ok", "2"), ("ulysses", "ok", "2")]
+    assert int(read_rows(tmp_path / "a.csv")[1]["peak_allocated_bytes"]) > int(rows[1]["peak_allocated_bytes"])
     refused = CliRunner().invoke(app, ["estimate", "--gpus", "2", "--method", "bp", "--model", "tiny/qwen3"])
     assert refused.exit_code == 2 and "bp is not modelled so" in refused.output
