@@ -147,12 +147,13 @@ def experiment_costs(
 
 def predicted_max_t(search: MaxlenSpec, rows: list[dict], reference=None) -> tuple[int | None, str]:
     """A search's max T for pricing it: the latest simulated max-length row of the same model,
-    method and setting in `rows` (results rows as read_rows gives them), else the paper's number
+    method, ranks and setting in `rows` (results rows as read_rows gives them), else the paper's number
     for it (a reference table), else None; with where it came from."""
     base = search.base
     same = {
         "model": base.model, "method": base.method, "objective": base.objective, "lora_rank": str(base.lora_rank),
         "step": base.step, "dtype": base.dtype, "batch_size": str(base.batch_size),
+        "nproc": str(base.nproc), "sp": str(base.sp),  # a row of 8 GPUs sharing a sequence is not one GPU's
     }  # fmt: skip
     place = str(base.settings.checkpoints or ("gpu" if base.method == "streambp" else ""))
     found = [

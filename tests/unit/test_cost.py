@@ -58,15 +58,17 @@ def test_a_search_costs_its_probes_at_the_predicted_max_t_or_is_unknown():
 
 
 def test_max_t_comes_from_simulated_rows_of_the_same_placement_else_the_paper():
-    """The latest simulated search of the same model, method and setting wins; another placement's
-    is not it; without one the paper's Figure 3 number; without either, None."""
+    """The latest simulated search of the same model, method, ranks and setting wins; another
+    placement's or 8 GPUs sharing the sequence is not it; without one the paper's Figure 3 number;
+    without either, None."""
     search = MaxlenSpec(base=_spec(seq_len=1024, repeats=0), seq_len_ceiling=262144)
     row = {"kind": "maxlen", "source": "simulated", "model": "Qwen/Qwen3-8B", "method": "streambp",
-           "objective": "sft", "lora_rank": "0", "step": "bp", "dtype": "bf16", "batch_size": "1",
-           "max_seq_len": "140288", "checkpoints": "gpu", "timestamp_utc": "2026-11-26T10:00:00"}  # fmt: skip
+           "objective": "sft", "lora_rank": "0", "step": "bp", "dtype": "bf16", "batch_size": "1", "nproc": "1",
+           "sp": "1", "max_seq_len": "140288", "checkpoints": "gpu", "timestamp_utc": "2026-11-26T10:00:00"}  # fmt: skip
     newer = {**row, "max_seq_len": "141000", "timestamp_utc": "2026-11-26T11:00:00"}
     offloaded = {**row, "max_seq_len": "300000", "checkpoints": "cpu", "timestamp_utc": "2026-11-26T12:00:00"}
-    assert cost.predicted_max_t(search, [row, newer, offloaded]) == (141000, " (predicted)")
+    shared = {**row, "max_seq_len": "1638400", "nproc": "8", "sp": "8", "timestamp_utc": "2026-11-28T12:00:00"}
+    assert cost.predicted_max_t(search, [row, newer, offloaded, shared]) == (141000, " (predicted)")
     assert cost.predicted_max_t(search, [offloaded], load_reference()) == (110000, " (the paper's)")
     assert cost.predicted_max_t(search, []) == (None, "")
 
