@@ -113,10 +113,10 @@ def test_a_replaced_transformers_function_is_put_back():
     assert ALL_ATTENTION_FUNCTIONS["sdpa"] is before and "sdpa" not in ALL_ATTENTION_FUNCTIONS._local_mapping
 
 
-def test_deepspeeds_tiled_loss_drops_a_scale_applied_after_it(monkeypatch):
-    """Why ulysses normalises inside the tiled loss: DeepSpeed's TiledFusedLogitsLoss runs its
-    parameters' backward in its forward with a gradient of 1, so a scale after it (ArcticTraining
-    divides by the counted tokens) reaches the input's gradient but not lm_head's."""
+@pytest.fixture
+def tiled_loss_case(monkeypatch):
+    """(DeepSpeed's ulysses_sp, a float64 head (8 -> 20), hidden (1, 12, 8), targets, a summed
+    cross-entropy shard function) for TiledFusedLogitsLoss in 3 shards."""
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     ulysses_sp = pytest.importorskip("deepspeed.runtime.sequence_parallel.ulysses_sp")
     torch.manual_seed(0)
@@ -127,6 +127,14 @@ def test_deepspeeds_tiled_loss_drops_a_scale_applied_after_it(monkeypatch):
     def summed(module, x, y):
         return torch.nn.functional.cross_entropy(module(x), y, reduction="sum")
 
+    return ulysses_sp, head, hidden, targets, summed
+
+
+def test_deepspeeds_tiled_loss_drops_a_scale_applied_after_it(tiled_loss_case):
+    """Why ulysses normalises inside the tiled loss: DeepSpeed's TiledFusedLogitsLoss runs its
+    parameters' backward in its forward with a gradient of 1, so a scale after it (ArcticTraining
+    divides by the counted tokens) reaches the input's gradient but not lm_head's."""
+    ulysses_sp, head, hidden, targets, summed = tiled_loss_case
     (ulysses_sp.TiledFusedLogitsLoss.apply(summed, head, hidden, targets, None, 3, [], "sum") * 0.25).backward()
     tiled = (head.weight.grad.clone(), hidden.grad.clone())
     head.weight.grad, hidden.grad = None, None
@@ -136,21 +144,12 @@ def test_deepspeeds_tiled_loss_drops_a_scale_applied_after_it(monkeypatch):
 
 
 @pytest.mark.parametrize("scale", [1.0, 0.25])
-def test_the_branch_free_tiled_loss_gives_deepspeeds_gradients(monkeypatch, scale):
+def test_the_branch_free_tiled_loss_gives_deepspeeds_gradients(tiled_loss_case, scale):
     """ulysses' TiledFusedLogitsLoss subclass (no branch on the incoming gradient, so fake tensors run
     it) gives DeepSpeed's loss and gradients bit for bit, at an incoming gradient of 1 and of another."""
     from sbpbench.methods.ulysses import branch_free
 
-    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    ulysses_sp = pytest.importorskip("deepspeed.runtime.sequence_parallel.ulysses_sp")
-    torch.manual_seed(0)
-    head = torch.nn.Linear(8, 20, bias=False).double()
-    hidden = torch.randn(1, 12, 8, dtype=torch.float64, requires_grad=True)
-    targets = torch.randint(0, 20, (1, 12))
-
-    def summed(module, x, y):
-        return torch.nn.functional.cross_entropy(module(x), y, reduction="sum")
-
+    ulysses_sp, head, hidden, targets, summed = tiled_loss_case
     results = []
     for tiled in (ulysses_sp.TiledFusedLogitsLoss, branch_free(ulysses_sp)):
         head.weight.grad, hidden.grad = None, None
