@@ -118,7 +118,6 @@ class LiveTensorTracker(TorchDispatchMode):
         self.kind_of_new = INTERMEDIATES  # the kind a storage made now is counted under
         self._phase_kind = INTERMEDIATES  # kind_of_new outside any `begin` block
         self._explicit: str | None = None  # the kind of the innermost `begin` block
-        self._uncounted = 0  # inside `not_counted` blocks: storages made there are never counted
 
     # -- kinds: core/memory_kinds.py's listener, and the phase's default -------------------------
 
@@ -146,16 +145,6 @@ class LiveTensorTracker(TorchDispatchMode):
                 self.kind_bytes[old] -= nbytes
                 self.kind_bytes[kind] += nbytes
                 self._kinds[key] = kind
-
-    @contextmanager
-    def not_counted(self):
-        """Storages made in the block are not counted, now or later (the simulator's host copies of
-        a GPU prediction, which another memory holds)."""
-        self._uncounted += 1
-        try:
-            yield
-        finally:
-            self._uncounted -= 1
 
     def _rounded(self, nbytes: int) -> int:
         g = self.granularity_bytes
@@ -187,7 +176,7 @@ class LiveTensorTracker(TorchDispatchMode):
         storage = tensor.untyped_storage()
         key = id(storage)
         nbytes = storage.nbytes()
-        if key in self._refs or nbytes == 0 or self._uncounted:
+        if key in self._refs or nbytes == 0:
             return
         self._count(storage, key, nbytes)
         numel = nbytes // tensor.element_size()

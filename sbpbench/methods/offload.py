@@ -19,29 +19,16 @@ from __future__ import annotations
 
 import functools
 import inspect
+import weakref
 from contextlib import contextmanager
-from contextvars import ContextVar
+from dataclasses import dataclass
 
 import torch
-from torch.autograd.graph import save_on_cpu
+from torch.autograd.graph import save_on_cpu, saved_tensors_hooks
 
 from ..data import Batch
 from .hf_baseline import hf_forward_backward, hf_gradient_checkpointing
-
-# The saved-tensor hooks (pack, unpack) an offloaded checkpoint runs under: None, torch's
-# save_on_cpu; the memory simulator's (simulate/host_copies.py), which keep a fake copy on a host it
-# counts apart, as a GPU run's device memory does not hold it
-_HOST_HOOKS: ContextVar[tuple | None] = ContextVar("host_hooks", default=None)
-
-
-@contextmanager
-def host_copies_by(pack, unpack):
-    """Offloaded checkpoints made in the block pack and unpack with these hooks, not save_on_cpu."""
-    token = _HOST_HOOKS.set((pack, unpack))
-    try:
-        yield
-    finally:
-        _HOST_HOOKS.reset(token)
+from .streambp import current_hooks
 
 
 def _on_accelerator(model) -> bool:
@@ -61,7 +48,11 @@ def offloaded_checkpointing(model):
     caller already enabled checkpointing, re-enabling it through transformers would add a second
     input-grad hook, so the same wrap is installed over the caller's checkpoint function instead."""
     enabled = any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
-    if library_offload(model) and not enabled:
+    hooks = current_hooks()
+    shapes = ShapeOnlyCopies() if hooks.shapes_only else None
+    if shapes is not None and hooks.on_store is not None:
+        hooks.on_store(shapes)
+    if library_offload(model) and not enabled and shapes is None:
         with hf_gradient_checkpointing(model, offload=True):
             yield
         return
@@ -71,21 +62,60 @@ def offloaded_checkpointing(model):
         for module in model.modules():
             function = vars(module).get("_gradient_checkpointing_func")
             if function is not None:  # restored by hf_gradient_checkpointing on exit
-                module._gradient_checkpointing_func = _offloaded(function, pin, device_type)
+                module._gradient_checkpointing_func = _offloaded(function, pin, device_type, shapes)
         yield
 
 
-def _offloaded(function, pin_memory: bool, device_type: str):
+def _offloaded(function, pin_memory: bool, device_type: str, shapes: ShapeOnlyCopies | None):
     @functools.wraps(function)
     def checkpoint(*args, **kwargs):
-        hooks = _HOST_HOOKS.get()
-        if hooks is not None:
-            with torch.autograd.graph.saved_tensors_hooks(*hooks):
-                return function(*args, **kwargs)
-        with save_on_cpu(pin_memory=pin_memory, device_type=device_type):
+        saving = save_on_cpu(pin_memory=pin_memory, device_type=device_type) if shapes is None else shapes.hooks()
+        with saving:
             return function(*args, **kwargs)
 
     return checkpoint
+
+
+@dataclass(frozen=True)
+class _HostShape:
+    """A host copy made with shapes only: where it came from and what it would hold, not the values."""
+
+    device: torch.device
+    shape: torch.Size
+    dtype: torch.dtype
+    nbytes: int
+
+
+class ShapeOnlyCopies:
+    """The host copies of a step's offloaded checkpoints where StepHooks.shapes_only asks for shapes,
+    as StreamBP's stores keep them (core/placements/placement.py): the memory simulator's fake
+    tensors, whose `.cpu()` is the tensor itself, so save_on_cpu would leave every checkpoint in the
+    counted memory. A saved tensor is packed as its shape (the device's tensor is let go), counted
+    as host bytes while autograd holds it, and unpacked as an empty device tensor, the copy back.
+    Reported through StepHooks.on_store, as a store is: `max_host_bytes`, `transfer_bytes`."""
+
+    def __init__(self):
+        self.host_bytes = self.max_host_bytes = 0
+        self.transfer_bytes = 0  # copied out and back
+
+    def hooks(self) -> saved_tensors_hooks:
+        return saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, tensor: torch.Tensor) -> _HostShape:
+        nbytes = tensor.numel() * tensor.element_size()  # save_on_cpu's copy is dense
+        packed = _HostShape(tensor.device, tensor.shape, tensor.dtype, nbytes)
+        self.host_bytes += nbytes
+        self.max_host_bytes = max(self.max_host_bytes, self.host_bytes)
+        self.transfer_bytes += nbytes
+        weakref.finalize(packed, self._freed, nbytes)
+        return packed
+
+    def _unpack(self, packed: _HostShape) -> torch.Tensor:
+        self.transfer_bytes += packed.nbytes
+        return torch.empty(packed.shape, dtype=packed.dtype, device=packed.device)
+
+    def _freed(self, nbytes: int) -> None:
+        self.host_bytes -= nbytes
 
 
 def ckpt_offload(model, batch: Batch, settings) -> torch.Tensor:

@@ -66,7 +66,10 @@ from .unsupported import MethodUnsupported
 
 LOGITS_SHARD_BYTES = 2**30  # ArcticTraining: about 1 GiB of fp32 logits per loss shard
 ATTENTION = "sdpa"  # the attention DeepSpeed's wrapper calls (the benchmark builds every model with it)
-_REGISTERED: dict[tuple, tuple] = {}  # DeepSpeed's groups exist once per process: what registration made
+# DeepSpeed's groups exist once per process group: what registration made, by shape, and the default
+# process group it was made in (a newer one, as the memory simulator makes per step, registers afresh)
+_REGISTERED: dict[tuple, tuple] = {}
+_REGISTERED_IN: list = []
 
 
 def deepspeed_missing() -> str | None:
@@ -148,6 +151,8 @@ def _registered(model, batch_size: int, world: int):
 
     config = unwrap_model(model).config
     key = (world, batch_size, config.num_attention_heads, config.num_key_value_heads, config.num_hidden_layers)
+    if _REGISTERED_IN and _REGISTERED_IN[0] is not torch.distributed.group.WORLD:
+        _forget_registration()  # its groups belong to a process group that is gone
     if key not in _REGISTERED:
         if _REGISTERED:
             raise RuntimeError(f"ulysses registered {next(iter(_REGISTERED))} in this process; one shape per process")
@@ -161,18 +166,17 @@ def _registered(model, batch_size: int, world: int):
                 seq_length_is_variable=True,
             )
             _REGISTERED[key] = (ALL_ATTENTION_FUNCTIONS[ATTENTION], mpu)
+            _REGISTERED_IN[:] = [torch.distributed.group.WORLD]
     return _REGISTERED[key]
 
 
-def forget_registration() -> None:
-    """Release DeepSpeed's sequence-parallel groups and this process's registration, so that a step
-    in another process group registers afresh (the memory simulator makes a fake group per step)."""
-    if not _REGISTERED:
-        return
+def _forget_registration() -> None:
+    """Release DeepSpeed's sequence-parallel groups and this process's registration."""
     from deepspeed.runtime.sequence_parallel import parallel_state_sp
 
     parallel_state_sp._release_sequence_parallel_groups()
     _REGISTERED.clear()
+    _REGISTERED_IN.clear()
 
 
 def _init_deepspeed_comm(device_type: str) -> None:

@@ -241,7 +241,7 @@ SETTINGS: dict[str, Setting] = {
         "tiled, ulysses: layer checkpoints in host memory (default: on).",
         default=True,  # as ALST does
         read_by=("tiled", "ulysses"),
-        # a GPU prediction counts the offloaded checkpoints as host bytes (simulate/host_copies.py)
+        # a GPU prediction counts the offloaded checkpoints as host bytes (methods/offload.py ShapeOnlyCopies)
         estimator=True,
     ),
     "checkpoints": Setting(

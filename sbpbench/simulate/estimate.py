@@ -33,17 +33,14 @@ from ..measure.flops import training_flops
 from ..measure.host_memory import available_ram_bytes
 from ..measure.tensor_tracker import counting_fsdp_resizes
 from ..methods import MethodFn, MethodSettings, MethodUnsupported
-from ..methods.offload import host_copies_by
 from ..methods.phase_labels import PhaseLabels
 from ..methods.step import storage_bytes
 from ..methods.streambp import step_hooks
-from ..methods.ulysses import forget_registration
 from ..records import ResultRow, one_line
 from ..settings import ConfigError
 from ..workload.rows import spec_fields
 from .cuda_attention import CudaAttention, hidden_buffers, streambp_cuda_branch
 from .fake_mode import build_fake_step
-from .host_copies import HostCopies
 from .memory_counter import CUDA_ALLOCATOR_ROUNDING, SimulatedMemory
 from .sequence_parallel import fake_ranks, local_bounds
 from .sharded import check_sharded_spec, per_rank, sharded_terms
@@ -175,11 +172,7 @@ def simulate(
             "chunk_attention", f"{spec.settings.chunk_attention}: the estimator models the lower-right kernel only"
         )
     with ranks_of(spec):  # the fake process group a sequence-parallel rank's step runs in
-        try:
-            return _simulate(spec, target, method, counter_type)
-        finally:
-            if spec.method == "ulysses":  # DeepSpeed's groups were made in this fake group: let go of them
-                forget_registration()
+        return _simulate(spec, target, method, counter_type)
 
 
 def _simulate(spec: RunSpec, target: str, method: MethodFn | None, counter_type) -> tuple[Estimate, SimulatedMemory]:
@@ -198,10 +191,8 @@ def _simulate(spec: RunSpec, target: str, method: MethodFn | None, counter_type)
         stack.enter_context(phases.attached(step.model, step.optimizer))
         # On a GPU the host copies are another memory; on the CPU they are in the same one, as the
         # tracker counts them: fake copies, so the counter sees them.
-        stores, copies = [], HostCopies(counter)
+        stores = []  # StreamBP's checkpoint stores, or the offloaded checkpoints' (methods/offload.py)
         stack.enter_context(step_hooks(on_store=stores.append, shapes_only=cuda))
-        if cuda:  # offloaded checkpoints (host_copies.py)
-            stack.enter_context(host_copies_by(copies.pack, copies.unpack))
         stack.enter_context(counter.attached(step))
         stack.enter_context(fake.mode)
         stack.enter_context(counter)
@@ -215,8 +206,8 @@ def _simulate(spec: RunSpec, target: str, method: MethodFn | None, counter_type)
         activation_peak_bytes=counter.peak_bytes,
         peak_phase=counter.peak_phase,
         attention_kernel=attention.kernel_names() if attention is not None else "",
-        host_pinned_bytes=max((s.max_host_bytes for s in stores), default=copies.peak_bytes),
-        transfer_bytes=sum(s.transfer_bytes for s in stores) + copies.moved_bytes,
+        host_pinned_bytes=max((s.max_host_bytes for s in stores), default=0),
+        transfer_bytes=sum(s.transfer_bytes for s in stores),
         phase_peaks=dict(counter.phase_peaks),
     )
     return assemble(spec, step, memory, target, baseline=baseline), counter

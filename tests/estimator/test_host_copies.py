@@ -1,7 +1,7 @@
 """Checkpoints offloaded to the host (save_on_cpu: ckpt-offload, and tiled and ulysses with
-offload_checkpoints) in a GPU prediction: host bytes, not device bytes (simulate/host_copies.py). On
-fake CPU tensors save_on_cpu's copy is the tensor itself, so without HostCopies the GPU peak held
-every layer's input, as ckpt's does."""
+offload_checkpoints) in a GPU prediction: host bytes, not device bytes (methods/offload.py
+ShapeOnlyCopies, under StepHooks.shapes_only). On fake CPU tensors save_on_cpu's copy is the tensor
+itself, so without them the GPU peak held every layer's input, as ckpt's does."""
 
 from __future__ import annotations
 
