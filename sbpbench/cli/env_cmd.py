@@ -11,7 +11,6 @@ from rich.table import Table
 from rich.text import Text
 
 from ..measure.units import GIB
-from ..settings import ConfigError
 from .errors import user_errors
 
 EXAMPLES = (  # the end of its help (options.py examples)
@@ -48,21 +47,15 @@ def env(
 
 
 def _check_visible(device: str) -> None:
-    """Refuse a CUDA device when none is visible, or past the visible ones, as config/device.py
-    `resolve_device` does for `sbp run`, but through NVML: the parent of a GPU measurement must not
+    """Refuse a CUDA device when none is visible, or past the visible ones, as `sbp run` does
+    (config/device.py), but counted through NVML: the parent of a GPU measurement must not
     initialise CUDA."""
+    from ..config.device import check_visible
     from ..measure.environment import auto_device, gpu_index, visible_gpu_count
 
     index = None if device == "auto" else gpu_index(device)
-    if index is None:
-        return
-    if auto_device() == "cpu":
-        raise ConfigError("device", f"{device!r} was asked for but no CUDA GPU is visible; use cpu")
-    count = visible_gpu_count()
-    if index >= count:
-        raise ConfigError(
-            "device", f"cuda:{index} does not exist: {count} CUDA device(s) visible (cuda:0..cuda:{count - 1})"
-        )
+    if index is not None:
+        check_visible(device, index, visible_gpu_count() if auto_device() == "cuda" else 0)
 
 
 def env_table(values: dict) -> Table:

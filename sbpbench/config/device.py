@@ -23,24 +23,27 @@ def resolve_device(device: str, field: str = "device") -> str:
     if device == "cpu":
         return device
     if device == "auto":
-        return _indexed(None) if torch.cuda.is_available() else "cpu"
+        if not torch.cuda.is_available():
+            return "cpu"
+        device = "cuda"
     match = _CUDA.match(device)
     if match is None:
         raise ConfigError(field, f"unknown {{field}} {device!r}; use auto, cpu, cuda or cuda:N")
-    if not torch.cuda.is_available():
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = int(match.group(1) or 0)
+    check_visible(device, index, count, field)
+    return f"cuda:{index}"
+
+
+def check_visible(device: str, index: int, count: int, field: str = "device") -> None:
+    """Refuse `device`, cuda:index, where `count` CUDA GPUs are visible (0: none), in one line that
+    says what exists. The count is torch's here, NVML's where a process must not initialise CUDA."""
+    if count == 0:
         raise ConfigError(field, f"{device!r} was asked for but no CUDA GPU is visible; use cpu")
-    return _indexed(None if match.group(1) is None else int(match.group(1)), field)
-
-
-def _indexed(index: int | None, field: str = "device") -> str:
-    count = torch.cuda.device_count()
-    if index is None:
-        index = 0
     if not 0 <= index < count:
         raise ConfigError(
             field, f"cuda:{index} does not exist: {count} CUDA device(s) visible (cuda:0..cuda:{count - 1})"
         )
-    return f"cuda:{index}"
 
 
 def device_kind(device: str) -> str:
