@@ -4,6 +4,7 @@ the same cases, rank 0 sending each case's result back through a queue.
     run_distributed(cases, target)   in the test process: spawn, collect, fail on a dead rank
     serve_cases(rank, cases, queue, run_case, finish)   in a rank: run each case, report rank 0's
     deepspeed_rank(rank, port)       in a rank, first: what DeepSpeed and Accelerate read
+    trainer_rank(..., run_case)      a trainer test's rank: deepspeed_rank, then serve_cases
 """
 
 from __future__ import annotations
@@ -47,7 +48,11 @@ def serve_cases(rank: int, cases, queue, run_case: Callable, finish: Callable[[]
 
 def run_distributed(cases, target: Callable, timeout_s: float = 240.0, world: int = WORLD) -> dict:
     """Run `cases` in one spawn of `world` ranks, `target(rank, port, cases, queue)` each;
-    {name: (full grads, counts)} from rank 0."""
+    {name: (full grads, counts)} from rank 0. Skipped where torch has no gloo."""
+    import pytest
+
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("torch built without gloo")
     context = mp.get_context("spawn")
     queue = context.Queue()
     port = free_port()
@@ -74,6 +79,14 @@ def run_distributed(cases, target: Callable, timeout_s: float = 240.0, world: in
             if worker.is_alive():
                 worker.kill()
     return results
+
+
+def trainer_rank(rank: int, port: int, cases, queue, run_case: Callable) -> None:
+    """A rank of a trainer test: DeepSpeed's environment (deepspeed_rank; the Trainer's Accelerator
+    starts the process group), then each case (serve_cases). A target as functools.partial(trainer_rank,
+    run_case=...)."""
+    deepspeed_rank(rank, port)
+    serve_cases(rank, cases, queue, run_case)
 
 
 def deepspeed_rank(rank: int, port: int) -> None:

@@ -256,8 +256,6 @@ def _worker(rank, port, cases, queue):
 @pytest.fixture(scope="module")
 def results():
     pytest.importorskip("torch.distributed.fsdp")
-    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
-        pytest.skip("torch built without gloo")
     return run_distributed(CASES, target=_worker)
 
 

@@ -11,13 +11,14 @@ in tests/distributed/test_distributed.py ("accelerate" cases)."""
 
 from __future__ import annotations
 
+import functools
 import shutil
 import tempfile
 
 import pytest
 import torch
 
-from .ranks import deepspeed_rank, run_distributed, serve_cases
+from .ranks import run_distributed, trainer_rank
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is an optional extra: pip install -e '.[deepspeed]'")
 pytest.importorskip("datasets", reason="needs datasets: pip install -e '.[trl]'")
@@ -80,16 +81,9 @@ def _both(case, rank):
     return {**stock, **{f"streambp:{k}": v for k, v in ours.items()}}, {}
 
 
-def _worker(rank, port, cases, queue):
-    deepspeed_rank(rank, port)  # the Trainer's Accelerator starts the process group (HF_HUB_OFFLINE: conftest's)
-    serve_cases(rank, cases, queue, _both)
-
-
 @pytest.fixture(scope="module")
 def results():
-    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
-        pytest.skip("torch built without gloo")
-    return run_distributed(CASES, target=_worker, timeout_s=600.0)
+    return run_distributed(CASES, target=functools.partial(trainer_rank, run_case=_both), timeout_s=600.0)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c["name"])

@@ -17,6 +17,7 @@ parallelism.
 
 from __future__ import annotations
 
+import functools
 import shutil
 import tempfile
 
@@ -24,7 +25,7 @@ import pytest
 import torch
 
 from ..conftest import tiny_model
-from .ranks import deepspeed_rank, run_distributed, serve_cases
+from .ranks import run_distributed, trainer_rank
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is an optional extra: pip install -e '.[deepspeed]'")
 pytest.importorskip("trl", reason="needs TRL: pip install -e '.[trl]'")
@@ -183,16 +184,9 @@ def _run_case(case, rank):
     return grads, {"loss": loss, "batches": batches}
 
 
-def _worker(rank, port, cases, queue):
-    deepspeed_rank(rank, port)  # the Trainer's Accelerator starts the process group (HF_HUB_OFFLINE: conftest's)
-    serve_cases(rank, cases, queue, _run_case)
-
-
 @pytest.fixture(scope="module")
 def results():
-    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
-        pytest.skip("torch built without gloo")
-    return run_distributed(CASES, target=_worker, timeout_s=300.0)
+    return run_distributed(CASES, target=functools.partial(trainer_rank, run_case=_run_case), timeout_s=300.0)
 
 
 def _reference(batches) -> tuple[dict, float]:
