@@ -25,7 +25,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
-from sbpbench.core import Objective, StepHooks, StreamConfig, stream_backward
+from sbpbench.core import Objective, StreamConfig, stream_backward
+from sbpbench.core.internal import SteeredHooks
 from sbpbench.data import SFTBatch, make_sft_batch
 from sbpbench.methods.streambp import current_hooks, step_hooks
 from sbpbench.models import build_model
@@ -41,7 +42,7 @@ REPOSITORY = Path(__file__).resolve().parents[1]
 
 
 STREAM_KNOBS = set(StreamConfig.__dataclass_fields__)
-STEP_HOOKS = set(StepHooks.__dataclass_fields__)
+STEP_HOOKS = set(SteeredHooks.__dataclass_fields__)  # what a test may give a step: watching and steering
 
 
 def streamed(model, input_ids, labels=None, **kwargs):

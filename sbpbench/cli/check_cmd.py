@@ -53,11 +53,14 @@ def check(settings: dict, methods: tuple[str, ...], out: ExactnessOutOpt = None)
     from ..config import exactness_specs
     from ..runner import ExactnessSpec, check_exactness
 
+    console = Console()
     with user_errors():
         specs = exactness_specs(settings, methods, defaults=EXACTNESS_DEFAULTS)
+        refuse_nothing_compared(specs, settings)
+        if any(s.method == "streambp" for s in specs):  # the architecture's verdict first: seconds, not the check
+            console.print(escape(architecture_line(specs[0])), highlight=False, soft_wrap=True)
         checked = check_exactness(ExactnessSpec(tuple(specs), out=out))
     results = checked.results
-    console = Console()
     print_table(console, exactness_table(specs, results))
     if specs[0].dtype == "fp32":  # every row against an fp64 step, bp's own row included
         for line in error_ratios(results):
@@ -74,6 +77,23 @@ def check(settings: dict, methods: tuple[str, ...], out: ExactnessOutOpt = None)
     for diff in failed:
         console.print(f"[red]{diff.describe()}[/]", highlight=False)
     fail_if(bool(failed))
+
+
+def architecture_line(spec: RunSpec) -> str:
+    """Whether StreamBP streams the spec's architecture (models.admission), for its model as built."""
+    from ..models import admission, load_config
+
+    overrides = {"num_hidden_layers": spec.num_layers} if spec.num_layers else {}
+    return admission(load_config(spec.model, **overrides))
+
+
+def refuse_nothing_compared(specs: list[RunSpec], settings: dict) -> None:
+    """bp alone is compared with nothing in fp64 (it is the reference) nor on ranks (it runs in one
+    process): one line before any model is built. In fp32 and bf16 bp alone is judged against fp64."""
+    ranked = (settings.get("nproc") or 1) > 1 or (settings.get("sp") or 1) > 1
+    if len(specs) == 1 and (ranked or specs[0].dtype == "fp64"):
+        what = "runs in one process as the reference" if ranked else "is the fp64 reference"
+        raise ValueError(f"--method bp {what}, compared with nothing: name another method too, or leave --method out")
 
 
 def exactness_table(specs: list[RunSpec], results: list) -> Table:

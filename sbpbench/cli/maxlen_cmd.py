@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from ..measure.host_memory import total_ram_bytes
 from ..measure.units import parse_bytes
@@ -121,12 +122,13 @@ def maxlen(
         settings, searches = _searches(settings, methods, simulate, gpu_memory, gpus)
         out = out or (SIMULATED_OUT if simulate else DEFAULT_OUT)
         check_writable(out)
-    searches = _noticed(searches, settings, simulate)
+    searches = _noticed(searches, settings, simulate, host_memory, probing)
     console = Console()
-    with user_errors(), Progress(console, len(searches)) as progress:
+    with user_errors(), Progress(Console(stderr=True), len(searches)) as progress:
         outcome = run_searches(searches, out, probing=probing, resume=resume, steps=progress)
     if outcome.rows:
         print_table(console, maxlen_table(outcome.rows))
+    _say_nothing_fits(console, outcome.rows, host_memory)
     if not (outcome.stopped or outcome.failed or outcome.interrupted):
         _say_past_context(console, searches[0].base.model, outcome.rows)
         console.print(written_line(outcome, out, "max-length answer(s)"), highlight=False, soft_wrap=True)
@@ -156,10 +158,25 @@ def _searches(
     return settings, searches
 
 
-def _noticed(searches: list[MaxlenSpec], settings: dict, simulate: bool) -> list[MaxlenSpec]:
-    """The notices before work: knobs a method ignores; measured searches lose a seed the estimator cannot make."""
+def _noticed(
+    searches: list[MaxlenSpec], settings: dict, simulate: bool, host_memory: str | None, probing: Probing
+) -> list[MaxlenSpec]:
+    """The notices before work: knobs a method ignores; a simulated host of this machine's RAM (as
+    `sbp plan` says it: it decides probes on ranks sharing a sequence); measured searches lose a
+    seed the estimator cannot make."""
     say_ignored(ignored_knobs([search.method for search in searches], settings))
+    if simulate and not host_memory:
+        ram = f"{probing.host_memory_bytes / 2**30:.1f} GiB"
+        print(f"notice: --host-memory not given: predicting for this machine's RAM, {ram}", file=sys.stderr, flush=True)
     return searches if simulate else without_unmodelled_seeds(searches)
+
+
+def _say_nothing_fits(console: Console, answers: list[ResultRow], host_memory: str | None) -> None:
+    """Under the table, each search whose shortest probe did not fit: why, and the flag where it is the host."""
+    for row in answers:
+        if row.status == "oom" and row.error:
+            hint = "; --host-memory SIZE gives the GPU machine's" if "host:" in row.error and not host_memory else ""
+            console.print(escape(f"{row.method}: {row.error}{hint}"), highlight=False, soft_wrap=True)
 
 
 def without_unmodelled_seeds(searches: list[MaxlenSpec]) -> list[MaxlenSpec]:

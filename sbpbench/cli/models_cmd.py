@@ -1,4 +1,4 @@
-"""`sbp models`: the model shapes the registry knows, with their sizes (fits 80 columns)."""
+"""`sbp models`: the model shapes the registry knows, with their sizes, by model_type (fits 80 columns)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ EXAMPLES = (  # the end of its help (options.py examples)
 )
 
 LEGEND = (
-    "params: B = 10^9, M = 10^6, k = 10^3. L: decoder layers; d: hidden size; heads: query / key-value "
-    "heads; hd: head dim; vocab: tokens (k = 10^3); tied: lm_head shares the input embedding."
+    "Rows under each model_type. params: B = 10^9, M = 10^6, k = 10^3. L: decoder layers; d: hidden size; "
+    "heads: query / key-value heads; hd: head dim; vocab: tokens (k = 10^3); tied: lm_head shares the input "
+    "embedding. streambp: verified, CI checks it exact on this architecture; self-checked, its small float64 copy "
+    "is checked before the first step (docs/exactness.md)."
 )
 HUB_NOTE = (
     "Any other Hub id works too (--model ORG/NAME): its config.json from the Hugging Face cache, fetched if missing "
@@ -39,8 +41,8 @@ def models() -> None:
 
 
 def models_table() -> Table:
-    """A row per registry name: family, parameters, shape (fits 80 columns)."""
-    from ..models import MODELS, count_parameters, load_config
+    """A row per registry name: parameters and shape, under a heading per model_type (fits 80 columns)."""
+    from ..models import MODELS, count_parameters, is_verified, load_config
 
     table = Table(
         title="sbpbench model registry (random weights; configs ship with the package)",
@@ -50,20 +52,35 @@ def models_table() -> Table:
         padding=0,  # the box's blank column separator keeps one space between columns
         show_edge=False,
     )
-    for column in ("name", "type", "params", "L", "d", "heads", "hd", "vocab", "tied"):
-        table.add_column(column, justify="left" if column in ("name", "type") else "right", no_wrap=True)
+    for column in ("name", "params", "L", "d", "heads", "hd", "vocab", "tied"):
+        table.add_column(column, justify="left" if column == "name" else "right", no_wrap=True)
+    families: dict[str, list[tuple[str, ...]]] = {}  # model_type -> rows, in registry order
+    verified: dict[str, list[bool]] = {}  # model_type -> per row, whether CI verifies its architecture
     for name in MODELS:
         config = load_config(name)
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        table.add_row(
-            name,
-            config.model_type,
-            _count(count_parameters(name)),
-            str(config.num_hidden_layers),
-            str(config.hidden_size),
-            f"{config.num_attention_heads}/{config.num_key_value_heads}",
-            str(head_dim),
-            _count(config.vocab_size),
-            "yes" if config.tie_word_embeddings else "no",
+        # MLA (DeepSeek-V3): the query/key head dim, rope and no-rope parts together (head_dim is the rope part)
+        head_dim = (
+            getattr(config, "qk_head_dim", None)
+            or getattr(config, "head_dim", None)
+            or config.hidden_size // config.num_attention_heads
         )
+        families.setdefault(config.model_type, []).append(
+            (
+                name,
+                _count(count_parameters(name)),
+                str(config.num_hidden_layers),
+                str(config.hidden_size),
+                f"{config.num_attention_heads}/{config.num_key_value_heads}",
+                str(head_dim),
+                _count(config.vocab_size),
+                "yes" if config.tie_word_embeddings else "no",
+            )
+        )
+        verified.setdefault(config.model_type, []).append(is_verified(config))
+    for model_type, rows in families.items():
+        done = verified[model_type]
+        status = "all verified" if all(done) else f"{sum(done)} of {len(done)} verified, the rest self-checked"
+        table.add_row(f"[bold]{model_type}[/bold] (streambp: {status})")
+        for row in rows:
+            table.add_row(*row)
     return table

@@ -163,7 +163,7 @@ BudgetOpt = Annotated[
     str | None,
     typer.Option(
         metavar="DURATION",
-        help="The time this command may take, e.g. 9m where commands are killed at 10 minutes: it stops "
+        help="The time this command may take, e.g. 9m: it stops "
         "cleanly within it (no point starts with under 30 s left, one it cuts is not kept); exit 3, and the "
         "same command resumes.",
     ),
@@ -297,10 +297,17 @@ def with_gpus(settings: dict[str, Any], methods: tuple[str, ...], gpus: str | No
 
 
 def interconnect_bytes_s(text: str | None) -> float | None:
-    """--interconnect as bytes per second ("450GB/s"; the "/s" may be left out), None when not given."""
+    """--interconnect as bytes per second ("450GB/s"; the "/s" may be left out), None when not given;
+    one that is not a positive rate with its unit is a one-line error that speaks of rates."""
     if text is None:
         return None
-    return float(parse_bytes(text.strip().removesuffix("/s"), what="--interconnect"))
+    try:
+        return float(parse_bytes(text.strip().removesuffix("/s"), what="--interconnect"))
+    except ValueError:
+        raise ValueError(
+            f"--interconnect {text!r} is not a rate: give a positive number of bytes per second with its unit, "
+            "e.g. 450GB/s (NVLink 4) or 64GB/s (PCIe 5 x16)"
+        ) from None
 
 
 def check_sizes(sizes: dict[str, str | None]) -> None:

@@ -16,6 +16,7 @@ from rich.table import Table
 
 from ..records import ResultRow
 from ..records.schema import phase_column
+from .tables import placement_words
 
 # core/phases.py PHASES, in order (the CLI's help imports no torch; tests/cli/test_cli_phases.py checks it)
 PHASE_NAMES = (
@@ -63,7 +64,7 @@ def phase_table(row: ResultRow) -> Table:
     table = Table(
         title=escape(
             f"Where the time went: streambp {row.model}, B={row.batch_size}, T={row.seq_len}, {row.dtype}, "
-            f"checkpoints {row.checkpoints}, chunks {row.chunk_size}/{row.logits_chunk_size}, {row.device_name}"
+            f"{placement_words(row)}, chunks {row.chunk_size}/{row.logits_chunk_size}, {row.device_name}"
         ),
         caption=escape(
             "s: seconds of the median timed step, summed over layers; share: of the step"

@@ -97,6 +97,7 @@ def plan_command(
     then the `sbp run` command that measures the plan. --gpus P plans for P GPUs of one node sharing
     each sequence (--sp of them, default all). Predictions, not measurements."""
     from ..config import point_specs
+    from ..simulate import check_estimate_host_memory
     from ..simulate.plan import candidates, meta_model, plan, ruled_out_by, summary
 
     with user_errors():
@@ -104,10 +105,11 @@ def plan_command(
         host_bytes = parse_bytes(host_memory) if host_memory else total_ram_bytes()
         settings = _on_gpus(settings, gpus)
         (spec,) = point_specs({**settings, **PREDICTED_POINT}, ["streambp"], defaults_for="cuda")
+        check_estimate_host_memory([spec])  # its estimates' real batches fit this machine
         rates = plan_rates(results, gpu, interconnect)
     console = Console()
     print_notices(console, host_memory, host_bytes, results, gpu, rates)
-    with Progress(console, None) as progress:
+    with Progress(Console(stderr=True), None) as progress:
         progress.start(f"planning {spec.model}, T={spec.seq_len}")
         chosen, tried = plan(
             spec, gpu_memory_bytes=gpu_bytes, host_memory_bytes=host_bytes, rates=rates, note=progress.note
@@ -142,8 +144,8 @@ def plan_rates(results: Path, gpu: str, interconnect: str | None) -> Rates:
     from ..simulate.plan import meta_model
     from ..simulate.timing import fitted_rates
 
+    given = interconnect_bytes_s(interconnect)  # a bad rate is refused before the rows are read
     rates = fitted_rates(results, gpu, meta_model)
-    given = interconnect_bytes_s(interconnect)
     return rates if given is None else replace(rates, interconnect_bytes_s=given)
 
 

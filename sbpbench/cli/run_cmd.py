@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from ..measure.threads import busy_warning
 from ..records import ResultRow, check_writable, keeps_earlier, read_rows, row_key
@@ -71,6 +72,7 @@ def run(
         if trace:
             check_one_process(specs, "--trace")
         check_writable(out)
+        check_recording_folders(out, timeline, trace and any(spec.repeats for spec in specs))
         earlier = {row_key(row): row for row in read_rows(out)}  # to say what this run replaces
     given = [*settings, *(["--phases"] if phases else [])]
     say_ignored(ignored_knobs([spec.method for spec in specs], given, readers={"--phases": PHASES_READ_BY}))
@@ -88,7 +90,7 @@ def run(
         print_traces(console, specs, rows, out)
     for row in rows:
         if row.error:
-            console.print(f"{row.method}: {row.status}: {row.error}", highlight=False, soft_wrap=True)
+            console.print(escape(f"{row.method}: {row.status}: {row.error}"), highlight=False, soft_wrap=True)
     console.print(written_line(rows, earlier, out), highlight=False, soft_wrap=True)
     fail_if(any(row.status in ("error", "timeout") for row in rows))
 
@@ -143,6 +145,32 @@ def check_one_process(specs: list[RunSpec], flag: str) -> None:
         raise ConfigError("nproc", f"{{field}} {specs[0].nproc}: {flag} records one process's step; give --nproc 1")
 
 
+def check_recording_folders(out: Path, timeline: bool, trace: bool) -> None:
+    """The folders beside `out` that --timeline and --trace (of a point with timed steps) write into,
+    made now: one that cannot be is one line before any point runs, not a point without its recording."""
+    import os
+
+    from ..runner.timelines import timeline_dir
+    from ..runner.traces import trace_dir
+
+    for flag, wanted, folder in (("--timeline", timeline, timeline_dir(out)), ("--trace", trace, trace_dir(out))):
+        if not wanted:
+            continue
+        if folder.exists() and not folder.is_dir():
+            raise ValueError(
+                f"{flag} writes into {folder}, which is a file: move it aside, or pass --out in another folder"
+            )
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise ValueError(
+                f"{flag} writes into {folder}, which cannot be made ({error.strerror or error}): "
+                "pass --out in another folder"
+            ) from None
+        if not os.access(folder, os.W_OK):
+            raise PermissionError(f"{flag} writes into {folder}: no write permission; pass --out in another folder")
+
+
 def print_timelines(console: Console, specs: list[RunSpec], rows: list[ResultRow], out: Path) -> None:
     """Per row with a timeline: its prediction saved beside it, and the peak's breakdown beside the
     prediction's (cli/timeline_table.py)."""
@@ -151,16 +179,18 @@ def print_timelines(console: Console, specs: list[RunSpec], rows: list[ResultRow
 
     for spec, row in zip(specs, rows):
         if not row.timeline_file:
-            console.print(f"{row.method}: no timeline ({row.status}: {row.error or 'not recorded'})", highlight=False)
+            console.print(
+                escape(f"{row.method}: no timeline ({row.status}: {row.error or 'not recorded'})"), highlight=False
+            )
             continue
         console.print(f"predicting {row.method}'s timeline on fake tensors ...", highlight=False)
         made = predict_beside(spec, row, out)
         if isinstance(made, str):
-            console.print(f"{row.method}: no prediction ({made})", highlight=False, soft_wrap=True)
+            console.print(escape(f"{row.method}: no prediction ({made})"), highlight=False, soft_wrap=True)
         with user_errors():
             measured, predicted = measured_and_predicted(row, out.parent)
         print_table(console, timeline_table(row, measured, predicted))
-        console.print(f"timeline: {out.parent / row.timeline_file}", highlight=False, soft_wrap=True)
+        console.print(escape(f"timeline: {out.parent / row.timeline_file}"), highlight=False, soft_wrap=True)
 
 
 def print_traces(console: Console, specs: list[RunSpec], rows: list[ResultRow], out: Path) -> None:
@@ -176,9 +206,10 @@ def print_traces(console: Console, specs: list[RunSpec], rows: list[ResultRow], 
         if not spec.repeats:
             continue
         if row.trace_file:
-            console.print(f"{row.method}: trace {out.parent / row.trace_file}", highlight=False, soft_wrap=True)
+            console.print(escape(f"{row.method}: trace {out.parent / row.trace_file}"), highlight=False, soft_wrap=True)
         else:
-            console.print(f"{row.method}: no trace ({row.status}: {row.error or 'not recorded'})", highlight=False)
+            why = row.error or "the profiler failed in the worker; the row is kept"
+            console.print(escape(f"{row.method}: no trace ({row.status}: {why})"), highlight=False)
 
 
 def interrupted_line(rows: list[ResultRow], specs: list[RunSpec], out: Path) -> str:

@@ -38,7 +38,7 @@ SeedsOnlyOpt = Annotated[
 ]
 
 EXAMPLES = (  # the end of its help (options.py examples)
-    "sbp sweep experiments/smoke_cpu.toml    # the paper's figures in miniature",
+    "sbp sweep experiments/smoke_cpu.toml    # memory, time and max T on a CPU",
     "sbp sweep experiments/paper_table1.toml --no-resume   # measure again",
     "sbp sweep experiments/paper_fig3.toml --budget 9m   # exit 3: rerun resumes",
 )

@@ -138,9 +138,19 @@ def point_title(rows: list[ResultRow], *, seq_len: bool = True) -> tuple[str, li
     if chunked is not None:
         title += f", chunks {chunked.chunk_size}/{chunked.logits_chunk_size}"
         notes.append(f"chunks {chunked.chunk_size}/{chunked.logits_chunk_size}: positions per layer / logits chunk")
+    placed = next((r for r in rows if r.checkpoints), None)  # streambp's checkpoint placement
+    if placed is not None:
+        title += f", {placement_words(placed)}"
     title += f", {row.protocol} protocol"
     notes.append(f"{row.protocol} protocol: " + PROTOCOL_MEANING.get(row.protocol, row.protocol))
     return title, notes
+
+
+def placement_words(row: ResultRow) -> str:
+    """A row's checkpoint placement as a title says it: `gpu` (on the device) reads as what it is on a CPU."""
+    if row.checkpoints == "gpu" and (row.device or "").startswith("cpu"):
+        return "checkpoints in the CPU's memory (gpu: on the device)"
+    return f"checkpoints {row.checkpoints}"
 
 
 def ranks_terms(row: ResultRow) -> tuple[str, str]:

@@ -8,6 +8,7 @@ from rich.table import Table
 
 from ..measure.timeline.data import Timeline, peak_accuracy
 from ..records import ResultRow
+from .tables import placement_words
 
 MIB = 2**20
 
@@ -19,7 +20,7 @@ def timeline_table(row: ResultRow, measured: Timeline, predicted: Timeline | Non
     table = Table(
         title=escape(
             f"The peak by kind: {row.method} {row.model}, B={row.batch_size}, T={row.seq_len}, {row.dtype}"
-            + (f", checkpoints {row.checkpoints}" if row.checkpoints else "")
+            + (f", {placement_words(row)}" if row.checkpoints else "")
             + f", {row.device_name} ({where})"
         ),
         caption=escape(

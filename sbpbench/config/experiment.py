@@ -195,6 +195,18 @@ def ignored_keys(path: str | Path) -> list[IgnoredKnob]:
     return list(found.values())
 
 
+SHIPPED = Path(__file__).resolve().parents[2] / "experiments"  # the checkout's, beside the package
+
+
+def missing_experiment_hint(path: Path) -> str:
+    """What to do about an experiment file that is not there: a relative path is read from the
+    current folder, and the shipped files live in the checkout's experiments/."""
+    where = "" if path.is_absolute() else f" (a path relative to this folder, {Path.cwd()})"
+    if (SHIPPED / path.name).is_file():
+        return f"{where}; the shipped file is {SHIPPED / path.name}"
+    return f"{where}; see experiments/*.toml in the sbpbench checkout"
+
+
 def load_experiment(
     path: str | Path, *, device: str | None = None, threads: int | None = None, defaults_for: str | None = None
 ) -> Experiment:
@@ -205,7 +217,7 @@ def load_experiment(
     overrides = {name: value for name, value in (("device", device), ("threads", threads)) if value is not None}
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"no experiment file {path}; see experiments/*.toml")
+        raise FileNotFoundError(f"no experiment file {path}{missing_experiment_hint(path)}")
     try:
         document = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as error:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..core import SUPPORTED_MODEL_TYPES, Placement, UnsupportedModelError, supported_families
+from ..core import Placement, UnsupportedModelError
 from ..measure.threads import available_cpus, default_threads
 from ..measure.units import parse_bytes
 from ..methods import (
@@ -451,31 +451,36 @@ def warn_beyond_context(model: str, seq_len: int, config) -> None:
         )
 
 
-# Methods that run only some causal-LM families (model_type -> family name); a method not listed
-# runs any decoder-only causal LM that transformers' AutoModelForCausalLM builds (bp, ckpt).
-FAMILY_LIMITED: dict[str, dict[str, str]] = {"streambp": SUPPORTED_MODEL_TYPES}
+# Methods that stream the model with sbpbench.core: they run a model only where StreamBP admits it
+# (its detectors and the self-check of its architecture, core/architecture/admission.py).
+STREAMED_METHODS = ("streambp",)
 
 
 def check_model_family(model: str, config, methods: Sequence[str]) -> None:
     """Refuse, before anything runs, a model that is not a decoder-only causal LM (an encoder such
-    as BERT, an encoder-decoder), or that a method does not support, naming what each method runs."""
+    as BERT, an encoder-decoder), or that StreamBP cannot stream exactly, saying why."""
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
         MODEL_FOR_MASKED_LM_MAPPING_NAMES,
     )
 
     model_type = getattr(config, "model_type", None)
-    others = "bp and ckpt also run other decoder-only causal LMs that transformers' AutoModelForCausalLM builds"
+    others = "bp and ckpt run any decoder-only causal LM that transformers' AutoModelForCausalLM builds"
     encoder = model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES or getattr(config, "is_encoder_decoder", False)
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or encoder:
         raise UnsupportedModelError(
-            f"{model} has model_type {model_type!r}, not a decoder-only causal LM; streambp supports "
-            f"{supported_families()}; {others}"
+            f"{model} has model_type {model_type!r}, not a decoder-only causal LM; StreamBP streams decoder-only "
+            f"causal LMs that pass its checks; {others}"
         )
-    for method in methods:
-        families = FAMILY_LIMITED.get(method)
-        if families is not None and model_type not in families:
+    streamed = [method for method in methods if method in STREAMED_METHODS]
+    if streamed:
+        from transformers import AutoModelForCausalLM
+
+        from ..core import check_model
+
+        try:
+            check_model(model_class=AutoModelForCausalLM._model_mapping[type(config)], config=config)
+        except UnsupportedModelError as error:
             raise UnsupportedModelError(
-                f"{method} does not support {model} (model_type {model_type!r}); it supports "
-                f"{', '.join(families.values())}; {others}, e.g. this one: --method bp ckpt"
-            )
+                f"{streamed[0]} cannot run {model}: {error}; {others}, e.g. --method bp ckpt"
+            ) from None

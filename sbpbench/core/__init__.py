@@ -9,7 +9,8 @@ core/README.md tells the algorithm as this package implements it, in its order o
 This module is the library's face; internal.py is what sbpbench's own packages use besides.
 """
 
-from .adapters import SUPPORTED_MODEL_TYPES, UnsupportedModelError, supported_families
+from .architecture.parts import UnsupportedModelError
+from .architecture.self_check import SelfCheck
 from .config import DEFAULT_CHUNK_SIZE, DEFAULT_LOGITS_CHUNK_SIZE, StreamConfig
 from .cuda_calls import release_pinned_memory
 from .hooks import LayerProgress, StepHooks
@@ -18,7 +19,7 @@ from .objectives import DPO, GRPO, SFT, Objective
 from .parallel.sequence_group import SequenceParallel
 from .phases import PhaseTimer, PhaseTimes
 from .placements.placement import Placement
-from .stream import stream_backward
+from .stream import check_model, stream_backward
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
@@ -27,17 +28,17 @@ __all__ = [
     "GRPO",
     "IGNORE_INDEX",
     "SFT",
-    "SUPPORTED_MODEL_TYPES",
     "LayerProgress",
     "Objective",
     "PhaseTimer",
     "PhaseTimes",
     "Placement",
+    "SelfCheck",
     "SequenceParallel",
     "StepHooks",
     "StreamConfig",
     "UnsupportedModelError",
+    "check_model",
     "release_pinned_memory",
     "stream_backward",
-    "supported_families",
 ]

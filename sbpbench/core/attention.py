@@ -28,6 +28,7 @@ attention into the function: the configured kernel and the step's hooks.
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -35,10 +36,12 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
 
-from .hooks import NO_HOOKS, CausalBias, StepHooks
+from .architecture.parts import UnsupportedModelError
+from .hooks import NO_HOOKS, CausalBias, StepHooks, steered
 from .kernels.chunk_kernels import ChunkCall
-from .kernels.kernel_choice import AUTO, run_chunk
-from .layout import ChunkPlan, SequenceLayout, window_start
+from .kernels.extras import AttentionExtras, extras_attention
+from .kernels.kernel_choice import AUTO, KernelPicker, run_chunk
+from .layout import ChunkPlan, Piece, RowGroup, SequenceLayout, window_start
 from .memory_kinds import KV_BUFFERS
 
 ATTENTION_NAME = "sbp_stream"  # must not contain "flash": transformers treats such names as hub kernels
@@ -55,21 +58,20 @@ class KVCaptured(Exception):
 @dataclass(frozen=True)
 class ChunkAttention:
     """How a step runs the attention of a chunk over its prefix: `setting` (StreamConfig's
-    chunk_attention) picks the kernel, the hooks say how auto measures, what is told of each call,
-    and whether the CUDA branch is forced (hooks.py)."""
+    chunk_attention: a kernel's name or a picker) gives the kernel, the hooks what is told of each
+    call and whether the CUDA branch is forced (hooks.py)."""
 
-    setting: str = AUTO
+    setting: str | KernelPicker = AUTO
     hooks: StepHooks = NO_HOOKS
 
     def reference(self, call: ChunkCall) -> torch.Tensor:
-        return lower_right_attention(call, self.hooks.cuda_branch)
+        return lower_right_attention(call, steered(self.hooks).cuda_branch)
 
     def __call__(self, call: ChunkCall) -> torch.Tensor:
         hooks = self.hooks
         return run_chunk(
-            call, self.reference, setting=self.setting, mode=hooks.kernel_mode, chooser=hooks.chooser,
-            on_kernel=hooks.on_kernel, on_call=hooks.on_chunk_call,
-        )  # fmt: skip
+            call, self.reference, setting=self.setting, on_kernel=hooks.on_kernel, on_call=hooks.on_chunk_call
+        )
 
 
 DEFAULT_ATTENTION = ChunkAttention()
@@ -91,9 +93,11 @@ class KVBuffer:
     values: torch.Tensor | None = None
     sliding_window: int | None = None
     attention: ChunkAttention = field(default=DEFAULT_ATTENTION)  # the step's kernel setting and hooks
+    calls: int = 0  # attention calls of the chunk being processed (the checkpoint pass checks for one)
 
     def store(self, key: torch.Tensor, value: torch.Tensor, sliding_window: int | None) -> int:
         """Write the chunk's (B, kv_heads, c, head_dim) keys/values; return the chunk's end."""
+        self.calls += 1
         if self.keys is None:
             batch, kv_heads, _, head_dim = key.shape
             with self.attention.hooks.allocating(KV_BUFFERS):
@@ -106,12 +110,42 @@ class KVBuffer:
         return end
 
 
-def chunk_plan(layout: SequenceLayout | None, start: int, end: int, sliding_window: int | None) -> ChunkPlan:
+def chunk_plan(
+    layout: SequenceLayout | None, start: int, end: int, sliding_window: int | None, attention_chunk: int | None = None
+) -> ChunkPlan:
     """How queries [start, end) attend (layout.py); without a layout, every row over keys from
-    `window_start` on."""
-    if layout is None:
-        return ChunkPlan(window_start(start, sliding_window))
-    return layout.plan(start, end, sliding_window)
+    `window_start` on. attention_chunk: the layer attends within blocks of this many positions
+    (Llama 4's chunked attention): the queries are cut at the blocks' bounds into pieces, each over
+    the keys of its own block, as packed documents are."""
+    if attention_chunk is None:
+        return (
+            ChunkPlan(window_start(start, sliding_window))
+            if layout is None
+            else layout.plan(start, end, sliding_window)
+        )
+    if layout is not None:
+        raise UnsupportedModelError(
+            "chunked attention (attention_chunk_size) with left padding or packed rows is not supported; "
+            "pad on the right"
+        )
+    bounds = [start, *range((start // attention_chunk + 1) * attention_chunk, end, attention_chunk), end]
+    pieces = tuple(
+        Piece(a, b, max((a // attention_chunk) * attention_chunk, window_start(a, sliding_window)))
+        for a, b in itertools.pairwise(bounds)
+    )
+    key_start = pieces[0].key_start
+    if len(pieces) == 1:
+        return ChunkPlan(key_start)
+    return ChunkPlan(key_start, (RowGroup(slice(None), pieces),))
+
+
+def attention_chunk_size(module: torch.nn.Module) -> int | None:
+    """The block size of a layer with chunked attention (config.layer_types names it), else None."""
+    config, index = getattr(module, "config", None), getattr(module, "layer_idx", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None or index is None or layer_types[index] != "chunked_attention":
+        return None
+    return config.attention_chunk_size
 
 
 @dataclass
@@ -186,17 +220,23 @@ def offset_causal_attention(
     scale: float | None,
     sliding_window: int | None,
     attention: ChunkAttention = DEFAULT_ATTENTION,
+    extras: AttentionExtras | None = None,
 ) -> torch.Tensor:
     """Causal attention of queries at absolute positions [query_start, query_start + c) over keys at
     [key_start, query_start + c). query (B, H, c, hd); key/value (B, kv_heads, n, hd) -> (B, H, c, hd).
 
     A square call (no prefix) is SDPA's plain causal attention. A chunk with a prefix runs on the
-    kernel kernel_choice.py picks (`attention.setting`: the lower-right SDPA path below unless told
-    or measured otherwise)."""
+    kernel kernel_choice.py gives (`attention.setting`: the lower-right SDPA path below unless told
+    otherwise). Soft-capping or sinks (extras) take their own path (kernels/extras.py)."""
     num_queries, num_keys = query.shape[2], key.shape[2]
     query_end = query_start + num_queries
     assert key_start + num_keys == query_end, "keys must end where the queries end"
     needs_window = sliding_window is not None and query_end - 1 - key_start >= sliding_window
+    if extras is not None:
+        return extras_attention(
+            query, key, value, query_start=query_start, key_start=key_start, scale=scale,
+            window=sliding_window if needs_window else None, extras=extras,
+        )  # fmt: skip
     if num_queries == num_keys:
         return attention.reference(ChunkCall(query, key, value, query_start, key_start, scale, sliding_window))
     call = ChunkCall(query, key, value, query_start, key_start, scale, sliding_window if needs_window else None)
@@ -205,7 +245,7 @@ def offset_causal_attention(
 
 def lower_right_attention(call: ChunkCall, cuda_branch: CausalBias | None = None) -> torch.Tensor:
     """The reference path: SDPA with is_causal (square) or the lower-right causal bias.
-    cuda_branch: take the CUDA branch whatever the device, with this bias (StepHooks.cuda_branch).
+    cuda_branch: take the CUDA branch whatever the device, with this bias (SteeredHooks.cuda_branch).
 
     Never builds a (T, T) matrix, nor a float (c, n) one without a window: on CUDA the lower-right
     causal bias dispatches to the flash / memory-efficient kernels, on CPU a (c, n) boolean mask
@@ -244,6 +284,14 @@ def lower_right_attention(call: ChunkCall, cuda_branch: CausalBias | None = None
     )
 
 
+# Keyword arguments a decoder layer hands its attention function that change nothing here: flags
+# for outputs and caches, the positions (RoPE is applied before the call), StreamBP's own state.
+_INERT_ARGUMENTS = frozenset(
+    {"position_ids", "cache_position", "use_cache", "output_attentions", "output_router_logits",
+     "output_hidden_states", "return_dict", "is_causal", STATE_KWARG}
+)  # fmt: skip
+
+
 def stream_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -254,43 +302,68 @@ def stream_attention(
     dropout: float = 0.0,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention-interface signature; returns (B, c, H, hd) as the interface expects."""
+    """transformers attention-interface signature; returns (B, c, H, hd) as the interface expects.
+    softcap: tanh soft-capping of the scores (Gemma 2); s_aux: a sink logit per query head (GPT-OSS)."""
     if attention_mask is not None:
-        raise RuntimeError("StreamBP attention got a mask; masks are handled inside StreamBP")
+        raise UnsupportedModelError(
+            f"{type(module).__name__} hands its attention function a mask of its own, which StreamBP cannot split "
+            "into chunks (StreamBP builds the causal, window and padding masks itself)"
+        )
     if dropout:
         raise RuntimeError("StreamBP needs attention dropout 0 (dropout would make the re-forward differ)")
-    if softcap is not None:
-        raise RuntimeError("StreamBP does not support attention logit softcapping")
+    unknown = sorted(name for name, value in kwargs.items() if name not in _INERT_ARGUMENTS and value is not None)
+    if unknown:
+        raise UnsupportedModelError(
+            f"{type(module).__name__} gives its attention function {', '.join(unknown)}, which StreamBP does not "
+            "know how to honour exactly"
+        )
     state = kwargs.get(STATE_KWARG)
+    extras = AttentionExtras(softcap, s_aux) if softcap is not None or s_aux is not None else None
+    block = attention_chunk_size(module)
 
     if hasattr(state, "attend_chunk"):  # a state that attends itself (sequence parallel: parallel/sequence_layer.py)
+        if extras is not None or block is not None:
+            raise UnsupportedModelError(
+                "sequence-parallel StreamBP does not support attention sinks, soft-capping or chunked attention"
+            )
         return state.attend_chunk(query, key, value, scaling, sliding_window)
     if isinstance(state, KVBuffer):
         end = state.store(key, value, sliding_window)
         if not state.attend:
             raise KVCaptured
-        plan = chunk_plan(state.layout, state.start, end, sliding_window)
+        plan = chunk_plan(state.layout, state.start, end, sliding_window, block)
         key, value = state.keys[:, :, plan.key_start : end], state.values[:, :, plan.key_start : end]
     elif isinstance(state, ChunkState):
         state.key_chunk, state.value_chunk = key, value
-        plan = state.plan
+        plan = (
+            state.plan
+            if block is None
+            else chunk_plan(None, state.start, state.start + query.shape[2], sliding_window, block)
+        )
+        state.plan = plan
         if state.start > plan.key_start:  # (B, kv_heads, n, hd), a view of the buffer
-            out = _prefix_attention(state, query, key, value, scaling, sliding_window)
+            out = _prefix_attention(state, query, key, value, scaling, sliding_window, extras)
             return out.transpose(1, 2).contiguous(), None
+    elif state is None:
+        raise UnsupportedModelError(
+            f"{type(module).__name__} is called without its decoder layer's keyword arguments, so StreamBP's "
+            "chunk state cannot reach its attention function"
+        )
     else:
         raise TypeError(f"the {ATTENTION_NAME!r} attention function needs a StreamBP state ({STATE_KWARG}=...)")
     attention = state.attention if isinstance(state, KVBuffer) else state.buffer.attention
     out = planned_attention(
         query, key, value, plan, query_start=state.start, scale=scaling, sliding_window=sliding_window,
-        attention=attention,
+        attention=attention, extras=extras,
     )  # fmt: skip
     return out.transpose(1, 2).contiguous(), None
 
 
 def _prefix_attention(
-    state: ChunkState, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale, sliding_window
+    state: ChunkState, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale, sliding_window, extras=None
 ) -> torch.Tensor:
     """A chunk's attention over the buffered prefix and itself, per group of K/V heads (with their
     query heads) where one call's backward over the step's T keys would hold more than
@@ -302,10 +375,11 @@ def _prefix_attention(
         buffer.values[:, :, state.start : end] = value
     batch, heads, _, head_dim = query.shape
     kv_heads = key.shape[1]
-    sized_for = buffer.attention.hooks.sized_for
+    sized_for = steered(buffer.attention.hooks).sized_for
     seq_len = buffer.seq_len if sized_for is None else sized_for
     group = kv_heads_per_call(batch, heads, kv_heads, head_dim, key.dtype.itemsize, seq_len)
-    queries = query.split(group * (query.shape[1] // kv_heads), dim=1)
+    per_call = group * (query.shape[1] // kv_heads)  # query heads of one call
+    queries = query.split(per_call, dim=1)
     attend = functools.partial(
         planned_attention, plan=plan, query_start=state.start, scale=scale, sliding_window=sliding_window,
         attention=buffer.attention,
@@ -315,7 +389,8 @@ def _prefix_attention(
         own = slice(index * group, (index + 1) * group)  # this call's K/V heads
         k = _BufferedPrefix.apply(k, [buffer.keys[:, own]], [state.grad_keys[:, own]], plan.key_start, state.start)
         v = _BufferedPrefix.apply(v, [buffer.values[:, own]], [state.grad_values[:, own]], plan.key_start, state.start)
-        outs.append(attend(q, k, v))
+        heads_extras = None if extras is None else extras.heads(slice(index * per_call, (index + 1) * per_call))
+        outs.append(attend(q, k, v, extras=heads_extras))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
@@ -329,6 +404,7 @@ def planned_attention(
     scale: float | None,
     sliding_window: int | None,
     attention: ChunkAttention = DEFAULT_ATTENTION,
+    extras: AttentionExtras | None = None,
 ) -> torch.Tensor:
     """query (B, H, c, hd) at positions [query_start, query_start + c); key/value (B, kv_heads, n, hd)
     at [plan.key_start, query_start + c) -> (B, H, c, hd_v).
@@ -338,7 +414,9 @@ def planned_attention(
     causal alignment and its kernels (flash / memory-efficient on CUDA). A padding or document mask
     instead would rule the flash kernel out and reach the efficient kernel as a (B, 1, c, n) float
     bias (1.6 GB in fp32 at B = 8, c = 500, n = 100k). A dead piece is zeros: no SDPA call."""
-    attend = functools.partial(offset_causal_attention, scale=scale, sliding_window=sliding_window, attention=attention)
+    attend = functools.partial(
+        offset_causal_attention, scale=scale, sliding_window=sliding_window, attention=attention, extras=extras
+    )
     if plan.groups is None:
         return attend(query, key, value, query_start=query_start, key_start=plan.key_start)
     rows = []

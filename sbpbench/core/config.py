@@ -5,7 +5,8 @@ None of them changes the loss or the gradients beyond rounding; they trade memor
     logits_chunk_size       positions per chunk of the LM head and the objective
     fp32_grad_accumulation  sum the chunks' weight gradients in fp32 where a weight is bf16/fp16
     checkpoints             where the layer inputs wait for their backward (placements/placement.py)
-    chunk_attention         the kernel of a chunk's attention over its prefix (kernels/kernel_choice.py)
+    chunk_attention         the kernel of a chunk's attention over its prefix, by name or a picker
+                            per call (kernels/kernel_choice.py)
 A training loop makes one and passes it to every step; the trainers take the same object.
 """
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .kernels.kernel_choice import AUTO, check_chunk_attention
+from .kernels.kernel_choice import AUTO, KernelPicker, check_chunk_attention
 from .placements.placement import Placement
 
 DEFAULT_CHUNK_SIZE = 500  # the paper's layer partition for its max-length runs (appendix D)
@@ -29,7 +30,7 @@ class StreamConfig:
     logits_chunk_size: int = DEFAULT_LOGITS_CHUNK_SIZE
     fp32_grad_accumulation: bool = True
     checkpoints: Placement | str = "gpu"
-    chunk_attention: str = AUTO
+    chunk_attention: str | KernelPicker = AUTO
 
     def __post_init__(self) -> None:
         for name in ("chunk_size", "logits_chunk_size"):

@@ -16,20 +16,13 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .adapters import DecoderParts
-from .chunking import chunk_bounds
+from .architecture.head_call import ModelHead
+from .architecture.parts import DecoderParts
 from .grad_accum import ChunkGradAccumulator
 from .labels import loss_dtype
+from .layout import chunk_bounds
 from .memory_kinds import LOGITS, KindListener, allocating
 from .objectives import Objective
-
-
-def _chunk_logits(parts: DecoderParts, hidden: torch.Tensor, call: Callable[[nn.Module], Callable]) -> torch.Tensor:
-    logits = call(parts.lm_head)(call(parts.norm)(hidden))  # (B, c, V) in the model dtype
-    cap = parts.final_logit_softcap
-    if cap is not None:  # Gemma-style softcapping, applied before the upcast as transformers does
-        logits = torch.tanh(logits / cap) * cap
-    return logits
 
 
 def counted_chunks(seq_len: int, chunk_size: int, objective: Objective) -> list[tuple[int, int]]:
@@ -84,15 +77,15 @@ def head_backward(
     a memory-kind listener told what the logits are (memory_kinds.py)."""
     seq_len, dtype = last_hidden.shape[1], last_hidden.dtype
     counted = counted_chunks(seq_len, chunk_size, objective)
+    head = ModelHead(parts, call)  # the model's own logits of a chunk (head_call.py)
     if objective.needs_sequence_sums:
-        logits_of = lambda hidden: _chunk_logits(parts, hidden, call)
-        objective.prepare(sequence_sums(objective, logits_of, counted, last_hidden, dtype, kinds))
+        objective.prepare(sequence_sums(objective, head.logits, counted, last_hidden, dtype, kinds))
     total = torch.zeros((), dtype=loss_dtype(dtype), device=last_hidden.device)
     for (start, end), chunk in zip(counted, last_hidden.chunks(counted)):
         hidden = chunk.detach().requires_grad_()
         with allocating(kinds, LOGITS):
             with torch.enable_grad():
-                part = objective.chunk_loss(_chunk_logits(parts, hidden, call), start, end)
+                part = objective.chunk_loss(head.logits(hidden), start, end)
             part.backward()
         grad_hidden.write(start, end, hidden.grad)
         total += part.detach()

@@ -19,39 +19,48 @@ heads (before GQA repetition), h = head_dim.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 from torch import nn
 
-from .adapters import KeyValueRecipe
+from .architecture.key_values import LayerKeyValues, Projection
 from .attention import STATE_KWARG, ChunkAttention, ChunkState, KVBuffer, KVCaptured, chunk_plan
-from .chunking import chunk_bounds, chunk_kwargs
 from .config import StreamConfig
 from .grad_accum import ChunkGradAccumulator
-from .kv_capture import Projection, key_value_projection
-from .layout import SequenceLayout
+from .layout import SequenceLayout, chunk_bounds, chunk_kwargs
 from .memory_kinds import KV_GRAD_SUMS
+from .objectives.router_loss import RouterBalance
 from .phases import CHUNK_BACKWARD, CHUNK_FORWARD, KV_CAPTURE
 
 
-def _capture_keys_values(
-    layer, layer_input, kwargs: dict, chunks, attention: ChunkAttention, project: Projection | None = None
-) -> KVBuffer:
-    """layer_input: X (sequences.py), read first chunk to last. project: the keys/values alone by the
-    family's recipe (kv_capture.py); None runs the layer until its attention function has stored them."""
+def whole_layer_keys_values(call, attention: ChunkAttention) -> Projection:
+    """The keys/values of a chunk by running the layer until its attention function has stored them
+    (the layer stops there, `KVCaptured`): what every projection must reproduce (key_values.py)."""
+
+    def project(hidden: torch.Tensor, chunk_kwargs: dict):
+        capture = KVBuffer(seq_len=hidden.shape[1], attend=False, attention=attention)
+        try:
+            call(hidden, **chunk_kwargs, **{STATE_KWARG: capture})
+        except KVCaptured:
+            return capture.keys, capture.values, capture.sliding_window
+        raise RuntimeError(f"{type(getattr(call, '__self__', call)).__name__} never called its attention function")
+
+    return project
+
+
+def _capture_keys_values(layer, call, layer_input, kwargs: dict, chunks, attention: ChunkAttention) -> KVBuffer:
+    """layer_input: X (sequences.py), read first chunk to last. The keys/values alone where a
+    projection reproduces the layer's (key_values.py), else by running the layer on each chunk
+    until its attention function has stored them."""
     capture = KVBuffer(seq_len=layer_input.shape[1], attend=False, attention=attention)  # keys, values (B, kv, T, h)
+    keys_values = LayerKeyValues(layer, call, kwargs, whole_layer_keys_values(call, attention))
     with torch.no_grad():
         for (start, end), hidden in zip(chunks, layer_input.chunks(chunks)):
             capture.start = start
-            if project is not None:
-                capture.store(*project(hidden, chunk_kwargs(kwargs, start, end)))
-                continue
-            try:  # the layer runs up to its attention call on X[:, start:end] (B, c, d), which raises
-                layer(hidden, **chunk_kwargs(kwargs, start, end), **{STATE_KWARG: capture})
-            except KVCaptured:
-                continue
-            raise RuntimeError(
-                f"{type(getattr(layer, '__self__', layer)).__name__} never called its attention function"
-            )
+            if attention.hooks.on_capture is not None:
+                attention.hooks.on_capture(capture)
+            capture.store(*keys_values(hidden, chunk_kwargs(kwargs, start, end)))
     return capture
 
 
@@ -66,13 +75,14 @@ def layer_backward(
     need_input_grad: bool,
     call=None,
     layout: SequenceLayout | None = None,
-    key_values: KeyValueRecipe | None = None,
+    router: RouterBalance | None = None,
 ) -> None:
     """layer_input X (B, T, d); grad dZ (B, T, d) is overwritten with dX when need_input_grad (both
     sequences.py: read and written chunk by chunk). Leaves the layer's parameter gradients in .grad. call: what runs a chunk, `layer` itself unless
     a data-parallel engine needs its hook-free `forward` (grad_sync.py). layout: the batch's padding
     and packed documents (layout.py), None when each row is one sequence from position 0.
-    key_values: the family's K/V recipe (adapters.py), None to capture through the whole layer.
+    router: a mixture-of-experts model's load-balancing term (objectives/router_loss.py), whose
+    gradient each chunk's router logits get as one more root.
     config: the chunk size and the gradient sums' dtype; attention: the chunks' kernel setting and
     the step's hooks (their timer times K/V capture, chunk forward and chunk backward, phases.py)."""
     call = layer if call is None else call
@@ -80,8 +90,7 @@ def layer_backward(
     seq_len = layer_input.shape[1]  # layer_input, grad: (B, T, d)
     chunks = chunk_bounds(seq_len, config.chunk_size)  # [(start, end), ...] covering [0, T)
     with hooks.timed(KV_CAPTURE):
-        project = key_value_projection(layer, call, kwargs, key_values)
-        capture = _capture_keys_values(call, layer_input, kwargs, chunks, attention, project)
+        capture = _capture_keys_values(layer, call, layer_input, kwargs, chunks, attention)
         keys, values, window = capture.keys, capture.values, capture.sliding_window  # (B, kv, T, h) each
         acc_dtype = torch.promote_types(keys.dtype, torch.float32)  # dK/dV sum over later chunks
         with hooks.allocating(KV_GRAD_SUMS):
@@ -95,7 +104,12 @@ def layer_backward(
     for start, end in backward_order:
         state = ChunkState(start, chunk_plan(layout, start, end, window), capture, grad_keys, grad_values)
         chunk_input = next(inputs).detach().requires_grad_(need_input_grad)  # X[chunk] (B, c, d), a leaf
-        with hooks.timed(CHUNK_FORWARD), torch.enable_grad():  # queries (B, heads, c, h) against keys[..., :end, :]
+        routed = nullcontext() if router is None else router.capturing()
+        with (
+            hooks.timed(CHUNK_FORWARD),
+            torch.enable_grad(),
+            routed,
+        ):  # queries (B, heads, c, h) against keys[..., :end, :]
             output = call(chunk_input, **chunk_kwargs(kwargs, start, end), **{STATE_KWARG: state})  # (B, c, d)
 
         with hooks.timed(CHUNK_BACKWARD):
@@ -103,6 +117,9 @@ def layer_backward(
             if end < seq_len:  # later chunks attended to this chunk's keys/values: (B, kv, c, h) each
                 roots += [state.key_chunk, state.value_chunk]
                 root_grads += [grad_keys[:, :, start:end].to(keys.dtype), grad_values[:, :, start:end].to(values.dtype)]
+            if router is not None:  # the load-balancing loss's gradient at the chunk's router logits
+                router_roots, router_grads = router.roots(start, end)
+                roots, root_grads = roots + router_roots, root_grads + router_grads
             pairs = [(r, g) for r, g in zip(roots, root_grads) if r.requires_grad]
             if pairs:  # the prefix's dK/dV go into grad_keys/grad_values[:, :, :start] on the way (_BufferedPrefix)
                 torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs])

@@ -26,7 +26,8 @@ KV_BUFFERS = "K/V buffers"  # (B, kv_heads, T, head_dim) keys and values of all 
 KV_GRAD_SUMS = "dK/dV sums"  # their fp32 gradient sums over later chunks (layer_backward.py)
 GRADIENTS = "gradients"  # fp32 sums of the chunks' weight gradients, and .grad they round to (grad_accum.py)
 LOGITS = "logits"  # a head chunk's logits, its loss terms and their backward (head.py)
-KINDS = (CHECKPOINTS, KV_BUFFERS, KV_GRAD_SUMS, GRADIENTS, LOGITS)
+CARRIED_STATES = "carried states"  # each chunk's start conv tail and recurrent state (carried_state.py)
+KINDS = (CHECKPOINTS, KV_BUFFERS, KV_GRAD_SUMS, GRADIENTS, LOGITS, CARRIED_STATES)
 
 _NOTHING = nullcontext()
 

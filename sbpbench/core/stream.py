@@ -18,18 +18,20 @@ from contextlib import closing, contextmanager, nullcontext
 
 import torch
 
-from .adapters import DecoderParts, check_no_attention_dropout, resolve_parts, trainable
+from .architecture.admission import admit, verdict
+from .architecture.detectors import carries_state, check_hooks_run, check_streamable
+from .architecture.parts import DecoderParts, UnsupportedModelError, resolve_parts, trainable
+from .architecture.self_check import refuse_unless_exact
 from .attention import ATTENTION_NAME, ChunkAttention
-from .checkpoints import Checkpoints, forward_checkpoints
-from .chunking import chunk_bounds
+from .checkpoints import Checkpoints, ChunkedPasses, forward_checkpoints
 from .config import StreamConfig
 from .grad_accum import ChunkGradAccumulator
 from .head import head_backward
-from .hooks import NO_HOOKS, StepHooks
-from .kernels.kernel_choice import check_chunk_attention
-from .layer_backward import layer_backward
-from .layout import build_layout
+from .hooks import NO_HOOKS, StepHooks, steered
+from .kernels.kernel_choice import LOWER_RIGHT, check_chunk_attention
+from .layout import build_layout, chunk_bounds
 from .objectives import SFT, Objective
+from .objectives.router_loss import RouterBalance
 from .parallel.grad_sync import for_model as grad_sync_for
 from .parallel.grad_sync import unwrap
 from .parallel.grad_sync_base import GradSync
@@ -54,6 +56,7 @@ def stream_backward(
     hooks: StepHooks | None = None,
     scale_wrt_gas: bool = True,
     sequence_parallel: SequenceParallel | None = None,
+    router_aux_loss_coef: float | None = None,
 ) -> torch.Tensor:
     """Forward + backward of a training objective with StreamBP. Returns the loss (0-dim, detached)
     and accumulates into every trainable parameter's .grad what
@@ -69,53 +72,109 @@ def stream_backward(
     `engine.backward(loss, scale_wrt_gas=...)`: False leaves the gradients undivided by its
     gradient_accumulation_steps (transformers' Trainer scales its loss itself). sequence_parallel:
     the group of ranks sharing each sequence (parallel/sequence_group.py), each given the same whole
-    batch; the loss returned is the whole sequence's on every rank."""
+    batch; the loss returned is the whole sequence's on every rank. router_aux_loss_coef: a
+    mixture-of-experts model's load-balancing loss (objectives/router_loss.py) added to the
+    objective with this coefficient; None: as the model's forward adds it (its config's
+    output_router_logits and router_aux_loss_coef), 0: not at all.
+
+    The model must stream exactly: the detectors and the self-check of its architecture
+    (architecture/admission.py) refuse it otherwise, with an UnsupportedModelError, before any work."""
+    return _stream_backward(
+        model, input_ids, labels, objective=objective, attention_mask=attention_mask, position_ids=position_ids,
+        config=config, hooks=hooks, scale_wrt_gas=scale_wrt_gas, sequence_parallel=sequence_parallel,
+        router_aux_loss_coef=router_aux_loss_coef, admitted=False,
+    )  # fmt: skip
+
+
+def check_model(model: torch.nn.Module | None = None, *, model_class: type | None = None, config=None):
+    """Whether `model` (or the architecture `model_class` built from `config`) streams exactly: an
+    UnsupportedModelError naming the reason if not. Returns the self-check's verdict (SelfCheck), or
+    None for an architecture in the verified table. Runs the self-check once per architecture and
+    process, as the first step would (architecture/admission.py)."""
+    if model is None:
+        if model_class is None or config is None:
+            raise TypeError("check_model needs a model, or model_class= and config=")
+        with torch.device("meta"):
+            model = model_class._from_config(config)
+    parts = resolve_parts(unwrap(model))
+    check_streamable(parts)
+    check = verdict(type(parts.model), parts.config, _self_check_step, training=parts.model.training)
+    if check is not None:
+        refuse_unless_exact(check)
+    return check
+
+
+def _self_check_step(model, input_ids, labels, attention_mask, chunk_size: int, logits_chunk_size: int):
+    """The step the self-check compares with standard BP, on its small copy (admitted already)."""
+    # the reference kernel: the check is of the architecture, and a kernel chosen elsewhere (a
+    # compiled one) cannot run under the check's float64 dispatch mode
+    config = StreamConfig(chunk_size=chunk_size, logits_chunk_size=logits_chunk_size, chunk_attention=LOWER_RIGHT)
+    return _stream_backward(model, input_ids, labels, attention_mask=attention_mask, config=config, admitted=True)
+
+
+def _stream_backward(
+    model, input_ids, labels=None, *, objective=None, attention_mask=None, position_ids=None,
+    config: StreamConfig = DEFAULT_CONFIG, hooks: StepHooks | None = None, scale_wrt_gas: bool = True,
+    sequence_parallel: SequenceParallel | None = None, router_aux_loss_coef: float | None = None, admitted: bool,
+) -> torch.Tensor:  # fmt: skip
+    _check_arguments(input_ids, labels, config, hooks, sequence_parallel)
     hooks = hooks if hooks is not None else NO_HOOKS
-    check_chunk_attention(config.chunk_attention, input_ids.device, hooks.chooser)
+    check_chunk_attention(config.chunk_attention, input_ids.device)
     if (labels is None) == (objective is None):
         raise ValueError("give either labels (the SFT objective) or objective=..., not both or neither")
     objective = objective if objective is not None else SFT(labels)
     _check_shapes(input_ids, objective.labels)
     layout = build_layout(attention_mask, position_ids, objective.mask, packing_refused=objective.packing_refused)
     parts = resolve_parts(unwrap(model))  # a DeepSpeedEngine: its module
-    check_no_attention_dropout(parts)
+    if not trainable(parts.model):  # as loss.backward() would: there is no gradient to give
+        raise RuntimeError("no parameter of the model requires grad: unfreeze some (requires_grad_(True)) to train it")
+    if not admitted:
+        admit(parts, _self_check_step)
+    if sequence_parallel is not None and any(carries_state(layer) for layer in parts.layers):
+        raise UnsupportedModelError(
+            "sequence-parallel StreamBP does not carry a linear-attention or SSM state from rank to rank; run the "
+            "model on one rank per sequence (--sp 1)"
+        )
     sync = grad_sync_for(model, parts, sequence_parallel=sequence_parallel is not None)  # FSDP2, DeepSpeed or none
-    layer_passes = None  # one process holds the whole sequence: checkpoints.py and layer_backward.py
+    check_hooks_run(parts, sync.call)
+    attention = ChunkAttention(config.chunk_attention, hooks)
+    local = None  # one process holds the whole sequence
     if sequence_parallel is not None:  # this rank's positions, ids, objective and layer passes
         local = local_batch(
-            sequence_parallel, parts, input_ids, objective, chunk_size=config.chunk_size,
-            logits_chunk_size=config.logits_chunk_size, sync=sync, attention_mask=attention_mask,
-            position_ids=position_ids,
+            sequence_parallel, parts, input_ids, objective, config=config, attention=attention, sync=sync,
+            attention_mask=attention_mask, position_ids=position_ids,
         )  # fmt: skip
-        input_ids, position_ids, objective, layer_passes, layout = (
-            local.input_ids,
-            local.position_ids,
-            local.objective,
-            local.step,
-            None,
+        input_ids, position_ids, objective, layout = local.input_ids, local.position_ids, local.objective, None
+    balance = RouterBalance.of(parts.model, parts.layers, attention_mask, router_aux_loss_coef)
+    if balance is not None and local is not None:
+        raise UnsupportedModelError(
+            "sequence-parallel StreamBP does not stream the router's load-balancing loss; pass "
+            "router_aux_loss_coef=0 (or set config.output_router_logits = False)"
         )
+    passes = local.passes if local is not None else ChunkedPasses(config, attention, layout, balance)
     if scale_wrt_gas:
         objective = sync.objective(objective)  # DeepSpeed: each chunk's gradient / accumulation steps
     if hooks.timer is not None:
         hooks.timer.start(input_ids.device)
     store = _store(config, len(parts.layers), hooks)
-    attention = ChunkAttention(config.chunk_attention, hooks)
     summed = (
         nullcontext()
         if sequence_parallel is None
         else summed_gradients(sequence_parallel, trainable(parts.model), sync)
     )
-    with summed, _streaming_mode(parts), sync.step(), closing(store):  # close: frees what an error left
-        with hooks.timed(CHECKPOINT_PASS):
+    routed = nullcontext() if balance is None else balance.hooked()
+    with summed, _streaming_mode(parts), sync.step(), closing(store), routed:  # close: frees what an error left
+        counting = nullcontext() if balance is None else balance.counting(input_ids.shape[1], config.chunk_size)
+        with hooks.timed(CHECKPOINT_PASS), counting:
             saved = forward_checkpoints(
-                parts, input_ids, config.chunk_size, store, gathered=sync.gathered, position_ids=position_ids,
-                layout=layout, prepare_embedding=sync.gather_head, attention=attention,
-                layer_forward=layer_passes.layer_forward if layer_passes else None,
+                parts, input_ids, passes, store, gathered=sync.gathered, position_ids=position_ids,
+                prepare_embedding=sync.gather_head,
             )  # fmt: skip
-        store.rebuild_into = lambda index, source, sink: _rebuild(parts, saved, index, source, sink, config, sync)
+        store.rebuild_into = lambda index, source, sink: _rebuild(parts, saved, index, source, sink, sync)
         loss, grad, head_grads = _head(parts, saved, store, objective, config, hooks, sync)
-        backward = layer_passes.layer_backward if layer_passes else layer_backward
-        _layers_backward(parts, saved, store, grad, config, attention, sync, backward)
+        _layers_backward(parts, saved, store, grad, hooks, sync)
+        if balance is not None and balance.loss is not None:
+            loss = loss + balance.loss.to(loss.dtype)
         if trainable(parts.embed):
             sync.gather_head()
             embedding_grads = ChunkGradAccumulator(trainable(parts.embed), config.fp32_grad_accumulation, hooks.kinds)
@@ -130,7 +189,7 @@ def _store(config: StreamConfig, num_layers: int, hooks: StepHooks) -> Checkpoin
     """Where the step keeps its layer inputs (placements/), told to the hooks' on_store."""
     placement = config.checkpoints
     kind = StreamingStore if placement.stream else CheckpointStore
-    store = kind(placement, num_layers, kinds=hooks.kinds, shapes_only=hooks.shapes_only)
+    store = kind(placement, num_layers, kinds=hooks.kinds, shapes_only=steered(hooks).shapes_only)
     store.timer = hooks.timer
     if hooks.on_store is not None:
         hooks.on_store(store)
@@ -159,21 +218,19 @@ def _head(parts: DecoderParts, saved: Checkpoints, store, objective, config: Str
     return loss, grad, head_grads
 
 
-def _layers_backward(
-    parts: DecoderParts, saved: Checkpoints, store, grad, config, attention, sync: GradSync, backward=layer_backward
-) -> None:
-    """Layers L-1 down to 0: each layer's chunked backward, its gradient reduced once, X_l freed."""
-    progress, num_layers = attention.hooks.progress, len(parts.layers)
+def _layers_backward(parts: DecoderParts, saved: Checkpoints, store, grad, hooks: StepHooks, sync: GradSync) -> None:
+    """Layers L-1 down to 0: each layer's chunked backward (saved.passes), its gradient reduced
+    once, X_l freed."""
+    progress, num_layers = hooks.progress, len(parts.layers)
     embed_trainable = bool(trainable(parts.embed))
     if progress is not None:
         progress(0, num_layers)
     for index in reversed(range(num_layers)):
         layer = parts.layers[index]
         sync.begin(layer)
-        backward(
-            layer, store.get(index, grad.device), grad, saved.layer_kwargs[index], config=config, attention=attention,
-            need_input_grad=embed_trainable or index > 0, call=sync.call(layer), layout=saved.layout,
-            key_values=parts.key_values,
+        saved.passes.backward(
+            index, layer, sync.call(layer), store.get(index, grad.device), grad, saved.layer_kwargs[index],
+            need_input_grad=embed_trainable or index > 0,
         )  # fmt: skip
         sync.end(layer)  # the chunks' summed gradients, reduced once
         store.release(index)  # free X_l
@@ -196,18 +253,35 @@ def _embedding_backward(embed, input_ids: torch.Tensor, grad, chunk_size: int, a
     accumulator.finish()
 
 
-def _rebuild(
-    parts: DecoderParts, saved: Checkpoints, index: int, source, sink, config: StreamConfig, sync: GradSync
-) -> None:
+def _rebuild(parts: DecoderParts, saved: Checkpoints, index: int, source, sink, sync: GradSync) -> None:
     """X_{index+1} into sink from X_index read from source, as the checkpoint pass made it (recompute
     placements; sequences.py). A sharded layer is gathered once for the whole rebuild, and its chunks
     run hook-free (grad_sync.py)."""
     layer = parts.layers[index]
     with timed(saved.layer_inputs.timer, REBUILD), torch.no_grad(), sync.rebuilding(layer):
-        saved.layer_forward(
-            sync.call(layer), source, sink, saved.layer_kwargs[index], config.chunk_size, saved.layout,
-            saved.attention,
-        )  # fmt: skip
+        saved.passes.forward(index, layer, sync.call(layer), source, sink, saved.layer_kwargs[index])
+
+
+def _check_arguments(input_ids, labels, config, hooks, sequence_parallel) -> None:
+    """Arguments of the wrong kind or shape, each a TypeError or ValueError naming it, before any work.
+    An object of another class with the attribute the step reads first passes (a test's stand-in)."""
+    for name, value, kind, read in (
+        ("config", config, StreamConfig, "chunk_size"),
+        ("hooks", hooks, StepHooks, "timer"),
+        ("sequence_parallel", sequence_parallel, SequenceParallel, "layout"),
+    ):
+        if value is not None and not isinstance(value, kind) and not hasattr(value, read):
+            raise TypeError(
+                f"{name} must be a {kind.__name__}, got {type(value).__name__}: pass {name}={kind.__name__}(...)"
+            )
+    for name, value in (("input_ids", input_ids), ("labels", labels)):
+        if value is not None and not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} must be a (batch, seq_len) int64 tensor, got {type(value).__name__}")
+        if value is not None and value.dim() != 2:
+            shape = tuple(value.shape)
+            raise ValueError(
+                f"{name} must be a (batch, seq_len) tensor, got shape {shape}: one sequence is {name}[None]"
+            )
 
 
 def _check_shapes(input_ids, labels) -> None:

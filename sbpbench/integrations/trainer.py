@@ -39,8 +39,7 @@ from accelerate.utils.memory import clear_device_cache
 from transformers import Trainer
 from transformers.training_args import OptimizerNames
 
-from ..core import SFT, Objective, SequenceParallel, StepHooks, StreamConfig, stream_backward
-from ..core.internal import check_no_attention_dropout, resolve_parts
+from ..core import SFT, Objective, SequenceParallel, StepHooks, StreamConfig, check_model, stream_backward
 from .sequence_parallel import SHARDED_KEYS, count_targets, deepspeed_sequence_parallel, whole_batch
 from .token_outputs import TokenRecorder
 
@@ -253,7 +252,7 @@ class StreamBPStep(Trainer):
             "the host": bool(getattr(args, "activation_offloading", False)),
         }
         refuse(self, refusals)
-        check_no_attention_dropout(resolve_parts(self.model))  # an unsupported model family raises here too
+        check_model(self.model)  # a model StreamBP cannot stream raises here, before training
         if deepspeed_sequence_parallel(accelerator) and self.recorded_outputs:
             warnings.warn(
                 f"{type(self).__name__}: under sequence parallelism the loss is logged, the trainer's per-token "

@@ -6,15 +6,22 @@ and stream placements copy (core/placements/host_copies.py): the number the plan
 
 One buffer of DEFAULT_BYTES is copied each way: one warm-up copy discarded, then `--repeats` copies,
 each timed with the device synchronised around it (measure/timing.py); the median and the spread are
-kept. GB/s is 10^9 bytes per second, as bus rates are quoted. On a CPU the same code copies between
-two ordinary buffers: a check of the code, not of a bus.
+kept. GB/s is 10^9 bytes per second, as bus rates are quoted. On CUDA the host buffer is of two
+kinds, a row each way for each:
+    pin_memory        torch's pinned allocator (cudaHostAlloc)
+    cudaHostRegister  pageable memory page-locked in place, whole pages from a page boundary: what the
+                      stores' pool holds (core/host_pool.py), whose rate the placements get
+On a CPU the same code copies between two ordinary buffers ("pageable"): a check of the code, not of a bus.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import os
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 from datetime import UTC, datetime
 from pathlib import Path
@@ -26,6 +33,57 @@ from .timing import time_steps
 
 DEFAULT_BYTES = 65536 * 4096 * 2  # a Qwen3-8B layer input at T = 65,536 in bf16: 512 MiB
 HOST_TO_DEVICE, DEVICE_TO_HOST = "host to device", "device to host"
+PIN_MEMORY, HOST_REGISTER, PAGEABLE = "pin_memory", "cudaHostRegister", "pageable"  # the host buffer's kind
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+Register = Callable[[int, int], int]  # (address, bytes) -> cudaError_t, 0 for success
+Unregister = Callable[[int], int]  # (address) -> cudaError_t
+
+
+def _cuda_register(address: int, nbytes: int) -> int:
+    return int(torch.cuda.cudart().cudaHostRegister(address, nbytes, 0))
+
+
+def _cuda_unregister(address: int) -> int:
+    return int(torch.cuda.cudart().cudaHostUnregister(address))
+
+
+@contextmanager
+def registered_buffer(
+    num_bytes: int, register: Register = _cuda_register, unregister: Unregister = _cuda_unregister
+) -> Iterator[torch.Tensor]:
+    """num_bytes of ordinary host memory page-locked in place, as the stores' pool does it: a page
+    more allocated, the range started on a page boundary and rounded to whole pages, every page
+    touched first, one registration; unregistered on exit, before the memory is freed."""
+    need = -(-num_bytes // PAGE_BYTES) * PAGE_BYTES
+    raw = torch.empty(need + PAGE_BYTES, dtype=torch.uint8)
+    offset = -raw.data_ptr() % PAGE_BYTES
+    pages = raw[offset : offset + need]
+    pages[::PAGE_BYTES].fill_(0)  # fault the pages in on torch's threads, not one by one in the driver
+    error = register(pages.data_ptr(), need)
+    if error:
+        raise RuntimeError(f"cudaHostRegister of {need:,} B failed: cudaError {error}")
+    try:
+        yield pages[:num_bytes]
+    finally:
+        unregister(pages.data_ptr())
+
+
+CUDA_PAGE_LOCK = (_cuda_register, _cuda_unregister)
+
+
+@contextmanager
+def host_buffer(
+    kind: str, num_bytes: int, page_lock: tuple[Register, Unregister] = CUDA_PAGE_LOCK
+) -> Iterator[torch.Tensor]:
+    """A (num_bytes,) uint8 host buffer of `kind`, its pages faulted in."""
+    if kind == HOST_REGISTER:
+        with registered_buffer(num_bytes, *page_lock) as pages:
+            pages.fill_(1)
+            yield pages
+        return
+    buffer = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=kind == PIN_MEMORY)
+    buffer.fill_(1)  # fault the pages in before any copy is timed
+    yield buffer
 
 
 @dataclass
@@ -40,6 +98,7 @@ class CopyRate:
     seconds_min: float
     seconds_max: float
     gb_per_s: float  # num_bytes / seconds_p50 / 1e9
+    host_buffer: str = ""  # PIN_MEMORY | HOST_REGISTER (CUDA), PAGEABLE (a CPU)
     device: str = ""
     device_name: str = ""
     torch_version: str = ""
@@ -49,31 +108,41 @@ class CopyRate:
     timestamp_utc: str = ""
 
 
-def measure_copy_rates(device: torch.device, num_bytes: int = DEFAULT_BYTES, repeats: int = 5) -> list[CopyRate]:
-    """Host to device, then device to host, of one num_bytes buffer each way."""
+def measure_copy_rates(
+    device: torch.device,
+    num_bytes: int = DEFAULT_BYTES,
+    repeats: int = 5,
+    kinds: tuple[str, ...] | None = None,
+    page_lock: tuple[Register, Unregister] = CUDA_PAGE_LOCK,
+) -> list[CopyRate]:
+    """Host to device, then device to host, of one num_bytes buffer each way, for each kind of host
+    buffer (default: both page-locked kinds on CUDA, pageable on a CPU). page_lock: cudaHostRegister
+    and cudaHostUnregister as the registered kind calls them (tests: stand-ins)."""
     cuda = device.type == "cuda"
-    host = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=cuda)  # (num_bytes,), page-locked on CUDA
-    host.fill_(1)  # fault the pages in before any copy is timed
+    kinds = kinds or ((PIN_MEMORY, HOST_REGISTER) if cuda else (PAGEABLE,))
     on_device = torch.empty(num_bytes, dtype=torch.uint8, device=device)
     synchronize = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
-    copies = {
-        HOST_TO_DEVICE: lambda: on_device.copy_(host, non_blocking=cuda),
-        DEVICE_TO_HOST: lambda: host.copy_(on_device, non_blocking=cuda),
-    }
     env = capture_environment(str(device))
     rates = []
-    for direction, copy in copies.items():
-        copy()  # warm-up, discarded
-        synchronize()
-        stats = time_steps(copy, repeats=repeats, synchronize=synchronize)
-        rates.append(
-            CopyRate(
-                direction, num_bytes, cuda, repeats, stats.median_s, stats.min_s, stats.max_s,
-                num_bytes / stats.median_s / 1e9, device=str(device), device_name=env.device_name,
-                torch_version=env.torch_version, cuda_version=env.cuda_version, git_commit=env.git_commit,
-                git_dirty=env.git_dirty, timestamp_utc=datetime.now(UTC).isoformat(timespec="seconds"),
-            )
-        )  # fmt: skip
+    for kind in kinds:
+        with host_buffer(kind, num_bytes, page_lock) as host:  # (num_bytes,)
+            copies = {
+                HOST_TO_DEVICE: lambda host=host: on_device.copy_(host, non_blocking=cuda),
+                DEVICE_TO_HOST: lambda host=host: host.copy_(on_device, non_blocking=cuda),
+            }
+            for direction, copy in copies.items():
+                copy()  # warm-up, discarded
+                synchronize()
+                stats = time_steps(copy, repeats=repeats, synchronize=synchronize)
+                rates.append(
+                    CopyRate(
+                        direction, num_bytes, kind != PAGEABLE, repeats, stats.median_s, stats.min_s, stats.max_s,
+                        num_bytes / stats.median_s / 1e9, host_buffer=kind, device=str(device),
+                        device_name=env.device_name, torch_version=env.torch_version, cuda_version=env.cuda_version,
+                        git_commit=env.git_commit, git_dirty=env.git_dirty,
+                        timestamp_utc=datetime.now(UTC).isoformat(timespec="seconds"),
+                    )
+                )  # fmt: skip
     return rates
 
 
@@ -104,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     write_csv(rates, args.out)
     for rate in rates:
         print(
-            f"{rate.direction}: {rate.gb_per_s:.1f} GB/s ({rate.num_bytes / 2**20:.0f} MiB, median of {rate.repeats})"
+            f"{rate.direction}, {rate.host_buffer}: {rate.gb_per_s:.1f} GB/s "
+            f"({rate.num_bytes / 2**20:.0f} MiB, median of {rate.repeats})"
         )
     return 0
 

@@ -1,5 +1,6 @@
 """Wall time of a step: warm-up discarded, the device synchronised around each timed step, the
-median and spread of `repeats` steps (never a lone mean). Python's cyclic garbage collector is
+median and spread of `repeats` steps (never a lone mean). The median of an even count is its lower
+middle, a time one step took: the step whose phases a row reports (runner/point.py) is that step. Python's cyclic garbage collector is
 paused inside the timed region, as `timeit` does: a full collection over transformers' objects
 takes a few hundred milliseconds and would land on whichever step triggered it."""
 
@@ -18,7 +19,8 @@ class TimingStats:
 
     @property
     def median_s(self) -> float:
-        return statistics.median(self.times_s)
+        """The middle time; of an even count the lower middle (one step's own time, never a mean)."""
+        return statistics.median_low(self.times_s)
 
     @property
     def min_s(self) -> float:

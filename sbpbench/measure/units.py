@@ -60,8 +60,10 @@ _SECONDS = {None: 1, "s": 1, "m": 60, "min": 60, "h": 3600}
 def parse_seconds(text: str) -> float:
     """'9m' -> 540.0; 's', 'm' (or 'min') and 'h'; a bare number is seconds."""
     match = _DURATION.match(str(text))
-    if not match or float(match.group(1)) <= 0:
+    if not match:
         raise ValueError(f"cannot read the duration {text!r}; write e.g. 9m, 540s, 1.5h or a number of seconds")
+    if float(match.group(1)) <= 0:
+        raise ValueError(f"the duration {text!r} is not above zero; write e.g. 9m, 540s or 1.5h")
     unit = match.group(2).lower() if match.group(2) else None
     return float(match.group(1)) * _SECONDS[unit]
 

@@ -7,7 +7,8 @@ without a graph and whose backward recomputes each chunk's logits with one, so a
 (B, c, V) block of logits (and its gradient) exists at a time, in the forward and in the backward.
 
 The decoder runs as transformers runs it (its own forward, its gradient checkpointing); the head
-is the lm_head (+ Gemma's final-logit softcap) applied to the decoder's last hidden state, and the
+is the model's own (its lm_head and what its forward adds: a softcap, a logit scale) applied to the
+decoder's last hidden state, and the
 loss is the objective's (core/objectives.py), computed in float32 or wider as transformers does.
 Every objective works: per-token ones (SFT, GRPO) chunk by chunk; DPO and GSPO, functions of
 whole-sequence sums, after a no-grad pass for those sums (the objective's streaming protocol).
@@ -15,9 +16,19 @@ whole-sequence sums, after a no-grad pass for those sums (the objective's stream
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
-from ..core.internal import DeviceSequence, counted_chunks, loss_dtype, resolve_parts, sequence_sums, trainable
+from ..core.internal import (
+    DeviceSequence,
+    ModelHead,
+    counted_chunks,
+    loss_dtype,
+    resolve_parts,
+    sequence_sums,
+    trainable,
+)
 from ..data import Batch
 from .hf_baseline import hf_gradient_checkpointing
 
@@ -69,29 +80,39 @@ class ChunkedHeadLoss(torch.autograd.Function):
 
 
 class _Head(torch.nn.Module):
-    """lm_head, then the final-logit softcap where the model has one (before any upcast, as in
-    transformers)."""
+    """The model's own head on normed hidden states (core's ModelHead: the lm_head and whatever the
+    causal LM's forward does after it, a softcap or a logit scale); its parameters are the lm_head's."""
 
-    def __init__(self, lm_head: torch.nn.Module, softcap: float | None):
+    def __init__(self, parts):
         super().__init__()
-        self.lm_head, self.softcap = lm_head, softcap
+        self.lm_head = parts.lm_head
+        normed = lambda hidden: hidden  # the decoder's output is normed already
+        self._logits = ModelHead(parts, lambda module: normed if module is parts.norm else module).logits
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden)  # (B, c, V)
-        if self.softcap is not None:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
+        return self._logits(hidden)  # (B, c, V)
 
 
 def chunked_head_loss(model, batch: Batch, logits_chunk_size: int) -> torch.Tensor:
     """Decoder forward (transformers', whatever checkpointing the model has on), then the chunked
     head and loss; returns the loss with its graph (the caller calls backward)."""
     parts = resolve_parts(model)
-    head = _Head(parts.lm_head, parts.final_logit_softcap)
-    hidden = parts.decoder(
-        input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
-    ).last_hidden_state  # (B, T, d), after the final norm
-    return ChunkedHeadLoss.apply(hidden, head, batch.objective(), logits_chunk_size, *trainable(head))
+    head = _Head(parts)
+    output = parts.decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+    hidden = output.last_hidden_state  # (B, T, d), after the final norm
+    loss = ChunkedHeadLoss.apply(hidden, head, batch.objective(), logits_chunk_size, *trainable(head))
+    return loss + _balance_loss(parts.model, output, batch.attention_mask)
+
+
+def _balance_loss(model, output, attention_mask) -> torch.Tensor | float:
+    """A mixture-of-experts model's load-balancing term, by its modeling file's own function on the
+    router logits its decoder returned (config.output_router_logits), as its forward adds it."""
+    router_logits = getattr(output, "router_logits", None)
+    loss_func = getattr(sys.modules[type(model).__module__], "load_balancing_loss_func", None)
+    if not router_logits or loss_func is None:
+        return 0.0
+    aux = loss_func(router_logits, model.num_experts, model.num_experts_per_tok, attention_mask)
+    return model.router_aux_loss_coef * aux
 
 
 def ckpt_chunked_ce(model, batch: Batch, settings) -> torch.Tensor:

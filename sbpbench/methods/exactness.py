@@ -24,12 +24,15 @@ the model's largest reference gradient: noise of the model's own scale, never a 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..core.internal import Float64Throughout
 from ..data import SFTBatch
 from .registry import run_method
 from .settings import MethodSettings
@@ -53,14 +56,13 @@ FP32_RELATIVE_FLOOR = 64 * torch.finfo(torch.float32).eps
 # good as BP. fp32 rounding stays far below it: 1.9e-4 on the DPO loss above is the largest seen.
 BASELINE_SANITY = 1e-3
 
-# Modules that compute in float32 whatever the model dtype (Gemma3RMSNorm casts to float and back),
-# so in a float64 model their weight gradients are float32 reductions, summed per chunk by
-# StreamBP and over the whole sequence by standard BP: equal to float32 rounding only.
-FLOAT32_COMPUTE_MODULES = ("Gemma3RMSNorm",)
-# What `sbp check` says when an fp64 check judged some tensors at float32's tolerance (docs/exactness.md).
+# What `sbp check` says when an fp64 check judged some tensors at float32's tolerance (docs/exactness.md):
+# a module that casts float64 values to float32 (an RMSNorm that upcasts, as Gemma's does, a float32
+# router) makes float32 reductions of its weight gradients, summed per chunk by StreamBP and over
+# the whole sequence by standard BP: equal to float32 rounding only. Found by watching a forward.
 FLOAT32_COMPUTE_NOTE = (
-    "Gemma-3's RMSNorm computes in float32 inside a float64 model, so the gradients of its weights agree to float32 "
-    "rounding only"
+    "their modules compute in float32 inside a float64 model (found in a forward), so the gradients of their weights "
+    "agree to float32 rounding only"
 )
 
 
@@ -141,10 +143,13 @@ class MethodComparison:
         return [] if self.loss is None else [d for d in [self.loss, *self.grads] if not d.ok]
 
 
-def step_gradients(method, model, batch: SFTBatch, settings: MethodSettings):
-    """Run one step from zero gradients; return (loss, {parameter name: grad or zeros})."""
+def step_gradients(method, model, batch: SFTBatch, settings: MethodSettings, *, throughout: bool = False):
+    """Run one step from zero gradients; return (loss, {parameter name: grad or zeros}).
+    throughout: a float64 model's float32 computations (an attention softmax, a norm's upcast) run
+    in float64 (Float64Throughout), as they do for every method compared in this process."""
     model.zero_grad(set_to_none=True)
-    loss = run_method(method, model, batch, settings)
+    with float64_throughout(model) if throughout else contextlib.nullcontext():
+        loss = run_method(method, model, batch, settings)
     grads = {  # taken from the model, not copied (a copy would double the memory of a large model)
         name: (p.grad.detach() if p.grad is not None else torch.zeros_like(p))
         for name, p in model.named_parameters()
@@ -154,23 +159,69 @@ def step_gradients(method, model, batch: SFTBatch, settings: MethodSettings):
     return loss, grads
 
 
+def float64_throughout(model):
+    """Float64Throughout for a model whose every parameter is float64, else nothing. Methods that
+    all run so compare their math in float64, not float32 rounding that differs by summation order."""
+    if all(p.dtype == torch.float64 for p in model.parameters()):
+        return Float64Throughout()
+    return contextlib.nullcontext()
+
+
 def _judging_dtypes(model) -> dict[str, torch.dtype]:
-    """Per parameter, the precision its gradient is judged in: the model's, or float32 for modules
-    that compute in float32 inside a float64 model."""
+    """Per parameter, the precision its gradient is judged in: the model's, or float32 for the
+    parameters of modules that compute in float32 inside a float64 model."""
     dtypes = {name: model.dtype for name, _ in model.named_parameters()}
     if model.dtype == torch.float64:
-        for module_name, module in model.named_modules():
-            if type(module).__name__ in FLOAT32_COMPUTE_MODULES:
-                for param_name, _ in module.named_parameters():
-                    dtypes[f"{module_name}.{param_name}"] = torch.float32
+        for module_name in float32_compute_modules(model):
+            for param_name, _ in model.get_submodule(module_name).named_parameters(recurse=False):
+                dtypes[f"{module_name}.{param_name}" if module_name else param_name] = torch.float32
     return dtypes
 
 
+class _Float32Casts(TorchDispatchMode):
+    """Records the running module when one of its own float64 parameters is cast to float32."""
+
+    def __init__(self, running: list[tuple[str, set[int]]]):
+        super().__init__()
+        self.running, self.found = running, set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._to_copy.default and kwargs.get("dtype") == torch.float32 and self.running:
+            name, own = self.running[-1]
+            if isinstance(args[0], torch.Tensor) and args[0].dtype == torch.float64 and id(args[0]) in own:
+                self.found.add(name)
+        return func(*args, **kwargs)
+
+
+def float32_compute_modules(model) -> set[str]:
+    """The modules that cast their own float64 weights to float32 in a forward of this float64
+    model (two positions): an RMSNorm that multiplies in float32, as Gemma's does. Their weight
+    gradients are float32 sums over positions, summed per chunk by StreamBP."""
+    running: list[tuple[str, set[int]]] = []
+    handles = []
+    for name, module in model.named_modules():
+        own = {id(p) for p in module.parameters(recurse=False)}
+        if own:
+            hook = lambda m, a, n=name, own=own: running.append((n, own)) and None
+            handles.append(module.register_forward_pre_hook(hook))
+            handles.append(module.register_forward_hook(lambda m, a, o: running.pop() and None, always_call=True))
+    ids = torch.zeros(1, 2, dtype=torch.long, device=next(model.parameters()).device)
+    try:
+        with torch.no_grad(), _Float32Casts(running) as mode:
+            model(input_ids=ids, use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return mode.found
+
+
 def _grad_diffs(grads: dict, ref_grads: dict, dtypes: dict) -> list[TensorDiff]:
+    """dtypes: the precision each parameter is judged in (missing: its own)."""
     scale = max((float(g.abs().max()) for g in ref_grads.values() if g.numel()), default=0.0)
     diffs = []
     for name, ref in ref_grads.items():
-        dtype = dtypes[name]
+        dtype = dtypes.get(name, ref.dtype)
         floor = ROUNDING_UNITS * torch.finfo(dtype).eps * scale if dtype in TOLERANCE else 0.0
         diffs.append(tensor_diff(name, grads[name], ref, TOLERANCE.get(dtype), floor))
     return diffs
@@ -179,17 +230,22 @@ def _grad_diffs(grads: dict, ref_grads: dict, dtypes: dict) -> list[TensorDiff]:
 def compare_methods(
     model, batch: SFTBatch, methods: list[str], settings: MethodSettings, reference: str = "bp"
 ) -> list[MethodComparison]:
-    """Run the reference and each method on the same model and batch and compare."""
-    ref_loss, ref_grads = step_gradients(reference, model, batch, settings)
+    """Run the reference and each method on the same model and batch and compare; in float64 every
+    step runs with the model's float32 computations in float64, and every tensor is judged at 1e-10.
+    With FlexAttention forced they stay float32 and are judged at float32's tolerance: torch compiles
+    FlexAttention's op even in eager mode, and a compile runs under no dispatch mode."""
+    throughout = settings.chunk_attention != "flex"
+    ref_loss, ref_grads = step_gradients(reference, model, batch, settings, throughout=throughout)
     results = []
     for method in methods:
         try:
-            loss, grads = step_gradients(method, model, batch, settings)
+            loss, grads = step_gradients(method, model, batch, settings, throughout=throughout)
         except MethodUnsupported as error:
             model.zero_grad(set_to_none=True)
             results.append(MethodComparison(method, reference, None, [], unsupported=str(error)))
             continue
-        results.append(compare_step(method, reference, model, (loss, grads), (ref_loss, ref_grads)))
+        ours, ref = (loss, grads), (ref_loss, ref_grads)
+        results.append(compare_step(method, reference, model, ours, ref, float32_modules=not throughout))
     return results
 
 
@@ -351,14 +407,17 @@ def judge_low_precision(
     return results
 
 
-def compare_step(method: str, reference: str, model, ours: tuple, ref: tuple) -> MethodComparison:
-    """A comparison of (loss, {name: grad}) computed elsewhere (an external worker) with the
-    reference's; a parameter without a gradient there counts as zeros."""
+def compare_step(
+    method: str, reference: str, model, ours: tuple, ref: tuple, *, float32_modules: bool = True
+) -> MethodComparison:
+    """A comparison of (loss, {name: grad}) computed elsewhere (an external worker, ranks) with the
+    reference's; a parameter without a gradient there counts as zeros. float32_modules: judge the
+    weights of modules that compute in float32 at float32's tolerance (steps not run throughout)."""
     (loss, grads), (ref_loss, ref_grads) = ours, ref
     grads = {name: grads[name] if name in grads else torch.zeros_like(g) for name, g in ref_grads.items()}
     return MethodComparison(
         method=method,
         reference=reference,
         loss=tensor_diff("loss", loss, ref_loss, TOLERANCE.get(model.dtype)),
-        grads=_grad_diffs(grads, ref_grads, _judging_dtypes(model)),
+        grads=_grad_diffs(grads, ref_grads, _judging_dtypes(model) if float32_modules else {}),
     )

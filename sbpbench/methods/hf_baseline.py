@@ -16,17 +16,28 @@ def hf_forward_backward(model, batch: Batch) -> torch.Tensor:
     (a training step, as the HF Trainer runs it). SFT is `model(..., labels=labels).loss`, the
     paper's baseline; transformers computes that loss in float32 even for a float64 model, so a
     float64 model gets the same formula on its float64 logits. GRPO and DPO compute their
-    per-token log-probs from the full logits, as TRL's trainers do."""
+    per-token log-probs from the full logits, as TRL's trainers do. A mixture-of-experts model that
+    returns its load-balancing loss (config.output_router_logits) adds it, times its coefficient, to
+    every objective, as transformers adds it to its `labels=` loss and TRL's trainers to theirs."""
     objective = batch.objective()
     if isinstance(objective, SFT) and next(model.parameters()).dtype != torch.float64:
         loss = model(
             input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=batch.labels, use_cache=False
         ).loss
     else:
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
-        loss = objective.full_loss(logits)
+        output = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+        loss = objective.full_loss(output.logits) + router_loss(model, output)
     loss.backward()
     return loss.detach()
+
+
+def router_loss(model, output) -> torch.Tensor | float:
+    """coef x the load-balancing loss the model's forward returned (`aux_loss`), else 0."""
+    aux = getattr(output, "aux_loss", None)
+    if aux is None:
+        return 0.0
+    base = getattr(model, "get_base_model", lambda: model)()
+    return getattr(base, "router_aux_loss_coef", base.config.router_aux_loss_coef) * aux
 
 
 def _enable_checkpointing(model, offload: bool = False) -> None:

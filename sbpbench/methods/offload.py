@@ -87,7 +87,7 @@ class _HostShape:
 
 
 class ShapeOnlyCopies:
-    """The host copies of a step's offloaded checkpoints where StepHooks.shapes_only asks for shapes,
+    """The host copies of a step's offloaded checkpoints where SteeredHooks.shapes_only asks for shapes,
     as StreamBP's stores keep them (core/placements/placement.py): the memory simulator's fake
     tensors, whose `.cpu()` is the tensor itself, so save_on_cpu would leave every checkpoint in the
     counted memory. A saved tensor is packed as its shape (the device's tensor is let go), counted

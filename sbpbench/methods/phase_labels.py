@@ -1,6 +1,6 @@
 """Names for the part of a step that is running, so a peak (estimated or measured) can say where it was.
 
-Hooks on the model's parts (core.adapters.resolve_parts: embedding, decoder layers, lm_head) and
+Hooks on the model's parts (core.architecture.parts.resolve_parts: embedding, decoder layers, lm_head) and
 on the optimizer set `counter.phase`; they allocate nothing, so the count is unchanged. Labels:
 "forward", "embedding", "forward layer i", "head" (lm_head and loss, and their backward),
 "head chunk k" (StreamBP's k-th lm_head call with grad), "head sums chunk k" (the k-th of the
@@ -24,7 +24,7 @@ class PhaseLabels:
         """at_norm: label a decoder layer from hooks on its input_layernorm, the first module its
         forward calls, not on the layer: under FSDP2 StreamBP runs a layer's hook-free forward, and
         a sequence-parallel step keeps its K/V recipe only where nothing wraps or pre-hooks the layer
-        (core/kv_capture.py)."""
+        (core/architecture/key_values.py)."""
         self.counter = counter  # anything with a writable `phase`
         self.chunked_head = chunked_head
         self.at_norm = at_norm

@@ -12,7 +12,10 @@ step, allocated inside it.
 from __future__ import annotations
 
 import gc
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import replace
+from functools import partial
 
 import torch
 
@@ -106,6 +109,18 @@ class TrainingStep:
         if self.optimizer is not None and self.protocol == "first":
             self.optimizer.state.clear()  # the moments are allocated inside the step
         gc.collect()  # reference cycles must not carry one step's tensors into the next
+
+    @contextmanager
+    def using(self, **knobs) -> Iterator[None]:
+        """The steps run inside read these knob values instead of the settings' (the runner's
+        chunk kernels picked from a table of measured ones); undone on exit."""
+        step, settings = self._step, self.settings
+        self.settings = replace(settings, **knobs)
+        self._step = partial(step.func, *step.args, **{**step.keywords, "settings": self.settings})
+        try:
+            yield
+        finally:
+            self._step, self.settings = step, settings
 
     def run(self) -> torch.Tensor:
         """One step: the method's forward and backward, then the optimizer's step if any."""

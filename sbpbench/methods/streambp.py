@@ -2,11 +2,11 @@
 
 The step's StreamConfig is made from the method settings by field name: a knob core reads is a
 field of both, and reaches the step without a line here. What a measuring caller (the worker, the
-estimator) watches or steers of the steps it runs goes into their StepHooks through
-`step_hooks(...)`, a context around the steps, so the registry's (model, batch, settings)
-signature grows no argument that no other method reads:
+estimator) watches of the steps it runs goes into their StepHooks through `step_hooks(...)`, a
+context around the steps, so the registry's (model, batch, settings) signature grows no argument
+that no other method reads:
 
-    with step_hooks(on_store=stores.append, kernel_mode=REFERENCE): step.run()
+    with step_hooks(on_store=stores.append, on_kernel=kernels.add): step.run()
 
 `reporting_progress(callback)` and `timing_phases()` are two such contexts: per-layer progress,
 and a PhaseTimer for each step (core/phases.py).
@@ -21,14 +21,15 @@ from dataclasses import fields, replace
 
 import torch
 
-from ..core import LayerProgress, PhaseTimer, StepHooks, StreamConfig, stream_backward
+from ..core import LayerProgress, PhaseTimer, StreamConfig, stream_backward
+from ..core.internal import SteeredHooks
 from ..data import Batch
 
-_HOOKS: ContextVar[StepHooks | None] = ContextVar("streambp_hooks", default=None)
+_HOOKS: ContextVar[SteeredHooks | None] = ContextVar("streambp_hooks", default=None)
 _TIMERS: ContextVar[list[PhaseTimer] | None] = ContextVar("streambp_timers", default=None)
 _ON_PHASE: ContextVar[Callable[[str | None], None] | None] = ContextVar("streambp_on_phase", default=None)
 # hooks that are told something: a nested context's callback runs after the outer one's
-_CALLBACKS = ("progress", "on_store", "on_kernel", "on_chunk_call")
+_CALLBACKS = ("progress", "on_store", "on_kernel", "on_chunk_call", "on_capture")
 
 
 def _both(outer, inner):
@@ -43,8 +44,8 @@ def _both(outer, inner):
 
 
 @contextmanager
-def step_hooks(**given) -> Iterator[StepHooks]:
-    """StreamBP steps run inside get these StepHooks fields, on top of an enclosing context's: a
+def step_hooks(**given) -> Iterator[SteeredHooks]:
+    """StreamBP steps run inside get these hook fields (StepHooks' and SteeredHooks'), on top of an enclosing context's: a
     callback is added to the outer one's, any other field replaces it."""
     current = current_hooks()
     merged = {n: _both(getattr(current, n), v) if n in _CALLBACKS else v for n, v in given.items()}
@@ -55,9 +56,9 @@ def step_hooks(**given) -> Iterator[StepHooks]:
         _HOOKS.reset(token)
 
 
-def current_hooks() -> StepHooks:
-    """The StepHooks a StreamBP step run here would get."""
-    return _HOOKS.get() or StepHooks()
+def current_hooks() -> SteeredHooks:
+    """The hooks a StreamBP step run here would get: StepHooks, with the estimator's steering."""
+    return _HOOKS.get() or SteeredHooks()
 
 
 def reporting_progress(callback: LayerProgress | None):

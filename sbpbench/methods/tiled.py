@@ -23,6 +23,7 @@ from ..data import Batch
 from .chunked_ce import chunked_head_loss
 from .hf_baseline import hf_gradient_checkpointing
 from .offload import offloaded_checkpointing
+from .unsupported import MethodUnsupported
 
 
 def _tiles(seq_len: int, tile_size: int):
@@ -70,7 +71,13 @@ class TiledMLP(torch.autograd.Function):
 def tiled_mlps(model, tile_size: int):
     """Every decoder layer's MLP computed by TiledMLP for the duration of the block: an instance
     attribute `forward` over the class's, removed on exit (weights and state_dict untouched)."""
-    mlps = [layer.mlp for layer in resolve_parts(model).layers]
+    mlps = [getattr(layer, "mlp", None) for layer in resolve_parts(model).layers]
+    for index, mlp in enumerate(mlps):
+        if mlp is None or any(name.endswith("experts") for name, _ in mlp.named_modules()):
+            raise MethodUnsupported(
+                f"TiledMLP tiles a dense MLP that returns one tensor; layer {index}'s feed-forward is "
+                f"{'missing (no .mlp)' if mlp is None else 'a mixture of experts'}"
+            )
     for mlp in mlps:
         assert "forward" not in vars(mlp), f"{type(mlp).__name__} already has an instance forward"
         mlp.forward = _tiled_forward(mlp, tile_size)

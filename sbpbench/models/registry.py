@@ -1,7 +1,8 @@
 """Named model shapes: real configs (verbatim config.json files from the Hugging Face Hub, shipped
 in configs/) and tiny test shapes of each family derived from them; any other name is a local
 checkpoint directory or a Hub id (source.py). Building a model from a shape gives random weights:
-memory and time do not depend on weight values."""
+memory and time do not depend on weight values. A multimodal config.json (Llama 4) is shipped
+whole, and the causal LM is built from the text_config it nests."""
 
 from __future__ import annotations
 
@@ -59,6 +60,73 @@ TINY_MODELS = {
             "layer_types": ["sliding_attention", "full_attention"],
         },
     ),
+    # families beyond the five: mixture-of-experts, sinks and windows, MLA, chunked attention
+    "tiny/qwen3-moe": ModelSpec(
+        "tiny/qwen3-moe",
+        "Qwen/Qwen3-30B-A3B",
+        {
+            **_TINY,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "moe_intermediate_size": 32,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+        },
+    ),
+    "tiny/gpt-oss": ModelSpec(
+        "tiny/gpt-oss",
+        "openai/gpt-oss-20b",
+        {
+            **_TINY,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": 8,
+        },
+    ),
+    "tiny/mixtral": ModelSpec(
+        "tiny/mixtral",
+        "mistralai/Mixtral-8x7B-v0.1",
+        {**_TINY, "num_key_value_heads": 2, "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2},
+    ),
+    "tiny/deepseek-v3": ModelSpec(
+        "tiny/deepseek-v3",
+        "deepseek-ai/DeepSeek-V3",
+        {
+            **_TINY,
+            "num_hidden_layers": 3,
+            "num_key_value_heads": 4,
+            "moe_intermediate_size": 32,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "n_group": 1,
+            "topk_group": 1,
+            "first_k_dense_replace": 1,
+            "kv_lora_rank": 16,
+            "q_lora_rank": 24,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 8,
+            "v_head_dim": 8,
+            "head_dim": 8,
+            "qk_head_dim": 16,
+        },
+    ),
+    "tiny/llama4": ModelSpec(
+        "tiny/llama4",
+        "meta-llama/Llama-4-Scout-17B-16E-Instruct",
+        {
+            **_TINY,
+            "num_hidden_layers": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "intermediate_size_mlp": 128,
+            "num_local_experts": 4,
+            "attention_chunk_size": 8,
+            "no_rope_layers": [1, 1, 1, 0],
+            "moe_layers": [0, 1, 2, 3],
+        },
+    ),
 }
 
 # Shapes for measurements on a CPU: a real vocabulary (full logits are what standard BP pays for)
@@ -96,6 +164,12 @@ def _real_config_dict(hub_id: str) -> dict:
     return json.loads(text)
 
 
+def causal_lm_values(values: dict) -> dict:
+    """The values a causal LM is built from: a config.json's own, or the text_config of a multimodal
+    one (its vision tower and projector are not built), which names its own model_type."""
+    return dict(values.get("text_config", values))
+
+
 def get_spec(name: str) -> ModelSpec:
     try:
         return MODELS[name]
@@ -119,7 +193,7 @@ def config_dict(name: str, *, download: bool = True, **overrides) -> dict:
         raise ValueError(typo)
     if is_registry_name(name):
         spec = MODELS[name]
-        values = dict(_real_config_dict(spec.base))
+        values = causal_lm_values(_real_config_dict(spec.base))
         merged = {**spec.overrides, **overrides}
     else:
         values, merged = checkpoint_config(name, download=download, known=tuple(MODELS)), overrides

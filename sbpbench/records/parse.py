@@ -7,8 +7,8 @@ work and never rewritten; the message says where to repair it. Damage it finds:
   - a header line inside the body (two files joined with `cat`);
   - a row with fewer fields than the header, or no line end at the end of the file (a copy cut short);
   - a row with more fields than the header;
-  - a required value missing, a number or a bool that does not parse, a status, kind or source the
-    schema does not know.
+  - a required value missing, a number or a bool that does not parse, a status, kind, source or
+    sp_layout the schema does not know, a rank count under 1, an sp that does not divide nproc.
 A UTF-8 byte-order mark (a spreadsheet's export) is read past.
 """
 
@@ -21,11 +21,13 @@ import math
 from dataclasses import fields
 from pathlib import Path
 
+from ..settings.choices import SP_LAYOUTS
 from .schema import COLUMNS, KINDS, REQUIRED_COLUMNS, SCHEMA_VERSION, SOURCES, STATUSES, ResultRow
 
 # a column's kind, from its field's type ("int | None" -> int); text columns are not checked
 KIND_OF: dict[str, str] = {f.name: str(f.type).split(" ")[0] for f in fields(ResultRow)}
-CHOICES: dict[str, tuple[str, ...]] = {"status": STATUSES, "kind": KINDS, "source": SOURCES}
+CHOICES: dict[str, tuple[str, ...]] = {"status": STATUSES, "kind": KINDS, "source": SOURCES, "sp_layout": SP_LAYOUTS}
+COUNTS = ("nproc", "sp")  # ranks: at least 1 where given
 REPAIR = "fix or remove that line"
 
 
@@ -108,6 +110,8 @@ def parse_rows(path: Path, reader, header: list[str]) -> list[dict[str, str]]:
             for column, value in record.items():
                 if why := bad_value(column, value):
                     raise ValueError(f"{path} line {line}, column {column}: {why}; {REPAIR}")
+            if why := bad_ranks(record):
+                raise ValueError(f"{path} line {line}, column sp: {why}; {REPAIR}")
             rows.append(record)
     except csv.Error as error:
         raise ValueError(f"{path} line {start}: not CSV ({error}); {REPAIR}") from None
@@ -149,7 +153,17 @@ def bad_value(column: str, text: str) -> str | None:
         return f"{text[:40]!r} is not true or false"
     if column in CHOICES and text not in CHOICES[column]:
         return f"{text[:40]!r} is not one of {', '.join(CHOICES[column])}"
+    if column in COUNTS and float(text) < 1:
+        return f"{text[:40]!r} ranks: it is at least 1"
     return None
+
+
+def bad_ranks(record: dict[str, str]) -> str | None:
+    """Why a row's sp cannot share its nproc ranks (the ranks sharing a sequence divide them), or None."""
+    sp, nproc = record.get("sp"), record.get("nproc")
+    if not sp or not nproc or int(float(nproc)) % int(float(sp)) == 0:
+        return None
+    return f"{sp} ranks per sequence do not divide nproc {nproc}"
 
 
 def _is_number(text: str) -> bool:

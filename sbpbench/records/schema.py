@@ -64,8 +64,8 @@ read back with the new columns empty):
   14 trace_file: a PyTorch profiler trace of one step run after the timed steps (`sbp run --trace`:
      Chrome/Perfetto JSON, one folder per point for HTA), relative to the CSV's directory
      (runner/traces.py). Not a key column. Older rows read back with it empty (none).
-     tuning_s: seconds of the untimed pass that chose StreamBP's chunk kernels and ran each once per
-     shape (measuring, cuDNN graphs, compiles), between the memory step and the timed steps;
+     tuning_s: seconds of the untimed pass, between the memory step and the timed steps, that ran the
+     chunk kernels a table of measured ones picked once per call shape (cuDNN graphs, compiles);
      timed_attention_kernel: the chunk kernels the timed steps ran (lower-right | split | flex | fa3 |
      fa4, '+'-joined); attention_kernel stays the memory step's, whose auto is the lower-right path
      (the kernel the estimator models). Not key columns. Older rows read back with them empty (their
@@ -165,7 +165,7 @@ class ResultRow(_MethodSettingColumns):
     # the SDPA kernels that ran ('+'-joined): measured, seen in the memory step; simulated, modelled on CUDA
     attention_kernel: str = ""  # flash | efficient | cudnn | math, and StreamBP's split | flex | fa3 | fa4
     timed_attention_kernel: str = ""  # StreamBP's chunk kernels in the timed steps (lower-right | split | ...)
-    tuning_s: float | None = None  # the untimed pass choosing and warming the chunk kernels
+    tuning_s: float | None = None  # the untimed pass building the chunk kernels a table picked
     memory_limit_bytes: int | None = None  # cap asked for (None: the device's own)
     # the cap that applied: memory_limit_bytes, or where that was above the device's capacity the
     # capacity (a GPU's total memory; on the CPU the machine's RAM, against the tracked bytes)

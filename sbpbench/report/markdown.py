@@ -333,6 +333,8 @@ def _estimates_section(table, reference) -> list[str]:
         "",
         "Simulated rows: a fake-tensor estimate of a GPU, not a measurement.",
     ]
+    if not (table["source"] == "simulated").any():
+        return [*lines, "", "This table has none: `sbp estimate` and `sbp maxlen --simulate` write them."]
     against_measured, unmatched = estimate_comparisons(table)
     headers = ("model", "method", "setting", "measured on", "measured GiB", "estimate GiB", "error")
     lines += ["", "### Estimated peak memory beside the measured one (error = estimate / measured - 1)", ""]

@@ -7,15 +7,18 @@ small factor of bp's own fp32 error (`judge_against_fp64`); in bf16 likewise, wi
 bp's own bf16 error (`judge_low_precision`). With --nproc over 1 the compared methods run on ranks
 (runner/rank_gradients.py) and the same rules judge them against bp's steps in this process. With
 an `out` file, each comparison is appended to it as an ExactnessRow (records/exactness.py).
+StreamBP's chunk attention runs the lower-right reference unless a kernel is named: a check never
+reads the table of measured kernels a timed run may use (runner/kernel_table.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
 from ..config import RunSpec
+from ..core.internal import AUTO, LOWER_RIGHT
 from ..measure.environment import Environment, capture_environment
 from ..methods import METHODS, MethodSettings
 from ..methods.exactness import (
@@ -67,6 +70,7 @@ def check_exactness(spec: ExactnessSpec) -> ExactnessCheck:
     header checked before anything runs)."""
     if spec.out is not None:
         check_exactness_writable(spec.out)
+    spec = pinned_kernels(spec)
     results = compare_all(spec)
     if spec.out is None:
         return ExactnessCheck(results)
@@ -76,6 +80,19 @@ def check_exactness(spec: ExactnessSpec) -> ExactnessCheck:
     except RowsNotSaved as error:
         return ExactnessCheck(results, not_saved=error)
     return ExactnessCheck(results, appended=len(rows))
+
+
+def pinned_kernels(spec: ExactnessSpec) -> ExactnessSpec:
+    """The specs with StreamBP's chunk kernel auto written as what it runs here, the lower-right
+    reference: a check judges one fixed kernel in every dtype, and its rows say which. A kernel
+    named (`--set chunk_attention=split`) is checked as named."""
+    specs = tuple(
+        replace(s, settings=replace(s.settings, chunk_attention=LOWER_RIGHT))
+        if s.settings.chunk_attention == AUTO
+        else s
+        for s in spec.specs
+    )
+    return replace(spec, specs=specs)
 
 
 def compare_all(spec: ExactnessSpec) -> list[MethodComparison]:

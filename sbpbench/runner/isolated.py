@@ -5,6 +5,8 @@ into the next point: a fresh interpreter on a GPU, a fork of the fork server on 
 
 Outcome classes: ok | oom (CUDA OOM, host allocation failure, or the tracked peak over
 --memory-limit on the CPU) | error (anything else, with the worker's one-line reason) | timeout.
+A worker dies with this process however it ends: a SIGTERM unwinds into killing the workers' group,
+and the kernel kills a worker whose parent is gone (worker.py, before the worker's imports).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from .timelines import timeline_dir as timelines_beside
 from .timeout import point_timeout_s
 from .traces import finish as finish_trace
 from .traces import trace_dir as traces_beside
-from .worker import request_json
+from .worker import PARENT_PID_ENV, request_json
 
 _STDERR_TAIL_LINES = 20
 POINT_DIR_PREFIX = "sbp-point-"
@@ -186,7 +188,7 @@ def _start_worker(
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
-        env=env,
+        env={**(env or os.environ), PARENT_PID_ENV: str(os.getpid())},  # it dies with this process (worker.py)
         start_new_session=spec.nproc == 1,
         process_group=None if spec.nproc == 1 else (group or 0),
     )
@@ -231,6 +233,7 @@ def _run_workers(
     lines: list[str] = []
     readers = []
     try:
+        _terminate_raises()  # a SIGTERM here unwinds into the kill below, as Ctrl-C does
         for r, result_path in enumerate(results):
             env = None
             if spec.nproc > 1:
@@ -270,6 +273,18 @@ def _run_workers(
     row = rows[0] if spec.nproc == 1 else merge_rank_rows(rows)
     row.timeout_s = timeout_s
     return row, stderr
+
+
+def _terminated(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _terminate_raises() -> None:
+    """Where SIGTERM would kill this process outright (its default action, as in a test process),
+    make it raise SystemExit instead, so the workers are killed on the way out. A handler someone
+    else installed (`sbp`'s own) is kept. Only the main thread may set one."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _terminated)
 
 
 def _kill_group(workers: list[Worker]) -> None:

@@ -82,7 +82,9 @@ def maxlen_row(
     row.kind, row.seq_len, row.error = "maxlen", None, ""
     row.status = "ok" if result.max_ok is not None else "oom"
     if result.max_ok is None:
-        row.error = f"even T={result.min_oom} does not fit"
+        shortest = probe_rows.get(result.min_oom)
+        host = shortest.error if shortest is not None and (shortest.error or "").startswith("host:") else ""
+        row.error = f"even T={result.min_oom} does not fit" + (f": {host}" if host else "")
     row.max_seq_len, row.oom_seq_len = result.max_ok, result.min_oom
     row.search_resolution, row.num_probes = str(search.resolution), len(result.probes)
     row.seed_seq_len, row.search_probes = seed_seq_len, probe_record(result.probes)

@@ -55,6 +55,8 @@ def written_line(outcome: Outcome, out, results: str = "point(s) and answer(s)")
 def point_line(row: ResultRow) -> str:
     """How a finished point ended, in one line."""
     line = f"{row.method} T={row.seq_len}: {row.status}"
+    if row.status == "oom" and (row.error or "").startswith("host:"):  # a predicted host, not the GPU, is too small
+        line += f" ({row.error})"
     if row.peak_allocated_bytes is not None:
         line += f", peak {gib(row.peak_allocated_bytes)} GiB"
     if row.time_median_s is not None:

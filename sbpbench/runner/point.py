@@ -12,8 +12,8 @@ Protocol (recorded in every row):
   3. `repeats` timed steps, synchronised, with nothing else running (no tracker, no sampler);
      none for a memory-only point (repeats 0: a max-length probe). A streambp step times its
      phases meanwhile (CUDA events, or the CPU's clock; core/phases.py): the row's phase_*_s
-     columns are those of the timed step whose time is the median (the lower middle of an even
-     count), read after the timed steps.
+     columns are those of the timed step whose time is time_median_s (the lower middle of an even
+     count: one rule for both), read after the timed steps.
 The worker runs spec.threads intra-op threads (default: OMP_NUM_THREADS, else the physical cores it
 may use); the row records them and the load average as the point started.
 A memory limit above the device's capacity (the paper's 80 GiB on an H100; 100TB on the CPU, whose
@@ -21,13 +21,15 @@ cap is on the tracked bytes, against the machine's RAM) runs at the capacity; th
 that applied (memory_limit_effective_bytes) and the parent says so (runner/isolated.py).
 Every step runs under the forced SDPA kernel, if any (spec.sdpa_backend, measure/sdpa.py); the
 memory step records the kernels that ran (attention_kernel): SDPA's, and StreamBP's chunk kernels
-(core/kernels/kernel_choice.py) other than the lower-right SDPA path, e.g. "cudnn+split". StreamBP's chunk
-kernel under auto is fixed in the memory step: the lower-right path, which the estimator models, so
-a peak never depends on which points ran before. No step ever times a kernel. Before the timed
-steps, an untimed pass (`tune_kernels`, its seconds in tuning_s) measures the shape classes of the
-chunk calls the first steps made (on a GPU; choices kept on disk, measure/kernel_cache.py) and runs
-each chosen kernel once per shape (cuDNN graphs, compiles); the warm-up and timed steps run the
-cached choices, and timed_attention_kernel names the chunk kernels the timed steps ran.
+(core/kernels/kernel_choice.py) other than the lower-right SDPA path, e.g. "cudnn+split". No step
+ever times a kernel. StreamBP's auto is the lower-right path in the memory step, the kernel the
+estimator models, so a peak never depends on what was measured before. Its warm-up and timed
+steps ask this device's table of measured kernels, where one exists (runner/kernel_table.py:
+written by benchmarks/attention_kernels.py): the kernel the table names for each call's shape
+class. Before the timed steps, an untimed pass (its seconds in tuning_s) runs each such kernel once
+on every distinct call shape the memory step made, strides, grad mode and gradient layout as the
+step makes them (cuDNN graphs, compiles); timed_attention_kernel names the chunk kernels the timed
+steps ran.
 Gradients before each step follow the protocol: steady = resident and zeroed in place, first =
 None. An out-of-memory error anywhere is the point's result (status oom), not a crash.
 An offloading StreamBP point on CUDA page-locks its host buffers in its first step (the warm-up, or
@@ -49,17 +51,16 @@ from __future__ import annotations
 import time
 import traceback
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import torch
 
 from ..config import RunSpec
-from ..core.internal import CACHED, LOWER_RIGHT, REFERENCE, KernelChooser, tune_chunk_calls
+from ..core.internal import AUTO, LOWER_RIGHT
 from ..measure.cuda_memory import NvmlPeakSampler, nvml_handle, start_cuda
 from ..measure.flops import training_flops
 from ..measure.host_memory import peak_rss_bytes, reset_peak_rss, total_ram_bytes
-from ..measure.kernel_cache import JsonChoiceCache
 from ..measure.memory_cap import memory_cap
 from ..measure.progress import StepProgress
 from ..measure.sdpa import RecordingSdpaBackends, forcing_sdpa_backend, is_no_kernel_error
@@ -68,10 +69,10 @@ from ..measure.threads import available_cpus, load_average_1m, set_intra_op_thre
 from ..measure.timeline.cuda import CUDA_MEMORY, CudaMemoryCalls, CudaTimeline
 from ..measure.timeline.cuda import ROUNDING as CUDA_ROUNDING
 from ..measure.timeline.tracked import TrackedTimeline
-from ..measure.timing import time_steps
+from ..measure.timing import TimingStats, time_steps
 from ..methods import MethodUnsupported
 from ..methods.step import TrainingStep, storage_bytes
-from ..methods.streambp import current_hooks, reporting_progress, step_hooks, timing_phases
+from ..methods.streambp import reporting_progress, step_hooks, timing_phases
 from ..records import ResultRow, one_line
 from ..records.schema import phase_column
 from ..workload.build import build_model_and_batch, training_step
@@ -79,6 +80,7 @@ from ..workload.rows import spec_fields
 from ..workload.timeline import resident_kinds
 from . import ranks, timelines
 from .allocator import allocator_setting
+from .kernel_table import TablePicker, table_picker, warm_chunk_kernels
 from .traces import trace_step  # sbp run --trace: one step more, profiled, outside the times
 
 _HOST_OOM_MESSAGES = ("can't allocate memory", "out of memory")
@@ -135,12 +137,16 @@ def start_cuda_point(spec: RunSpec, row: ResultRow, device: torch.device) -> Non
         torch.cuda.set_per_process_memory_fraction(row.memory_limit_effective_bytes / total, device)
 
 
+Kernels = Callable[[], AbstractContextManager]  # the warm-up and timed steps' chunk kernels, around them
+
+
 def _measure_cpu(
     spec: RunSpec,
     step: TrainingStep,
     row: ResultRow,
     prepare: Callable[[str], None],
     timeline_dir: Path | None = None,
+    step_kernels: Kernels = nullcontext,
 ) -> Callable[[], None]:
     prepare("memory step")
     resident = storage_bytes(step.resident_tensors())
@@ -163,7 +169,7 @@ def _measure_cpu(
             tracker,
             resizes,
             kernels,
-            step_hooks(on_store=stores.append, on_kernel=chunk_kernels.add, kernel_mode=REFERENCE),
+            step_hooks(on_store=stores.append, on_kernel=chunk_kernels.add),
         ):
             row.loss = float(step.run())
     except BaseException as failed:
@@ -177,7 +183,7 @@ def _measure_cpu(
         row.activation_peak_bytes = tracker.peak_bytes
         if recorder is not None:  # what ran, up to an OOM
             timelines.save_cpu(recorder, spec, row, timeline_dir, timelines.status_of(error, is_out_of_memory))
-    with step_hooks(kernel_mode=CACHED):
+    with step_kernels():
         for i in range(1, spec.warmup + 1):
             prepare(f"warm-up {i} of {spec.warmup}")
             step.run()
@@ -205,6 +211,7 @@ def _measure_cuda(
     prepare: Callable[[str], None],
     timeline_dir: Path | None = None,
     memory_calls: CudaMemoryCalls = CUDA_MEMORY,
+    step_kernels: Kernels = nullcontext,
 ) -> Callable[[], None]:
     """Warm-up, then the memory step. A memory-only probe needs no warm-up for its peak:
     max_memory_allocated counts live tensors, and what a first step creates lazily and keeps
@@ -214,12 +221,13 @@ def _measure_cuda(
     by the workspaces (a few MiB to tens of MiB) and peak_reserved_bytes may differ (no cached
     segments to reuse). The warm-up matters for timing, which a probe does not do.
     timeline_dir: record PyTorch's memory history of the memory step into a timeline there
-    (runner/timelines.py); memory_calls: torch.cuda.memory as the recorder calls it (tests: a stand-in)."""
+    (runner/timelines.py); memory_calls: torch.cuda.memory as the recorder calls it (tests: a stand-in);
+    step_kernels: around the warm-up steps, the chunk kernels the timed steps will run."""
 
     def synchronize() -> None:
         torch.cuda.synchronize(device)
 
-    with step_hooks(kernel_mode=CACHED):
+    with step_kernels():
         for i in range(1, spec.warmup + 1):
             prepare(f"warm-up {i} of {spec.warmup}")
             step.run()
@@ -240,7 +248,7 @@ def _measure_cuda(
             history,
             marks,
             kernels,
-            step_hooks(on_store=stores.append, on_kernel=chunk_kernels.add, kernel_mode=REFERENCE),
+            step_hooks(on_store=stores.append, on_kernel=chunk_kernels.add),
         ):
             row.loss = float(step.run())
             synchronize()
@@ -282,12 +290,10 @@ def _measure(spec: RunSpec, timeline_dir: Path | None) -> ResultRow:
         if rank is not None:
             device = ranks.rank_device(spec, rank)
             row.device = str(device)
-        chooser = current_hooks().chooser
         if device.type == "cuda":
             # before a rank joins: join's set_device makes the CUDA context (CUDA 12's cudaSetDevice does,
             # on any GPU but the current one), which NVML's idle reading must not hold
             start_cuda_point(spec, row, device)
-            chooser = KernelChooser(cache=JsonChoiceCache())  # StreamBP's measured chunk kernels, across points
         if rank is not None:
             ranks.join(spec, rank)
         step = build_step(spec, row, device, rank)
@@ -301,36 +307,39 @@ def _measure(spec: RunSpec, timeline_dir: Path | None) -> ResultRow:
             step.prepare()
             progress.restart(name)
 
+        picker = measured_kernels(spec, device)
+
+        def step_kernels() -> AbstractContextManager:  # the warm-up and timed steps': the table's where it has one
+            return nullcontext() if picker is None else step.using(chunk_attention=picker)
+
         calls = {}  # the chunk calls' shapes, in order of first appearance
-        with (
-            reporting_progress(progress),
-            forcing_sdpa_backend(spec.sdpa_backend),
-            step_hooks(chooser=chooser),
-        ):
+        with reporting_progress(progress), forcing_sdpa_backend(spec.sdpa_backend):
             with step_hooks(on_chunk_call=lambda shape: calls.setdefault(shape)):
                 if device.type == "cuda":
-                    synchronize = _measure_cuda(spec, step, row, device, prepare, timeline_dir)
+                    synchronize = _measure_cuda(
+                        spec, step, row, device, prepare, timeline_dir, step_kernels=step_kernels
+                    )
                 else:
-                    synchronize = _measure_cpu(spec, step, row, prepare, timeline_dir)
+                    synchronize = _measure_cpu(spec, step, row, prepare, timeline_dir, step_kernels=step_kernels)
             timing, timers = None, []
             if spec.repeats:
-                if calls:
-                    progress.restart("attention kernels")
-                    row.tuning_s = tune_kernels(calls, chooser, synchronize)
                 timed = (f"timed step {i} of {spec.repeats}" for i in range(1, spec.repeats + 1))
                 timed_kernels = set()
-                with (
-                    timing_phases() as timers,  # streambp steps: a PhaseTimer each
-                    step_hooks(kernel_mode=CACHED, on_kernel=timed_kernels.add),  # never a timing in a timed step
-                ):
-                    timing = time_steps(
-                        step.run,
-                        repeats=spec.repeats,
-                        synchronize=synchronize,
-                        before_each=lambda: prepare(next(timed)),
-                    )
-                row.timed_attention_kernel = "+".join(sorted(timed_kernels))
-                with step_hooks(kernel_mode=CACHED):  # the timed steps' kernels, never a timing
+                with step_kernels():
+                    if picker is not None and calls:
+                        progress.restart("attention kernels")
+                        row.tuning_s = warm_kernels(calls, picker, synchronize)
+                    with (
+                        timing_phases() as timers,
+                        step_hooks(on_kernel=timed_kernels.add),
+                    ):  # streambp: a PhaseTimer each
+                        timing = time_steps(
+                            step.run,
+                            repeats=spec.repeats,
+                            synchronize=synchronize,
+                            before_each=lambda: prepare(next(timed)),
+                        )
+                    row.timed_attention_kernel = "+".join(sorted(timed_kernels))
                     trace_step(spec, row, device.type, prepare, step.run, synchronize)
         row.optimizer_state_bytes = step.optimizer_state_bytes
     except MethodUnsupported as error:  # the method cannot run here: a result, with the reason
@@ -346,30 +355,36 @@ def _measure(spec: RunSpec, timeline_dir: Path | None) -> ResultRow:
     row.time_median_s, row.time_min_s, row.time_max_s = timing.median_s, timing.min_s, timing.max_s
     row.tokens_per_s = spec.batch_size * spec.seq_len / timing.median_s
     row.tflops_per_s = row.model_flops / timing.median_s / 1e12
-    record_phases(row, timing.times_s, timers)
+    record_phases(row, timing, timers)
     return row
 
 
-def tune_kernels(calls, chooser: KernelChooser | None, synchronize: Callable[[], None]) -> float:
-    """Seconds of the untimed pass that chooses the chunk kernels of the calls the point's first
-    steps made and runs each chosen kernel once per shape (core/kernels/kernel_choice.py
-    `tune_chunk_calls`): the measuring, a cuDNN graph per shape and a first compile happen here,
-    never in a timed step."""
+def measured_kernels(spec: RunSpec, device: torch.device) -> TablePicker | None:
+    """Where the point's StreamBP runs auto with SDPA's kernels all allowed: the picker of this
+    device's table of measured chunk kernels, if there is one (runner/kernel_table.py)."""
+    if spec.settings.chunk_attention != AUTO or spec.sdpa_backend != "auto":
+        return None
+    return table_picker(device)
+
+
+def warm_kernels(calls, picker: TablePicker, synchronize: Callable[[], None]) -> float:
+    """Seconds of the untimed pass that runs the kernel the table picks for each distinct chunk
+    call the point's first steps made, as they made it (kernel_table.py `warm_chunk_kernels`):
+    a cuDNN graph per shape and a compile per grad mode happen here, never in a timed step."""
     synchronize()
     start = time.perf_counter()
-    tune_chunk_calls(calls, chooser)
+    warm_chunk_kernels(list(calls), picker)
     synchronize()
     return time.perf_counter() - start
 
 
-def record_phases(row: ResultRow, times_s: tuple[float, ...], timers) -> None:
-    """The phase columns of a streambp point: the timed step whose time is nearest the median, its
-    own phases (a median per phase would not add up to one step). Read after the timed steps, so
-    its one synchronize lies outside them."""
-    if not timers or len(timers) != len(times_s):
+def record_phases(row: ResultRow, timing: TimingStats, timers) -> None:
+    """The phase columns of a streambp point: those of the timed step whose time is the median
+    (time_median_s: the lower middle of an even count), its own phases (a median per phase would
+    not add up to one step). Read after the timed steps, so its one synchronize lies outside them."""
+    if not timers or len(timers) != len(timing.times_s):
         return
-    median = sorted(times_s)[(len(times_s) - 1) // 2]
-    phases = timers[times_s.index(median)].resolve()
+    phases = timers[timing.times_s.index(timing.median_s)].resolve()
     for name, seconds in phases.seconds.items():
         setattr(row, phase_column(name), seconds)
     row.phase_other_s = phases.other_s

@@ -63,7 +63,9 @@ def join(spec: RunSpec, rank: Rank) -> torch.device:
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     init = os.environ.get(INIT_METHOD_ENV, "env://")
-    dist.init_process_group(backend, init_method=init, rank=rank.rank, world_size=rank.world_size)
+    # device_id binds nccl's communicator to this rank's GPU at once (no guess from the current device)
+    bound = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend, init_method=init, rank=rank.rank, world_size=rank.world_size, **bound)
     return device
 
 

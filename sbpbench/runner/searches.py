@@ -59,7 +59,8 @@ def run_searches(searches: list[MaxlenSpec], out: Path, *, probing: Probing, res
             outcome.interrupted = f"interrupted: probes so far are in {out}; run the same command to resume"
             return outcome
         outcome.rows.append(answer)
-        steps.advance(f"{search.method}: max T {seq_bound(answer)} ({answer.num_probes} probes)")
+        why = f": {answer.error}" if answer.status == "oom" and answer.error else ""  # not even the shortest fits
+        steps.advance(f"{search.method}: max T {seq_bound(answer)}{why} ({answer.num_probes} probes)")
     return outcome
 
 

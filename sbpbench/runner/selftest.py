@@ -3,35 +3,39 @@
 Every check is an ordinary command (pytest, a benchmark script, `sbp run`, `sbp estimate`, a measure
 module) in its own process with its own time limit, its output appended to one raw log; what it
 decides is written beside it (selftest_summary.py). The plan is pure data, so it is priced and
-tested on any machine.
+tested on any machine (`sbp selftest --dry-run`).
 
 On a GPU (GPU_BUDGET_S, 8 minutes on one H100), in this order:
   1. the quick gpu-marked tests (pytest -m "gpu and quick", tests/gpu/): the stream placements in
-     fp64 with rebuilds, the phase timer's CUDA events, each attention kernel against the
+     fp64 with rebuilds, the phase timer's CUDA events, the attention kernels but flex against the
      lower-right reference in bf16, the memory history's timeline, the worker's memory sources,
-     exactness at T=9000; each test's outcome and message recorded as it finishes;
-  2. the attention-kernel benchmark (benchmarks/attention_kernels.py) at BENCHMARK_KEYS;
-  3. Qwen3-4B T=9000, ckpt and streambp, with --phases and --timeline;
+     exactness at T=9000 (StreamBP on the lower-right kernel); each test's outcome recorded as it ends;
+  2. the attention benchmark (benchmarks/attention_kernels.py) on the calls of a Qwen3-8B step at
+     BENCHMARK_SEQ, which writes this device's table of measured kernels (runner/kernel_table.py);
+  3. Qwen3-4B T=9000, ckpt and streambp with --phases, auto reading that table (its kernels built
+     before the timed steps, on the step's own call shapes);
   4. Qwen3-8B StreamBP at T=262,144 streamed through host buffers (LONG_POINT: `stream:2` on 3
-     layers, one layer rebuilt), one memory step and one timed step;
-  5. Qwen3-8B StreamBP at T=65,536 with the checkpoints on the GPU, one memory step and one timed;
-  6. the page-locked host copy rate each way (measure/copy_rate.py), beside the planner's assumption.
+     layers, one layer rebuilt), a warm-up, a memory step and a timed step;
+  5. Qwen3-8B StreamBP at T=65,536 with the checkpoints on the host (`cpu`: the MFU goal's point,
+     benchmarks/hopper_goals.py), a warm-up, a memory step and a timed step;
+  6. the host copy rate each way, from both kinds of page-locked buffer (measure/copy_rate.py).
+The two long points run the lower-right kernel, the estimator's, so their times compare with earlier rows.
 With 2 GPUs or more visible, StreamBP sharing each sequence over 2 of them (Ulysses over nccl, one
 GPU per rank) comes right after step 3: `sbp check` of it in fp32 (SP_CHECK), then SP_POINT run.
 `sbp estimate` of each measured point runs beside them on the host CPU (fake tensors, no GPU).
-Everything goes to OUT/gpu/<device name>/, caches included: every step's process gets SBP_CACHE_DIR
-(the attention-kernel choices, attention-kernels.json, committed: the next run skips their timing)
-and one Inductor and Triton cache (compile-cache/, ignored by a .gitignore written beside it: large
-binaries of this torch and driver, which the next run rebuilds).
+Everything goes to OUT/gpu/<device name>/: every step's process gets SBP_CACHE_DIR there (the
+kernel table, attention-kernels.json) and one Inductor and Triton cache (compile-cache/, ignored by
+a .gitignore written beside it: large binaries of this torch and driver). `--pack FILE` then writes
+one archive of what a reader needs (PACKED): the rows, the raw log, the kernel table, the summary.
 
 Budget: a step starts only while the budget left covers its prediction and MIN_START_S (budget.py);
 else it is "not run (budget)", which is not a failure. Its limit is its own (TIMEOUT_FACTOR x its
 price plus TIMEOUT_SLACK_S), cut to what the budget leaves. A step's prediction is its wall time in
-this device's earlier selftest.log where it ran ok there, else its price: an `sbp run` from
-simulate/cost.py at the rates fitted to this device's rows (else the H100 rows in results/gpu/,
-else the time model's defaults) plus EXTRA_S; the other steps from PREDICTED_S. test_selftest.py
-checks that the plan priced with the H100 rows fits the budget. A step that exits 0 still fails
-when what it wrote says so: a point's row not ok, a kernel wrong, a direction missing.
+this device's earlier selftest.log where it ran ok there, else its price: the sum of the work it
+counts (selftest_prices.py: starts, steps at the rates fitted to this device's rows, else the H100
+rows in results/gpu/, else the time model's defaults; kernel builds per call shape; compiles).
+The one-GPU plan's price leaves MARGIN of the budget free (test_selftest.py checks it). A step that
+exits 0 still fails when what it wrote says so: a point's row not ok, a kernel wrong, a rate missing.
 
 On a CPU: a small `sbp check`, a short `sbp run` and its `sbp estimate --target cpu`, within
 CPU_BUDGET_S on 2 cores. Written to OUT/cpu-selftest/.
@@ -48,6 +52,7 @@ import resource
 import signal
 import subprocess
 import sys
+import tarfile
 import threading
 import time
 import warnings
@@ -61,10 +66,19 @@ from ..measure.environment import Environment
 from ..models import load_config
 from ..records import read_rows
 from ..settings import SettingChanged
-from ..simulate.cost import point_cost
 from ..simulate.plan import meta_model
 from ..simulate.timing import Rates, fitted_rates
 from .budget import MIN_START_S
+from .kernel_table import FILE_NAME
+from .selftest_prices import (
+    Work,
+    benchmark_work,
+    copy_rate_work,
+    quick_tier_work,
+    run_work,
+    sp_check_work,
+    total_s,
+)
 from .selftest_summary import (
     KERNEL_FAILURES,
     NOT_RUN,
@@ -76,6 +90,7 @@ from .selftest_summary import (
 )
 
 GPU_BUDGET_S = 480.0  # 8 minutes on one H100
+PRICED_DEVICE = "NVIDIA H100 80GB HBM3"  # whose rows (results/gpu/) price a plan made where no GPU is visible
 # The CPU subset's own work is about 40 CPU-seconds (three commands and three workers, each
 # importing torch and transformers); on 2 idle cores that is under a minute. The budget is a hard
 # stop set wider, so a machine shared with other jobs still finishes; the summary gives each step's
@@ -85,47 +100,24 @@ CPU_POINT = {"model": "small/qwen3", "seq_len": 512}  # small/qwen3 at a short T
 
 TIMEOUT_FACTOR, TIMEOUT_SLACK_S = 1.5, 30.0  # a step's own limit over its price
 GRACE_S = 15.0  # after SIGINT at a step's limit (a Ctrl-C: `sbp run` stops its workers), then SIGKILL
+# The share of the budget the one-GPU plan's price leaves free: its prices are predictions
+MARGIN = 0.1
 COMPILE_CACHE = "compile-cache"  # Inductor's and Triton's, under the output folder, ignored by git
 GITIGNORE = (
     "# Inductor's and Triton's compile caches (sbp selftest): large binaries of this torch and driver,\n"
-    "# rebuilt by the next run. attention-kernels.json, the measured kernel choices, is committed.\n"
+    "# rebuilt by the next run. attention-kernels.json, the table of measured kernels, is committed.\n"
     f"{COMPILE_CACHE}/\n"
 )
 BENCHMARK_CSV, COPY_RATE_CSV, EXACTNESS_CSV = "attention-benchmark.csv", "copy-rate.csv", "exactness.csv"
-# The benchmark's shapes: a 4096-query chunk (the long points' chunk) over these keys (its own
-# included): the prefixes of a chunk at 16k, 64k and 256k
-BENCHMARK_QUERIES, BENCHMARK_KEYS = 4096, (16_384, 65_536, 262_144)
-
-# Predicted wall seconds of the steps `sbp run` is not priced for, predictions all (none has run in
-# this form yet); each a process start (simulate/cost.py START_S, 5 s) plus:
-PREDICTED_S = {
-    # pytest's start and imports; test_gpu.py's and test_gpu_measure.py's quick tests (45 s, the
-    # earlier prediction of that subset: a 6-layer Qwen3-0.6B at T=9000 and one Qwen3-0.6B worker);
-    # FlexAttention's first compile, forward and backward (40 s); the fp64 stream placements and the
-    # timed 4-layer Qwen3-0.6B step (10 s)
-    "tests": 100.0,
-    # cuDNN's plans (5 s); FlexAttention's compile from the tests' cache (15 s); 3 shapes x 5 kernels
-    # x 4 forward-backward runs, at most 0.13 s each (256k keys at the H100's fitted attention rates)
-    "attention benchmark": 30.0,
-    # CUDA's context; page-locking 512 MiB (0.2 s at the H100's measured 2.82 GB/s); 12 copies of it
-    # (0.1 s at 64 GB/s); rounded up
-    "copy rate": 15.0,
-    # `sbp check` of SP_CHECK: CUDA's context and bp's fp64 and fp32 reference steps in the parent
-    # (10 s: a 2-layer Qwen3-0.6B, 5 TFLOP in fp64); 2 ranks' imports and nccl's rendezvous (10 s);
-    # the ranks' attention-kernel tuning (20 s, as EXTRA_S's); the step, the full gradients gathered
-    # to the host and compared (5 s)
-    "sp check": 50.0,
-}
-# Added to an `sbp run` step's price, predictions too:
-EXTRA_S = {
-    # per streambp process, between its memory step and its timed steps (the row's tuning_s): each
-    # new shape class's kernels timed (none once attention-kernels.json holds it), each chosen kernel
-    # run once per shape (cuDNN graphs, FlexAttention's compile from the shared cache)
-    "kernel tuning": 20.0,
-    # per method with --timeline: the CLI predicts its timeline on fake tensors, on the host; the
-    # estimate of Qwen3-4B T=9000 for ckpt and streambp took 18.2 s on one H100's host (selftest.log)
-    "timeline prediction": 9.1,
-}
+KERNEL_TABLE = FILE_NAME  # attention-kernels.json (kernel_table.py), in the output folder: SBP_CACHE_DIR's
+# The benchmark's step: Qwen3-8B at 65,536 tokens in chunks of 4096 (auto's at long T): its shape classes
+# (prefixes of 4k to 64k) hold the calls of the 4B point at 9000 too (32 query, 8 key heads of 128)
+BENCHMARK_MODEL, BENCHMARK_SEQ, BENCHMARK_CHUNK, BENCHMARK_REPS = "Qwen/Qwen3-8B", 65_536, 4096, 3
+# What --pack holds, beside nothing else: no compile cache, no memory snapshot (pickles of hundreds of MiB)
+PACKED = (
+    "summary.md", "selftest.log", "runs.csv", "estimates.csv", EXACTNESS_CSV, KERNEL_TABLE, BENCHMARK_CSV,
+    COPY_RATE_CSV,
+)  # fmt: skip
 TESTS_STEP = "pytest -m 'gpu and quick'"
 # New test files of the quick subset first: code no GPU has run yet, then the rest by name
 QUICK_FIRST = ("test_gpu_stream.py", "test_gpu_kernels.py", "test_gpu_measure.py")
@@ -145,6 +137,7 @@ class Point:
     repeats: int | None = None
     nproc: int = 1  # ranks, one GPU each
     sp: int = 1  # of the ranks, how many share each sequence (Ulysses)
+    chunk_attention: str = ""  # StreamBP's chunk kernel; empty: auto (the table of measured kernels, if any)
 
     def flags(self) -> tuple[str, ...]:
         """The options the run and the estimate share."""
@@ -153,6 +146,7 @@ class Point:
         argv += ("--num-layers", str(self.num_layers)) if self.num_layers else ()
         argv += ("--chunk-size", str(self.chunk_size)) if self.chunk_size else ()
         argv += ("--nproc", str(self.nproc), "--sp", str(self.sp)) if self.nproc > 1 else ()
+        argv += ("--set", f"chunk_attention={self.chunk_attention}") if self.chunk_attention else ()
         return argv
 
     def run_flags(self) -> tuple[str, ...]:
@@ -165,7 +159,7 @@ class Point:
         """One RunSpec per method with a GPU's defaults, made on any machine (to price it)."""
         given = dict(model=self.model, seq_len=self.seq_len, checkpoints=self.checkpoints or None)
         given.update(num_layers=self.num_layers, chunk_size=self.chunk_size, warmup=self.warmup, repeats=self.repeats)
-        given.update(nproc=self.nproc, sp=self.sp)
+        given.update(nproc=self.nproc, sp=self.sp, chunk_attention=self.chunk_attention or None)
         # a price needs no word on lengths past a model's context, nor on ranks past this host's
         # cores (its specs are made on the CPU for a GPU run)
         with warnings.catch_warnings():
@@ -191,9 +185,13 @@ class Point:
 SHORT_POINT = Point("Qwen/Qwen3-4B", 9000, ("ckpt", "streambp"))  # the paper's Table 1 length
 # 262,144 tokens streamed: two host buffers of one layer input each on 3 layers rebuild one layer
 # (rebuild_schedule.py), as stream:7 rebuilds 37 of Qwen3-8B's 36 at 2M tokens; all 36 layers
-# would take 10 minutes a step
-LONG_POINT = Point("Qwen/Qwen3-8B", 262_144, ("streambp",), "stream:2", 3, 4096, warmup=0, repeats=1)
-GPU_64K_POINT = Point("Qwen/Qwen3-8B", 65_536, ("streambp",), warmup=0, repeats=1)  # the default placement
+# would take 10 minutes a step. The long points take one untimed step before their one timed step
+# (on a GPU the warm-up comes before the memory step), and the lower-right kernel.
+LONG_POINT = Point(
+    "Qwen/Qwen3-8B", 262_144, ("streambp",), "stream:2", 3, 4096, warmup=1, repeats=1, chunk_attention="lower-right"
+)
+# the MFU goal's point (benchmarks/hopper_goals.py): the checkpoints on the host
+GPU_64K_POINT = Point("Qwen/Qwen3-8B", 65_536, ("streambp",), "cpu", warmup=1, repeats=1, chunk_attention="lower-right")
 GPU_POINTS = (SHORT_POINT, LONG_POINT, GPU_64K_POINT)
 # With 2 GPUs or more: StreamBP sharing each sequence over 2 of them, 32,768 positions each, one
 # memory step and one timed; and its exactness first, on a 2-layer Qwen3-0.6B in fp32 against bp's
@@ -214,6 +212,7 @@ class Step:
     env: tuple[tuple[str, str], ...] = ()  # set for its process, beside the inherited environment
     kind: str = ""  # tests | benchmark | run | check | copy rate | estimate: how its output is judged
     point: Point | None = None  # a run's point, whose rows it must leave ok; a check's, exact
+    work: tuple[Work, ...] = ()  # what its price counts (selftest_prices.py)
 
 
 @dataclass
@@ -269,7 +268,7 @@ class Selftest:
         return self.out_dir / "tests.jsonl"
 
     def env(self) -> tuple[tuple[str, str], ...]:
-        """What every step's process shares: the kernel-choice cache and one compile cache."""
+        """What every step's process shares: the kernel table's folder and one compile cache."""
         compiled = self.out_dir / COMPILE_CACHE
         return (
             ("SBP_CACHE_DIR", str(self.out_dir)),
@@ -329,55 +328,34 @@ def plan_rates(test: Selftest, repository: Path | None) -> Rates:
     return Rates()
 
 
-def run_price_s(point: Point, rates: Rates, *, timeline: bool = False) -> float:
-    """An `sbp run` of the point: each method's process (simulate/cost.py: start, steps at `rates`,
-    first-step page-locking), EXTRA_S's kernel tuning per streambp process and its timeline's
-    prediction per method. A point on several ranks is priced as one process (its ranks run side by
-    side): cost.py's time model has no sequence parallelism, so each rank's 1/sp of the step is
-    priced as the whole step, an over-estimate a limit can take (about 10 s a step at SP_POINT),
-    while nccl's start and the collectives are not priced (`sbp estimate`: 47 GiB sent per GPU a
-    step at SP_POINT, about 0.1 s at NVLink's 450 GB/s; seconds over PCIe)."""
-    seconds = 0.0
-    for spec in point.specs():
-        seconds += point_cost(spec, rates).device_s
-        seconds += EXTRA_S["kernel tuning"] if spec.method == "streambp" else 0.0
-        seconds += EXTRA_S["timeline prediction"] if timeline else 0.0
-    return seconds
-
-
 def own_limit_s(predicted_s: float) -> float:
     return TIMEOUT_FACTOR * predicted_s + TIMEOUT_SLACK_S
 
 
-def _run(test: Selftest, point: Point, rates: Rates, *, timeline: bool = False) -> Step:
-    """`sbp run` of the point, each of its processes under the limit of the slowest (--timeout)."""
-    predicted = run_price_s(point, rates, timeline=timeline)
-    per_point = max(run_price_s(replace(point, methods=(m,)), rates, timeline=timeline) for m in point.methods)
-    argv = ("run", *point.run_flags(), "--timeout", f"{own_limit_s(per_point):.0f}")
-    argv += ("--phases", "--timeline") if timeline else ()
-    extras = " --phases --timeline" if timeline else ""
-    return Step(
-        f"run {point.label}{extras}",
-        _sbp(*argv, "--out", str(test.runs_csv)),
-        own_limit_s(predicted) + GRACE_S,
-        predicted_s=predicted,
-        kind="run",
-        point=point,
+def _priced(name: str, argv: tuple[str, ...], work: list[Work], **fields) -> Step:
+    """A step whose prediction is the sum of its counted work, under its own limit."""
+    predicted = total_s(work)
+    return Step(name, argv, own_limit_s(predicted), predicted_s=predicted, work=tuple(work), **fields)
+
+
+def _run(test: Selftest, point: Point, rates: Rates) -> Step:
+    """`sbp run` of the point with --phases, each of its processes under the limit of the slowest (--timeout)."""
+    specs = point.specs()
+    slowest = max(total_s(run_work([spec], rates)) for spec in specs)
+    argv = ("run", *point.run_flags(), "--timeout", f"{own_limit_s(slowest):.0f}", "--phases")
+    step = _priced(
+        f"run {point.label}", _sbp(*argv, "--out", str(test.runs_csv)), run_work(specs, rates), kind="run", point=point
     )
+    return replace(step, timeout_s=step.timeout_s + GRACE_S)
 
 
-def _sp_check(test: Selftest, point: Point) -> Step:
+def _sp_check(test: Selftest, point: Point, rates: Rates) -> Step:
     """`sbp check` of the point's methods on its GPUs in fp32, judged against bp's fp64 step in one
     process; exit 1 when one differs, each comparison appended to exactness.csv."""
     argv = ("check", "--device", "cuda", *point.flags(), "--dtype", "fp32", "--method", *point.methods)
-    predicted = PREDICTED_S["sp check"]
-    return Step(
-        f"check {point.label}, fp32",
-        _sbp(*argv, "--out", str(test.exactness_csv)),
-        own_limit_s(predicted),
-        predicted_s=predicted,
-        kind="check",
-        point=point,
+    work = sp_check_work(point.specs()[0], rates)
+    return _priced(
+        f"check {point.label}, fp32", _sbp(*argv, "--out", str(test.exactness_csv)), work, kind="check", point=point
     )
 
 
@@ -394,50 +372,90 @@ def quick_test_files(tests_dir: Path) -> list[Path]:
     return sorted(files, key=lambda p: first.get(p.name, len(first)))
 
 
-def _tests(test: Selftest, repository: Path) -> Step:
+def _tests(test: Selftest, repository: Path, rates: Rates) -> Step:
     """The quick gpu-marked tests, short tracebacks, each test's outcome recorded as it finishes."""
     tests_dir = repository / "tests"
     files = quick_test_files(tests_dir) or [tests_dir]
     argv = ("-m", "pytest", "-v", "--tb=short", "-p", "no:cacheprovider", "-m", "gpu and quick", *map(str, files))
     env = ((TEST_REPORT_ENV, str(test.tests_report)),)
-    predicted = PREDICTED_S["tests"]
-    return Step(TESTS_STEP, argv, own_limit_s(predicted), predicted_s=predicted, env=env, kind="tests")
+    return _priced(TESTS_STEP, argv, quick_tier_work(rates), env=env, kind="tests")
 
 
-def _benchmark(test: Selftest, repository: Path) -> Step:
-    keys = ",".join(map(str, BENCHMARK_KEYS))
+def _benchmark(test: Selftest, repository: Path, rates: Rates) -> Step:
+    """The attention benchmark on a Qwen3-8B step's calls: its CSV, and this device's kernel table."""
     script = repository / "benchmarks" / "attention_kernels.py"
-    argv = (str(script), "--queries", str(BENCHMARK_QUERIES), "--keys", keys, "--reps", "3")
-    predicted = PREDICTED_S["attention benchmark"]
-    return Step(
-        f"attention kernels, {BENCHMARK_QUERIES} queries over {keys} keys",
-        (*argv, "--out", str(test.out_dir / BENCHMARK_CSV)),
-        own_limit_s(predicted),
-        predicted_s=predicted,
-        kind="benchmark",
-    )
+    argv = (str(script), "--model", BENCHMARK_MODEL, "--seq", str(BENCHMARK_SEQ), "--chunk-size", str(BENCHMARK_CHUNK))
+    argv += ("--reps", str(BENCHMARK_REPS), "--out", str(test.out_dir / BENCHMARK_CSV))
+    argv += ("--table", str(test.out_dir / KERNEL_TABLE))
+    work = benchmark_work(BENCHMARK_MODEL, BENCHMARK_SEQ, BENCHMARK_CHUNK, BENCHMARK_REPS, rates)
+    name = f"attention kernels on the calls of {BENCHMARK_MODEL} at T={BENCHMARK_SEQ}"
+    return _priced(name, argv, work, kind="benchmark")
 
 
-def _copy_rate(test: Selftest) -> Step:
-    predicted = PREDICTED_S["copy rate"]
+def _copy_rate(test: Selftest, rates: Rates) -> Step:
     argv = ("-m", "sbpbench.measure.copy_rate", "--out", str(test.out_dir / COPY_RATE_CSV))
-    return Step(
-        "host copy rate, page-locked, each way", argv, own_limit_s(predicted), predicted_s=predicted, kind="copy rate"
-    )
+    return _priced("host copy rate each way, both kinds of page-locked buffer", argv, copy_rate_work(rates),
+                   kind="copy rate")  # fmt: skip
 
 
 def gpu_plan(test: Selftest, repository: Path | None, rates: Rates) -> list[Step]:
-    """The GPU steps in order of value, each point's estimate submitted beside them first; runs priced
-    at `rates`. Without a checkout (a wheel) the tests and the benchmark are left out."""
+    """The GPU steps in order of value, each point's estimate submitted beside them first; priced at
+    `rates`. Without a checkout (a wheel) the tests and the benchmark are left out."""
     steps = [_estimate(test, point) for point in test.points]
     if repository is not None:
-        steps += [_tests(test, repository), _benchmark(test, repository)]
-    steps.append(_run(test, SHORT_POINT, rates, timeline=True))
+        steps += [_tests(test, repository, rates), _benchmark(test, repository, rates)]
+    steps.append(_run(test, SHORT_POINT, rates))
     if SP_POINT in test.points:  # new code first among the runs: no GPU has run it yet
-        steps += [_sp_check(test, SP_CHECK), _run(test, SP_POINT, rates)]
+        steps += [_sp_check(test, SP_CHECK, rates), _run(test, SP_POINT, rates)]
     steps += [_run(test, LONG_POINT, rates), _run(test, GPU_64K_POINT, rates)]
-    steps.append(_copy_rate(test))
+    steps.append(_copy_rate(test, rates))
     return [replace(step, env=test.env() + step.env) for step in steps]
+
+
+def dry_run_lines(steps: list[Step], budget_s: float, rates: Rates) -> list[str]:
+    """The plan as `--dry-run` prints it: each step's prediction, limit and counted work, the total
+    beside the budget and its margin. Predictions, not measurements."""
+    lines = []
+    for step in steps:
+        if step.background:
+            lines.append(f"{step.name}: on the host's CPU, beside the GPU steps")
+            continue
+        lines.append(f"{step.name}: predicted {step.predicted_s:.0f} s (limit {step.timeout_s:.0f} s)")
+        lines += [f"    {work.describe()}" for work in step.work]
+    total = sum(step.predicted_s for step in steps if not step.background)
+    room = (1 - MARGIN) * budget_s
+    verdict = "fits" if total <= room else "does not fit: the last steps would be not run (budget)"
+    lines += [
+        f"total predicted {total:.0f} s of a {budget_s:.0f} s budget, {room:.0f} s with its {MARGIN:.0%} margin: {verdict}",
+        f"Predicted, not measured. Rates: {rates.describe()}.",
+    ]
+    return lines
+
+
+def pack_files(test: Selftest, path: Path) -> list[str]:
+    """One gzipped tar of the files of PACKED that the selftest wrote, under the output folder's
+    name; the member names."""
+    members = [name for name in PACKED if (test.out_dir / name).is_file()]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(path, "w:gz") as archive:
+        for name in members:
+            archive.add(test.out_dir / name, arcname=f"{test.out_dir.name}/{name}")
+    return members
+
+
+def dry_run_text(out: Path, kind: str, budget_s: float, num_gpus: int, device_name: str | None) -> str:
+    """`sbp selftest --dry-run`: the plan of `kind` priced, on any machine. A GPU's at the rates of its
+    rows (PRICED_DEVICE's in the checkout where no GPU is visible), with the times of its earlier
+    selftest.log; the CPU subset's listed, unpriced (the time model is a GPU's)."""
+    name = device_name or PRICED_DEVICE
+    test = Selftest(kind, output_dir(out, kind, name), budget_s, name, num_gpus=num_gpus)
+    if kind != "cuda":
+        return "\n".join(f"{step.name}: python {' '.join(step.argv)} (not priced)" for step in cpu_plan(test))
+    repository = find_repository()
+    rates = plan_rates(test, repository)
+    earlier = test.log.read_text() if test.log.exists() else ""
+    steps = with_measured_predictions(gpu_plan(test, repository, rates), earlier)
+    return "\n".join(dry_run_lines(steps, test.budget_s, rates))
 
 
 _STEP_END = re.compile(r"^===== (?P<name>.+): ok, (?P<seconds>[0-9.]+) s$", re.MULTILINE)
@@ -565,8 +583,11 @@ def verdict(test: Selftest, outcome: Outcome) -> str | None:
         bad = [r for r in rows if r["status"] in KERNEL_FAILURES]
         return "; ".join(f"{r['kernel']} at {r['keys']} keys: {r['status']} ({r['reason']})" for r in bad) or None
     if step.kind == "copy rate":
-        rows = _csv_rows(test.out_dir / COPY_RATE_CSV)
-        return None if rows is not None and len(rows) == 2 else "no rate for both directions"
+        rows = _csv_rows(test.out_dir / COPY_RATE_CSV) or []
+        kinds = {r.get("host_buffer") for r in rows}
+        measured = {(r.get("host_buffer"), r["direction"]) for r in rows}
+        complete = len(kinds) == 2 and len(measured) == 4  # both directions from both kinds of buffer
+        return None if complete else "no rate for both directions from both kinds of buffer"
     return None
 
 
@@ -698,7 +719,6 @@ def write_summary(test: Selftest, env: Environment) -> Path:
         measured=[r for r in _rows(test.runs_csv) if _key(r) in points],
         simulated=_rows(test.estimates_csv),
         points=points,
-        folder=test.out_dir,
         log_text=test.log.read_text() if test.log.exists() else "",
         tests_report=test.tests_report.read_text() if test.tests_report.exists() else None,
         benchmark=_csv_rows(test.out_dir / BENCHMARK_CSV) if cuda else None,

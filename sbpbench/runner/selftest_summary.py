@@ -1,6 +1,5 @@
 """The selftest's Markdown summary: what ran, each failure with its message, the measured points
-(their phases and memory timelines), measured vs estimated peaks, the attention kernels, the host
-copy rate. Pure functions of the selftest's outcomes, rows, logs and files, so every GPU-only line
+(their phases), measured vs estimated peaks, the attention kernels, the host copy rate. Pure functions of the selftest's outcomes, rows, logs and files, so every GPU-only line
 of it is tested on a CPU with stand-in rows."""
 
 from __future__ import annotations
@@ -9,9 +8,7 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from ..measure.timeline.data import load_timeline
 from ..measure.units import GIB
 from ..records.schema import PHASE_COLUMNS
 
@@ -138,10 +135,11 @@ def _cell(value, digits: str = ".2f") -> str:
 
 
 def points_table(rows: list[dict]) -> list[str]:
-    """Each measured row: status, peak, step time, rate, the attention-kernel tuning before its timed
-    steps (tuning_s), the kernels its memory step and its timed steps ran, and an error's first line."""
+    """Each measured row: status, peak, step time, rate, the pass that built the table's attention
+    kernels before its timed steps (tuning_s), the kernels its memory step and its timed steps ran,
+    and an error's first line."""
     lines = [
-        "| point | layers | status | peak GiB | step s | TFLOP/s | tuning s | kernels (memory / timed) | error |",
+        "| point | layers | status | peak GiB | step s | TFLOP/s | kernel builds s | kernels (memory / timed) | error |",
         "|---|---:|---|---:|---:|---:|---:|---|---|",
     ]
     for row in rows:
@@ -183,40 +181,19 @@ def phases_table(rows: list[dict]) -> list[str]:
     return lines
 
 
-def timeline_lines(rows: list[dict], folder: Path) -> list[str]:
-    """Per row with a memory timeline (sbp run --timeline): its file, its peak and where, beside
-    max_memory_allocated; a file that cannot be read says why."""
-    lines = []
-    for row in rows:
-        if not row.get("timeline_file"):
-            continue
-        path = folder / row["timeline_file"]
-        try:
-            timeline = load_timeline(path)
-        except ValueError as error:
-            lines.append(f"- {_label(row)}: {error}")
-            continue
-        allocator = timeline.allocator_peak_bytes
-        beside = f" (max_memory_allocated {_gib(allocator)} GiB)" if allocator else ""
-        snapshot = f"; raw snapshot `{timeline.snapshot}` for pytorch.org/memory_viz" if timeline.snapshot else ""
-        lines.append(
-            f"- {_label(row)}: `{row['timeline_file']}`, peak {_gib(timeline.peak.bytes)} GiB in "
-            f"{timeline.peak.phase}{beside}{snapshot}."
-        )
-    return lines
-
-
 def benchmark_table(rows: list[dict]) -> list[str]:
-    """The attention benchmark's rows (benchmarks/attention_kernels.py): each kernel at each key count."""
+    """The attention benchmark's rows (benchmarks/attention_kernels.py): each kernel on each shape
+    class of the step it recorded, its class's largest call; the table's kernel marked."""
     lines = [
-        "| kernel | queries | keys | status | forward TFLOP/s | backward TFLOP/s | max rel. error | reason |",
-        "|---|---:|---:|---|---:|---:|---:|---|",
+        "| kernel | queries | keys | status | forward TFLOP/s | fwd+bwd TFLOP/s | build s | error / allowed | reason |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---|",
     ]
     for r in rows:
+        chosen = " (table)" if r.get("chosen") == "True" else ""
         lines.append(
-            f"| {r['kernel']} | {r['queries']} | {r['keys']} | {r['status']} | {_cell(r.get('forward_tflops'), '.0f')} "
-            f"| {_cell(r.get('backward_tflops'), '.0f')} | {_cell(r.get('max_relative_error'), '.1e')} "
-            f"| {first_line(r.get('reason'), 100)} |"
+            f"| {r['kernel']}{chosen} | {r['queries']} | {r['keys']} | {r['status']} "
+            f"| {_cell(r.get('forward_tflops'), '.0f')} | {_cell(r.get('train_tflops'), '.0f')} "
+            f"| {_cell(r.get('build_s'), '.2f')} | {_cell(r.get('error_ratio'), '.2f')} | {first_line(r.get('reason'), 100)} |"
         )
     return lines
 
@@ -224,19 +201,20 @@ def benchmark_table(rows: list[dict]) -> list[str]:
 def copy_rate_lines(rows: list[dict], assumed_bytes_s: float) -> list[str]:
     """Each direction's measured rate (measure/copy_rate.py) beside the planner's assumed one."""
     lines = [
-        "| direction | MiB per copy | GB/s (median) | s (min - max) | measured / assumed |",
-        "|---|---:|---:|---|---:|",
+        "| direction | host buffer | MiB per copy | GB/s (median) | s (min - max) | measured / assumed |",
+        "|---|---|---:|---:|---|---:|",
     ]
     for r in rows:
         rate = float(r["gb_per_s"])
         lines.append(
-            f"| {r['direction']} | {int(r['num_bytes']) / 2**20:.0f} | {rate:.1f} "
+            f"| {r['direction']} | {r.get('host_buffer') or '-'} | {int(r['num_bytes']) / 2**20:.0f} | {rate:.1f} "
             f"| {float(r['seconds_min']):.4f} - {float(r['seconds_max']):.4f} | {rate * 1e9 / assumed_bytes_s:.2f} |"
         )
     lines += [
         "",
         f"The planner assumes {assumed_bytes_s / 1e9:g} GB/s for both directions together "
-        "(simulate/timing.py `host_copy_bytes_s`); GB = 10^9 B.",
+        "(simulate/timing.py `host_copy_bytes_s`); GB = 10^9 B. The stores copy from cudaHostRegister'd "
+        "buffers (core/host_pool.py).",
     ]
     return lines
 
@@ -345,14 +323,12 @@ def _test_lines(report: TestReport) -> list[str]:
 @dataclass(frozen=True)
 class SummaryInputs:
     """What the summary reads besides the step outcomes. measured, simulated: rows of runs.csv and
-    estimates.csv; points: the keys of the estimate table; folder: where runs.csv lies (timeline
-    files are relative to it); benchmark, copy_rates: the CSVs' rows (None: not a GPU run, or not
-    written); rates: the line saying what the run steps were priced at."""
+    estimates.csv; points: the keys of the estimate table; benchmark, copy_rates: the CSVs' rows
+    (None: not a GPU run, or not written); rates: the line saying what the run steps were priced at."""
 
     measured: list[dict]
     simulated: list[dict]
     points: list[Key]
-    folder: Path
     log_text: str = ""
     tests_report: str | None = None
     benchmark: list[dict] | None = None
@@ -372,8 +348,8 @@ def _steps_lines(steps: list[tuple], rates: str) -> list[str]:
         lines += [
             "",
             "predicted s: a prediction, the step's wall time in this device's earlier selftest.log, else its "
-            "price: `sbp run` steps by simulate/cost.py plus kernel tuning and timeline predictions "
-            "(selftest.py EXTRA_S), the others from selftest.py PREDICTED_S." + (f" Rates: {rates}." if rates else ""),
+            "price, the sum of the work it counts (runner/selftest_prices.py; `sbp selftest --dry-run` "
+            "lists it)." + (f" Rates: {rates}." if rates else ""),
         ]
     return lines
 
@@ -410,9 +386,6 @@ def summary_markdown(
     phases = phases_table(inputs.measured)
     if phases:
         lines += ["", "## Where StreamBP's step time went (s)", "", *phases]
-    timelines = timeline_lines(inputs.measured, inputs.folder)
-    if timelines:
-        lines += ["", "## Memory timelines", "", *timelines]
     lines += [
         "",
         "## Peak memory: measured vs `sbp estimate`",

@@ -17,27 +17,36 @@ import signal
 import sys
 from pathlib import Path
 
-from ..config import RunSpec
-from . import ranks
-from .point import measure_point
-from .traces import tracing_into
-
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+PARENT_PID_ENV = "SBP_PARENT_PID"  # the pid of the process that started this worker (runner/isolated.py)
 TIMELINE_DIR = "timeline_dir"
 TRACE_DIR = "trace_dir"
 
 
 def die_with_parent() -> None:
     """Linux: have the kernel SIGKILL this worker when its parent dies, even by SIGKILL (which the
-    parent cannot catch to kill its worker itself). Elsewhere a no-op."""
+    parent cannot catch to kill its worker itself). If the parent died first, exit now: the parent
+    named in PARENT_PID_ENV is not this process's parent any more (an orphan is adopted by init or
+    by a subreaper, so its new parent's pid says little). Elsewhere a no-op."""
+    expected = os.environ.pop(PARENT_PID_ENV, None)  # not passed on to this worker's own children
     if not sys.platform.startswith("linux"):
         return
     try:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):
         return
-    if os.getppid() == 1:  # the parent died before the request took effect
+    parent = os.getppid()
+    if parent == 1 or (expected is not None and parent != int(expected)):  # gone before the request took effect
         os._exit(1)
+
+
+if __name__ == "__main__":
+    die_with_parent()  # before the imports below: seconds in which a parent's death would go unseen
+
+from ..config import RunSpec  # noqa: E402
+from . import ranks  # noqa: E402
+from .point import measure_point  # noqa: E402
+from .traces import tracing_into  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
@@ -58,7 +67,7 @@ def request_json(spec: RunSpec, timeline_dir: Path | None = None, trace_dir: Pat
 
 def run_point(spec_json: str, result_path: Path) -> int:
     """Measure the point and write its result; in a fresh worker (main) or a forked one (fork_server.py)."""
-    die_with_parent()
+    die_with_parent()  # a fresh worker's again (a no-op); a forked one's parent is the fork server
     values = json.loads(spec_json)
     timeline_dir, trace_dir = values.pop(TIMELINE_DIR, None), values.pop(TRACE_DIR, None)
     spec = RunSpec.from_json(json.dumps(values))

@@ -32,8 +32,9 @@ PROTOCOLS = ("steady", "first")
 SDPA_BACKENDS = ("auto", "flash", "efficient", "cudnn", "math")
 CPU_SDPA_BACKENDS = ("auto", "flash", "math")
 # `--set chunk_attention=` (core/kernels/kernel_choice.py CHUNK_ATTENTION_CHOICES, which a test checks equal):
-# the kernel of a StreamBP chunk's attention over its prefix. auto: measured on a GPU, lower-right
-# elsewhere; lower-right: SDPA with a lower-right causal bias (FlashAttention-2 on a GPU); split:
+# the kernel of a StreamBP chunk's attention over its prefix. auto: lower-right, or in `sbp run`'s
+# warm-up and timed steps what this GPU's table of measured kernels names (runner/kernel_table.py);
+# lower-right: SDPA with a lower-right causal bias (FlashAttention-2 on a GPU); split:
 # prefix + diagonal block on cuDNN, merged by log-sum-exp; flex: FlexAttention; fa3 / fa4:
 # FlashAttention-3 / -4 where installed. Off a GPU only auto, lower-right and split run.
 CHUNK_ATTENTION = ("auto", "lower-right", "split", "flex", "fa3", "fa4")

@@ -14,7 +14,7 @@ import difflib
 from functools import cache
 from pathlib import Path
 
-# sbpbench/models/registry.py MODELS, in its order (tests/unit/test_settings.py checks they agree)
+# sbpbench/models/registry.py MODELS, in its order (tests/unit/test_model_names.py checks they agree)
 MODEL_NAMES = (
     "Qwen/Qwen3-0.6B",
     "Qwen/Qwen3-1.7B",
@@ -22,18 +22,34 @@ MODEL_NAMES = (
     "Qwen/Qwen3-8B",
     "Qwen/Qwen3-14B",
     "Qwen/Qwen3-32B",
+    "Qwen/Qwen3-30B-A3B",
+    "Qwen/Qwen3-235B-A22B",
     "Qwen/Qwen2.5-7B",
     "meta-llama/Llama-3.2-1B",
     "meta-llama/Llama-3.2-3B",
     "meta-llama/Llama-3.1-8B",
+    "meta-llama/Llama-3.3-70B-Instruct",
+    "meta-llama/Llama-4-Scout-17B-16E-Instruct",
     "google/gemma-3-1b-pt",
     "mistralai/Mistral-7B-v0.3",
+    "mistralai/Mixtral-8x7B-v0.1",
+    "openai/gpt-oss-20b",
+    "openai/gpt-oss-120b",
+    "deepseek-ai/DeepSeek-V3",
+    "allenai/Olmo-3.1-32B-Instruct",
+    "HuggingFaceTB/SmolLM3-3B",
+    "microsoft/Phi-4-mini-instruct",
     "small/qwen3",
     "tiny/qwen3",
     "tiny/qwen2",
     "tiny/llama",
     "tiny/mistral",
     "tiny/gemma3",
+    "tiny/qwen3-moe",
+    "tiny/gpt-oss",
+    "tiny/mixtral",
+    "tiny/deepseek-v3",
+    "tiny/llama4",
 )
 # The namespaces of the registry's own shapes: no Hub id is looked up under them.
 LOCAL_NAMESPACES = ("small/", "tiny/")

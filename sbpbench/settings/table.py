@@ -256,7 +256,7 @@ SETTINGS: dict[str, Setting] = {
     ),  # no `choices`: K is open; RunSpec checks the name (core.placements.placement.Placement.parse)
     "chunk_attention": Setting(
         str,
-        "StreamBP attention kernel (default: auto).",  # auto: the fastest measured on a GPU
+        "StreamBP attention kernel (default: auto).",  # auto: lower-right, or the GPU's table of measured kernels
         CHUNK_ATTENTION,
         default="auto",
         read_by=("streambp",),

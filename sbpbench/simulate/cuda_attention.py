@@ -222,7 +222,7 @@ def _causal_lower_right_outside_fake_mode(num_queries: int, num_keys: int) -> Ca
 
 def streambp_cuda_branch():
     """StreamBP's attention (core.attention) as on a GPU, through the steps' hooks
-    (StepHooks.cuda_branch), with the lower-right causal bias made outside the fake mode."""
+    (SteeredHooks.cuda_branch), with the lower-right causal bias made outside the fake mode."""
     return step_hooks(cuda_branch=_causal_lower_right_outside_fake_mode)
 
 

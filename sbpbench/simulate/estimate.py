@@ -7,14 +7,14 @@ target "cuda" predicts torch.cuda.max_memory_allocated of the same point on a GP
 - every block rounded up to 512 B, as the caching allocator does;
 - attention through the CUDA kernels' own ops, chosen as CUDA's dispatcher chooses, plus the
   memory those kernels allocate internally (cuda_attention.py);
-- StreamBP's attention takes its CUDA branch (StepHooks.cuda_branch);
+- StreamBP's attention takes its CUDA branch (SteeredHooks.cuda_branch);
 - AdamW's multi-tensor (foreach) implementation, PyTorch's default for CUDA parameters.
 What a GPU needs beyond the allocated peak is the margin, reported separately (MARGIN_NOTE).
 
 With spec.nproc > 1 the prediction is one rank's under FSDP2 FULL_SHARD (sharded.py): the same
 step on the rank's batch, with sharded resident terms and FSDP2's gathered copies added.
 
-Host memory is counted apart (StepHooks.on_store, shapes_only): the checkpoint copies a placement
+Host memory is counted apart (StepHooks.on_store, SteeredHooks.shapes_only): the checkpoint copies a placement
 keeps on the host (`host_pinned_bytes`, their peak) plus HOST_PROCESS_BYTES for the process
 itself; a point fits when both the device and the host side fit.
 """
@@ -93,7 +93,7 @@ def check_estimate_host_memory(specs: list[RunSpec], available_bytes: int | None
             f"--seq {spec.seq_len} would need about {need / GIB:.1f} GiB of this machine's memory for the "
             f"estimate's real token batches ({ESTIMATE_HOST_BYTES_PER_TOKEN} B per token, B={spec.batch_size}, "
             f"{held} method(s) at once) but {allowed / GIB:.1f} GiB is usable; give --seq {allowed // per_token} "
-            "or less, or fewer methods"
+            "or less" + (", or fewer methods" if held > 1 else "")
         )
 
 

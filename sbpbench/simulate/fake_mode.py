@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 
 from ..config import DTYPES, RunSpec
 from ..methods.step import TrainingStep
-from ..models import apply_lora, load_config
+from ..models import apply_lora, implementations, load_config
 from ..workload.build import make_spec_batch, training_step
 
 
@@ -95,8 +95,16 @@ def _fake_model(spec: RunSpec, mode: FakeTensorMode) -> torch.nn.Module:
     """build_model_and_batch's model (config, depth override, LoRA) with fake CPU tensors."""
     overrides = {"num_hidden_layers": spec.num_layers} if spec.num_layers else {}
     config = load_config(spec.model, **overrides)  # never a checkpoint's weights
+    if "experts_implementation" in implementations(config, DTYPES[spec.dtype]):
+        raise ValueError(
+            f"{spec.model} routes tokens to experts one expert at a time outside bf16, buffers sized by where the router "
+            "sends each token, which fake tensors cannot know; predict it in bf16 (--dtype bf16: grouped experts, "
+            "buffers routing does not size)"
+        )
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[spec.dtype], attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=DTYPES[spec.dtype], **implementations(config, DTYPES[spec.dtype])
+        )
     if spec.lora_rank:
         model = apply_lora(model, rank=spec.lora_rank, alpha=spec.lora_alpha)
     fakes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # by identity (tied weights stay one tensor)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from ..core import UnsupportedModelError
 from ..core.internal import STATE_KWARG, ChunkState, KVBuffer, forwards_wrapped, resolve_parts
+from ..methods.streambp import step_hooks
 from .memory_counter import SimulatedMemory
 from .sequence_parallel import SequenceChunks
 
@@ -89,7 +90,8 @@ class InstantRecorder(SimulatedMemory):
     def attached(self, step):
         """Learn each StreamBP chunk as a decoder layer is called on it: each layer's forward is
         wrapped on the instance for the duration (the checkpoint pass, which calls the layers'
-        forward chunk by chunk, wraps whatever is there and puts it back)."""
+        forward chunk by chunk, wraps whatever is there and puts it back), and each chunk of a K/V
+        capture from the step's `on_capture` hook."""
         if self.sequence_bounds is not None:  # a wrapped forward would cost the layers their K/V recipe
             chunks = SequenceChunks(self.sequence_bounds, self.set_chunk, lambda: self._label)
             with chunks.attached(step.model):
@@ -99,7 +101,9 @@ class InstantRecorder(SimulatedMemory):
             layers = resolve_parts(step.model).layers
         except UnsupportedModelError:
             layers = []  # a family StreamBP does not run: no chunks to learn
-        with forwards_wrapped(layers, lambda index, forward: self._watching(forward)):
+        # a K/V capture by the layer's projection calls no layer: its chunks are told by the step
+        told = step_hooks(on_capture=lambda buffer: self.set_chunk(chunk_of(buffer)))
+        with forwards_wrapped(layers, lambda index, forward: self._watching(forward)), told:
             yield self
 
     def set_chunk(self, chunk: tuple) -> None:
@@ -111,7 +115,8 @@ class InstantRecorder(SimulatedMemory):
     def _watching(self, forward):
         def watched(*args, **kwargs):
             chunk = chunk_of(kwargs.get(STATE_KWARG))
-            if chunk is not None:
+            # a capture's layer call holds a chunk-long buffer of its own (start 0): `on_capture` names it
+            if chunk is not None and chunk[0] != "capture":
                 self.set_chunk(chunk)
             return forward(*args, **kwargs)
 

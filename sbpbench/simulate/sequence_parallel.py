@@ -27,6 +27,7 @@ Besides memory, what the time model needs (`collective_bytes`): the bytes a rank
 from __future__ import annotations
 
 import math
+import weakref
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
@@ -112,6 +113,7 @@ class SequenceChunks:
         self._entered: str | None = None  # the main phase entered last
         self._seen: tuple | None = None  # (label, phase group) the counts below are of
         self._norms = self._forwards = self._backwards = 0
+        self._last_input = None  # a weak reference to the tensor input_layernorm was called on last
 
     def _at(self, kind: str, index: int) -> None:
         if index >= len(self.bounds):  # past the chunks (the layer's closing phase): a key of its own
@@ -128,9 +130,16 @@ class SequenceChunks:
             self._seen, self._norms, self._forwards, self._backwards = now, 0, 0, 0
 
     def norm_called(self, module, args) -> None:
-        """input_layernorm's pre-hook: a chunk of a K/V capture or of a forward pass begins."""
+        """input_layernorm's pre-hook: a chunk of a K/V capture or of a forward pass begins. A call
+        on the chunk called on last is the same chunk: the first K/V capture of a layer checks its
+        projection against the whole layer on one chunk (core/architecture/key_values.py), which
+        runs the norm on it twice more."""
         if self._phase not in (KV_CAPTURE, CHECKPOINT_PASS, REBUILD):
             return
+        hidden = args[0] if args else None
+        if hidden is not None and self._last_input is not None and self._last_input() is hidden:
+            return
+        self._last_input = weakref.ref(hidden) if isinstance(hidden, torch.Tensor) else None
         self._counts()
         n = len(self.bounds)
         if self._phase == KV_CAPTURE:
@@ -167,7 +176,7 @@ class SequenceChunks:
 
 
 def local_bounds(spec: RunSpec) -> list[tuple[int, int]]:
-    """One rank's local chunks (the same on every rank; core/chunking.py's rule)."""
+    """One rank's local chunks (the same on every rank; core/layout.py's rule)."""
     length, size = local_len(spec), spec.settings.chunk_size
     return [(start, min(start + size, length)) for start in range(0, length, size)]
 

@@ -61,6 +61,7 @@ def timeline_stem(spec: RunSpec) -> str:
     fields = spec_fields(spec)
     key = json.dumps([*row_key(ResultRow(**fields)), fields["device"]])
     digest = hashlib.sha256(key.encode()).hexdigest()[:10]
-    method = spec.method + (f"-{spec.settings.checkpoints}" if spec.settings.checkpoints not in (None, "gpu") else "")
+    placement = spec.settings.checkpoints  # a Placement, or None for a method that reads none
+    method = spec.method + (f"-{placement}" if placement is not None and str(placement) != "gpu" else "")
     readable = f"{spec.model.rstrip('/').replace('/', '-')}__{method}__T{spec.seq_len}"
     return re.sub(r"[^A-Za-z0-9._-]+", "-", readable) + f"__{digest}"

@@ -84,3 +84,22 @@ def test_check_grpo_and_dpo_with_lora():
         result = runner.invoke(app, [*args, "--lora-rank", "4", "--batch", "4"])
         assert result.exit_code == 0, result.output
         assert result.output.count("exact") == 2 and "DIFFERS" not in result.output
+
+
+def test_check_of_an_unseen_architecture_prints_its_self_check(tmp_path):
+    """A local config of an architecture CI does not verify (OLMo 2): `sbp check` first prints its
+    self-check's verdict; an architecture its self-check refuses (MiniMax's lightning attention) is one
+    line, exit 2."""
+    from transformers import AutoConfig
+
+    from sbpbench.core.architecture.small_copy import small_config
+
+    sizes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    AutoConfig.for_model("olmo2", num_key_value_heads=2, vocab_size=512, **sizes).save_pretrained(tmp_path / "olmo2")
+    small_config(AutoConfig.for_model("minimax")).save_pretrained(tmp_path / "next")
+    result = runner.invoke(app, ["check", "--model", str(tmp_path / "olmo2"), "--seq", "16", "--method", "streambp"])
+    assert result.exit_code == 0, result.output
+    assert "StreamBP streams Olmo2ForCausalLM: its self-check (a small float64 copy) agrees" in result.output
+    result = runner.invoke(app, ["check", "--model", str(tmp_path / "next"), "--seq", "16", "--method", "streambp"])
+    assert result.exit_code == 2  # a user error, before any work
+    assert "self-check of MiniMaxForCausalLM differs" in result.output and "Traceback" not in result.output

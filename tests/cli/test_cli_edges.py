@@ -43,6 +43,14 @@ def test_the_default_timeline_folder_is_ignored_by_git():
     assert (ignored.returncode, kept.returncode) == (0, 1)
 
 
+def test_the_trainer_examples_output_folder_is_ignored_by_git():
+    """docs/trainers.md's examples write output_dir="out": out/ in the checkout is ignored, docs/out is not."""
+    assert 'output_dir="out"' in (ROOT / "docs" / "trainers.md").read_text()
+    ignored = subprocess.run(["git", "check-ignore", "-q", "out/checkpoint-3/model.safetensors"], cwd=ROOT)
+    kept = subprocess.run(["git", "check-ignore", "-q", "docs/out/a.md"], cwd=ROOT)
+    assert (ignored.returncode, kept.returncode) == (0, 1)
+
+
 def test_a_size_that_rounds_to_zero_gib_keeps_two_significant_digits():
     """A tiny model's 3.4e-5 GiB shows 0.000034, not 0.00; zero and large sizes as before."""
     assert [gib(3.4e-5 * 2**30), gib(0.0034 * 2**30), gib(0), gib(2**30)] == ["0.000034", "0.0034", "0.00", "1.00"]

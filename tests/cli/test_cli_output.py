@@ -58,16 +58,18 @@ def _umask() -> int:
 
 @pytest.mark.slow
 def test_maxlen_in_a_log_prints_each_probe_and_each_answer(tmp_path):
-    """`sbp maxlen | cat`: a line per probe as it finishes and one per search, before the table."""
+    """`sbp maxlen 2>&1 | cat`: a line per probe as it finishes and one per search, on stderr (progress);
+    the table on stdout."""
     out = tmp_path / "m.csv"
     done = _sbp("maxlen", "--model", "tiny/qwen3", "--method", "bp", "--memory-limit", "2MB", "--start", "64",
                 "--resolution", "25%", "--max-seq", "2048", "--out", str(out))  # fmt: skip
     assert done.returncode == 0, done.stderr
-    probes = [line for line in done.stdout.splitlines() if line.startswith("  bp: probe bp T=")]
+    probes = [line for line in done.stderr.splitlines() if line.startswith("  bp: probe bp T=")]
     assert len(probes) >= 2 and all("elapsed)" in line for line in probes)
-    assert any(line.startswith("[1/1] bp: max T ") for line in done.stdout.splitlines())
-    assert done.stdout.index("probe") < done.stdout.index("[1/1]")
+    assert any(line.startswith("[1/1] bp: max T ") for line in done.stderr.splitlines())
+    assert done.stderr.index("probe") < done.stderr.index("[1/1]") and "bp: probe" not in done.stdout
     _fits(done.stdout.replace(str(tmp_path), "DIR"))  # a path is never broken
+    _fits(done.stderr.replace(str(tmp_path), "DIR"))
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ from sbpbench.cli.phase_table import PHASE_NAMES, phase_table
 from sbpbench.config import RunSpec
 from sbpbench.core.phases import PHASES, PhaseTimes
 from sbpbench.measure.flops import phase_flops
+from sbpbench.measure.timing import TimingStats
 from sbpbench.methods import MethodSettings
 from sbpbench.models import load_config
 from sbpbench.records import ResultRow, upsert_rows
@@ -65,12 +66,15 @@ class _Timer:
 @pytest.mark.parametrize(("times", "chosen"), [((3.0, 1.0, 2.0), 2), ((4.0, 1.0, 3.0, 2.0), 3), ((5.0,), 0)])
 def test_the_row_takes_the_median_steps_phases_and_reads_no_other(times, chosen):
     """The step whose time is the median (the lower middle of an even count) gives the columns; the
-    other timers are never resolved (each resolve synchronises the device)."""
+    other timers are never resolved (each resolve synchronises the device). time_median_s is that
+    step's time too: one rule for both, never the mean of two steps."""
     timers = [_Timer(t) for t in times]
     row = ResultRow()
-    record_phases(row, times, timers)
+    timing = TimingStats(times)
+    record_phases(row, timing, timers)
     assert [t.resolved for t in timers] == [int(i == chosen) for i in range(len(times))]
     assert row.phase_head_s == times[chosen] / 10 and row.phase_other_s == times[chosen] / 5
+    assert timing.median_s == times[chosen]
 
 
 def _phased_row(device: str, **values) -> ResultRow:

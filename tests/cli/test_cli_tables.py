@@ -193,13 +193,32 @@ def test_a_several_rank_point_says_its_ranks_in_the_title():
     assert "ranks" not in point_title([_cpu_row("bp", nproc=1)])[0]
 
 
+def test_the_title_says_streambps_placement_as_it_is_on_the_device():
+    """The run title names the checkpoint placement; `gpu` on a CPU reads as the CPU's memory, on a GPU as gpu."""
+    cpu = point_title([_cpu_row("bp", checkpoints=None), _cpu_row("streambp", checkpoints="gpu", chunk_size=500)])[0]
+    assert "checkpoints in the CPU's memory (gpu: on the device)" in cpu and "checkpoints gpu" not in cpu
+    assert ", checkpoints gpu," in point_title([_row("streambp", checkpoints="gpu", chunk_size=500)])[0]
+    assert ", checkpoints stream:4," in point_title([_cpu_row("streambp", checkpoints="stream:4", chunk_size=500)])[0]
+
+
+def test_a_points_file_names_say_a_placement_other_than_the_default():
+    """Timeline and trace folders: streambp__T16 for the default placement (no `-gpu`), streambp-cpu__T16 for cpu."""
+    from sbpbench.config import point_specs
+    from sbpbench.workload.timeline import timeline_stem
+
+    base = {"model": "tiny/qwen3", "seq_len": 16, "device": "cpu"}
+    (default,) = point_specs(base, ["streambp"])
+    (offloaded,) = point_specs({**base, "checkpoints": "cpu"}, ["streambp"])
+    assert "__streambp__T16__" in timeline_stem(default) and "__streambp-cpu__T16__" in timeline_stem(offloaded)
+
+
 def test_check_says_why_gemma3_fp64_is_judged_at_1e5_and_never_breaks_a_name():
-    """fp64 Gemma-3: the note under the table says its norm computes in float32 (1e-5 there) and
+    """fp64 Gemma-3: the note under the table says its modules compute in float32 (1e-5 there) and
     gives every other tensor's largest error against 1e-10; tensor names break only after a dot."""
     text = _render(exactness_table(*_gemma3_fp64()))
     flat = " ".join(text.split())
     assert "fp64: 1 tensor(s) judged at 1e-05, such as model.layers.1.self_attn.k_norm.weight" in flat
-    assert "Gemma-3's RMSNorm computes in float32 inside a float64 model" in flat
+    assert "their modules compute in float32 inside a float64 model (found in a forward)" in flat
     assert "Every other gradient is judged at 1e-10: its largest error here is 1.1e-15" in flat
     for spec, results in (_gemma3_fp64(), _comparisons()):
         table = _render(exactness_table(spec, results))

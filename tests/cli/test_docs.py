@@ -303,3 +303,12 @@ def test_the_readme_installs_before_it_runs():
     install = next(i for i, line in enumerate(commands) if "pip install -e" in line)
     first_run = next(i for i, line in enumerate(commands) if line.startswith("sbp "))
     assert install < first_run, commands[first_run]
+
+
+def test_the_readme_installs_the_torch_range_pyproject_gives():
+    """The README's torch install line names pyproject.toml's torch requirement exactly, so a torch it admits is kept."""
+    import tomllib
+
+    dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    (torch,) = [d for d in dependencies if d.startswith("torch")]
+    assert f'pip install "{torch}"' in README.read_text(), torch

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import importlib
+import importlib.util
 import tempfile
 
 import pytest
@@ -17,6 +18,9 @@ from sbpbench.measure import environment
 runner = CliRunner()
 PEERS_CSV = "results/cpu/peers_cpu.csv"  # a measured results file in the repository
 NO_GPU = pytest.mark.skipif(environment.auto_device() != "cpu", reason="NVML sees a GPU here")
+# without the extra, ulysses is refused first as not installed: the default tier passes either way
+NEEDS_DEEPSPEED = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs .[deepspeed]")
+WITHOUT_DEEPSPEED = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is not None, reason="has .[deepspeed]")
 
 
 def _line(result) -> str:
@@ -180,7 +184,18 @@ CASES = [
     pytest.param([*SP2, "--method", "bp", "ckpt"], "--method bp, ckpt cannot share a sequence", id="sp-bp-ckpt"),
     pytest.param([*RUN, "--method", "ulysses"], "ulysses runs only on ranks sharing each sequence", id="ulysses-sp-1"),
     pytest.param([*RUN, "--nproc", "8", "--sp", "8"], "--sp 8 cannot split tiny/qwen3's 4 query", id="sp-heads"),
-    pytest.param([*SP4_T18, "--method", "ulysses"], "--seq 18 is not a multiple of --sp 4", id="ulysses-seq"),
+    pytest.param(
+        [*SP4_T18, "--method", "ulysses"],
+        "--seq 18 is not a multiple of --sp 4",
+        id="ulysses-seq",
+        marks=NEEDS_DEEPSPEED,
+    ),
+    pytest.param(
+        [*SP4_T18, "--method", "ulysses"],
+        "ulysses needs DeepSpeed, an optional extra",
+        id="ulysses-no-extra",
+        marks=WITHOUT_DEEPSPEED,
+    ),
     pytest.param(
         ["estimate", *TINY, "--nproc", "3", "--sp", "2"], "--sp 2 does not divide --nproc 3", id="estimate-sp"
     ),
@@ -214,6 +229,8 @@ CASES = [
     pytest.param(["check", *TINY, "--out", "{tmp}"], "is a directory", id="check-out-folder"),
     pytest.param(["selftest", "--budget", "10s"], "under 30 s", id="selftest-short-budget"),
     pytest.param(["selftest", "--budget", "soon"], "cannot read the duration 'soon'", id="selftest-budget"),
+    pytest.param(["selftest", "--budget", "0"], "the duration '0' is not above zero", id="selftest-budget-0"),
+    pytest.param([*MEASURED, "--budget", "0s"], "the duration '0s' is not above zero", id="maxlen-budget-0"),
     pytest.param(["peers", "setup", "official", "--wheels", "{tmp}/none"], "is not a directory", id="peers-wheels"),
     pytest.param(["env", "--device", "tpu"], "unknown device 'tpu'", id="env-device"),
     pytest.param(["env", "--device", "cuda:7"], "'cuda:7' was asked for but no CUDA GPU", id="env-cuda", marks=NO_GPU),
@@ -237,6 +254,26 @@ CASES = [
     pytest.param(["report", PEERS_CSV, "--reference", "{tmp}/binary.csv"], "not UTF-8 text", id="report-ref-binary"),
     pytest.param(["plot", "{tmp}/header.csv"], "lacks the column(s) schema_version", id="plot-header-only"),
     pytest.param(["plot", "{tmp}/no_csv"], "no results CSV at", id="plot-empty-folder"),
+    # items a user meets in the newer features: one line each, before any work
+    pytest.param(["check", *TINY, "--method", "bp"], "--method bp is the fp64 reference", id="check-bp-alone"),
+    pytest.param(
+        ["check", *TINY, "--method", "bp", "--nproc", "2", "--sp", "2"],
+        "--method bp runs in one process as the reference",
+        id="check-bp-alone-ranked",
+    ),
+    pytest.param([*PLAN, "--seq", "1000000000"], "for the estimate's real token batches", id="plan-seq-1e9"),
+    pytest.param(
+        [*PLAN, "--seq", "1000000000", "--gpus", "2"], "for the estimate's real token batches", id="plan-gpus-seq-1e9"
+    ),
+    pytest.param([*PLAN, "--interconnect", "0"], "--interconnect '0' is not a rate", id="interconnect-0"),
+    pytest.param([*PLAN, "--interconnect", "0GB/s"], "--interconnect '0GB/s' is not a rate", id="interconnect-0GB"),
+    pytest.param([*PLAN, "--interconnect", "fast"], "--interconnect 'fast' is not a rate", id="interconnect-fast"),
+    pytest.param([*RUN, "--trace"], "/traces, which is a file: move it aside", id="trace-folder"),
+    pytest.param([*RUN, "--timeline"], "/timelines, which is a file: move it aside", id="timeline-folder"),
+    pytest.param(["report", "{tmp}/sp0.csv"], "sp0.csv line 2, column sp: '0' ranks", id="csv-sp-0"),
+    pytest.param(["report", "{tmp}/sp-2.csv"], "sp-2.csv line 2, column sp: '-2' ranks", id="csv-sp-negative"),
+    pytest.param(["report", "{tmp}/sp4.csv"], "sp4.csv line 2, column sp: 4 ranks per sequence do not", id="csv-sp-4"),
+    pytest.param(["plot", "{tmp}/diagonal.csv"], "column sp_layout: 'diagonal' is not one of", id="csv-layout"),
 ]
 
 
@@ -269,6 +306,13 @@ ODD_FILES: dict[str, str | bytes] = {
     "binary.csv": b"\xff\xfe\x00\x01",
     "header.csv": "status,method\n",
     "other.csv": "a,b\n1,2\n",
+    "traces": "a file where --trace makes its folder",
+    "timelines": "a file where --timeline makes its folder",
+    # a results row hand-edited: its rank columns (nproc, sp, sp_layout) as no run writes them
+    "sp0.csv": "schema_version,status,model,method,nproc,sp\n15,ok,tiny/qwen3,bp,2,0\n",
+    "sp-2.csv": "schema_version,status,model,method,nproc,sp\n15,ok,tiny/qwen3,bp,2,-2\n",
+    "sp4.csv": "schema_version,status,model,method,nproc,sp\n15,ok,tiny/qwen3,bp,2,4\n",
+    "diagonal.csv": "schema_version,status,model,method,nproc,sp,sp_layout\n15,ok,tiny/qwen3,bp,2,2,diagonal\n",
 }
 
 
@@ -344,7 +388,7 @@ NOTICE_CASES = [  # (args, the notice lines): a knob no method to run reads is s
         id="estimate-chunk-for-bp",
     ),
     pytest.param(
-        [*SIM, "--method", "bp", "ckpt", "--set", "fp32_grad_accumulation=off"],
+        [*SIM, "--method", "bp", "ckpt", "--set", "fp32_grad_accumulation=off", "--host-memory", "1TiB"],
         ["--set fp32_grad_accumulation is read only by streambp; bp, ckpt ignore it"],
         id="maxlen-accumulation-for-bp-ckpt",
     ),
@@ -448,3 +492,48 @@ def test_seeds_only_goes_on_for_a_file_with_a_gpu_search(monkeypatch, tmp_path):
     path.write_text(f'name = "mixed"\n[[points]]\n{search}device = "cpu"\n[[points]]\n{search}')
     result = runner.invoke(app, ["sweep", str(path), "--seeds-only"])
     assert result.exit_code == 0 and "error:" not in result.output, result.output
+
+
+def test_a_row_error_with_brackets_is_printed_as_written(monkeypatch, tmp_path):
+    """A row error holding `[...]` (a gloo error names its source file so) prints whole, and so does the written line."""
+    from sbpbench.cli import run_cmd
+    from sbpbench.records import ResultRow
+
+    said = "gloo: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [red]"
+    row = ResultRow(status="error", model="tiny/qwen3", method="streambp", seq_len=16, error=said, device="cpu")
+    monkeypatch.setattr(run_cmd, "_measure_all", lambda *args, **kwargs: [row])
+    result = runner.invoke(app, [*RUN, "--method", "streambp", "--out", str(tmp_path / "r.csv")])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert f"streambp: error: {said}" in _line(result) and "row(s)" in result.output, result.output
+
+
+def test_maxlen_simulate_names_the_host_when_nothing_fits(monkeypatch, tmp_path):
+    """Every probe over the predicted host memory: the notice names the default, each probe line and the
+    answer say `host: needs ...` (on stderr, as progress), and the line under the table names --host-memory."""
+    import sbpbench.simulate.depth
+    from sbpbench.records import ResultRow
+    from sbpbench.workload.rows import spec_fields
+
+    host = "host: needs 40.00 GiB (pinned checkpoints + process) of 23.54 GiB"
+
+    def predicted(spec, **kwargs):
+        return ResultRow(**spec_fields(spec), status="oom", error=host, peak_allocated_bytes=2**30, source="simulated")
+
+    monkeypatch.setattr(sbpbench.simulate.depth, "estimate_point_by_depth", predicted)
+    result = runner.invoke(app, [*SIM, "--method", "streambp", "--out", str(tmp_path / "e.csv")])
+    assert result.exit_code == 0 and isinstance(result.exception, (SystemExit, type(None))), result.output
+    assert "notice: --host-memory not given: predicting for this machine's RAM" in result.output, result.output
+    assert f"T=2: oom ({host})" in result.stderr and f"max T oom: even T=2 does not fit: {host}" in result.stderr
+    assert "probe streambp" not in result.stdout, "progress goes to stderr, the table and the answer to stdout"
+    assert f"streambp: even T=2 does not fit: {host}; --host-memory SIZE gives the GPU machine's" in _line(result)
+
+
+def test_a_shipped_experiment_named_from_another_folder_says_where_it_is(monkeypatch, tmp_path):
+    """`sbp sweep experiments/smoke_cpu.toml` outside the checkout: the path is relative to this folder, and the shipped file's path."""
+    from sbpbench.config.experiment import SHIPPED
+
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, ["sweep", SMOKE])
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    said = f"(a path relative to this folder, {tmp_path}); the shipped file is {SHIPPED / 'smoke_cpu.toml'}"
+    assert said in _line(result), result.output

@@ -334,3 +334,14 @@ def test_times_taken_under_load_are_marked_with_a_footnote_and_judge_nothing():
     )
     for calm in (rows(1.5), rows(5.0, device="cuda:0")):
         assert "†" not in "\n".join(glance_table(calm, [])) and "met." in " ".join(_verdict(calm))
+
+
+def test_a_table_without_estimates_says_where_they_come_from(tmp_path):
+    """A measured-only table (the CPU smoke sweep's): the estimates section says none are there and what writes them, never a bare "None."."""
+    measured = tmp_path / "measured.csv"
+    upsert_rows(measured, [row for row in fixture_rows() if row.source == "measured"])
+    result = runner.invoke(app, ["report", str(measured)])
+    assert result.exit_code == 0, result.output
+    estimates = result.output.split("## Estimates vs measurements")[1]
+    assert "This table has none: `sbp estimate` and `sbp maxlen --simulate` write them." in estimates
+    assert "None." not in estimates

@@ -9,6 +9,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from sbpbench.core import StepHooks, attention
 from sbpbench.core.attention import offset_causal_attention
+from sbpbench.core.internal import SteeredHooks
 
 from ..conftest import streamed
 
@@ -65,7 +66,7 @@ def test_cuda_branch_lower_right_bias_on_cpu(start, end, kv_heads, dtype):
         key_start=0,
         scale=None,
         sliding_window=None,
-        attention=attention.ChunkAttention(hooks=StepHooks(cuda_branch=causal_lower_right)),
+        attention=attention.ChunkAttention(hooks=SteeredHooks(cuda_branch=causal_lower_right)),
     )
     tolerance = 1e-12 if dtype == torch.float64 else 3e-2
     expected = _full_reference(q, k, v, None)[:, :, start:end]
@@ -73,7 +74,7 @@ def test_cuda_branch_lower_right_bias_on_cpu(start, end, kv_heads, dtype):
 
 
 def test_the_cuda_branch_hook_uses_the_given_bias_only_where_given():
-    """StepHooks.cuda_branch builds the non-square chunk's bias with the given function; a step
+    """SteeredHooks.cuda_branch builds the non-square chunk's bias with the given function; a step
     without it takes the CPU branch, which never calls it."""
     calls = []
 
@@ -89,9 +90,9 @@ def test_the_cuda_branch_hook_uses_the_given_bias_only_where_given():
             attention=attention.ChunkAttention(hooks=hooks or StepHooks()),
         )  # fmt: skip
 
-    run(StepHooks(cuda_branch=causal_lower_right))
+    run(SteeredHooks(cuda_branch=causal_lower_right))
     assert calls == []
-    run(StepHooks(cuda_branch=spy))
+    run(SteeredHooks(cuda_branch=spy))
     assert calls == [(3, 7)]
     run()
     assert calls == [(3, 7)]

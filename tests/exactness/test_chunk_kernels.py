@@ -259,10 +259,30 @@ def test_flash_attention_packages_report_why_they_cannot_run(monkeypatch):
     assert "bf16" in FlashAttention3().unsupported(_call(5, 12, 0, 2))
 
 
+@pytest.mark.parametrize(
+    "error", [RuntimeError("CUDA driver too old"), OSError("undefined symbol: _ZN3c10"), ValueError()]
+)
+def test_a_flash_attention_package_that_fails_to_load_is_unavailable(monkeypatch, error):
+    """Any error while importing the package (not only ImportError: a built extension raises what it
+    likes) makes the kernel unavailable with the error named, tried once, never an error at the step."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    tries = []
+
+    def failing_import(name):
+        tries.append(name)
+        raise error
+
+    monkeypatch.setattr("importlib.import_module", failing_import)
+    kernel = FlashAttention3()
+    reason = kernel.unavailable(torch.device("cuda"))
+    assert "does not load" in reason and type(error).__name__ in reason
+    assert kernel.unavailable(torch.device("cuda")) == reason and len(tries) == 1
+
+
 def test_the_settings_choices_are_cores():
     """The CLI's choices (torch-free) name exactly core's kernels."""
     assert CHUNK_ATTENTION == CHUNK_ATTENTION_CHOICES
-    assert set(kernel_choice.KernelChooser().kernels) == set(CHUNK_ATTENTION) - {"auto", "lower-right"}
+    assert set(kernel_choice.KERNELS) == set(CHUNK_ATTENTION) - {"auto", "lower-right"}
 
 
 # Whole models: every layout with the kernel forced, against BP.

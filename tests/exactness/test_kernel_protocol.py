@@ -1,64 +1,56 @@
-"""The measuring protocol around StreamBP's chunk-kernel choice (runner/point.py, core/kernels/kernel_choice.py):
-no timed step measures a kernel or pays a first build of one, a memory step runs one fixed kernel
-whatever ran before, and the row names every kernel it used. A whole tiny point on the CPU, with
-stand-in candidates that measure on CPU tensors as auto does on a GPU, and a fake clock."""
+"""The measuring protocol around StreamBP's chunk kernels (runner/point.py, runner/kernel_table.py):
+auto is the lower-right path without a table and what the table says with one (a table written by
+the attention benchmark on the CPU); the memory step runs one fixed kernel whatever the table says;
+and no timed step builds a kernel, shown by a stand-in that counts its builds by (sizes, strides,
+dtype, grad mode, gradient layout), which catches a warm-up on contiguous tensors. A whole tiny
+point on the CPU."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
+import torch
 
 from sbpbench.config import point_specs
-from sbpbench.core import attention as attention_module
+from sbpbench.core.kernels import kernel_choice
 from sbpbench.core.kernels.chunk_kernels import ChunkKernel, SplitKernel
-from sbpbench.core.kernels.kernel_choice import DEFAULT_CHOOSER, LOWER_RIGHT, KernelChooser, MemoryCache
+from sbpbench.core.kernels.kernel_choice import LOWER_RIGHT, CallShape, TensorLayout
 from sbpbench.methods import MethodSettings
 from sbpbench.methods.exactness import compare_methods
-from sbpbench.methods.streambp import step_hooks
-from sbpbench.runner import point
+from sbpbench.runner import kernel_bench, point
+from sbpbench.runner.kernel_table import TablePicker, default_table_path, device_class, read_tables, write_table
 
-from ..conftest import observing_kernels, padded_batch, tiny_model
-from ..unit.test_kernel_choice import FakeClock, StandIn, _chooser
-from ..unit.test_kernel_choice import _reference as timed_reference_of
+from ..conftest import load_script, observing_kernels, padded_batch, tiny_model
 
 
-class Candidate(ChunkKernel):
-    """The split's exact values at 1 s a run on the fake clock, plus `build_s` the first time it
-    sees a shape (a cuDNN graph, a compiled specialisation); `builds` lists those shapes."""
+class Counting(ChunkKernel):
+    """The split's exact values; a build the first time it meets a forward's (layouts, dtype, grad
+    mode) or a backward's (layouts, gradient layout), as cuDNN keys its graphs and dynamo its guards."""
 
-    def __init__(self, name: str, clock: FakeClock, build_s: float = 0.5):
-        self.name, self.clock, self.build_s = name, clock, build_s
+    name = "split"
+
+    def __init__(self):
         self.builds: list[tuple] = []
 
+    def _meet(self, key: tuple) -> None:
+        if key not in self.builds:
+            self.builds.append(key)
+
     def run(self, call):
-        shape = (tuple(call.query.shape), tuple(call.key.shape))
-        if shape not in self.builds:
-            self.builds.append(shape)
-            self.clock.now += self.build_s
-        self.clock.now += 1.0
-        return SplitKernel().run(call)
-
-
-def _reference(clock: FakeClock):
-    from sbpbench.core.attention import lower_right_attention
-
-    def reference(call, cuda_branch=None):
-        clock.now += 3.0
-        return lower_right_attention(call, cuda_branch)
-
-    return reference
+        key = CallShape.of(call).build_key
+        self._meet(("forward", key))
+        out = SplitKernel().run(call)
+        if out.requires_grad:
+            out.register_hook(lambda grad: self._meet(("backward", key, TensorLayout.of(grad))))
+        return out
 
 
 @pytest.fixture
-def stand_in(monkeypatch):
-    """A chooser that measures on the CPU (the GPU's path) with one fast candidate, "fast"."""
-    from sbpbench.core import attention
-
-    clock = FakeClock()
-    fast = Candidate("fast", clock)
-    chooser = KernelChooser({"fast": fast}, MemoryCache(), clock.timer, device_types=("cpu",))
-    monkeypatch.setattr(attention, "lower_right_attention", _reference(clock))
-    with step_hooks(chooser=chooser):
-        yield chooser, fast
+def cache(tmp_path, monkeypatch):
+    """A cache folder of the test's own: the worker's table is read from there."""
+    monkeypatch.setenv("SBP_CACHE_DIR", str(tmp_path))
+    return tmp_path
 
 
 def _spec(**values):
@@ -67,107 +59,159 @@ def _spec(**values):
     return spec
 
 
-def test_no_timed_step_measures_or_builds_a_kernel(stand_in, monkeypatch):
-    """With no warm-up (the long-context protocol), the chooser measures between the memory step
-    and the timed steps, recorded as tuning_s; inside the timed steps it times nothing and the
-    candidate builds no new shape; the timed steps ran the candidate and the row says so."""
-    chooser, fast = stand_in
-    inside: list[tuple[int, int]] = []
+def _split_everywhere(path) -> None:
+    """A table naming split for every class the point's step makes (T = 48 in chunks of 16)."""
+    classes = [f"B1 H4 KV2 hd16 float32 c<=16 prefix<={p} full" for p in (16, 32)]
+    write_table(path, device_class(torch.device("cpu")), {c: {"kernel": "split"} for c in classes})
+
+
+def test_auto_without_a_table_is_the_lower_right_path(cache):
+    """No table for this device: the timed steps run the reference, nothing is warmed."""
+    row = point.measure_point(_spec(warmup=0, repeats=1))
+    assert row.status == "ok", row.error
+    assert row.timed_attention_kernel == LOWER_RIGHT and row.tuning_s is None
+
+
+class _Clock:
+    """Seconds advance only when a stand-in runs: the reference 3 s a call, the split 1 s."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def timer(self, fn) -> float:
+        start = self.now
+        fn()
+        return self.now - start
+
+
+def test_auto_with_the_benchmarks_table_is_what_the_table_says(cache, monkeypatch):
+    """The attention benchmark, run on the CPU with a clock on which the split is the faster, writes
+    split for each class of the step into the cache's table; a point with auto then runs split in
+    its timed steps (after a warm pass) and the reference in its memory step. Edited to name the
+    reference for one class, the table gives that class the reference."""
+    clock = _Clock()
+
+    class Timed(ChunkKernel):
+        name = "split"
+
+        def run(self, call):
+            clock.now += 1.0
+            return SplitKernel().run(call)
+
+    reference = kernel_bench.lower_right_attention
+
+    def slow_reference(call, cuda_branch=None):
+        clock.now += 3.0
+        return reference(call, cuda_branch)
+
+    monkeypatch.setattr(kernel_bench, "lower_right_attention", slow_reference)
+    bench = load_script("benchmarks/attention_kernels.py", "attention_kernels_protocol")
+    try:
+        argv = ["--tiny", "--reps", "1", "--out", str(cache / "b.csv"), "--table", str(default_table_path())]
+        assert bench.main(argv, kernels={"split": Timed()}, timer=clock.timer) == 0
+    finally:
+        del sys.modules["attention_kernels_protocol"]
+    monkeypatch.setattr(kernel_bench, "lower_right_attention", reference)
+    (table,) = read_tables(default_table_path()).values()
+    assert {e["kernel"] for e in table.values()} == {"split"} and len(table) == 2
+    assert all(e["steady_s"]["split"] < e["steady_s"][LOWER_RIGHT] and e["shapes"] >= 1 for e in table.values())
+    row = point.measure_point(_spec(warmup=0, repeats=1))
+    assert row.status == "ok", row.error
+    assert row.timed_attention_kernel == "split" and row.tuning_s is not None
+    assert "split" not in row.attention_kernel  # the memory step ran auto's own kernel
+    first = min(table)
+    write_table(default_table_path(), device_class(torch.device("cpu")), {first: {"kernel": LOWER_RIGHT}})
+    row = point.measure_point(_spec(warmup=0, repeats=1))
+    assert row.timed_attention_kernel == f"{LOWER_RIGHT}+split"
+
+
+@pytest.mark.parametrize("warm", ["as recorded", "contiguous"])
+def test_no_timed_step_builds_a_kernel_the_table_names(cache, monkeypatch, warm):
+    """With a table naming split (a stand-in that counts its builds) and no warm-up step, every
+    build lands in the warm pass and none in the timed steps. Warming on contiguous tensors instead
+    of the step's own strides leaves builds to the timed steps: the count sees the difference."""
+    counting = Counting()
+    monkeypatch.setitem(kernel_choice.KERNELS, "split", counting)
+    _split_everywhere(default_table_path())
+    if warm == "contiguous":
+        made = CallShape.make_call
+
+        def contiguous(shape, generator=None):
+            call = made(shape, generator)
+            tensors = [
+                t.detach().contiguous().requires_grad_(t.requires_grad) for t in (call.query, call.key, call.value)
+            ]
+            return call.with_tensors(*tensors)
+
+        monkeypatch.setattr(CallShape, "make_call", contiguous)
+    inside = []
     timed = point.time_steps
 
     def watched(run, **kwargs):
-        before = (chooser.timings, len(fast.builds))
+        before = len(counting.builds)
         result = timed(run, **kwargs)
-        inside.append((chooser.timings - before[0], len(fast.builds) - before[1]))
+        inside.append(len(counting.builds) - before)
         return result
 
     monkeypatch.setattr(point, "time_steps", watched)
     row = point.measure_point(_spec(warmup=0, repeats=2))
     assert row.status == "ok", row.error
-    assert inside == [(0, 0)]
-    assert chooser.timings > 0 and row.tuning_s is not None and row.tuning_s >= 0
-    assert row.timed_attention_kernel == "fast"
-    assert "fast" not in row.attention_kernel  # the memory step ran auto as the reference
+    assert row.timed_attention_kernel == "split" and row.tuning_s >= 0
+    forwards = {key for kind, key, *_ in counting.builds if kind == "forward"}
+    assert {key[5] for key in forwards} == {False, True}  # both grad modes were met
+    if warm == "as recorded":
+        assert inside == [0], "a timed step built a kernel the warm pass should have"
+    else:
+        assert inside[0] > 0, "contiguous warm tensors should leave builds to the timed step"
 
 
-def test_the_tuning_pass_builds_every_shape_the_step_runs(stand_in):
-    """Each distinct chunk shape of the step is built once in the tuning pass: two chunks with a
-    prefix (T = 48 in chunks of 16) are two shapes."""
-    _, fast = stand_in
-    row = point.measure_point(_spec(warmup=0, repeats=1))
-    assert row.status == "ok", row.error
-    assert sorted(key[2] for _, key in fast.builds) == [32, 48]
-
-
-def test_a_memory_only_probe_runs_the_reference_whatever_is_cached(stand_in):
-    """A probe (repeats 0) after a point that cached "fast" for every class still runs the lower-right
-    path, as the estimator models: its peak does not depend on what ran before. Nothing is tuned."""
-    chooser, fast = stand_in
-    point.measure_point(_spec(warmup=0, repeats=1))
-    assert set(chooser.cache.choices.values()) == {"fast"}
-    runs_before = chooser.timings, len(fast.builds)
-    probe = point.measure_point(_spec(warmup=0, repeats=0))
-    assert probe.status == "ok", probe.error
-    assert "fast" not in probe.attention_kernel and probe.tuning_s is None and probe.timed_attention_kernel == ""
-    assert (chooser.timings, len(fast.builds)) == runs_before
-
-
-def test_the_memory_step_is_the_same_with_or_without_a_cache(stand_in):
-    """The memory step's peak with every class cached as "fast" equals the peak with none cached."""
-    chooser, _ = stand_in
-    fresh = point.measure_point(_spec(warmup=0, repeats=0))
-    point.measure_point(_spec(warmup=0, repeats=1))
-    assert chooser.cache.choices
-    cached = point.measure_point(_spec(warmup=0, repeats=0))
-    assert cached.peak_allocated_bytes == fresh.peak_allocated_bytes and cached.loss == fresh.loss
-
-
-def test_auto_off_the_chooser_devices_tunes_nothing():
-    """On a CPU (auto is the reference there) the pass finds nothing to measure: the timed steps ran
-    the lower-right path and the row says so."""
-    row = point.measure_point(_spec(warmup=0, repeats=1))
-    assert row.status == "ok", row.error
-    assert row.timed_attention_kernel == LOWER_RIGHT and DEFAULT_CHOOSER.timings == 0
-
-
-def test_forced_flex_is_warmed_before_the_timed_steps(monkeypatch):
-    """A forced kernel is not measured but is still run once per shape before the timed steps (a
-    first compile never lands in a timed step)."""
-    clock = FakeClock()
-    flex = Candidate("flex", clock)
-    chooser = KernelChooser({"flex": flex}, MemoryCache(), clock.timer, device_types=("cpu",))
-    monkeypatch.setattr("sbpbench.config.run.check_chunk_attention", lambda *args: None)  # flex on a CPU
+def test_a_forced_kernel_builds_in_the_memory_step_not_in_a_timed_one(cache, monkeypatch):
+    """chunk_attention=split: the memory step runs it on the step's own calls, so the timed steps
+    build nothing, with no warm pass."""
+    counting = Counting()
+    monkeypatch.setitem(kernel_choice.KERNELS, "split", counting)
     inside = []
     timed = point.time_steps
 
     def watched(run, **kwargs):
-        before = len(flex.builds)
+        before = len(counting.builds)
         result = timed(run, **kwargs)
-        inside.append(len(flex.builds) - before)
+        inside.append(len(counting.builds) - before)
         return result
 
     monkeypatch.setattr(point, "time_steps", watched)
-    with step_hooks(chooser=chooser):
-        row = point.measure_point(_spec(warmup=0, repeats=1, chunk_attention="flex"))
+    row = point.measure_point(_spec(warmup=0, repeats=1, chunk_attention="split"))
     assert row.status == "ok", row.error
-    assert inside == [0] and len(flex.builds) == 2 and chooser.timings == 0
-    assert row.timed_attention_kernel == "flex"
+    assert inside == [0] and counting.builds and row.tuning_s is None and "split" in row.attention_kernel
 
 
-def test_auto_through_a_whole_model_is_exact_and_recorded(monkeypatch):
-    """stream_backward with auto: each shape class timed once, the fast stand-in (the split's values)
-    kept and run, bp's gradients to 1e-10, and the step's kernels name it."""
-    clock = FakeClock()
-    fast, slow = StandIn("fast", clock, 1.0), StandIn("slow", clock, 5.0)
-    chooser = _chooser(clock, fast, slow, on_cpu=True)
-    timed_reference = timed_reference_of(clock, 3.0)
-    monkeypatch.setattr(attention_module, "lower_right_attention", timed_reference)
+def test_the_memory_step_is_the_same_with_or_without_a_table(cache):
+    """A memory-only probe's peak and loss with a table naming split equal those without one; the
+    probe warms nothing."""
+    fresh = point.measure_point(_spec(warmup=0, repeats=0))
+    _split_everywhere(default_table_path())
+    probe = point.measure_point(_spec(warmup=0, repeats=0))
+    assert probe.status == "ok", probe.error
+    assert (probe.peak_allocated_bytes, probe.loss) == (fresh.peak_allocated_bytes, fresh.loss)
+    assert "split" not in probe.attention_kernel and probe.tuning_s is None and probe.timed_attention_kernel == ""
+
+
+def test_a_narrowed_sdpa_keeps_auto_on_its_own_kernel(cache):
+    """--sdpa-backend asks for one SDPA kernel everywhere: the table is not read."""
+    _split_everywhere(default_table_path())
+    row = point.measure_point(_spec(warmup=0, repeats=1, sdpa_backend="math"))
+    assert row.status == "ok", row.error
+    assert row.timed_attention_kernel == LOWER_RIGHT and row.tuning_s is None
+
+
+def test_a_table_picker_through_a_whole_model_is_exact_and_recorded():
+    """stream_backward with a table's picker as chunk_attention: split on one class, the reference
+    on the rest; bp's gradients to 1e-10, and the step's kernels name both."""
     model = tiny_model("tiny/qwen3")
     batch = padded_batch(model, batch_size=2, seq_len=23, lengths=[23, 17])
-    settings = MethodSettings(chunk_size=5, logits_chunk_size=7, chunk_attention="auto")
-    with step_hooks(chooser=chooser), observing_kernels() as seen:
+    picker = TablePicker({"B2 H4 KV2 hd16 float64 c<=8 prefix<=8 full": "split"})
+    settings = MethodSettings(chunk_size=5, logits_chunk_size=7, chunk_attention=picker)
+    with observing_kernels() as seen:
         (result,) = compare_methods(model, batch, ["streambp"], settings)
     assert result.ok, "\n".join(d.describe() for d in result.failures())
-    assert seen == {"fast"} and set(chooser.cache.choices.values()) == {"fast"}
-    classes = len(chooser.cache.choices)
-    assert classes >= 2 and slow.runs == classes * (1 + chooser.reps)  # checked, warmed up, timed: once per class
+    assert seen == {"split", LOWER_RIGHT}

@@ -8,7 +8,8 @@ import sys
 import pytest
 import torch
 
-from sbpbench.core.adapters import UnsupportedModelError, resolve_parts
+from sbpbench.core import UnsupportedModelError
+from sbpbench.core.internal import resolve_parts
 from sbpbench.methods import MethodSettings, run_method
 from sbpbench.methods.exactness import compare_methods
 from sbpbench.models import apply_lora

@@ -10,6 +10,7 @@ from typing import ClassVar
 import pytest
 import torch
 
+from sbpbench.core import UnsupportedModelError
 from sbpbench.core import stream as stream_module
 from sbpbench.core.placements.placement import CheckpointStore, Placement
 from sbpbench.data import make_batch
@@ -244,7 +245,8 @@ def test_observed_stores_report_what_a_step_held_and_moved():
 def test_a_sharded_rebuild_gathers_each_layer_once_and_runs_it_hook_free(monkeypatch):
     """Under a data-parallel sync (FSDP2, DeepSpeed) a segment rebuild holds each rebuilt layer
     gathered once (sync.rebuilding) and runs its chunks through sync.call (hook-free): the gradients
-    are the gpu placement's, and no layer hook runs in the rebuild."""
+    are the gpu placement's. A caller's hook on a layer, which the hook-free chunks would skip, is
+    refused before the step."""
     from sbpbench.core.parallel.grad_sync_base import GradSync
 
     rebuilt, hooked = [], []
@@ -264,14 +266,15 @@ def test_a_sharded_rebuild_gathers_each_layer_once_and_runs_it_hook_free(monkeyp
     expected = {name: p.grad.clone() for name, p in model.named_parameters()}
     monkeypatch.setattr(stream_module, "grad_sync_for", lambda model, parts, **kwargs: ShardedSync())
     layers = model.model.layers
-    for layer in layers:
-        layer.register_forward_pre_hook(lambda module, args: hooked.append(module))
     _step(model, batch, "cpu+recompute:2")
     # NUM_LAYERS = 5, K = 2: inputs 0, 2, 4 kept; X_1 and X_3 rebuilt by layers 0 and 2
     assert [list(layers).index(layer) for layer in rebuilt] == [2, 0]
-    assert len(hooked) == NUM_LAYERS  # the checkpoint pass's calls only
     for name, param in model.named_parameters():
         torch.testing.assert_close(param.grad, expected[name], rtol=0, atol=1e-12, msg=name)
+    layers[1].register_forward_pre_hook(lambda module, args: hooked.append(module))
+    with pytest.raises(UnsupportedModelError, match="forward hook on layers.1 would not run"):
+        _step(model, batch, "cpu+recompute:2")
+    assert not hooked
 
 
 @pytest.mark.parametrize("checkpoints", ["cpu", "cpu+recompute:2", "cpu+recompute:4+spill", "cpu+recompute:5+spill"])

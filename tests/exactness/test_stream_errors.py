@@ -88,11 +88,11 @@ def test_a_forced_kernel_the_device_lacks_is_refused_before_the_step():
         stream_backward(model, batch.input_ids, batch.labels, config=StreamConfig(chunk_attention="fa3"))
 
 
-def test_unsupported_family_is_refused_with_the_supported_list():
-    """A GPT-2 model is refused and the message lists the supported families."""
+def test_a_model_without_the_decoder_structure_is_refused_naming_the_part():
+    """A GPT-2 model (blocks under `h`, no decoder.layers) is refused, naming what is missing."""
     model = AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
     ids = torch.randint(0, 64, (1, 8))
-    with pytest.raises(UnsupportedModelError, match="Qwen3.*Llama|Llama.*Qwen3"):
+    with pytest.raises(UnsupportedModelError, match=r"no decoder\.layers"):
         stream_backward(model, ids, ids)
 
 
@@ -105,3 +105,42 @@ def test_attention_dropout_in_training_is_refused():
         stream_backward(model, batch.input_ids, batch.labels)
     model.eval()
     stream_backward(model, batch.input_ids, batch.labels)  # eval mode: no dropout, accepted
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "words"),
+    [
+        ({"config": {"chunk_size": 4}}, TypeError, "config must be a StreamConfig, got dict"),
+        ({"sequence_parallel": "yes"}, TypeError, "sequence_parallel must be a SequenceParallel, got str"),
+        ({"hooks": "timer"}, TypeError, "hooks must be a StepHooks, got str"),
+        ({"one_dimensional": True}, ValueError, r"input_ids must be a \(batch, seq_len\) tensor, got shape \(8,\)"),
+    ],
+    ids=["config-dict", "sequence-parallel-str", "hooks-str", "ids-1d"],
+)
+def test_an_argument_of_the_wrong_kind_is_refused_before_any_work(kwargs, error, words):
+    """A dict for config, a string for sequence_parallel or hooks, 1-D input_ids: a TypeError or
+    ValueError naming the argument, and the model's gradients untouched."""
+    model = tiny_model("tiny/qwen3")
+    ids = torch.randint(0, 512, (1, 8))
+    if kwargs.pop("one_dimensional", False):
+        ids = ids[0]
+    with pytest.raises(error, match=words):
+        stream_backward(model, ids, ids, **kwargs)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_process_group_that_is_not_one_is_refused():
+    """SequenceParallel(group="world") is a TypeError naming the group, before torch.distributed is asked."""
+    from sbpbench.core.parallel.sequence_group import SequenceParallel
+
+    with pytest.raises(TypeError, match="group must be a torch.distributed ProcessGroup or None"):
+        SequenceParallel(group="world")
+
+
+def test_a_model_with_every_parameter_frozen_is_refused():
+    """No trainable parameter: a RuntimeError, as loss.backward() would raise, never a loss without gradients."""
+    model = tiny_model("tiny/qwen3")
+    model.requires_grad_(False)
+    ids = torch.randint(0, 512, (1, 8))
+    with pytest.raises(RuntimeError, match="no parameter of the model requires grad"):
+        stream_backward(model, ids, ids)

@@ -120,11 +120,11 @@ def test_compute_loss_func_is_refused():
 
 
 def test_unsupported_model_family_is_refused():
-    """A model family the core does not stream (GPT-2) is refused at construction, naming the supported ones."""
+    """A model the core does not stream (GPT-2: no decoder layers list) is refused at construction, saying why."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=512))
-    _assert_refused(lambda: _make_trainer()(model), "Qwen3")
+    _assert_refused(lambda: _make_trainer()(model), "no decoder.layers")
 
 
 def _stand_in(**changes):

@@ -13,8 +13,9 @@ more than a small factor.
 
 Time: the fp64 step takes most of a test (no fused kernel: attention materialises chunk x T
 scores), so one model and its fp64 step per shape (a module fixture) serve both the fp32 and the
-bf16 test, and the depth is cut (errors are judged against bp's own at the same depth). The
-`quick` tests are the subset `sbp selftest` runs.
+bf16 test, and the depth is cut (errors are judged against bp's own at the same depth). StreamBP's
+chunk attention is pinned to the lower-right reference: these tests are about the methods, the
+kernels have theirs (test_gpu_kernels.py). The `quick` tests are the subset `sbp selftest` runs.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from sbpbench.core.internal import LOWER_RIGHT
 from sbpbench.methods import MethodSettings
 from sbpbench.methods.exactness import Step, fp64_step, judge_against_fp64, step_gradients
 from sbpbench.models import build_model
@@ -34,7 +36,8 @@ pytestmark = pytest.mark.gpu
 
 DEVICE = "cuda"  # test_gpu_tier.py runs these tests on a CPU stand-in (tiny shapes, short T)
 SEQ_LEN = 9000
-SETTINGS = MethodSettings(chunk_size=SEQ_LEN // 3, logits_chunk_size=100)  # the paper's timing partitions
+# the paper's timing partitions; the lower-right chunk kernel, auto's own (test_gpu_kernels.py checks the others)
+SETTINGS = MethodSettings(chunk_size=SEQ_LEN // 3, logits_chunk_size=100, chunk_attention=LOWER_RIGHT)
 # Real per-layer shapes, six layers each: so bp (full activations) fits beside the fp64 step's
 # gradients, and the fp64 step (linear in depth) stays short.
 SHAPES = {"Qwen/Qwen3-0.6B": {"num_hidden_layers": 6}, "Qwen/Qwen3-4B": {"num_hidden_layers": 6}}
@@ -42,7 +45,7 @@ FP64_REFERENCE = "streambp"
 # the objectives: a 4-layer Qwen3-0.6B, T=4096, chunks of 1000 positions and 100 logits
 OBJECTIVE_SHAPE = ("Qwen/Qwen3-0.6B", {"num_hidden_layers": 4})
 OBJECTIVE_SEQ_LEN = 4096
-OBJECTIVE_SETTINGS = MethodSettings(chunk_size=1000, logits_chunk_size=100)
+OBJECTIVE_SETTINGS = MethodSettings(chunk_size=1000, logits_chunk_size=100, chunk_attention=LOWER_RIGHT)
 
 
 def _assert_judged(results) -> None:

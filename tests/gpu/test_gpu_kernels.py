@@ -1,6 +1,7 @@
 """On a CUDA GPU: each candidate kernel for a chunk's attention (core/kernels/chunk_kernels.py: split, flex,
 fa3, fa4) gives the lower-right reference's output and gradients, in bf16. A kernel that cannot run
-here is skipped with its own reason (not installed, not this GPU).
+here is skipped with its own reason (not installed, not this GPU). All but flex are quick: its
+compile takes tens of seconds, and the selftest's attention benchmark judges it on a step's calls.
 
 bf16 cannot be judged by a fixed tolerance, so the truth is an fp32 run of the reference on the same
 bf16 values. A candidate's error against it (out, dQ, dK, dV, relative Frobenius norms) may be at most
@@ -21,9 +22,9 @@ import torch.nn.functional as F
 
 from sbpbench.core.attention import lower_right_attention
 from sbpbench.core.kernels.chunk_kernels import ChunkCall, default_kernels
-from sbpbench.core.kernels.kernel_choice import relative_error
+from sbpbench.runner.kernel_bench import relative_error
 
-pytestmark = [pytest.mark.gpu, pytest.mark.quick]
+pytestmark = pytest.mark.gpu
 
 DEVICE = "cuda"  # test_gpu_tier.py runs these tests on the CPU (the split only)
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Qwen3-8B
@@ -86,6 +87,7 @@ def _describe(errors, bounds) -> str:
     return ", ".join(f"{n} {e:.2e} (bound {b:.2e})" for n, e, b in zip(NAMES, errors, bounds))
 
 
+@pytest.mark.quick
 def test_a_mask_shifted_by_one_key_fails_the_bound(judged):
     """The bound has teeth: the reference with each query's own key hidden misses it on the output
     and on dQ, dK and dV."""
@@ -95,7 +97,12 @@ def test_a_mask_shifted_by_one_key_fails_the_bound(judged):
     assert all(e > b for e, b in zip(errors, bounds)), _describe(errors, bounds)
 
 
-@pytest.mark.parametrize("name", list(KERNELS))
+# flex compiles for tens of seconds: not quick (`sbp selftest` runs the attention benchmark, which
+# judges every kernel on a step's own calls)
+QUICK = [pytest.param(name, marks=[] if name == "flex" else pytest.mark.quick) for name in KERNELS]
+
+
+@pytest.mark.parametrize("name", QUICK)
 def test_each_attention_kernel_matches_the_reference(judged, name):
     """The candidate's out, dQ, dK and dV in bf16 are within ERROR_FACTOR x the bf16 reference's own
     error of the fp32 truth; a candidate this machine cannot run is skipped with its reason."""

@@ -43,9 +43,15 @@ POINTS = {
 
 def _spec(device: str, method: str, **values) -> RunSpec:
     base, chunk, _ = POINTS[device]
-    return RunSpec(method=method, settings=MethodSettings(chunk_size=chunk), **{"repeats": 1, **base, **values})
+    settings = MethodSettings(
+        chunk_size=chunk, chunk_attention=SETTINGS["chunk_attention"] if method == "streambp" else None
+    )
+    return RunSpec(method=method, settings=settings, **{"repeats": 1, **base, **values})
 
 
+# StreamBP's chunk kernel in the workers: the lower-right reference, which reads no table of measured
+# kernels (runner/kernel_table.py) and compiles nothing
+SETTINGS = {"chunk_attention": "lower-right"}
 # the timeline's activation peak (above the baseline) against the allocator's: the replay rounds
 # each request to 512 B where the allocator counts whole blocks
 TIMELINE_PEAK_TOLERANCE = 0.02

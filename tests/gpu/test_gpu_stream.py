@@ -12,8 +12,8 @@ Phase timer (core/phases.py): a CUDA step's phases are timed by events on their 
 that does work has positive seconds, the compute stream's phases never count a second twice, they
 cover most of the step, and the step's event time is its wall time less the host's set-up.
 
-Attention runs the lower-right reference here: these tests are about placement and timing, and auto
-would time the candidate kernels (test_gpu_kernels.py checks those).
+Attention runs the lower-right reference here: these tests are about placement and timing
+(test_gpu_kernels.py checks the other kernels).
 """
 
 from __future__ import annotations

@@ -234,3 +234,24 @@ def test_the_kernel_tests_run_on_a_cpu_stand_in(monkeypatch):
     for name in ("flex", "fa3", "fa4"):
         with pytest.raises(pytest.skip.Exception, match=name):
             test_gpu_kernels.test_each_attention_kernel_matches_the_reference(judged, name)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_gpu_method_tests_the_measure_worker_and_check_pin_the_lower_right_kernel(tmp_path, dtype):
+    """tests/gpu's method tests, the measure worker's StreamBP spec and `sbp check` (its rows' settings,
+    in fp32 and bf16) run the chunk attention on the lower-right reference: none reads a table of
+    measured kernels or compiles one; the kernels have their own tests."""
+    from sbpbench.config import exactness_specs
+    from sbpbench.core.internal import LOWER_RIGHT
+    from sbpbench.records.exactness import read_exactness
+    from sbpbench.runner.exactness import ExactnessSpec, check_exactness
+
+    assert test_gpu.SETTINGS.chunk_attention == LOWER_RIGHT == test_gpu.OBJECTIVE_SETTINGS.chunk_attention
+    assert test_gpu_measure._spec("cpu", "streambp").settings.chunk_attention == LOWER_RIGHT
+    values = {"model": "tiny/qwen3", "seq_len": 16, "dtype": dtype, "chunk_size": 5, "device": "cpu"}
+    out = tmp_path / "exactness.csv"
+    specs = exactness_specs(values, ["streambp"])
+    assert specs[-1].settings.chunk_attention == "auto"  # as given: the check pins it
+    check_exactness(ExactnessSpec(tuple(specs), out=out))
+    (row,) = read_exactness(out)
+    assert row["method"] == "streambp" and f"chunk_attention={LOWER_RIGHT}" in row["settings"]

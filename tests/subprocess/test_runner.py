@@ -101,7 +101,7 @@ def test_a_failing_method_is_an_error_row(tmp_path):
     (checkpoint / "config.json").write_text(json.dumps(config))
     env = capture_environment("cpu")
     row = run_isolated(_spec("streambp", model=str(checkpoint), seq_len=16), env)
-    assert row.status == "error" and "UnsupportedModelError" in row.error and "gpt2" in row.error
+    assert row.status == "error" and "UnsupportedModelError" in row.error and "GPT2LMHeadModel" in row.error
     assert run_isolated(_spec("bp", model=str(checkpoint), seq_len=16), env).status == "ok"
 
 

@@ -8,15 +8,15 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from sbpbench.measure.copy_rate import DEVICE_TO_HOST, HOST_TO_DEVICE, CopyRate, write_csv
+from sbpbench.measure.copy_rate import DEVICE_TO_HOST, HOST_REGISTER, HOST_TO_DEVICE, PIN_MEMORY, CopyRate, write_csv
 from sbpbench.measure.environment import capture_environment
-from sbpbench.measure.timeline.data import Peak, Timeline
 from sbpbench.records import ResultRow, upsert_rows
 from sbpbench.records.exactness import ExactnessRow, write_exactness
 from sbpbench.runner import selftest as st
@@ -90,9 +90,10 @@ def test_cpu_plan_is_a_check_a_run_and_its_estimate(tmp_path):
 
 
 def test_gpu_plan_runs_in_order_of_value(tmp_path, h100_rates):
-    """On a GPU, in order: the quick tests (the new files first), the attention benchmark at 16k-256k
-    keys, Qwen3-4B T=9000 ckpt and streambp with phases and timelines, Qwen3-8B at 262,144 tokens
-    streamed on 3 layers and at 65,536 on the GPU (one memory and one timed step each), the copy
+    """On a GPU, in order: the quick tests (the new files first), the attention benchmark on a Qwen3-8B
+    step's calls at 65,536 tokens writing the kernel table into OUT, Qwen3-4B T=9000 ckpt and streambp
+    with phases (auto: the table), Qwen3-8B at 262,144 tokens streamed on 3 layers and at 65,536 with
+    cpu checkpoints (a warm-up, a memory and a timed step each, the lower-right kernel), the copy
     rate; each point's estimate, with the run's own options, submitted beside them first."""
     test = st.Selftest("cuda", tmp_path, st.GPU_BUDGET_S, H100)
     steps = st.gpu_plan(test, REPOSITORY, h100_rates)
@@ -103,14 +104,20 @@ def test_gpu_plan_runs_in_order_of_value(tmp_path, h100_rates):
     assert names[:3] == list(st.QUICK_FIRST) and set(names) == {*st.QUICK_FIRST, "test_gpu.py"}
     assert dict(tests.env)[TEST_REPORT_ENV] == str(test.tests_report)
     assert Path(benchmark.argv[0]).name == "attention_kernels.py"
-    assert _value(benchmark.argv, "--keys") == "16384,65536,262144"
+    assert [_value(benchmark.argv, f) for f in ("--model", "--seq", "--chunk-size")] == [
+        "Qwen/Qwen3-8B",
+        "65536",
+        "4096",
+    ]
     assert _value(benchmark.argv, "--out") == str(tmp_path / st.BENCHMARK_CSV)
-    assert short.argv[2] == "run" and {"--phases", "--timeline"} <= set(short.argv)
+    assert _value(benchmark.argv, "--table") == str(tmp_path / "attention-kernels.json")
+    assert short.argv[2] == "run" and "--phases" in short.argv and "--set" not in short.argv
     assert (_value(short.argv, "--model"), _value(short.argv, "--seq")) == ("Qwen/Qwen3-4B", "9000")
     assert short.argv[short.argv.index("--method") + 1 : short.argv.index("--method") + 3] == ("ckpt", "streambp")
-    flags = ("--model", "--seq", "--checkpoints", "--num-layers", "--warmup", "--repeats")
-    assert [_value(long.argv, f) for f in flags] == ["Qwen/Qwen3-8B", "262144", "stream:2", "3", "0", "1"]
-    assert [_value(gpu_64k.argv, f) for f in flags] == ["Qwen/Qwen3-8B", "65536", None, None, "0", "1"]
+    flags = ("--model", "--seq", "--checkpoints", "--num-layers", "--warmup", "--repeats", "--set")
+    lower_right = "chunk_attention=lower-right"
+    assert [_value(long.argv, f) for f in flags] == ["Qwen/Qwen3-8B", "262144", "stream:2", "3", "1", "1", lower_right]
+    assert [_value(gpu_64k.argv, f) for f in flags] == ["Qwen/Qwen3-8B", "65536", "cpu", None, "1", "1", lower_right]
     assert copies.argv[:2] == ("-m", "sbpbench.measure.copy_rate")
     for run, estimate in zip((short, long, gpu_64k), [s for s in steps if s.background]):
         assert estimate.argv[2] == "estimate" and _value(estimate.argv, "--out") == str(test.estimates_csv)
@@ -120,11 +127,26 @@ def test_gpu_plan_runs_in_order_of_value(tmp_path, h100_rates):
         methods = [argv[argv.index("--method") + 1 :][:count] for argv in (run.argv, estimate.argv)]
         assert methods == [run.point.methods] * 2
         assert _value(run.argv, "--out") == str(test.runs_csv) and _value(run.argv, "--timeout")
-    for step in steps:  # one kernel-choice cache and one compile cache for all, in the output folder
+    for step in steps:  # one kernel table and one compile cache for all, in the output folder
         env = dict(step.env)
         assert env["SBP_CACHE_DIR"] == str(tmp_path)
         assert env["TORCHINDUCTOR_CACHE_DIR"].startswith(str(tmp_path / st.COMPILE_CACHE))
         assert env["TRITON_CACHE_DIR"].startswith(str(tmp_path / st.COMPILE_CACHE))
+
+
+def test_every_price_is_the_sum_of_the_work_it_counts(tmp_path, h100_rates):
+    """Each foreground step's prediction is its counted work's sum, never a flat figure; the quick
+    tier's work names every file that holds quick tests; the auto run counts its kernel builds, the
+    lower-right long points none."""
+    steps = _foreground(st.gpu_plan(st.Selftest("cuda", tmp_path, st.GPU_BUDGET_S, H100), REPOSITORY, h100_rates))
+    for step in steps:
+        assert step.work and step.predicted_s == pytest.approx(sum(w.seconds for w in step.work)), step.name
+    tests = next(s for s in steps if s.kind == "tests")
+    priced = {w.what.split(":")[0] for w in tests.work if w.what.startswith("test_")}
+    assert priced == {p.name for p in st.quick_test_files(REPOSITORY / "tests")}
+    short, long, gpu_64k = (s for s in steps if s.kind == "run")
+    assert any("kernel builds" in w.what for w in short.work)
+    assert not any("kernel builds" in w.what for w in long.work + gpu_64k.work)
 
 
 def test_on_2_gpus_streambp_sharing_each_sequence_is_checked_and_run_after_the_short_point(tmp_path, h100_rates):
@@ -145,7 +167,8 @@ def test_on_2_gpus_streambp_sharing_each_sequence_is_checked_and_run_after_the_s
             "--num-layers", "2", "--nproc", "2", "--sp", "2", "--dtype", "fp32", "--method", "streambp",
             "--out", str(test.exactness_csv),
         )  # fmt: skip
-        assert check.predicted_s == st.PREDICTED_S["sp check"] < check.timeout_s
+        assert check.predicted_s == pytest.approx(sum(w.seconds for w in check.work))
+        assert check.predicted_s < check.timeout_s
         flags = ("--model", "--seq", "--nproc", "--sp", "--warmup", "--repeats", "--method", "--out")
         assert [_value(sp_run.argv, f) for f in flags] == [
             "Qwen/Qwen3-4B", "65536", "2", "2", "0", "1", "streambp", str(test.runs_csv)
@@ -171,15 +194,14 @@ def test_on_2_gpus_the_plan_at_its_prices_runs_the_new_steps_within_the_budget(t
 
 
 def test_the_plan_priced_with_the_h100_rows_fits_the_budget(tmp_path, monkeypatch, h100_rates):
-    """Every run step priced by simulate/cost.py at the rates of the H100 rows measured so far (plus
-    kernel tuning and timeline predictions), the others at their predictions: the foreground sums to
-    at most 8 minutes, every step's own limit covers its price, and on a clock that each step moves by
-    its price every step runs, in order, within the budget."""
+    """Every step priced by its counted work at the rates of the H100 rows measured so far: the
+    foreground sums to at most 8 minutes less the margin, every step's own limit covers its price,
+    and on a clock that each step moves by its price every step runs, in order, within the budget."""
     test = st.Selftest("cuda", tmp_path, st.GPU_BUDGET_S, H100)
     steps = _foreground(st.gpu_plan(test, REPOSITORY, h100_rates))
     total = sum(s.predicted_s for s in steps)
     print({s.name: round(s.predicted_s) for s in steps}, f"total {total:.0f} s")
-    assert total <= st.GPU_BUDGET_S
+    assert total <= (1 - st.MARGIN) * st.GPU_BUDGET_S
     assert all(s.predicted_s < s.timeout_s for s in steps)
     assert next(s for s in steps if s.kind == "run").predicted_s > 50  # two Qwen3-4B processes, priced
     monkeypatch.setattr(st, "plan_rates", lambda test, repository: h100_rates)
@@ -230,8 +252,8 @@ def test_a_slow_machine_runs_what_the_budget_holds_and_skips_the_rest(tmp_path, 
 
 def test_a_step_starts_only_with_time_for_its_prediction(tmp_path, monkeypatch, h100_rates):
     """With 200 s of budget and every step at its price, the tests and the benchmark run; the first
-    run step (priced near 90 s) would not fit what is left and is not started, nor is a later one
-    unless its own price fits: the copy rate (15 s) still runs."""
+    run step (priced near 80 s) would not fit what is left and is not started, nor is a later one
+    unless its own price fits: the copy rate (under 10 s) still runs."""
     monkeypatch.setattr(st, "plan_rates", lambda test, repository: h100_rates)
     test, end = _on_a_clock(tmp_path, monkeypatch, lambda step: step.predicted_s, budget_s=200)
     by_kind = {o.step.kind: o.status for o in _foreground_outcomes(test) if o.step.kind != "run"}
@@ -263,7 +285,7 @@ def test_predictions_come_from_this_devices_earlier_log(tmp_path, h100_rates):
     earlier = f"===== {tests.name}: ok, 60.0 s\n===== {benchmark.name}: timeout (75 s), 75.0 s\n"
     predicted = {s.name: s.predicted_s for s in st.with_measured_predictions(plan, earlier)}
     assert predicted[tests.name] == 60.0
-    assert predicted[benchmark.name] == st.PREDICTED_S["attention benchmark"]
+    assert predicted[benchmark.name] == benchmark.predicted_s  # its price
 
 
 def test_the_output_folder_keeps_the_kernel_choices_and_ignores_the_compile_cache(tmp_path):
@@ -342,33 +364,37 @@ def test_a_benchmark_or_copy_rate_step_fails_on_what_it_wrote(tmp_path):
     _benchmark_csv(tmp_path, wrong=False)
     assert st.verdict(test, benchmark) is None
     _benchmark_csv(tmp_path, wrong=True)
-    assert st.verdict(test, benchmark) == "flex at 262144 keys: wrong (differs from lower-right by 3.0e-01 (relative))"
-    assert st.verdict(test, copies) == "no rate for both directions"
+    assert (
+        st.verdict(test, benchmark) == "flex at 65536 keys: wrong (differs from lower-right by 6.0x the error allowed)"
+    )
+    assert st.verdict(test, copies) == "no rate for both directions from both kinds of buffer"
+    _copy_rate_csv(tmp_path, kinds=(PIN_MEMORY,))
+    assert st.verdict(test, copies) == "no rate for both directions from both kinds of buffer"
     _copy_rate_csv(tmp_path)
     assert st.verdict(test, copies) is None
 
 
 def _benchmark_csv(folder: Path, wrong: bool) -> None:
-    header = "kernel,status,reason,queries,keys,forward_tflops,backward_tflops,max_relative_error\n"
+    header = "kernel,status,reason,queries,keys,forward_tflops,train_tflops,build_s,error_ratio,chosen\n"
     lines = [
-        "lower-right,ok,,4096,262144,610,400,0.0",
-        "split,ok,,4096,262144,650,430,0.002",
-        f"flex,{'wrong' if wrong else 'ok'},{'differs from lower-right by 3.0e-01 (relative)' if wrong else ''},"
-        "4096,262144,500,300,0.3",
-        "fa3,unavailable,fa3 is not installed (build flash-attention's hopper/),4096,262144,,,",
+        "lower-right,ok,,4096,65536,610,400,0.0,0.0,False",
+        "split,ok,,4096,65536,650,430,0.31,0.4,True",
+        f"flex,{'wrong' if wrong else 'ok'},{'differs from lower-right by 6.0x the error allowed' if wrong else ''},"
+        "4096,65536,500,300,41.5,6.0,False",
+        "fa3,unavailable,fa3 is not installed (build flash-attention's hopper/),4096,65536,,,,,False",
     ]
     (folder / st.BENCHMARK_CSV).write_text(header + "\n".join(lines) + "\n")
 
 
-def _copy_rate_csv(folder: Path) -> None:
-    rates = [CopyRate(d, 2**29, True, 5, s, s * 0.99, s * 1.02, 2**29 / s / 1e9) for d, s in
-             ((HOST_TO_DEVICE, 0.0107), (DEVICE_TO_HOST, 0.0102))]  # fmt: skip
+def _copy_rate_csv(folder: Path, kinds=(PIN_MEMORY, HOST_REGISTER)) -> None:
+    rates = [CopyRate(d, 2**29, True, 5, s, s * 0.99, s * 1.02, 2**29 / s / 1e9, host_buffer=kind) for kind in kinds
+             for d, s in ((HOST_TO_DEVICE, 0.0107), (DEVICE_TO_HOST, 0.0102))]  # fmt: skip
     write_csv(rates, folder / st.COPY_RATE_CSV)
 
 
 def stand_in_step(test, step, faults: bool = True) -> st.Outcome:
-    """What each step of the GPU plan writes, made up: rows at the points (the 4B ones with phases
-    and a timeline), estimates 1% above them, the benchmark's rows and the copy rates; with `faults`
+    """What each step of the GPU plan writes, made up: rows at the points (streambp's with phases),
+    estimates 1% above them, the benchmark's rows and the copy rates; with `faults`
     a test report with a failure, a skip and a test cut short, and a kernel wrong. A point on several
     ranks gets each rank's peak (49 and 50 GiB), a check an exact comparison."""
     argv = step.argv
@@ -385,8 +411,6 @@ def stand_in_step(test, step, faults: bool = True) -> st.Outcome:
             if nproc > 1:
                 values |= {"nproc": nproc, "sp": sp}
                 values |= {"rank_peak_bytes": f"{49 * GIB};{50 * GIB}"} if source == "measured" else {}
-            if source == "measured" and "--timeline" in argv:
-                values["timeline_file"] = _timeline(test, method)
             if source == "measured" and method == "streambp":
                 values |= {"phase_checkpoint_pass_s": 0.31, "phase_chunk_backward_s": 0.72, "phase_other_s": 0.05}
             rows.append(_row(model, seq, method, source=source, peak=peak, time_s=1.35, **values))
@@ -410,23 +434,11 @@ def _exactness_csv(test, result: str, note: str = "on 2 ranks (FSDP2, 2 sharing 
     write_exactness(test.exactness_csv, [row])
 
 
-def _timeline(test, method) -> str:
-    """A stand-in timeline beside runs.csv; its path relative to it, as the row names it."""
-    timeline = Timeline(
-        source="measured", memory_source="torch.cuda", point={}, axis="us", end=100, baseline_bytes=16 * GIB,
-        peak=Peak(int(19.8 * GIB), 60, "chunk backward, layer 35", {}), samples={"at": [], "bytes": [], "phase": []},
-        phases=[], spans=[], allocator_peak_bytes=int(19.86 * GIB), snapshot=f"{method}.snapshot.pickle",
-    )  # fmt: skip
-    relative = Path("timelines") / f"{method}.measured.json"
-    timeline.save(test.out_dir / relative)
-    return str(relative)
-
-
 def test_gpu_selftest_runs_its_plan_and_writes_the_summary(tmp_path, monkeypatch, h100_rates):
     """The GPU path end to end with stand-in steps: the benchmark's wrong kernel fails its step with
     its reason; summary.md names each failure with its message, lists the skipped test's reason, and
-    holds every measured point, StreamBP's phases, the timelines, each point's estimate error, the
-    kernels and the copy rates beside the planner's."""
+    holds every measured point, StreamBP's phases, each point's estimate error, the kernels (the
+    table's marked) and the copy rates of both kinds of buffer beside the planner's."""
     monkeypatch.setattr(st, "plan_rates", lambda test, repository: h100_rates)
     test = st.Selftest("cuda", tmp_path, st.GPU_BUDGET_S, H100)
     test.tests_report.write_text('{"event": "start", "test": "from/an/earlier/run"}\n')
@@ -436,8 +448,8 @@ def test_gpu_selftest_runs_its_plan_and_writes_the_summary(tmp_path, monkeypatch
     summary = st.write_summary(test, capture_environment("cpu")).read_text()
     print(summary)
     benchmark = next(o for o in test.outcomes if o.step.kind == "benchmark")
-    assert benchmark.status == "failed (flex at 262144 keys: wrong (differs from lower-right by 3.0e-01 (relative)))"
-    assert f"| {benchmark.step.name} | {benchmark.status} | 1 | 30 | - |" in summary
+    assert benchmark.status == "failed (flex at 65536 keys: wrong (differs from lower-right by 6.0x the error allowed))"
+    assert f"| {benchmark.step.name} | {benchmark.status} | 1 | {benchmark.step.predicted_s:.0f} | - |" in summary
     assert "gpu-marked tests: 1 failed, 1 passed, 1 skipped (details in selftest.log)." in summary
     assert (
         "Failed: `tests/gpu/test_gpu_stream.py::test_cuda_stream_placement_gives_gpu_gradients[stream:2-B2]`" in summary
@@ -452,20 +464,74 @@ def test_gpu_selftest_runs_its_plan_and_writes_the_summary(tmp_path, monkeypatch
     assert "`pytest -m 'gpu and quick'`: timeout (45 s); its last lines in selftest.log:" in summary
     assert "| Qwen/Qwen3-8B T=262144 streambp (stream:2) | 3 | ok | 50.00 | 1.35 |" in summary
     assert "| Qwen/Qwen3-8B | 262144 | streambp (stream:2), 3 layers | - | 50.00 | 50.50 | +1.0% |  |" in summary
-    assert "| Qwen/Qwen3-8B | 65536 | streambp | - | 50.00 | 50.50 | +1.0% |  |" in summary
+    assert "| Qwen/Qwen3-8B | 65536 | streambp (cpu) | - | 50.00 | 50.50 | +1.0% |  |" in summary
     assert "| Qwen/Qwen3-4B | 9000 | ckpt | - | 50.00 | 50.50 | +1.0% |  |" in summary
     assert "| chunk backward | 0.720 | 0.720 | 0.720 |" in summary
-    assert (
-        "- Qwen/Qwen3-4B T=9000 ckpt: `timelines/ckpt.measured.json`, peak 19.80 GiB in chunk backward, layer 35 (max_memory_allocated 19.86 GiB)"
-        in summary
-    )
-    assert "| flex | 4096 | 262144 | wrong | 500 | 300 | 3.0e-01 |" in summary
-    assert "| host to device | 512 | 50.2 | 0.0106 - 0.0109 | 0.78 |" in summary
+    assert "| split (table) | 4096 | 65536 | ok | 650 | 430 | 0.31 | 0.40 |  |" in summary
+    assert "| flex | 4096 | 65536 | wrong | 500 | 300 | 41.50 | 6.00 |" in summary
+    assert "| host to device | pin_memory | 512 | 50.2 | 0.0106 - 0.0109 | 0.78 |" in summary
+    assert "| device to host | cudaHostRegister | 512 |" in summary
     assert "The planner assumes 64 GB/s for both directions together" in summary
     assert (
         "Rates: matmul 230 TFLOP/s, attention forward 700 TFLOP/s, attention backward 444 TFLOP/s: fitted to 4 rows"
         in summary
     )
+
+
+def test_pack_holds_the_rows_log_table_and_summary_and_nothing_large(tmp_path, monkeypatch, h100_rates):
+    """After the GPU path with stand-in steps (and a compile cache and a memory snapshot beside them),
+    --pack writes one archive of at most 8 files, each of PACKED, under the output folder's name."""
+    monkeypatch.setattr(st, "plan_rates", lambda test, repository: h100_rates)
+    test = st.Selftest("cuda", tmp_path / "gpu" / "NVIDIA-H100-80GB-HBM3", st.GPU_BUDGET_S, H100)
+    monkeypatch.setattr(st, "run_step", lambda step, log, env=None: stand_in_step(test, step, faults=False))
+    st.run_selftest(test, repository=REPOSITORY, echo=lambda line: None)
+    st.write_summary(test, capture_environment("cpu"))
+    test.log.write_text("===== the raw log (the stand-in steps write none)\n")
+    (test.out_dir / "attention-kernels.json").write_text('{"format": 1, "tables": {}}\n')
+    (test.out_dir / st.COMPILE_CACHE / "inductor").mkdir(parents=True)
+    (test.out_dir / st.COMPILE_CACHE / "inductor" / "big.so").write_bytes(b"0" * 1024)
+    (test.out_dir / "timelines").mkdir()
+    (test.out_dir / "timelines" / "streambp.snapshot.pickle").write_bytes(b"0" * 1024)
+    members = st.pack_files(test, tmp_path / "out" / "selftest.tgz")
+    with tarfile.open(tmp_path / "out" / "selftest.tgz") as archive:
+        names = archive.getnames()
+    assert len(names) == len(members) <= 8 and set(members) <= set(st.PACKED)
+    assert {"summary.md", "selftest.log", "runs.csv", "estimates.csv", "attention-kernels.json"} <= set(members)
+    assert all(name.startswith("NVIDIA-H100-80GB-HBM3/") for name in names)
+
+
+def test_the_dry_run_text_lists_each_steps_work_and_the_total():
+    """The dry run's text: one line per step with its prediction and limit, its counted work beneath,
+    the estimates as host work, and the total beside the budget with its margin."""
+    text = st.dry_run_text(Path("/nonexistent"), "cuda", st.GPU_BUDGET_S, 1, None)
+    assert "estimate Qwen/Qwen3-4B T=9000 ckpt streambp: on the host's CPU, beside the GPU steps" in text
+    assert "run Qwen/Qwen3-8B T=262144 streambp --checkpoints stream:2 3 layers: predicted" in text
+    assert "    1 x 10 s: pytest's start and imports" in text
+    assert (
+        f"of a {st.GPU_BUDGET_S:.0f} s budget, {(1 - st.MARGIN) * st.GPU_BUDGET_S:.0f} s with its 10% margin: fits"
+        in text
+    )
+    cpu = st.dry_run_text(Path("/nonexistent"), "cpu", st.CPU_BUDGET_S, 1, None)
+    assert cpu.splitlines()[0].startswith("check: python -m sbpbench check") and "(not priced)" in cpu
+
+
+@pytest.mark.slow
+def test_the_dry_run_prices_the_one_gpu_plan_within_the_budget(tmp_path):
+    """`sbp selftest --dry-run` on this CPU machine prints the one-GPU plan, the 8B 64k point with cpu
+    checkpoints among it, each step with its counted work, and a total within the budget less its margin."""
+    done = subprocess.run(
+        [sys.executable, "-m", "sbpbench", "selftest", "--dry-run", "--out", str(tmp_path)],
+        check=False, capture_output=True, text=True, timeout=300, cwd=REPOSITORY,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert any(line.startswith("run Qwen/Qwen3-8B T=65536 streambp --checkpoints cpu: predicted") for line in lines)
+    assert any(line.startswith("    1 x ") for line in lines)  # counted work under each step
+    total = next(line for line in lines if line.startswith("total predicted"))
+    seconds = float(total.split()[2])
+    assert seconds <= (1 - st.MARGIN) * st.GPU_BUDGET_S and total.endswith(": fits"), total
+    assert "Predicted, not measured." in done.stdout
 
 
 def test_on_2_gpus_the_summary_lists_the_point_shared_over_them_apart(tmp_path, monkeypatch, h100_rates):
@@ -605,10 +671,23 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.slow
 def test_cpu_selftest_runs_end_to_end(tmp_path):
-    """`sbp selftest` on this CPU machine says so in one line, runs check, run and estimate, and
-    writes the rows, the log and a summary with the estimate's error for each method."""
+    """`sbp selftest --device cpu --pack FILE` says it runs the CPU subset in one line, runs check, run
+    and estimate, writes the rows, the log and a summary with the estimate's error for each method,
+    and packs them into one archive of at most 8 files."""
+    packed = tmp_path / "selftest.tgz"
     done = subprocess.run(
-        [sys.executable, "-m", "sbpbench", "selftest", "--out", str(tmp_path)],
+        [
+            sys.executable,
+            "-m",
+            "sbpbench",
+            "selftest",
+            "--device",
+            "cpu",
+            "--out",
+            str(tmp_path),
+            "--pack",
+            str(packed),
+        ],
         check=False,
         capture_output=True,
         text=True,
@@ -622,3 +701,6 @@ def test_cpu_selftest_runs_end_to_end(tmp_path):
     for method in ("bp", "ckpt", "streambp"):
         line = next(text for text in summary.splitlines() if text.startswith(f"| small/qwen3 | 512 | {method} |"))
         assert "%" in line, line  # measured and estimated, with an error
+    with tarfile.open(packed) as archive:
+        names = archive.getnames()
+    assert len(names) <= 8 and {f"cpu-selftest/{n}" for n in ("summary.md", "selftest.log", "runs.csv")} <= set(names)

@@ -24,6 +24,11 @@ def _shipped_configs() -> dict[str, dict]:
     return {f.name.removesuffix(".json").replace("__", "/"): json.loads(f.read_text()) for f in files}
 
 
+def _causal_lm_part(values: dict) -> dict:
+    """A config.json's values for its causal LM: the text_config of a multimodal one, else its own."""
+    return values.get("text_config", values)
+
+
 def test_the_real_names_are_the_shipped_config_files():
     """REAL_MODELS lists exactly the shipped config files, and every other shape starts from one of them."""
     shipped = _shipped_configs()
@@ -35,13 +40,14 @@ def test_the_real_names_are_the_shipped_config_files():
 def test_every_registered_shape_loads(name):
     """Each name loads with its shipped config.json's model_type and sizes, changed only by the registry's overrides."""
     spec = MODELS[name]
-    expected = _shipped_configs()[spec.base] | spec.overrides
+    expected = _causal_lm_part(_shipped_configs()[spec.base]) | spec.overrides
     config = load_config(name)
     assert config.model_type == expected["model_type"]
     for key in (*SIZES, "vocab_size"):
         assert getattr(config, key) == expected[key], key
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    assert head_dim == expected.get("head_dim", expected["hidden_size"] // expected["num_attention_heads"])
+    if "kv_lora_rank" not in expected:  # MLA (DeepSeek-V3) has no single head dim: its q/k and v dims differ
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        assert head_dim == expected.get("head_dim", expected["hidden_size"] // expected["num_attention_heads"])
 
 
 @pytest.mark.parametrize(
@@ -71,6 +77,51 @@ def test_parameter_counts_match_the_published_sizes(name, billions):
     assert count_parameters(name) / 1e9 == pytest.approx(billions, rel=1e-3)
 
 
+# Totals in billions as each model card gives them, to its digits (configs/SOURCES.md says where).
+# A multimodal config.json's total counts its vision tower and projector too.
+PUBLISHED_BILLIONS = {
+    "Qwen/Qwen3-30B-A3B": "30.5",
+    "Qwen/Qwen3-235B-A22B": "235",
+    "meta-llama/Llama-3.3-70B-Instruct": "70.6",
+    "meta-llama/Llama-4-Scout-17B-16E-Instruct": "109",
+    "mistralai/Mixtral-8x7B-v0.1": "46.7",
+    "openai/gpt-oss-20b": "20.9",
+    "openai/gpt-oss-120b": "116.8",
+    "deepseek-ai/DeepSeek-V3": "671",
+    "allenai/Olmo-3.1-32B-Instruct": "32",
+    "HuggingFaceTB/SmolLM3-3B": "3",
+    "microsoft/Phi-4-mini-instruct": "3.8",
+}
+
+
+def _whole_multimodal_model(name: str) -> torch.nn.Module:
+    """The model a shipped multimodal config.json describes, vision tower included, on the meta device."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    with torch.device("meta"):
+        return AutoModelForImageTextToText.from_config(AutoConfig.for_model(**_shipped_configs()[name]))
+
+
+@pytest.mark.parametrize("name,billions", list(PUBLISHED_BILLIONS.items()))
+def test_parameter_counts_match_the_model_cards_to_their_digits(name, billions):
+    """The shipped config.json builds to its model card's total, within half a unit of the last digit given."""
+    if "text_config" in _shipped_configs()[name]:
+        total = sum(p.numel() for p in _whole_multimodal_model(name).parameters())
+    else:
+        total = count_parameters(name)
+    digits = len(billions.partition(".")[2])
+    assert abs(total / 1e9 - float(billions)) <= 0.5 * 10**-digits
+
+
+def test_a_multimodal_config_builds_only_its_language_model():
+    """Llama 4's registry shape is the whole file's model less its vision tower and projector."""
+    name = "meta-llama/Llama-4-Scout-17B-16E-Instruct"
+    whole = _whole_multimodal_model(name)
+    language = sum(p.numel() for n, p in whole.named_parameters() if n.startswith("language_model."))
+    assert load_config(name).model_type == "llama4_text"
+    assert count_parameters(name) == language < sum(p.numel() for p in whole.parameters())
+
+
 def test_an_unknown_name_says_where_it_was_looked_for_and_what_to_do():
     """A name neither the registry nor the HF cache has (offline: no download tried) is a ValueError
     that names both and says how to get its config."""
@@ -93,7 +144,14 @@ def test_a_broken_config_json_names_its_file(tmp_path, text, words):
 
 # query heads per KV head where a tiny shape cannot or does not keep its real model's ratio:
 # Qwen2.5-7B's 7:1 needs a multiple of 7 heads; tiny/mistral is plain multi-head (the real one groups 4:1).
-TINY_GQA_RATIO = {"tiny/qwen2": 2, "tiny/mistral": 1}
+TINY_GQA_RATIO = {
+    "tiny/qwen2": 2,
+    "tiny/mistral": 1,
+    "tiny/qwen3-moe": 2,
+    "tiny/gpt-oss": 2,
+    "tiny/mixtral": 2,
+    "tiny/llama4": 2,
+}
 
 
 def _structure(model) -> tuple[set[str], set[str], bool]:

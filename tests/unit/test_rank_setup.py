@@ -13,6 +13,8 @@ import sbpbench.runner.ranks as ranks
 
 
 def test_a_cuda_rank_joins_nccl_on_its_own_gpu(monkeypatch):
+    """Rank 3 (local rank 1) of a point on cuda:2 sets cuda:3 and joins nccl bound to it (device_id);
+    on the CPU it joins gloo with no device."""
     devices, joined = [], []
     monkeypatch.setattr(torch.cuda, "set_device", devices.append)
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kwargs: joined.append((backend, kwargs)))
@@ -20,9 +22,10 @@ def test_a_cuda_rank_joins_nccl_on_its_own_gpu(monkeypatch):
     spec = SimpleNamespace(device="cuda:2", nproc=4)
     device = ranks.join(spec, ranks.Rank(rank=3, local_rank=1, world_size=4))
     assert device == torch.device("cuda", 3) and devices == [device]
-    assert joined == [("nccl", {"init_method": "file:///tmp/store", "rank": 3, "world_size": 4})]
+    assert joined == [("nccl", {"init_method": "file:///tmp/store", "rank": 3, "world_size": 4, "device_id": device})]
     on_cpu = ranks.join(SimpleNamespace(device="cpu", nproc=4), ranks.Rank(rank=3, local_rank=1, world_size=4))
     assert on_cpu == torch.device("cpu") and joined[-1][0] == "gloo" and len(devices) == 1
+    assert "device_id" not in joined[-1][1]
 
 
 def test_a_cuda_rank_shares_its_sequence_over_a_cuda_mesh(monkeypatch):

@@ -14,7 +14,8 @@ such calls. The reference is today's path, SDPA with a lower-right causal bias (
     fa4    FlashAttention-4 (`flash_attn.cute`, the flash-attn-4 package), sm90 / sm100
 
 Each says why it cannot run, on a device (`unavailable`: not installed, not this GPU) or for one
-call (`unsupported`: dtype, head dim, a window it cannot express); kernel_choice.py skips it then.
+call (`unsupported`: dtype, head dim, a window it cannot express); the reference runs it then.
+An optional package that fails to import, for any reason, is a kernel this device lacks.
 """
 
 from __future__ import annotations
@@ -243,7 +244,7 @@ class _FlashAttnPackage(ChunkKernel):
 
     def __init__(self, module=None):
         self._module = module
-        self._missing = False  # an import failed once: not tried again on every call
+        self._missing: str | None = None  # why its import failed ("" when it loaded): tried once
 
     def module(self):
         if self._module is None:
@@ -256,12 +257,15 @@ class _FlashAttnPackage(ChunkKernel):
         major, _ = torch.cuda.get_device_capability(device)
         if major not in self.compute_capabilities:
             return f"{self.name} needs an {' or '.join(f'sm{c}x' for c in self.compute_capabilities)} GPU"
-        if not self._missing:
+        if self._missing is None:
             try:
                 self.module()
-            except ImportError:
-                self._missing = True
-        return f"{self.name} is not installed ({self.install})" if self._missing else None
+                self._missing = ""
+            except Exception as error:  # a built extension fails in many ways: a missing symbol, CUDA, a version check
+                self._missing = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:200]
+        if self._missing:
+            return f"{self.name} is not installed or does not load ({self.install}; {self._missing})"
+        return None
 
     def unsupported(self, call):
         head_dim = call.query.shape[-1]

@@ -121,50 +121,66 @@ class CudnnOps:
 
 
 class _MergedHalves(torch.autograd.Function):
-    """query (B, H, c, hd); key/value (B, h_kv, n, hd) with n = prefix + c -> (B, H, c, hd_v)."""
+    """query (B, H, c, hd); key/value (B, h_kv, n, hd) with n = prefix + c -> (B, H, c, hd_v).
+    prefix 0: the diagonal block alone. sinks (H,): one more logit per head that every query's
+    softmax counts and no value carries (GPT-OSS): a block with lse = sink and out = 0."""
 
     @staticmethod
-    def forward(ctx, query, key, value, prefix: int, scale: float, ops: FusedOps):
-        halves = (slice(0, prefix), slice(prefix, key.shape[2]))
-        out_prefix, lse_prefix, saved_prefix = ops.forward(
-            query, key[:, :, halves[0]], value[:, :, halves[0]], causal=False, scale=scale
-        )
-        out_diag, lse_diag, saved_diag = ops.forward(
-            query, key[:, :, halves[1]], value[:, :, halves[1]], causal=True, scale=scale
-        )
+    def forward(ctx, query, key, value, sinks, prefix: int, scale: float, ops: FusedOps):
+        halves = [
+            (h, c) for h, c in ((slice(0, prefix), False), (slice(prefix, key.shape[2]), True)) if h.stop > h.start
+        ]
+        outs, lses, saved = [], [], []
+        for half, causal in halves:
+            out, lse, kept = ops.forward(query, key[:, :, half], value[:, :, half], causal=causal, scale=scale)
+            outs.append(out)
+            lses.append(lse)
+            saved.append(kept)
         acc = saved_lse_dtype(query)  # fp32 (fp64 for fp64 inputs): the kernels' own accumulator width
-        lse_prefix, lse_diag = lse_prefix.to(acc), lse_diag.to(acc)
-        lse = torch.logaddexp(lse_prefix, lse_diag)  # (B, H, c)
-        merged = out_prefix.to(acc) * torch.exp(lse_prefix - lse).unsqueeze(-1)
-        merged += out_diag.to(acc) * torch.exp(lse_diag - lse).unsqueeze(-1)
-        out = torch.empty_like(out_diag).copy_(merged)  # the kernel's own output layout, rounded once
-        ctx.save_for_backward(query, key, value, out, lse)
-        ctx.halves, ctx.saved, ctx.scale, ctx.ops = halves, (saved_prefix, saved_diag), scale, ops
+        lses = [lse.to(acc) for lse in lses]
+        lse = lses[0] if len(lses) == 1 else torch.logaddexp(lses[0], lses[1])  # (B, H, c)
+        if sinks is not None:
+            lse = torch.logaddexp(lse, sinks.to(acc)[None, :, None])
+        merged = sum(out.to(acc) * torch.exp(part - lse).unsqueeze(-1) for out, part in zip(outs, lses))
+        out = torch.empty_like(outs[-1]).copy_(merged)  # the kernel's own output layout, rounded once
+        ctx.save_for_backward(query, key, value, out, lse, sinks)
+        ctx.halves, ctx.saved, ctx.scale, ctx.ops = halves, saved, scale, ops
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        query, key, value, out, lse = ctx.saved_tensors
+        query, key, value, out, lse, sinks = ctx.saved_tensors
         grads = [
             ctx.ops.backward(
                 grad_out, query, key[:, :, half], value[:, :, half], out, lse, saved, causal=causal, scale=ctx.scale
             )
-            for half, saved, causal in zip(ctx.halves, ctx.saved, (False, True))
+            for (half, causal), saved in zip(ctx.halves, ctx.saved)
         ]
-        (dq_prefix, dk_prefix, dv_prefix), (dq_diag, dk_diag, dv_diag) = grads
         acc = saved_lse_dtype(query)
-        grad_query = (dq_prefix.to(acc) + dq_diag.to(acc)).to(query.dtype)
-        grad_key = torch.cat([dk_prefix, dk_diag], dim=2)
-        grad_value = torch.cat([dv_prefix, dv_diag], dim=2)
-        return grad_query, grad_key, grad_value, None, None, None
+        grad_query = sum(dq.to(acc) for dq, _, _ in grads).to(query.dtype)
+        grad_key = torch.cat([dk for _, dk, _ in grads], dim=2)
+        grad_value = torch.cat([dv for _, _, dv in grads], dim=2)
+        grad_sinks = None
+        if sinks is not None and ctx.needs_input_grad[3]:
+            # d loss / d sink_h = -sum over rows and queries of p_sink * rowsum(dO * O), p_sink = exp(sink - lse)
+            row = (grad_out.to(acc) * out.to(acc)).sum(dim=-1)  # (B, H, c)
+            grad_sinks = -(torch.exp(sinks.to(acc)[None, :, None] - lse) * row).sum(dim=(0, 2)).to(sinks.dtype)
+        return grad_query, grad_key, grad_value, grad_sinks, None, None, None
 
 
 def split_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, scale: float | None, ops: FusedOps
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    scale: float | None,
+    ops: FusedOps,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Offset-causal attention of query (B, H, c, hd) over key/value (B, h_kv, n, hd), n > c, keys
-    ending where the queries end -> (B, H, c, hd_v): the prefix and the diagonal block, merged."""
+    """Offset-causal attention of query (B, H, c, hd) over key/value (B, h_kv, n, hd), n >= c, keys
+    ending where the queries end -> (B, H, c, hd_v): the prefix and the diagonal block, merged, with
+    a sink logit per head (H,) where given."""
     num_queries, num_keys = query.shape[2], key.shape[2]
-    assert num_keys > num_queries, "a split needs a prefix"
+    assert num_keys >= num_queries, "the keys end where the queries end"
     scale = query.shape[-1] ** -0.5 if scale is None else scale
-    return _MergedHalves.apply(query, key, value, num_keys - num_queries, scale, ops)
+    return _MergedHalves.apply(query, key, value, sinks, num_keys - num_queries, scale, ops)

@@ -35,7 +35,7 @@ from contextlib import contextmanager
 
 from torch import nn
 
-from ..adapters import DecoderParts
+from ..architecture.parts import DecoderParts
 from .grad_sync_base import GradSync, NoSync
 from .grad_sync_deepspeed import DeepSpeedSync, is_engine, under_zero
 

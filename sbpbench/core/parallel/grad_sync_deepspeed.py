@@ -30,7 +30,7 @@ from contextlib import ExitStack
 import torch
 from torch import nn
 
-from ..adapters import DecoderParts, trainable
+from ..architecture.parts import DecoderParts, trainable
 from .grad_sync_base import GradSync
 
 # DeepSpeed internals used (0.19), checked by DeepSpeedSync.__init__ (_check_internals):

@@ -34,6 +34,11 @@ class SequenceParallel:
     layout: str = "contiguous"
 
     def __post_init__(self):
+        if self.group is not None and not (dist.is_available() and isinstance(self.group, dist.ProcessGroup)):
+            raise TypeError(
+                f"SequenceParallel's group must be a torch.distributed ProcessGroup or None (the world), "
+                f"got {type(self.group).__name__}"
+            )
         if self.layout not in LAYOUTS:
             raise ValueError(f"sequence_parallel layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
         if not dist.is_available() or not dist.is_initialized():

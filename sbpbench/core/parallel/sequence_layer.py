@@ -1,12 +1,12 @@
 """One decoder layer's chunked forward and backward when P ranks share the sequence (Ulysses):
-the sequence-parallel counterpart of checkpoints.chunked_layer_forward and
-layer_backward.layer_backward, with the same signatures, so stream.py runs either.
+the sequence-parallel LayerPasses (checkpoints.py), the counterpart of checkpoints.ChunkedPasses,
+so stream.py runs either.
 
 Each rank holds T_loc positions (sequence_shards.py); attention needs all T. Per layer:
 
 1. **Keys/values in head space.** Chunk by chunk (first to last, in lockstep), each rank computes
-   its chunk's keys/values (B, h_kv, c, hd) (the family's recipe, kv_capture.py, or the layer up to
-   its attention call) and `to_heads` sends them by head: every rank ends with its h_kv/P heads of
+   its chunk's keys/values (B, h_kv, c, hd) (the projection alone, key_values.py, or the layer up
+   to its attention call) and `to_heads` sends them by head: every rank ends with its h_kv/P heads of
    all T positions, (B, h_kv/P, T_pad, hd), in global position order. With P > h_kv each K/V head
    is repeated P/h_kv times first, as Ulysses does, so each rank holds one.
 2. **Query chunks.** The layer's own forward runs on each local chunk; its attention call sends the
@@ -31,11 +31,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..architecture.key_values import LayerKeyValues
 from ..attention import STATE_KWARG, ChunkAttention, KVCaptured, offset_causal_attention
-from ..chunking import chunk_kwargs
+from ..config import StreamConfig
 from ..grad_accum import ChunkGradAccumulator
-from ..kv_capture import key_value_projection
-from ..layout import window_start
+from ..layout import chunk_kwargs, window_start
 from ..memory_kinds import KV_BUFFERS, KV_GRAD_SUMS
 from ..phases import CHUNK_BACKWARD, CHUNK_FORWARD, KV_CAPTURE
 from .sequence_group import SequenceParallel
@@ -138,9 +138,11 @@ def _keys_through_layer(layer, call, hidden, sliced: dict, normed: torch.Tensor 
 class SequenceParallelStep:
     """The layer passes of one step under sequence parallelism (module docstring)."""
 
-    def __init__(self, group: SequenceParallel, shards: SequenceShards, layers: nn.ModuleList, recipe):
-        self.group, self.shards, self.recipe = group, shards, recipe
-        self._layers = {id(layer): layer for layer in layers}
+    def __init__(
+        self, group: SequenceParallel, shards: SequenceShards, config: StreamConfig, attention: ChunkAttention
+    ):
+        self.group, self.shards = group, shards
+        self.config, self.attention = config, attention
 
     # (B, h_kv, c, hd) -> (B, max(h_kv, P), c, hd): each K/V head once per rank that needs it
     def _replicated(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -153,30 +155,25 @@ class SequenceParallelStep:
             return grad
         return grad.view(grad.shape[0], heads, grad.shape[1] // heads, *grad.shape[2:]).sum(dim=2)
 
-    def _project(self, layer, call, kwargs):
+    def _project(self, layer, call, kwargs) -> LayerKeyValues:
         """hidden (B, c, d), sliced kwargs -> (keys, values, window) of the layer, in the graph
-        where grad is enabled: the family's recipe, or the layer run up to its attention call."""
-        project = key_value_projection(layer, call, kwargs, self.recipe)
-        if project is not None:
-            return project
-        return lambda hidden, sliced: _keys_through_layer(layer, call, hidden, sliced)
+        where grad is enabled: the projection alone where it reproduces the layer's (key_values.py),
+        or the layer run up to its attention call."""
+        whole_layer = lambda hidden, sliced: _keys_through_layer(layer, call, hidden, sliced)
+        return LayerKeyValues(layer, call, kwargs, whole_layer)
 
-    def _keys_from_normed(self, layer, call, kwargs):
+    def _keys_from_normed(self, keys_values: LayerKeyValues, layer, call):
         """(normed (B, c, d), the chunk's input, sliced kwargs) -> (keys, values), in the graph of
-        `normed`: the family's recipe after input_layernorm, or the layer run up to its attention
-        call with input_layernorm's output replaced by `normed`."""
-        project = key_value_projection(layer, call, kwargs, self.recipe)
+        `normed`: the verified projection after input_layernorm, or the layer run up to its
+        attention call with input_layernorm's output replaced by `normed`."""
+        project = keys_values.projection
         if project is not None:
             return lambda normed, hidden, sliced: project(normed, sliced, normed=True)[:2]
         return lambda normed, hidden, sliced: _keys_through_layer(layer, call, hidden, sliced, normed)[:2]
 
-    def _layer_of(self, call) -> nn.Module:
-        layer = getattr(call, "__self__", call)
-        return self._layers.get(id(layer), layer)
-
-    def head_space_keys(self, layer, call, layer_input, kwargs, hooks) -> HeadSpaceKeys:
-        """Step 1: every rank's keys/values, by head, no graph."""
-        project = self._project(layer, call, kwargs)
+    def head_space_keys(self, layer, call, layer_input, kwargs, hooks, project=None) -> HeadSpaceKeys:
+        """Step 1: every rank's keys/values, by head, no graph. project: the layer's LayerKeyValues."""
+        project = project if project is not None else self._project(layer, call, kwargs)
         shards, kv = self.shards, None
         with torch.no_grad():
             for index, ((start, end), hidden) in enumerate(zip(shards.chunks, layer_input.chunks(shards.chunks))):
@@ -198,30 +195,29 @@ class SequenceParallelStep:
                     offset += length
         return kv
 
-    def layer_forward(self, forward, source, sink, kwargs, chunk_size, layout=None, attention=None) -> None:
-        """checkpoints.chunked_layer_forward's counterpart: X_{l+1} into sink from X_l, no graph."""
-        layer = self._layer_of(forward)
-        kv = self.head_space_keys(layer, forward, source, kwargs, attention.hooks)
+    def forward(self, index: int, layer: nn.Module, call, source, sink, kwargs: dict) -> None:
+        """X_{l+1} into sink from X_l, no graph (LayerPasses.forward)."""
+        attention = self.attention
+        kv = self.head_space_keys(layer, call, source, kwargs, attention.hooks)
         bounds = self.shards.chunks
         for index, ((start, end), hidden) in enumerate(zip(bounds, source.chunks(bounds))):
             state = _HeadSpaceChunk(index, self.shards, self.group, kv, attention)
-            sink.write(start, end, forward(hidden, **chunk_kwargs(kwargs, start, end), **{STATE_KWARG: state}))
+            sink.write(start, end, call(hidden, **chunk_kwargs(kwargs, start, end), **{STATE_KWARG: state}))
 
-    def layer_backward(
-        self, layer, layer_input, grad, kwargs, *, config, attention, need_input_grad, call=None, layout=None,
-        key_values=None,
-    ) -> None:  # fmt: skip
-        """layer_backward.layer_backward's counterpart (same arguments; layout is None here)."""
-        call = layer if call is None else call
+    def backward(
+        self, index: int, layer: nn.Module, call, layer_input, grad, kwargs: dict, *, need_input_grad: bool
+    ) -> None:
+        """dZ in grad becomes dX, the layer's parameter gradients in .grad (LayerPasses.backward)."""
+        config, attention = self.config, self.attention
         hooks, shards = attention.hooks, self.shards
         norm = getattr(layer, "input_layernorm", None)
         if norm is None:
             raise ValueError(
                 f"sequence-parallel StreamBP needs the layer's input_layernorm; {type(layer).__name__} has none"
             )
-        keys_of = self._keys_from_normed(layer, call, kwargs)
+        keys_values = self._project(layer, call, kwargs)
         with hooks.timed(KV_CAPTURE):
-            kv = self.head_space_keys(layer, call, layer_input, kwargs, hooks)
+            kv = self.head_space_keys(layer, call, layer_input, kwargs, hooks, keys_values)
             acc_dtype = torch.promote_types(kv.keys.dtype, torch.float32)
             with hooks.allocating(KV_GRAD_SUMS):
                 kv.grad_keys = torch.zeros_like(kv.keys, dtype=acc_dtype)  # (B, h, T_pad, hd)
@@ -230,6 +226,7 @@ class SequenceParallelStep:
                 # values' in step 3 before the norm's backward, which computes in fp32: one sum, rounded once
                 grad_normed = torch.zeros(grad.shape, dtype=grad.dtype, device=grad.device)
         accumulator = ChunkGradAccumulator(list(layer.parameters()), config.fp32_grad_accumulation, hooks.kinds)
+        keys_of = self._keys_from_normed(keys_values, layer, call)  # the projection verified in step 1, if any
         self._query_chunks(
             layer, call, layer_input, grad, grad_normed, kwargs, kv, attention, need_input_grad, accumulator
         )

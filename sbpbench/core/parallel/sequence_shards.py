@@ -23,8 +23,8 @@ from functools import cached_property
 
 import torch
 
-from ..chunking import chunk_bounds
 from ..labels import IGNORE_INDEX
+from ..layout import chunk_bounds
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..adapters import DecoderParts
+from ..architecture.parts import DecoderParts
+from ..attention import ChunkAttention
+from ..config import StreamConfig
 from .grad_sync_base import GradSync, NoSync
 from .sequence_group import LAYOUTS, SequenceParallel
 from .sequence_layer import SequenceParallelStep
@@ -32,7 +34,7 @@ class LocalBatch:
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     objective: object
-    step: SequenceParallelStep
+    passes: SequenceParallelStep  # the layers' passes over this rank's chunks
 
 
 def check_heads(config, world: int) -> None:
@@ -56,8 +58,8 @@ def local_batch(
     input_ids: torch.Tensor,
     objective,
     *,
-    chunk_size: int,
-    logits_chunk_size: int,
+    config: StreamConfig,
+    attention: ChunkAttention,
     sync: GradSync,
     attention_mask=None,
     position_ids=None,
@@ -69,6 +71,7 @@ def local_batch(
         raise ValueError("sequence parallelism takes unpadded rows: give attention_mask=None (or all ones)")
     check_heads(parts.config, group.world)
     batch, seq_len = input_ids.shape
+    chunk_size, logits_chunk_size = config.chunk_size, config.logits_chunk_size
     group.agree(
         device=input_ids.device, batch=batch, seq_len=seq_len, chunk_size=chunk_size, logits_chunk_size=logits_chunk_size,
         layout=LAYOUTS.index(group.layout), num_layers=len(parts.layers),
@@ -79,7 +82,7 @@ def local_batch(
     positions = shards.positions().to(input_ids.device)
     return LocalBatch(
         input_ids=shards.shard(input_ids, 0), position_ids=positions[None], objective=local,
-        step=SequenceParallelStep(group, shards, parts.layers, parts.key_values),
+        passes=SequenceParallelStep(group, shards, config, attention),
     )  # fmt: skip
 
 

@@ -186,10 +186,13 @@ class CheckpointStore(CopyCounters):
         """The checkpoint pass runs in this context (nothing to arrange: the decoder's own embedding)."""
         return nullcontext()
 
-    def forward_layer(self, index: int, layer_input: torch.Tensor, run) -> torch.Tensor:
-        """The checkpoint pass through layer `index`: X_l put, run(source, sink) chunk by chunk into
-        X_{l+1}, which goes back to the decoder."""
-        self.put(index, layer_input)
+    def forward_layer(
+        self, index: int, layer_input: torch.Tensor, run, kept: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The checkpoint pass through layer `index`: X_l put (`kept`: the input the layer was
+        called with, before its pre-hooks made `layer_input`), run(source, sink) chunk by chunk
+        from layer_input into X_{l+1}, which goes back to the decoder."""
+        self.put(index, layer_input if kept is None else kept)
         with allocating(self.kinds, CHECKPOINTS):
             output = torch.empty_like(layer_input)  # becomes X_{l+1}
         run(DeviceSequence(layer_input), DeviceSequence(output))

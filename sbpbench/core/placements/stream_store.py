@@ -121,14 +121,17 @@ class StreamingStore(CopyCounters):
     def _check_token(self, index: int, hidden: torch.Tensor, where: str) -> None:
         if self._tokens.get(index) is not hidden:
             raise RuntimeError(
-                f"the stream placement: {where} got hidden states that the layer before did not return (the "
-                f"decoder changed them in between); use another --checkpoints placement"
+                f"the stream placement: {where} got hidden states that the layer before did not return (a forward "
+                f"hook or the decoder changed them in between); use another --checkpoints placement"
             )
 
-    def forward_layer(self, index: int, layer_input: torch.Tensor, run) -> torch.Tensor:
+    def forward_layer(
+        self, index: int, layer_input: torch.Tensor, run, kept: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The checkpoint pass through layer `index`: run(source, sink) from X_index's buffer into
         X_{index+1}'s (binomial schedule: in place, a free buffer, or the gradient's for Z_L);
-        returns the token for X_{index+1}."""
+        returns the token for X_{index+1}. A pre-hook that changed the layer's input (layer_input
+        is not the token `kept` was) is refused: the chunks are read from the buffer."""
         self._check_token(index, layer_input, f"decoder layer {index}")
         source = self._kept.get(index, self._advancing)
         assert source is not None, f"X_{index} is nowhere"

@@ -21,7 +21,7 @@ A timeline is one JSON object (`Timeline.to_dict`, FORMAT and VERSION in it):
     status                  ok, or oom: the step stopped there (the timeline is what ran)
 
 Kinds: what the bytes at the peak are for. Weights, gradients and optimizer state by identity
-(the trainable parameters' .grad, the optimizer's moments); checkpoints, K/V buffers, dK/dV sums,
+(the trainable parameters' .grad, the optimizer's moments); checkpoints, K/V buffers, dK/dV sums, carried states,
 gradient sums and logits as StreamBP makes them (core/memory_kinds.py) or a checkpointed model
 keeps them; logits for whatever a model's head makes; intermediates for the rest the step's ops
 made (a chunk's intermediates, saved activations, workspaces); other for the batch and what the
@@ -39,7 +39,11 @@ FORMAT, VERSION = "sbpbench memory timeline", 1
 WEIGHTS, GRADIENTS, OPTIMIZER_STATE = "weights", "gradients", "optimizer state"
 CHECKPOINTS, KV_BUFFERS, KV_GRAD_SUMS = "checkpoints", "K/V buffers", "dK/dV sums"
 LOGITS, INTERMEDIATES, OTHER = "logits", "intermediates", "other"
-KINDS = (WEIGHTS, GRADIENTS, OPTIMIZER_STATE, CHECKPOINTS, KV_BUFFERS, KV_GRAD_SUMS, LOGITS, INTERMEDIATES, OTHER)
+CARRIED_STATES = "carried states"  # a state-carrying layer's start states per chunk
+KINDS = (
+    WEIGHTS, GRADIENTS, OPTIMIZER_STATE, CHECKPOINTS, KV_BUFFERS, KV_GRAD_SUMS, CARRIED_STATES, LOGITS, INTERMEDIATES,
+    OTHER,
+)  # fmt: skip
 MAX_SAMPLES = 4000  # two per stretch: 2000 stretches draw a step's curve finer than a figure's pixels
 
 

@@ -19,7 +19,7 @@ class StepPhases:
 
     A StreamBP phase inside a layer's backward is named with its layer ("chunk backward, layer 3"),
     counted down from the deepest layer the checkpoint pass called: its K/V capture runs no hooked
-    module (kv_capture.py), so the hooks' label there still names the layer before."""
+    module (core/architecture/key_values.py), so the hooks' label there still names the layer before."""
 
     def __init__(self, label: str = "forward"):
         self.label, self.stage = label, None
