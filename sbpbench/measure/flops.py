@@ -2,7 +2,7 @@
 
 Following PaLM (Chowdhery et al. 2022, appendix B), per token: 6N for the matmul weights (2 FLOPs
 per multiply-add forward, twice that backward) plus 12 * L * H * Q * T for attention (QK^T and AV,
-H heads of dimension Q over T keys). Two choices, as the brief asks:
+H heads of dimension Q over T keys). Two choices:
 - causal attention is counted as computed only below the diagonal: query i attends to min(i+1, w)
   keys (w the sliding window, or T), so the full-attention term becomes about half of PaLM's;
 - N counts the weights of every matmul, the lm_head included and the embedding lookup excluded;
