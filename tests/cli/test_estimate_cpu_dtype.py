@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import pytest
 from typer.testing import CliRunner
 
 from sbpbench.cli import app
@@ -21,6 +22,7 @@ def _estimate(tmp_path, *args: str) -> tuple[str, dict]:
     return result.stdout.replace(str(out), "OUT"), row
 
 
+@pytest.mark.slow  # three sbp estimate runs: 15 s on 2 busy cores
 def test_a_cpu_targets_default_dtype_is_fp32_as_sbp_run_on_a_cpu(tmp_path):
     """--target cpu without --dtype predicts the fp32 point to the byte, says fp32, and differs from
     the bf16 point; --target cuda without --dtype is still bf16's."""

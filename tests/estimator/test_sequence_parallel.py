@@ -45,6 +45,7 @@ class _Collectives(SimulatedMemory):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
+@pytest.mark.slow  # a fake step on 2-4 ranks each: 7-12 s on 2 busy cores
 @pytest.mark.parametrize(("ranks", "sp", "placement"), [(2, 2, "gpu"), (4, 4, "recompute:2"), (4, 2, "gpu")])
 def test_the_collective_bytes_are_what_the_simulated_step_sends(ranks, sp, placement):
     """collective_bytes (from the shapes) equals what the fake step hands its collectives: each

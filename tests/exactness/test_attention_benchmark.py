@@ -103,6 +103,7 @@ def _shifted_mask(call: ChunkCall) -> torch.Tensor:
     return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=sees, scale=call.scale)
 
 
+@pytest.mark.slow  # bf16 attention of 512 queries by several kernels on the CPU: 18 s on 2 busy cores
 def test_bf16_agreement_catches_a_mask_one_key_off():
     """In bf16 a kernel whose mask lets each query see one key too many is within a flat bound
     (4 roundings, 1.6%, over the whole tensor) but beyond 4x the reference's own error against fp32;

@@ -112,6 +112,7 @@ def test_the_paper_experiment_is_in_the_order_of_value():
     assert {p.seq_len for p in by_title["peers at 9k and 24k"]} == {9000, 24000}
 
 
+@pytest.mark.slow  # prices a sweep's searches from simulated runs: 10-13 s on 2 busy cores
 @pytest.mark.filterwarnings("ignore::sbpbench.config.run.BeyondContextWarning")
 def test_pricing_leaves_out_what_the_results_csv_already_holds(tmp_path):
     """A point already in the results CSV (its row key, on the priced GPU) costs nothing and counts
@@ -140,6 +141,7 @@ def test_dry_run_prints_the_entries_and_runs_nothing(tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.slow  # prices a sweep's searches from simulated runs: 9-13 s on 2 busy cores
 @pytest.mark.filterwarnings("ignore::sbpbench.config.run.BeyondContextWarning")
 def test_a_sweeps_budget_weighs_a_point_at_the_dry_runs_price():
     """The seconds --budget weighs before starting a point (pricing.py point_seconds) are the ones

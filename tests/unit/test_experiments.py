@@ -19,7 +19,17 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("path", sorted(EXPERIMENTS.glob("*.toml")), ids=lambda p: p.stem)
+# long_context prices its searches from simulated runs: 7-13 s on 2 busy cores
+SLOW_EXPERIMENTS = {"long_context"}
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        pytest.param(p, id=p.stem, marks=[pytest.mark.slow] if p.stem in SLOW_EXPERIMENTS else [])
+        for p in sorted(EXPERIMENTS.glob("*.toml"))
+    ],
+)
 def test_every_shipped_experiment_loads(path):
     experiment = load_experiment(path, device="cpu")
     assert experiment.name == path.stem and experiment.description
@@ -27,6 +37,7 @@ def test_every_shipped_experiment_loads(path):
     assert all(isinstance(p, (RunSpec, MaxlenSpec)) for p in experiment.points)
 
 
+@pytest.mark.slow  # loads the three paper experiments: 9 s on 2 busy cores
 def test_the_paper_experiments_hold_the_papers_settings():
     fig3 = load_experiment(EXPERIMENTS / "paper_fig3.toml", device="cpu")
     assert {p.model for p in fig3.grid} == {"Qwen/Qwen3-8B", "Qwen/Qwen3-14B"}
