@@ -144,16 +144,7 @@ def test_no_timed_step_builds_a_kernel_the_table_names(cache, monkeypatch, warm)
             return call.with_tensors(*tensors)
 
         monkeypatch.setattr(CallShape, "make_call", contiguous)
-    inside = []
-    timed = point.time_steps
-
-    def watched(run, **kwargs):
-        before = len(counting.builds)
-        result = timed(run, **kwargs)
-        inside.append(len(counting.builds) - before)
-        return result
-
-    monkeypatch.setattr(point, "time_steps", watched)
+    inside = _builds_per_timed_run(monkeypatch, counting)
     row = point.measure_point(_spec(warmup=0, repeats=2))
     assert row.status == "ok", row.error
     assert row.timed_attention_kernel == "split" and row.tuning_s >= 0
@@ -165,11 +156,8 @@ def test_no_timed_step_builds_a_kernel_the_table_names(cache, monkeypatch, warm)
         assert inside[0] > 0, "contiguous warm tensors should leave builds to the timed step"
 
 
-def test_a_forced_kernel_builds_in_the_memory_step_not_in_a_timed_one(cache, monkeypatch):
-    """chunk_attention=split: the memory step runs it on the step's own calls, so the timed steps
-    build nothing, with no warm pass."""
-    counting = Counting()
-    monkeypatch.setitem(kernel_choice.KERNELS, "split", counting)
+def _builds_per_timed_run(monkeypatch, counting) -> list[int]:
+    """The kernel builds `counting` sees inside each of point.time_steps' calls, filled as they run."""
     inside = []
     timed = point.time_steps
 
@@ -180,6 +168,15 @@ def test_a_forced_kernel_builds_in_the_memory_step_not_in_a_timed_one(cache, mon
         return result
 
     monkeypatch.setattr(point, "time_steps", watched)
+    return inside
+
+
+def test_a_forced_kernel_builds_in_the_memory_step_not_in_a_timed_one(cache, monkeypatch):
+    """chunk_attention=split: the memory step runs it on the step's own calls, so the timed steps
+    build nothing, with no warm pass."""
+    counting = Counting()
+    monkeypatch.setitem(kernel_choice.KERNELS, "split", counting)
+    inside = _builds_per_timed_run(monkeypatch, counting)
     row = point.measure_point(_spec(warmup=0, repeats=1, chunk_attention="split"))
     assert row.status == "ok", row.error
     assert inside == [0] and counting.builds and row.tuning_s is None and "split" in row.attention_kernel
